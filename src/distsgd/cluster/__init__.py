@@ -1,0 +1,24 @@
+"""Cluster descriptions: the ``ps`` and ``worker`` tasks of a job and their addresses.
+
+This is the lowest layer of distsgd and depends only on the standard library.
+"""
+
+from __future__ import annotations
+
+from .spec import (
+    JOBS,
+    ClusterSpec,
+    ClusterSpecError,
+    TaskId,
+    parse_tf_config,
+    resolve_cluster,
+)
+
+__all__ = [
+    "JOBS",
+    "ClusterSpec",
+    "ClusterSpecError",
+    "TaskId",
+    "parse_tf_config",
+    "resolve_cluster",
+]

@@ -1,0 +1,125 @@
+"""The worker's view of all parameter servers: named arrays in, named arrays out.
+
+:class:`ParameterClient` splits arrays into pieces by the :class:`PartitionPlan`, talks to every
+shard in parallel, and joins the answers. Versions are per shard; ``pull`` returns the smallest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from distsgd.ps.partition import PartitionPlan
+from distsgd.transport.client import PushResult, ShardClient
+from distsgd.transport.proto import distsgd_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class ParameterClient:
+    """Pull and push named numpy arrays across the shards of a partition plan."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        plan: PartitionPlan,
+        *,
+        worker: int,
+        incarnation: int = 0,
+        run_id: str = "",
+        timeout: float = 30.0,
+        retry_seconds: float = 60.0,
+    ) -> None:
+        if len(addresses) != plan.num_shards:
+            raise ValueError(f"{len(addresses)} ps addresses for a plan of {plan.num_shards} shards")
+        self.plan = plan
+        self.worker = worker
+        self.shards = [
+            ShardClient(
+                a, worker=worker, incarnation=incarnation, run_id=run_id,
+                timeout=timeout, retry_seconds=retry_seconds,
+            )
+            for a in addresses
+        ]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(addresses)), thread_name_prefix="ps-client")
+        self.versions = [0] * len(addresses)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for shard in self.shards:
+            shard.close()
+
+    def _each(self, fn: Any) -> list[Any]:
+        if len(self.shards) == 1:
+            return [fn(0, self.shards[0])]
+        return list(self._pool.map(lambda i: fn(i, self.shards[i]), range(len(self.shards))))
+
+    def register(self, arrays: Mapping[str, np.ndarray], *, scheme: str, options: Mapping[str, Any], num_workers: int) -> None:
+        """(Chief) hand each shard its pieces; idempotent for the same model and scheme."""
+        parts = self.plan.split(arrays)
+        text = json.dumps(dict(options), sort_keys=True)
+        self._each(
+            lambda i, s: s.register(
+                shard_index=i, scheme=scheme, options_json=text, num_workers=num_workers, tensors=parts[i]
+            )
+        )
+
+    def wait_registered(self, timeout: float) -> None:
+        """Block until every shard is registered with this plan's pieces."""
+        deadline = time.monotonic() + timeout
+        for i, shard in enumerate(self.shards):
+            while True:
+                info = shard.info()
+                if info.registered:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ps{i} at {shard.address} was not registered within {timeout:.0f}s; is the chief (worker 0) running?")
+                time.sleep(0.05)
+            expected = sorted((p.key, p.shape) for p in self.plan.shard_pieces(i))
+            have = sorted((t.key, tuple(t.shape)) for t in info.tensors)
+            if expected != have:
+                raise ValueError(
+                    f"ps{i} holds different parameters than this worker's model "
+                    f"(first difference: {_first_difference(expected, have)}); every task must build the same model"
+                )
+
+    def pull(self, *, min_version: int | Sequence[int] = 0, wait_seconds: float | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """Named full arrays, once each shard reaches its ``min_version``; returns (min version, arrays)."""
+        mins = [min_version] * len(self.shards) if isinstance(min_version, int) else list(min_version)
+        results = self._each(lambda i, s: s.pull(min_version=mins[i], wait_seconds=wait_seconds))
+        self.versions = [version for version, _ in results]
+        self.bytes_received += sum(sum(a.nbytes for a in arrays.values()) for _, arrays in results)
+        return min(self.versions), self.plan.join([arrays for _, arrays in results])
+
+    def push(self, arrays: Mapping[str, np.ndarray], *, base_version: int | Sequence[int] | None = None) -> list[PushResult]:
+        """Send named arrays (gradients or updates); ``base_version`` defaults to the last pulled."""
+        bases = self.versions if base_version is None else (
+            [base_version] * len(self.shards) if isinstance(base_version, int) else list(base_version)
+        )
+        parts = self.plan.split(arrays)
+        self.bytes_sent += sum(a.nbytes for a in arrays.values())
+        results = self._each(lambda i, s: s.push(base_version=bases[i], tensors=parts[i]))
+        return results
+
+    def leave(self) -> None:
+        self._each(lambda i, s: s.leave())
+
+    def info(self) -> list[pb.InfoResponse]:
+        return self._each(lambda i, s: s.info())
+
+
+def _first_difference(expected: list[Any], have: list[Any]) -> str:
+    for a, b in zip(expected, have):
+        if a != b:
+            return f"expected {a}, server has {b}"
+    if len(expected) != len(have):
+        return f"expected {len(expected)} pieces, server has {len(have)}"
+    return "none"

@@ -1,0 +1,119 @@
+"""Parameter placement: spread parameters over parameter-server shards, balanced by bytes.
+
+Each parameter becomes one or more *pieces*. A parameter larger than a shard's fair share
+(total bytes / number of shards) is cut into contiguous ranges of its flattened elements, so one
+huge embedding cannot leave a single server holding most of the model. Pieces then go, largest
+first, to the least-loaded shard (greedy LPT scheduling: the resulting maximum load is within 4/3
+of the optimum). The plan is a pure function of the parameters' names, shapes and dtypes, so the
+chief and every worker compute the same one without talking.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamInfo:
+    """What the partitioner needs to know of one parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True, kw_only=True)
+class Piece:
+    """A contiguous range ``[start, stop)`` of a flattened parameter, stored on ``shard``."""
+
+    param: ParamInfo
+    start: int
+    stop: int
+    shard: int
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.param.numel
+
+    @property
+    def key(self) -> str:
+        """Wire key: ``name#start``."""
+        return f"{self.param.name}#{self.start}"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.param.shape if self.whole else (self.stop - self.start,)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.stop - self.start) * np.dtype(self.param.dtype).itemsize
+
+
+class PartitionPlan:
+    """Which shard holds which piece of which parameter; splits and joins named arrays."""
+
+    def __init__(self, params: Sequence[ParamInfo], num_shards: int) -> None:
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+        names = [p.name for p in params]
+        if len(set(names)) != len(names):
+            raise ValueError("parameter names must be unique")
+        self.params = list(params)
+        self.num_shards = num_shards
+        total = sum(p.nbytes for p in params)
+        fair = max(1, math.ceil(total / num_shards))
+        cuts: list[tuple[ParamInfo, int, int]] = []
+        for p in params:
+            parts = 1 if num_shards == 1 else max(1, math.ceil(p.nbytes / fair))
+            parts = min(parts, max(1, p.numel))
+            bounds = [p.numel * i // parts for i in range(parts + 1)]
+            cuts.extend((p, bounds[i], bounds[i + 1]) for i in range(parts))
+        order = sorted(range(len(cuts)), key=lambda i: (-(cuts[i][2] - cuts[i][1]) * np.dtype(cuts[i][0].dtype).itemsize, i))
+        load = [0] * num_shards
+        assigned: dict[int, int] = {}
+        for i in order:
+            shard = min(range(num_shards), key=lambda s: (load[s], s))
+            p, start, stop = cuts[i]
+            load[shard] += (stop - start) * np.dtype(p.dtype).itemsize
+            assigned[i] = shard
+        self.pieces = [Piece(param=p, start=a, stop=b, shard=assigned[i]) for i, (p, a, b) in enumerate(cuts)]
+        self.shard_bytes = load
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray], num_shards: int) -> PartitionPlan:
+        infos = [ParamInfo(name=k, shape=tuple(v.shape), dtype=v.dtype.name) for k, v in arrays.items()]
+        return cls(infos, num_shards)
+
+    def shard_pieces(self, shard: int) -> list[Piece]:
+        return [piece for piece in self.pieces if piece.shard == shard]
+
+    def split(self, arrays: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """Named full arrays -> one dict of piece arrays per shard (views where possible)."""
+        out: list[dict[str, np.ndarray]] = [{} for _ in range(self.num_shards)]
+        for piece in self.pieces:
+            array = arrays[piece.param.name]
+            if tuple(array.shape) != piece.param.shape:
+                raise ValueError(f"{piece.param.name}: shape {tuple(array.shape)} != {piece.param.shape}")
+            out[piece.shard][piece.key] = array if piece.whole else array.reshape(-1)[piece.start : piece.stop]
+        return out
+
+    def join(self, shards: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """Per-shard piece arrays -> named full arrays."""
+        out: dict[str, np.ndarray] = {}
+        for p in self.params:
+            out[p.name] = np.empty(p.numel, dtype=p.dtype)
+        for piece in self.pieces:
+            out[piece.param.name][piece.start : piece.stop] = shards[piece.shard][piece.key].reshape(-1)
+        return {p.name: out[p.name].reshape(p.shape) for p in self.params}

@@ -1,0 +1,161 @@
+"""A client for one parameter-server shard: every call has a deadline, transient failures retry.
+
+Retries cover what a healthy cluster shows at start-up and under load: a server not listening
+yet (UNAVAILABLE) and a shard the chief has not registered yet. They back off exponentially and
+give up at ``retry_seconds`` with the last error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from distsgd.transport.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks, specs_of
+from distsgd.transport.errors import PROTOCOL_VERSION, RemoteError
+from distsgd.transport.proto import distsgd_pb2 as pb
+from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 8 * CHUNK_BYTES),
+    ("grpc.max_receive_message_length", 8 * CHUNK_BYTES),
+]
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What a shard did with a push."""
+
+    accepted: bool
+    version: int
+    reason: str = ""
+
+
+class ShardClient:
+    """Calls on one parameter-server shard at ``address``."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        worker: int = -1,
+        incarnation: int = 0,
+        run_id: str = "",
+        timeout: float = 30.0,
+        retry_seconds: float = 60.0,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.retry_seconds = retry_seconds
+        self.chunk_bytes = chunk_bytes
+        self._header = pb.RequestHeader(
+            protocol_version=PROTOCOL_VERSION, run_id=run_id, worker=worker, incarnation=incarnation
+        )
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.ParameterServerStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ShardClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _call(self, method: str, fn: Callable[[], T], *, retry: bool = True) -> T:
+        give_up = time.monotonic() + self.retry_seconds
+        delay = 0.05
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                err = RemoteError(self.address, method, exc.code(), exc.details() or "")
+                if not (retry and err.retryable) or time.monotonic() + delay > give_up:
+                    raise err from None
+                log.debug("%s; retrying in %.2fs", err, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    # -- RPCs -----------------------------------------------------------------------------------
+    def info(self, *, retry: bool = True) -> pb.InfoResponse:
+        """The shard's state (registered, version, pieces, membership counters)."""
+        request = pb.InfoRequest(header=self._header)
+        return self._call("Info", lambda: self._stub.Info(request, timeout=self.timeout), retry=retry)
+
+    def register(
+        self,
+        *,
+        shard_index: int,
+        scheme: str,
+        options_json: str,
+        num_workers: int,
+        tensors: Mapping[str, np.ndarray],
+    ) -> pb.RegisterResponse:
+        """Hand the shard its pieces, their initial values and its update rule."""
+        header = pb.RegisterHeader(
+            header=self._header,
+            scheme=scheme,
+            options_json=options_json,
+            num_workers=num_workers,
+            tensors=specs_of(tensors),
+            shard_index=shard_index,
+        )
+        arrays = list(tensors.values())
+
+        def messages() -> Iterator[pb.RegisterRequest]:
+            yield pb.RegisterRequest(header=header)
+            for chunk in iter_chunks(arrays, self.chunk_bytes):
+                yield pb.RegisterRequest(chunk=chunk)
+
+        return self._call(
+            "Register", lambda: self._stub.Register(messages(), timeout=self.timeout)
+        )
+
+    def pull(self, *, min_version: int = 0, wait_seconds: float | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """The shard's pieces once its version is at least ``min_version``: (version, arrays)."""
+        wait = self.timeout if wait_seconds is None else wait_seconds
+        request = pb.PullRequest(header=self._header, min_version=min_version, wait_seconds=wait)
+
+        def do() -> tuple[int, dict[str, np.ndarray]]:
+            stream = self._stub.Pull(request, timeout=wait + self.timeout)
+            first = next(stream)
+            if first.WhichOneof("part") != "header":
+                raise RemoteError(self.address, "Pull", grpc.StatusCode.INTERNAL, "no header first")
+            assembler = ChunkAssembler(first.header.tensors)
+            for message in stream:
+                assembler.add(message.chunk)
+            return first.header.version, assembler.finish()
+
+        return self._call("Pull", do)
+
+    def push(self, *, base_version: int, tensors: Mapping[str, np.ndarray]) -> PushResult:
+        """Send a gradient or update computed on parameters of ``base_version``.
+
+        Not retried on a lost connection: the server may have applied it already.
+        """
+        header = pb.PushHeader(header=self._header, base_version=base_version, tensors=specs_of(tensors))
+        arrays = list(tensors.values())
+
+        def messages() -> Iterator[pb.PushRequest]:
+            yield pb.PushRequest(header=header)
+            for chunk in iter_chunks(arrays, self.chunk_bytes):
+                yield pb.PushRequest(chunk=chunk)
+
+        reply = self._call("Push", lambda: self._stub.Push(messages(), timeout=self.timeout), retry=False)
+        return PushResult(accepted=reply.accepted, version=reply.version, reason=reply.reason)
+
+    def leave(self) -> int:
+        """Tell the shard this worker has finished; returns the shard's version."""
+        request = pb.LeaveRequest(header=self._header)
+        return self._call("Leave", lambda: self._stub.Leave(request, timeout=self.timeout)).version

@@ -1,0 +1,120 @@
+"""Tensors on the wire: raw little-endian bytes, cut into chunks and put back together.
+
+A stream of tensors is a list of :class:`~distsgd.transport.proto.distsgd_pb2.TensorSpec` (in a
+header message) followed by :class:`TensorChunk` messages. :func:`iter_chunks` cuts arrays into
+chunks of at most ``chunk_bytes``; :class:`ChunkAssembler` checks and reassembles them, refusing
+anything out of range, out of order, or incomplete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from distsgd.transport.proto import distsgd_pb2 as pb
+
+CHUNK_BYTES = 1 << 20
+"""Default chunk size: 1 MiB, well under gRPC's default 4 MiB message limit."""
+
+ALLOWED_DTYPES = frozenset(
+    {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
+)
+
+
+class WireError(ValueError):
+    """A malformed tensor stream; the message names the tensor key."""
+
+
+def wire_dtype(name: str, key: str = "?") -> np.dtype:
+    """The little-endian numpy dtype for a wire dtype name, or :class:`WireError`."""
+    if name not in ALLOWED_DTYPES:
+        raise WireError(f"{key}: unsupported dtype {name!r}; use one of {sorted(ALLOWED_DTYPES)}")
+    return np.dtype(name).newbyteorder("<")
+
+
+def spec_of(key: str, array: np.ndarray) -> pb.TensorSpec:
+    """The wire description of one array."""
+    return pb.TensorSpec(key=key, dtype=array.dtype.name, shape=list(array.shape))
+
+
+def specs_of(arrays: Mapping[str, np.ndarray]) -> list[pb.TensorSpec]:
+    """Wire descriptions of named arrays, in mapping order."""
+    return [spec_of(key, array) for key, array in arrays.items()]
+
+
+def nbytes_of(spec: pb.TensorSpec) -> int:
+    """Size in bytes of the tensor a spec describes."""
+    count = 1
+    for dim in spec.shape:
+        if dim < 0:
+            raise WireError(f"{spec.key}: negative dimension in shape {list(spec.shape)}")
+        count *= dim
+    return count * wire_dtype(spec.dtype, spec.key).itemsize
+
+
+def to_wire_bytes(array: np.ndarray) -> bytes:
+    """An array's raw little-endian bytes (C order)."""
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
+def iter_chunks(arrays: Sequence[np.ndarray], chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
+    """Cut arrays into TensorChunk messages of at most ``chunk_bytes`` data bytes each.
+
+    An empty array still yields one (empty) chunk, so the receiver sees every tensor.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    for index, array in enumerate(arrays):
+        raw = memoryview(to_wire_bytes(array))
+        if len(raw) == 0:
+            yield pb.TensorChunk(index=index, offset=0, data=b"")
+            continue
+        for start in range(0, len(raw), chunk_bytes):
+            yield pb.TensorChunk(index=index, offset=start, data=bytes(raw[start : start + chunk_bytes]))
+
+
+class ChunkAssembler:
+    """Reassembles the tensors announced by a header from their chunks.
+
+    Chunks of one tensor must arrive in order (each ``offset`` equal to the bytes received so far);
+    tensors may interleave. ``finish`` fails if any tensor is incomplete.
+    """
+
+    def __init__(self, specs: Sequence[pb.TensorSpec], *, max_bytes: int | None = None) -> None:
+        keys = [spec.key for spec in specs]
+        if len(set(keys)) != len(keys):
+            dup = next(k for k in keys if keys.count(k) > 1)
+            raise WireError(f"{dup}: tensor listed twice in one message header")
+        self._specs = list(specs)
+        self._sizes = [nbytes_of(spec) for spec in specs]
+        total = sum(self._sizes)
+        if max_bytes is not None and total > max_bytes:
+            raise WireError(f"message announces {total} bytes, over the limit of {max_bytes}")
+        self._buffers = [bytearray(size) for size in self._sizes]
+        self._filled = [0] * len(specs)
+
+    def add(self, chunk: pb.TensorChunk) -> None:
+        """Take one chunk, checking it lands exactly where the tensor continues."""
+        if chunk.index >= len(self._specs):
+            raise WireError(f"chunk for tensor #{chunk.index}, but the header lists {len(self._specs)}")
+        key, size, filled = self._specs[chunk.index].key, self._sizes[chunk.index], self._filled[chunk.index]
+        if chunk.offset != filled:
+            raise WireError(f"{key}: chunk at byte {chunk.offset}, expected byte {filled}")
+        end = filled + len(chunk.data)
+        if end > size:
+            raise WireError(f"{key}: chunk ends at byte {end}, past the tensor's {size} bytes")
+        self._buffers[chunk.index][filled:end] = chunk.data
+        self._filled[chunk.index] = end
+
+    def finish(self) -> dict[str, np.ndarray]:
+        """The complete tensors by key, or :class:`WireError` naming a truncated one."""
+        out: dict[str, np.ndarray] = {}
+        for spec, size, filled, buf in zip(self._specs, self._sizes, self._filled, self._buffers):
+            if filled != size:
+                raise WireError(f"{spec.key}: truncated, got {filled} of {size} bytes")
+            dtype = wire_dtype(spec.dtype, spec.key)
+            out[spec.key] = np.frombuffer(buf, dtype=dtype).reshape(tuple(spec.shape)).astype(
+                dtype.newbyteorder("="), copy=False
+            )
+        return out
