@@ -4,7 +4,7 @@ the gRPC service, and the worker's multi-shard client. Framework-agnostic (numpy
 from distsgd.ps.client import ParameterClient
 from distsgd.ps.partition import ParamInfo, PartitionPlan, Piece
 from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, RuleFactory, ServerSGD, UpdateRule
-from distsgd.ps.server import serve, start_server, write_atomic
+from distsgd.ps.server import serve, start_server
 from distsgd.ps.shard import Shard
 
 __all__ = [
@@ -21,5 +21,4 @@ __all__ = [
     "UpdateRule",
     "serve",
     "start_server",
-    "write_atomic",
 ]

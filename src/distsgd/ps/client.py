@@ -37,17 +37,25 @@ class ParameterClient:
         retry_seconds: float = 60.0,
     ) -> None:
         if len(addresses) != plan.num_shards:
-            raise ValueError(f"{len(addresses)} ps addresses for a plan of {plan.num_shards} shards")
+            raise ValueError(
+                f"{len(addresses)} ps addresses for a plan of {plan.num_shards} shards"
+            )
         self.plan = plan
         self.worker = worker
         self.shards = [
             ShardClient(
-                a, worker=worker, incarnation=incarnation, run_id=run_id,
-                timeout=timeout, retry_seconds=retry_seconds,
+                a,
+                worker=worker,
+                incarnation=incarnation,
+                run_id=run_id,
+                timeout=timeout,
+                retry_seconds=retry_seconds,
             )
             for a in addresses
         ]
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(addresses)), thread_name_prefix="ps-client")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, len(addresses)), thread_name_prefix="ps-client"
+        )
         self.versions = [0] * len(addresses)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -62,13 +70,24 @@ class ParameterClient:
             return [fn(0, self.shards[0])]
         return list(self._pool.map(lambda i: fn(i, self.shards[i]), range(len(self.shards))))
 
-    def register(self, arrays: Mapping[str, np.ndarray], *, scheme: str, options: Mapping[str, Any], num_workers: int) -> None:
+    def register(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        *,
+        scheme: str,
+        options: Mapping[str, Any],
+        num_workers: int,
+    ) -> None:
         """(Chief) hand each shard its pieces; idempotent for the same model and scheme."""
         parts = self.plan.split(arrays)
         text = json.dumps(dict(options), sort_keys=True)
         self._each(
             lambda i, s: s.register(
-                shard_index=i, scheme=scheme, options_json=text, num_workers=num_workers, tensors=parts[i]
+                shard_index=i,
+                scheme=scheme,
+                options_json=text,
+                num_workers=num_workers,
+                tensors=parts[i],
             )
         )
 
@@ -81,7 +100,9 @@ class ParameterClient:
                 if info.registered:
                     break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ps{i} at {shard.address} was not registered within {timeout:.0f}s; is the chief (worker 0) running?")
+                    raise TimeoutError(
+                        f"ps{i} at {shard.address} was not registered within {timeout:.0f}s; is the chief (worker 0) running?"
+                    )
                 time.sleep(0.05)
             expected = sorted((p.key, p.shape) for p in self.plan.shard_pieces(i))
             have = sorted((t.key, tuple(t.shape)) for t in info.tensors)
@@ -91,18 +112,41 @@ class ParameterClient:
                     f"(first difference: {_first_difference(expected, have)}); every task must build the same model"
                 )
 
-    def pull(self, *, min_version: int | Sequence[int] = 0, wait_seconds: float | None = None) -> tuple[int, dict[str, np.ndarray]]:
-        """Named full arrays, once each shard reaches its ``min_version``; returns (min version, arrays)."""
-        mins = [min_version] * len(self.shards) if isinstance(min_version, int) else list(min_version)
-        results = self._each(lambda i, s: s.pull(min_version=mins[i], wait_seconds=wait_seconds))
-        self.versions = [version for version, _ in results]
-        self.bytes_received += sum(sum(a.nbytes for a in arrays.values()) for _, arrays in results)
-        return min(self.versions), self.plan.join([arrays for _, arrays in results])
+    def pull(
+        self,
+        *,
+        min_version: int | Sequence[int] = 0,
+        wait_seconds: float | None = None,
+        record: bool = True,
+    ) -> tuple[int, dict[str, np.ndarray]]:
+        """Named full arrays once each shard reaches its ``min_version``: (min version, arrays).
 
-    def push(self, arrays: Mapping[str, np.ndarray], *, base_version: int | Sequence[int] | None = None) -> list[PushResult]:
+        ``record`` keeps the shards' versions as the base of the next push (off for a look that
+        must not disturb the worker's own bookkeeping, such as a mid-run evaluation).
+        """
+        mins = (
+            [min_version] * len(self.shards) if isinstance(min_version, int) else list(min_version)
+        )
+        results = self._each(lambda i, s: s.pull(min_version=mins[i], wait_seconds=wait_seconds))
+        if record:
+            self.versions = [version for version, _ in results]
+        self.bytes_received += sum(sum(a.nbytes for a in arrays.values()) for _, arrays in results)
+        return min(version for version, _ in results), self.plan.join(
+            [arrays for _, arrays in results]
+        )
+
+    def push(
+        self, arrays: Mapping[str, np.ndarray], *, base_version: int | Sequence[int] | None = None
+    ) -> list[PushResult]:
         """Send named arrays (gradients or updates); ``base_version`` defaults to the last pulled."""
-        bases = self.versions if base_version is None else (
-            [base_version] * len(self.shards) if isinstance(base_version, int) else list(base_version)
+        bases = (
+            self.versions
+            if base_version is None
+            else (
+                [base_version] * len(self.shards)
+                if isinstance(base_version, int)
+                else list(base_version)
+            )
         )
         parts = self.plan.split(arrays)
         self.bytes_sent += sum(a.nbytes for a in arrays.values())

@@ -80,7 +80,10 @@ class PartitionPlan:
             parts = min(parts, max(1, p.numel))
             bounds = [p.numel * i // parts for i in range(parts + 1)]
             cuts.extend((p, bounds[i], bounds[i + 1]) for i in range(parts))
-        order = sorted(range(len(cuts)), key=lambda i: (-(cuts[i][2] - cuts[i][1]) * np.dtype(cuts[i][0].dtype).itemsize, i))
+        order = sorted(
+            range(len(cuts)),
+            key=lambda i: (-(cuts[i][2] - cuts[i][1]) * np.dtype(cuts[i][0].dtype).itemsize, i),
+        )
         load = [0] * num_shards
         assigned: dict[int, int] = {}
         for i in order:
@@ -88,12 +91,16 @@ class PartitionPlan:
             p, start, stop = cuts[i]
             load[shard] += (stop - start) * np.dtype(p.dtype).itemsize
             assigned[i] = shard
-        self.pieces = [Piece(param=p, start=a, stop=b, shard=assigned[i]) for i, (p, a, b) in enumerate(cuts)]
+        self.pieces = [
+            Piece(param=p, start=a, stop=b, shard=assigned[i]) for i, (p, a, b) in enumerate(cuts)
+        ]
         self.shard_bytes = load
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray], num_shards: int) -> PartitionPlan:
-        infos = [ParamInfo(name=k, shape=tuple(v.shape), dtype=v.dtype.name) for k, v in arrays.items()]
+        infos = [
+            ParamInfo(name=k, shape=tuple(v.shape), dtype=v.dtype.name) for k, v in arrays.items()
+        ]
         return cls(infos, num_shards)
 
     def shard_pieces(self, shard: int) -> list[Piece]:
@@ -105,8 +112,12 @@ class PartitionPlan:
         for piece in self.pieces:
             array = arrays[piece.param.name]
             if tuple(array.shape) != piece.param.shape:
-                raise ValueError(f"{piece.param.name}: shape {tuple(array.shape)} != {piece.param.shape}")
-            out[piece.shard][piece.key] = array if piece.whole else array.reshape(-1)[piece.start : piece.stop]
+                raise ValueError(
+                    f"{piece.param.name}: shape {tuple(array.shape)} != {piece.param.shape}"
+                )
+            out[piece.shard][piece.key] = (
+                array if piece.whole else array.reshape(-1)[piece.start : piece.stop]
+            )
         return out
 
     def join(self, shards: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -115,5 +126,7 @@ class PartitionPlan:
         for p in self.params:
             out[p.name] = np.empty(p.numel, dtype=p.dtype)
         for piece in self.pieces:
-            out[piece.param.name][piece.start : piece.stop] = shards[piece.shard][piece.key].reshape(-1)
+            out[piece.param.name][piece.start : piece.stop] = shards[piece.shard][
+                piece.key
+            ].reshape(-1)
         return {p.name: out[p.name].reshape(p.shape) for p in self.params}

@@ -75,7 +75,9 @@ class ServerSGD:
         self.momentum = momentum
         self.buffers: dict[str, np.ndarray] = {}
 
-    def step(self, values: dict[str, np.ndarray], grads: Mapping[str, np.ndarray], scale: float = 1.0) -> None:
+    def step(
+        self, values: dict[str, np.ndarray], grads: Mapping[str, np.ndarray], scale: float = 1.0
+    ) -> None:
         for key, grad in grads.items():
             direction = grad
             if self.momentum:

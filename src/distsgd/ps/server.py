@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import tempfile
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -16,6 +14,7 @@ from distsgd.ps.rules import RuleFactory
 from distsgd.ps.service import ParameterService
 from distsgd.transport.client import GRPC_OPTIONS
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
+from distsgd.util import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -35,26 +34,13 @@ def start_server(
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError as exc:  # grpcio raises on a busy or invalid address
-        raise OSError(f"cannot listen on {address}: {exc}; pick a free port or use port 0") from None
+        raise OSError(
+            f"cannot listen on {address}: {exc}; pick a free port or use port 0"
+        ) from None
     if bound == 0:
         raise OSError(f"cannot listen on {address}; pick a free port or use port 0")
     server.start()
     return server, f"{host}:{bound}", service
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see either nothing or the whole file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def serve(
@@ -70,7 +56,9 @@ def serve(
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-    server, bound, _ = start_server(address=address, shard_index=shard_index, rule_factory=rule_factory)
+    server, bound, _ = start_server(
+        address=address, shard_index=shard_index, rule_factory=rule_factory
+    )
     try:
         log.info("parameter server ps%d listening on %s", shard_index, bound)
         if address_file is not None:

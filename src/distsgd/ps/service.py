@@ -31,7 +31,9 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -
 class ParameterService(pb_grpc.ParameterServerServicer):
     """Serves one shard. The shard exists once the chief has registered it."""
 
-    def __init__(self, *, shard_index: int, rule_factory: RuleFactory, chunk_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self, *, shard_index: int, rule_factory: RuleFactory, chunk_bytes: int = 1 << 20
+    ) -> None:
         self.shard_index = shard_index
         self.rule_factory = rule_factory
         self.chunk_bytes = chunk_bytes
@@ -80,7 +82,11 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 assembler.add(message.chunk)
             return assembler.finish()
         except WireError as exc:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if "over the limit" in str(exc) else grpc.StatusCode.INVALID_ARGUMENT
+            code = (
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+                if "over the limit" in str(exc)
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
             _abort(context, code, str(exc))
 
     # -- RPCs -----------------------------------------------------------------------------------
@@ -101,7 +107,9 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 reply.pushes_rejected = shard.pushes_rejected
         return reply
 
-    def Register(self, request_iterator: Iterator[pb.RegisterRequest], context: grpc.ServicerContext) -> pb.RegisterResponse:
+    def Register(
+        self, request_iterator: Iterator[pb.RegisterRequest], context: grpc.ServicerContext
+    ) -> pb.RegisterResponse:
         head = self._first(request_iterator, context)
         self._check(head.header, context)
         if head.shard_index != self.shard_index:
@@ -114,7 +122,10 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         values = self._assemble(head.tensors, request_iterator, context)
         with self._register_lock:
             if self.shard is not None:
-                same = specs_of(self.shard.values) == list(head.tensors) and self.shard.scheme == head.scheme
+                same = (
+                    specs_of(self.shard.values) == list(head.tensors)
+                    and self.shard.scheme == head.scheme
+                )
                 if not same:
                     _abort(
                         context,
@@ -139,11 +150,17 @@ class ParameterService(pb_grpc.ParameterServerServicer):
             nbytes = sum(v.nbytes for v in values.values())
             log.info(
                 "shard %d registered: scheme %s, %d pieces, %d bytes, %d workers",
-                self.shard_index, head.scheme, len(values), nbytes, head.num_workers,
+                self.shard_index,
+                head.scheme,
+                len(values),
+                nbytes,
+                head.num_workers,
             )
             return pb.RegisterResponse(created=True, version=0)
 
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullResponse]:
+    def Pull(
+        self, request: pb.PullRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.PullResponse]:
         self._check(request.header, context)
         shard = self._registered(context)
         shard.see(request.header.worker, request.header.incarnation)
@@ -161,14 +178,20 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         for chunk in iter_chunks(list(values.values()), self.chunk_bytes):
             yield pb.PullResponse(chunk=chunk)
 
-    def Push(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> pb.PushResponse:
+    def Push(
+        self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext
+    ) -> pb.PushResponse:
         head = self._first(request_iterator, context)
         self._check(head.header, context)
         shard = self._registered(context)
         for spec in head.tensors:
             have = shard.values.get(spec.key)
             if have is None:
-                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{spec.key}: no such parameter on shard {self.shard_index}")
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{spec.key}: no such parameter on shard {self.shard_index}",
+                )
             if spec.dtype != have.dtype.name or tuple(spec.shape) != have.shape:
                 _abort(
                     context,
@@ -177,7 +200,11 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                     f"registered {have.dtype.name}{list(have.shape)}",
                 )
         payload = self._assemble(head.tensors, request_iterator, context)
-        meta = PushMeta(worker=head.header.worker, incarnation=head.header.incarnation, base_version=head.base_version)
+        meta = PushMeta(
+            worker=head.header.worker,
+            incarnation=head.header.incarnation,
+            base_version=head.base_version,
+        )
         outcome, version = shard.push(payload, meta)
         return pb.PushResponse(accepted=outcome.accepted, version=version, reason=outcome.reason)
 

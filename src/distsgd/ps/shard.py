@@ -50,7 +50,9 @@ class Shard:
     def wait_for(self, min_version: int, timeout: float) -> bool:
         """Block until ``version >= min_version``; False on timeout."""
         with self.cond:
-            return self.cond.wait_for(lambda: self.version >= min_version, timeout=max(0.0, timeout))
+            return self.cond.wait_for(
+                lambda: self.version >= min_version, timeout=max(0.0, timeout)
+            )
 
     def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
         """A copy of the pieces and the version they belong to (consistent under locked rules)."""

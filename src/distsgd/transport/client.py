@@ -91,7 +91,9 @@ class ShardClient:
     def info(self, *, retry: bool = True) -> pb.InfoResponse:
         """The shard's state (registered, version, pieces, membership counters)."""
         request = pb.InfoRequest(header=self._header)
-        return self._call("Info", lambda: self._stub.Info(request, timeout=self.timeout), retry=retry)
+        return self._call(
+            "Info", lambda: self._stub.Info(request, timeout=self.timeout), retry=retry
+        )
 
     def register(
         self,
@@ -118,11 +120,11 @@ class ShardClient:
             for chunk in iter_chunks(arrays, self.chunk_bytes):
                 yield pb.RegisterRequest(chunk=chunk)
 
-        return self._call(
-            "Register", lambda: self._stub.Register(messages(), timeout=self.timeout)
-        )
+        return self._call("Register", lambda: self._stub.Register(messages(), timeout=self.timeout))
 
-    def pull(self, *, min_version: int = 0, wait_seconds: float | None = None) -> tuple[int, dict[str, np.ndarray]]:
+    def pull(
+        self, *, min_version: int = 0, wait_seconds: float | None = None
+    ) -> tuple[int, dict[str, np.ndarray]]:
         """The shard's pieces once its version is at least ``min_version``: (version, arrays)."""
         wait = self.timeout if wait_seconds is None else wait_seconds
         request = pb.PullRequest(header=self._header, min_version=min_version, wait_seconds=wait)
@@ -144,7 +146,9 @@ class ShardClient:
 
         Not retried on a lost connection: the server may have applied it already.
         """
-        header = pb.PushHeader(header=self._header, base_version=base_version, tensors=specs_of(tensors))
+        header = pb.PushHeader(
+            header=self._header, base_version=base_version, tensors=specs_of(tensors)
+        )
         arrays = list(tensors.values())
 
         def messages() -> Iterator[pb.PushRequest]:
@@ -152,7 +156,9 @@ class ShardClient:
             for chunk in iter_chunks(arrays, self.chunk_bytes):
                 yield pb.PushRequest(chunk=chunk)
 
-        reply = self._call("Push", lambda: self._stub.Push(messages(), timeout=self.timeout), retry=False)
+        reply = self._call(
+            "Push", lambda: self._stub.Push(messages(), timeout=self.timeout), retry=False
+        )
         return PushResult(accepted=reply.accepted, version=reply.version, reason=reply.reason)
 
     def leave(self) -> int:

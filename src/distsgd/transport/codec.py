@@ -58,7 +58,9 @@ def to_wire_bytes(array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
 
 
-def iter_chunks(arrays: Sequence[np.ndarray], chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.TensorChunk]:
+def iter_chunks(
+    arrays: Sequence[np.ndarray], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[pb.TensorChunk]:
     """Cut arrays into TensorChunk messages of at most ``chunk_bytes`` data bytes each.
 
     An empty array still yields one (empty) chunk, so the receiver sees every tensor.
@@ -71,7 +73,9 @@ def iter_chunks(arrays: Sequence[np.ndarray], chunk_bytes: int = CHUNK_BYTES) ->
             yield pb.TensorChunk(index=index, offset=0, data=b"")
             continue
         for start in range(0, len(raw), chunk_bytes):
-            yield pb.TensorChunk(index=index, offset=start, data=bytes(raw[start : start + chunk_bytes]))
+            yield pb.TensorChunk(
+                index=index, offset=start, data=bytes(raw[start : start + chunk_bytes])
+            )
 
 
 class ChunkAssembler:
@@ -97,8 +101,14 @@ class ChunkAssembler:
     def add(self, chunk: pb.TensorChunk) -> None:
         """Take one chunk, checking it lands exactly where the tensor continues."""
         if chunk.index >= len(self._specs):
-            raise WireError(f"chunk for tensor #{chunk.index}, but the header lists {len(self._specs)}")
-        key, size, filled = self._specs[chunk.index].key, self._sizes[chunk.index], self._filled[chunk.index]
+            raise WireError(
+                f"chunk for tensor #{chunk.index}, but the header lists {len(self._specs)}"
+            )
+        key, size, filled = (
+            self._specs[chunk.index].key,
+            self._sizes[chunk.index],
+            self._filled[chunk.index],
+        )
         if chunk.offset != filled:
             raise WireError(f"{key}: chunk at byte {chunk.offset}, expected byte {filled}")
         end = filled + len(chunk.data)
@@ -114,7 +124,9 @@ class ChunkAssembler:
             if filled != size:
                 raise WireError(f"{spec.key}: truncated, got {filled} of {size} bytes")
             dtype = wire_dtype(spec.dtype, spec.key)
-            out[spec.key] = np.frombuffer(buf, dtype=dtype).reshape(tuple(spec.shape)).astype(
-                dtype.newbyteorder("="), copy=False
+            out[spec.key] = (
+                np.frombuffer(buf, dtype=dtype)
+                .reshape(tuple(spec.shape))
+                .astype(dtype.newbyteorder("="), copy=False)
             )
         return out

@@ -1,0 +1,75 @@
+"""The public entry point: ``distsgd.train``.
+
+A script builds its model, loss and data and calls :func:`train`; the scheme, the cluster and
+this process's place in it come from the launcher (``distsgd run`` / ``distsgd worker``) through
+the ``DISTSGD_TASK`` environment variable. Run plainly (``python script.py``), the same script
+trains alone in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from distsgd import schemes
+from distsgd.runtime import TaskEnv, TrainConfig, TrainResult, run_worker
+from distsgd.runtime.data import as_dataset
+from distsgd.runtime.evaluate import LossFn
+
+log = logging.getLogger(__name__)
+
+calls = 0
+"""How many times :func:`train` ran in this process (the bootstrap checks the script called it)."""
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, numpy and torch, so every task builds the same initial model."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def train(
+    *,
+    model: nn.Module,
+    loss_fn: LossFn,
+    train_data: Any,
+    test_data: Any = None,
+    config: TrainConfig | None = None,
+) -> TrainResult:
+    """Train ``model`` on ``train_data`` under the scheme the command line chose.
+
+    Args:
+        model: an ordinary ``torch.nn.Module``; every worker must build the same architecture.
+        loss_fn: ``loss_fn(model(inputs), targets)`` -> scalar tensor.
+        train_data: a ``torch.utils.data.Dataset`` or an ``(inputs, targets)`` pair; each worker
+            trains on its own disjoint shard of it.
+        test_data: held-out data the chief evaluates (loss, and accuracy for class labels).
+        config: the script's defaults; flags given to ``distsgd run`` override them.
+
+    Returns:
+        This worker's :class:`TrainResult`; on the chief it carries the test scores.
+    """
+    global calls
+    calls += 1
+    env = TaskEnv.from_environ() or TaskEnv.standalone()
+    config = (config or TrainConfig()).replace(**env.overrides)
+    spec = schemes.get(env.scheme)
+    options = spec.parse_options(env.scheme_options)
+    scheme = spec.worker(options, env.spec.num_workers)
+    train_set = as_dataset(train_data, "train_data")
+    test_set = None if test_data is None else as_dataset(test_data, "test_data")
+    return run_worker(
+        model=model,
+        loss_fn=loss_fn,
+        train_set=train_set,
+        test_set=test_set,
+        config=config,
+        env=env,
+        scheme=scheme,
+    )

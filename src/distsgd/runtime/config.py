@@ -1,0 +1,62 @@
+"""Typed configuration of a training run (what the user's script and the CLI set)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How to train; the same fields are CLI flags of ``distsgd run`` (``--batch-size`` ...).
+
+    Values given on the command line override those the script passes to ``distsgd.train``.
+    """
+
+    batch_size: int = field(default=32, metadata={"help": "mini-batch size on each worker"})
+    epochs: float = field(
+        default=10.0,
+        metadata={
+            "help": "passes over the training set by all workers together (ignored with --steps)"
+        },
+    )
+    steps: int = field(
+        default=0, metadata={"help": "local steps per worker; 0 = derive from --epochs"}
+    )
+    lr: float = field(
+        default=0.05, metadata={"help": "learning rate of the worker (or server) optimizer"}
+    )
+    momentum: float = field(default=0.0, metadata={"help": "heavy-ball momentum of that optimizer"})
+    seed: int = field(default=0, metadata={"help": "seed for model init, data order and sharding"})
+    eval_every: int = field(
+        default=0, metadata={"help": "chief evaluates every N local steps (0 = only at the end)"}
+    )
+    log_every: int = field(default=10, metadata={"help": "metrics line every N local steps"})
+    eval_batch_size: int = field(default=512, metadata={"help": "batch size for evaluation"})
+
+    def __post_init__(self) -> None:
+        positive = {
+            "batch_size": self.batch_size,
+            "log_every": self.log_every,
+            "eval_batch_size": self.eval_batch_size,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        for name, value in {"steps": self.steps, "eval_every": self.eval_every}.items():
+            if value < 0:
+                raise ValueError(f"{name} must be 0 or more, got {value}")
+        if self.steps == 0 and not self.epochs > 0:
+            raise ValueError(f"epochs must be positive (or set steps), got {self.epochs}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

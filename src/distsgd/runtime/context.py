@@ -1,0 +1,146 @@
+"""What a scheme sees of the worker: the replica, its place in the cluster, and communication.
+
+Every exchange a scheme makes goes through these methods, so retries, deadlines, byte counts
+and versions are handled in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from distsgd.ps.client import ParameterClient
+from distsgd.runtime.collective import Collective
+from distsgd.runtime.config import TrainConfig
+from distsgd.transport.client import PushResult
+
+
+class WorkerContext:
+    """The replica and the channels of one worker, handed to every scheme hook."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        config: TrainConfig,
+        rank: int,
+        num_workers: int,
+        device: torch.device,
+        ps: ParameterClient | None = None,
+        collective: Collective | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.rank = rank
+        self.num_workers = num_workers
+        self.device = device
+        self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        self._ps = ps
+        self._collective = collective
+        self.local_step = 0
+        """Steps this worker has taken."""
+        self.global_step = 0
+        """Updates the cluster has applied, as last heard (server version, or local steps)."""
+
+    # -- replica --------------------------------------------------------------------------------
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The replica's parameters as numpy arrays (copies)."""
+        return {name: p.detach().cpu().numpy().copy() for name, p in self.params.items()}
+
+    def grads(self) -> dict[str, np.ndarray]:
+        """The replica's gradients as numpy arrays (zeros where a parameter got none)."""
+        out = {}
+        for name, p in self.params.items():
+            g = p.grad
+            out[name] = (
+                np.zeros(tuple(p.shape), dtype=np.float32)
+                if g is None
+                else g.detach().cpu().numpy()
+            )
+        return out
+
+    @torch.no_grad()
+    def load(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Overwrite the replica's parameters."""
+        for name, p in self.params.items():
+            p.copy_(torch.from_numpy(np.asarray(arrays[name])).to(p.device))
+
+    def make_optimizer(self, kind: str = "sgd", **overrides: float | bool) -> torch.optim.Optimizer:
+        """A local optimizer over the replica with the run's lr and momentum (overridable)."""
+        params = list(self.params.values())
+        if kind == "sgd":
+            kw: dict[str, float | bool] = {"lr": self.config.lr, "momentum": self.config.momentum}
+            kw.update(overrides)
+            return torch.optim.SGD(params, **kw)  # type: ignore[arg-type]
+        if kind == "adagrad":
+            kw = {"lr": self.config.lr}
+            kw.update(overrides)
+            return torch.optim.Adagrad(params, **kw)  # type: ignore[arg-type]
+        if kind == "adamw":
+            kw = {"lr": self.config.lr}
+            kw.update(overrides)
+            return torch.optim.AdamW(params, **kw)  # type: ignore[arg-type]
+        raise ValueError(f"unknown optimizer {kind!r}; use sgd, adagrad or adamw")
+
+    # -- parameter servers ----------------------------------------------------------------------
+    @property
+    def ps(self) -> ParameterClient:
+        if self._ps is None:
+            raise RuntimeError(
+                "this scheme has no parameter servers (uses_parameter_servers=False)"
+            )
+        return self._ps
+
+    @property
+    def versions(self) -> list[int]:
+        """Each shard's version as of the last pull."""
+        return list(self.ps.versions)
+
+    def pull_arrays(
+        self, *, min_version: int | Sequence[int] = 0
+    ) -> tuple[int, dict[str, np.ndarray]]:
+        """The servers' parameters (not loaded into the replica): (version, arrays)."""
+        version, arrays = self.ps.pull(min_version=min_version)
+        self.global_step = max(self.global_step, version)
+        return version, arrays
+
+    def pull(self, *, min_version: int | Sequence[int] = 0) -> int:
+        """Load the servers' parameters into the replica; returns their version."""
+        version, arrays = self.pull_arrays(min_version=min_version)
+        self.load(arrays)
+        return version
+
+    def push(
+        self, arrays: Mapping[str, np.ndarray], *, base_version: int | Sequence[int] | None = None
+    ) -> list[PushResult]:
+        """Send named arrays to the servers' update rule; one result per shard."""
+        results = self.ps.push(arrays, base_version=base_version)
+        self.global_step = max([self.global_step, *(r.version for r in results)])
+        return results
+
+    def push_grads(self, *, base_version: int | Sequence[int] | None = None) -> list[PushResult]:
+        """Send the replica's gradients."""
+        return self.push(self.grads(), base_version=base_version)
+
+    # -- collectives ----------------------------------------------------------------------------
+    def allreduce_mean(self, tensors: list[torch.Tensor]) -> None:
+        """Average tensors over all workers in place (no-op with one worker)."""
+        if self._collective is not None:
+            self._collective.allreduce_mean(tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Copy worker ``src``'s tensors to all (no-op with one worker)."""
+        if self._collective is not None:
+            self._collective.broadcast(tensors, src)
+
+    @property
+    def bytes_sent(self) -> int:
+        sent = 0 if self._ps is None else self._ps.bytes_sent
+        return sent + (0 if self._collective is None else self._collective.bytes_sent)

@@ -1,0 +1,297 @@
+"""The one training loop every scheme runs in.
+
+It shards the data, connects to the parameter servers or joins the process group, calls the
+scheme's hooks around forward/backward, writes metrics, and on the chief evaluates and saves
+the final parameters. Schemes never see sockets, files or the data loader.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from distsgd.ps.client import ParameterClient
+from distsgd.ps.partition import PartitionPlan
+from distsgd.runtime.collective import Collective
+from distsgd.runtime.config import TrainConfig
+from distsgd.runtime.context import WorkerContext
+from distsgd.runtime.data import ShardedBatches
+from distsgd.runtime.evaluate import LossFn, evaluate
+from distsgd.runtime.metrics import MetricsWriter
+from distsgd.runtime.scheme import WorkerScheme
+from distsgd.runtime.task import TaskEnv
+from distsgd.util import write_atomic, write_bytes_atomic
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "result.json"
+FINAL_PARAMS_FILE = "final_model.pt"
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainResult:
+    """What one worker's run produced (evaluation fields on the chief only)."""
+
+    scheme: str
+    worker: int
+    local_steps: int
+    global_step: int
+    seconds: float
+    samples: int
+    bytes_sent: int
+    test_loss: float | None = None
+    test_accuracy: float | None = None
+
+
+def _wait_all_finished(ps: ParameterClient, num_workers: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        infos = ps.info()
+        if all(info.finished_workers >= num_workers for info in infos):
+            return
+        if time.monotonic() > deadline:
+            done = min(info.finished_workers for info in infos)
+            raise TimeoutError(
+                f"only {done} of {num_workers} workers finished within {timeout:.0f}s"
+            )
+        time.sleep(0.05)
+
+
+def run_worker(
+    *,
+    model: nn.Module,
+    loss_fn: LossFn,
+    train_set: Dataset[Any],
+    test_set: Dataset[Any] | None,
+    config: TrainConfig,
+    env: TaskEnv,
+    scheme: WorkerScheme,
+) -> TrainResult:
+    """Train this worker's part of the run under ``scheme``; see the module docstring."""
+    spec = env.spec
+    rank, world = env.task_index, spec.num_workers
+    chief = rank == 0
+    device = next(model.parameters()).device
+    run_dir = Path(env.run_dir) if env.run_dir else None
+    name = f"worker{rank}"
+    batches = ShardedBatches(
+        train_set, rank=rank, world=world, batch_size=config.batch_size, seed=config.seed
+    )
+    steps = config.steps or max(1, math.ceil(config.epochs * batches.steps_per_epoch))
+    metrics = MetricsWriter(run_dir / METRICS_FILE if run_dir else None, name)
+    ps: ParameterClient | None = None
+    collective: Collective | None = None
+    try:
+        if scheme.uses_parameter_servers:
+            if spec.num_ps == 0:
+                raise ValueError(
+                    f"scheme {env.scheme!r} needs parameter servers; run with --ps 1 or more"
+                )
+            arrays = {n: p.detach().cpu().numpy() for n, p in model.named_parameters()}
+            plan = PartitionPlan.from_arrays(arrays, spec.num_ps)
+            ps = ParameterClient(
+                list(spec.ps),
+                plan,
+                worker=rank,
+                incarnation=random.getrandbits(63),
+                run_id=env.run_id,
+                timeout=env.rpc_timeout,
+                retry_seconds=env.wait_timeout,
+            )
+            if chief:
+                ps.register(
+                    arrays,
+                    scheme=env.scheme,
+                    options=scheme.server_options(config),
+                    num_workers=world,
+                )
+                log.info(
+                    "registered %d parameters on %d ps (bytes per shard: %s)",
+                    len(arrays),
+                    spec.num_ps,
+                    plan.shard_bytes,
+                )
+            ps.wait_registered(env.wait_timeout)
+        elif world > 1:
+            rendezvous = env.rendezvous or spec.worker[0]
+            collective = Collective(
+                rendezvous=rendezvous,
+                rank=rank,
+                world_size=world,
+                host_store=chief and not env.rendezvous,
+                timeout=env.wait_timeout,
+                device=device,
+            )
+        ctx = WorkerContext(
+            model=model,
+            config=config,
+            rank=rank,
+            num_workers=world,
+            device=device,
+            ps=ps,
+            collective=collective,
+        )
+        log.info(
+            "%s: scheme %s, %d steps of batch %d (%d per epoch)",
+            name,
+            env.scheme,
+            steps,
+            config.batch_size,
+            batches.steps_per_epoch,
+        )
+        scheme.start(ctx)
+        eval_model = (
+            copy.deepcopy(model) if chief and test_set is not None and config.eval_every else None
+        )
+        started = time.monotonic()
+        batch_iter = iter(batches)
+        model.train()
+        loss_value = float("nan")
+        for _ in range(steps):
+            x, y = next(batch_iter)
+            x, y = x.to(device), y.to(device)
+            scheme.before_step(ctx)
+            model.zero_grad(set_to_none=False)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            loss_value = float(loss.detach())
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(
+                    f"{name}: loss became {loss_value} at step {ctx.local_step}; lower --lr"
+                )
+            scheme.after_backward(ctx)
+            ctx.local_step += 1
+            if not scheme.uses_parameter_servers:
+                ctx.global_step = ctx.local_step
+            if ctx.local_step % config.log_every == 0 or ctx.local_step == steps:
+                metrics.log(
+                    step=ctx.global_step,
+                    local_step=ctx.local_step,
+                    loss=round(loss_value, 6),
+                    samples=ctx.local_step * config.batch_size,
+                    epoch=batches.epoch,
+                )
+            if (
+                eval_model is not None
+                and test_set is not None
+                and ctx.local_step % config.eval_every == 0
+            ):
+                _load_eval_params(ctx, scheme, eval_model)
+                scores = evaluate(
+                    eval_model, test_set, loss_fn, batch_size=config.eval_batch_size, device=device
+                )
+                metrics.log(
+                    step=ctx.global_step,
+                    local_step=ctx.local_step,
+                    test_loss=scores["loss"],
+                    accuracy=scores.get("accuracy"),
+                )
+        scheme.finish(ctx)
+        seconds = time.monotonic() - started
+        if ps is not None:
+            ps.leave()
+        result = TrainResult(
+            scheme=env.scheme,
+            worker=rank,
+            local_steps=ctx.local_step,
+            global_step=ctx.global_step,
+            seconds=seconds,
+            samples=ctx.local_step * config.batch_size,
+            bytes_sent=ctx.bytes_sent,
+        )
+        if chief:
+            result = _finish_chief(
+                ctx,
+                scheme,
+                result,
+                model,
+                loss_fn,
+                test_set,
+                config,
+                env,
+                run_dir,
+                metrics,
+                ps,
+                device,
+            )
+        log.info("%s: done, %d steps in %.1fs", name, ctx.local_step, seconds)
+        return result
+    finally:
+        if ps is not None:
+            ps.close()
+        if collective is not None:
+            collective.close()
+        metrics.close()
+
+
+def _load_eval_params(ctx: WorkerContext, scheme: WorkerScheme, target: nn.Module) -> None:
+    if scheme.evaluate_on == "server":
+        _, arrays = ctx.ps.pull(record=False)
+        with torch.no_grad():
+            for n, p in target.named_parameters():
+                p.copy_(torch.from_numpy(arrays[n]))
+    else:
+        target.load_state_dict(ctx.model.state_dict())
+
+
+def _finish_chief(
+    ctx: WorkerContext,
+    scheme: WorkerScheme,
+    result: TrainResult,
+    model: nn.Module,
+    loss_fn: LossFn,
+    test_set: Dataset[Any] | None,
+    config: TrainConfig,
+    env: TaskEnv,
+    run_dir: Path | None,
+    metrics: MetricsWriter,
+    ps: ParameterClient | None,
+    device: torch.device,
+) -> TrainResult:
+    if ps is not None and scheme.evaluate_on == "server":
+        _wait_all_finished(ps, ctx.num_workers, env.wait_timeout)
+        version, arrays = ps.pull(record=False)
+        ctx.load(arrays)
+        ctx.global_step = max(ctx.global_step, version)
+        result = TrainResult(**{**asdict(result), "global_step": ctx.global_step})
+    if test_set is not None:
+        scores = evaluate(
+            model, test_set, loss_fn, batch_size=config.eval_batch_size, device=device
+        )
+        result = TrainResult(
+            **{
+                **asdict(result),
+                "test_loss": scores["loss"],
+                "test_accuracy": scores.get("accuracy"),
+            }
+        )
+        metrics.log(
+            step=ctx.global_step,
+            local_step=ctx.local_step,
+            test_loss=scores["loss"],
+            accuracy=scores.get("accuracy"),
+            final=True,
+        )
+        log.info("test loss %.4f, accuracy %s", scores["loss"], scores.get("accuracy"))
+    if run_dir is not None:
+        buf = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
+        write_bytes_atomic(run_dir / FINAL_PARAMS_FILE, buf.getvalue())
+        write_atomic(
+            run_dir / RESULT_FILE,
+            json.dumps({**asdict(result), "config": config.to_dict()}, indent=2) + "\n",
+        )
+    return result

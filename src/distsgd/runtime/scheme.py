@@ -1,0 +1,49 @@
+"""The worker half of a training scheme: hooks the runtime calls around each step.
+
+The runtime owns the loop (data, forward, backward, metrics, evaluation) and all communication;
+a scheme only decides *what* to exchange and *when*, through the :class:`WorkerContext` it is
+given. Hooks, in the order the runtime calls them::
+
+    start(ctx)                   once, after the parameters are registered / broadcast
+    for each local step:
+        before_step(ctx)         e.g. pull fresh parameters, or an elastic exchange
+        forward, loss, backward  (runtime)
+        after_backward(ctx)      e.g. push the gradient, or take a local optimizer step
+    finish(ctx)                  once, e.g. push what is left of a window
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from distsgd.runtime.config import TrainConfig
+    from distsgd.runtime.context import WorkerContext
+
+
+class WorkerScheme(ABC):
+    """Base class of every scheme's worker half."""
+
+    uses_parameter_servers: ClassVar[bool] = True
+    """False for schemes that only use collectives (all-reduce, local SGD, DiLoCo)."""
+
+    evaluate_on: ClassVar[Literal["server", "local"]] = "server"
+    """Which parameters the chief evaluates: the servers' (the center) or its own replica."""
+
+    def server_options(self, config: TrainConfig) -> dict[str, Any]:
+        """Options sent to the scheme's server rule at registration (JSON-serialisable)."""
+        return {"lr": config.lr, "momentum": config.momentum}
+
+    def start(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook
+        """Called once before the first step."""
+
+    def before_step(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook
+        """Called before each forward pass."""
+
+    @abstractmethod
+    def after_backward(self, ctx: WorkerContext) -> None:
+        """Called after each backward pass, with gradients in ``param.grad``."""
+
+    def finish(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook
+        """Called once after the last step."""

@@ -1,0 +1,79 @@
+"""Who this process is in the cluster, handed over by the launcher in ``DISTSGD_TASK``.
+
+A user script run by ``distsgd run`` or ``distsgd worker`` finds a JSON :class:`TaskEnv` in the
+``DISTSGD_TASK`` environment variable. A script run plainly (``python train.py``) finds none and
+trains alone in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from distsgd.cluster import ClusterSpec, TaskId
+
+ENV_VAR = "DISTSGD_TASK"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskEnv:
+    """Everything a worker process needs besides the user's model and data."""
+
+    cluster: dict[str, list[str]] = field(metadata={"help": "the cluster spec as a dict"})
+    task_index: int = field(metadata={"help": "this worker's index (0 = chief)"})
+    scheme: str = field(metadata={"help": "scheme name"})
+    scheme_options: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "scheme options"}
+    )
+    overrides: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "TrainConfig overrides"}
+    )
+    run_dir: str = field(default="", metadata={"help": "run folder for metrics and results"})
+    run_id: str = field(default="", metadata={"help": "identifies the run to the servers"})
+    rendezvous: str = field(
+        default="",
+        metadata={"help": "host:port of the torch.distributed store ('' = chief's address)"},
+    )
+    rpc_timeout: float = field(default=30.0, metadata={"help": "deadline of one RPC, seconds"})
+    wait_timeout: float = field(
+        default=600.0,
+        metadata={"help": "how long to wait for other tasks (start-up, slow peers), seconds"},
+    )
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        spec.task("worker", self.task_index)
+        if self.rpc_timeout <= 0 or self.wait_timeout <= 0:
+            raise ValueError("rpc_timeout and wait_timeout must be positive")
+
+    @property
+    def spec(self) -> ClusterSpec:
+        return ClusterSpec.from_dict(self.cluster)
+
+    @property
+    def task(self) -> TaskId:
+        return TaskId(job="worker", index=self.task_index)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TaskEnv:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{ENV_VAR} must hold a JSON object")
+        return cls(**data)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> TaskEnv | None:
+        text = (os.environ if environ is None else environ).get(ENV_VAR)
+        return None if not text else cls.from_json(text)
+
+    @classmethod
+    def standalone(cls, scheme: str = "allreduce") -> TaskEnv:
+        """One worker, no parameter server: a plain single-process run."""
+        return cls(cluster={"ps": [], "worker": ["127.0.0.1:0"]}, task_index=0, scheme=scheme)

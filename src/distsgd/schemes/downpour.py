@@ -1,0 +1,100 @@
+"""DOWNPOUR: workers take a window of local steps, then push the accumulated update.
+
+Dean, Corrado, Monga, Chen, Devin, Le, Mao, Ranzato, Senior, Tucker, Yang, Ng. *Large Scale
+Distributed Deep Networks.* NeurIPS 2012 (Downpour SGD, with n_fetch = n_push = window).
+
+Worker i::
+
+    w_i <- pull();  w_start <- w_i
+    repeat window times:  w_i <- w_i - lr * grad L(w_i; batch)     # local optimizer (SGD)
+    delta <- w_start - w_i                                         # the accumulated update
+    push(delta)
+
+Server, on each push, at once::
+
+    w <- w - server_lr * delta
+
+A remainder window shorter than ``window`` is pushed when the worker finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, ServerSGD, UpdateRule
+from distsgd.ps.shard import Shard
+from distsgd.runtime.config import TrainConfig
+from distsgd.runtime.context import WorkerContext
+from distsgd.runtime.scheme import WorkerScheme
+from distsgd.schemes.registry import SchemeSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class DownpourOptions:
+    window: int = field(
+        default=5, metadata={"help": "local steps between pushes (n_push = n_fetch)"}
+    )
+    server_lr: float = field(
+        default=1.0, metadata={"help": "rate at which the server applies a pushed update"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be at least 1, got {self.window}")
+        if not self.server_lr > 0:
+            raise ValueError(f"server_lr must be positive, got {self.server_lr}")
+
+
+class DownpourServer(UpdateRule):
+    def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
+        super().__init__(options=options, num_workers=num_workers)
+        self.sgd = ServerSGD(lr=float(options["server_lr"]))
+
+    def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
+        self.sgd.step(shard.values, payload)
+        shard.bump()
+        return ACCEPTED
+
+
+class DownpourWorker(WorkerScheme):
+    def __init__(self, options: DownpourOptions, num_workers: int) -> None:
+        self.options = options
+        self.pending = 0
+
+    def server_options(self, config: TrainConfig) -> dict[str, Any]:
+        return {"server_lr": self.options.server_lr}
+
+    def start(self, ctx: WorkerContext) -> None:
+        self.optimizer = ctx.make_optimizer("sgd")
+        ctx.pull()
+        self.window_start = ctx.arrays()
+
+    def after_backward(self, ctx: WorkerContext) -> None:
+        self.optimizer.step()
+        self.pending += 1
+        if self.pending == self.options.window:
+            self._exchange(ctx)
+
+    def finish(self, ctx: WorkerContext) -> None:
+        if self.pending:
+            self._exchange(ctx)
+
+    def _exchange(self, ctx: WorkerContext) -> None:
+        now = ctx.arrays()
+        ctx.push({k: self.window_start[k] - now[k] for k in now})
+        ctx.pull()
+        self.window_start = ctx.arrays()
+        self.pending = 0
+
+
+SPEC = SchemeSpec(
+    name="downpour",
+    summary="DOWNPOUR: `window` local SGD steps, then push the accumulated update; server applies it at once",
+    options=DownpourOptions,
+    worker=DownpourWorker,
+    server=DownpourServer,
+)

@@ -1,0 +1,94 @@
+"""Asynchronous EASGD: elastic averaging against a center variable on the parameter servers.
+
+Zhang, Choromanska, LeCun. *Deep learning with Elastic Averaging SGD.* NeurIPS 2015
+(Algorithm 1, asynchronous EASGD).
+
+Worker i keeps its own variable x_i; every ``tau`` local steps (before the gradient step)::
+
+    c      <- pull()                    # the center variable
+    diff   <- alpha * (x_i - c)
+    x_i    <- x_i - diff                # pulled towards the center
+    push(diff)                          # server: c <- c + diff   (center pulled towards x_i)
+
+and every step::
+
+    x_i <- x_i - lr * grad L(x_i; batch)
+
+``alpha`` is the moving rate; the paper sets alpha = beta / p with beta = 0.9 and p workers,
+which is the default here. The chief evaluates the center.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, UpdateRule
+from distsgd.ps.shard import Shard
+from distsgd.runtime.context import WorkerContext
+from distsgd.runtime.scheme import WorkerScheme
+from distsgd.schemes.registry import SchemeSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class EasgdOptions:
+    tau: int = field(
+        default=4, metadata={"help": "local steps between elastic exchanges (communication period)"}
+    )
+    alpha: float = field(
+        default=0.0,
+        metadata={"help": "moving rate; 0 = 0.9 / workers (beta = 0.9, as in the paper)"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.tau < 1:
+            raise ValueError(f"tau must be at least 1, got {self.tau}")
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
+
+
+class ElasticServer(UpdateRule):
+    """Center update: ``c <- c + diff`` for each pushed elastic difference."""
+
+    def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
+        for key, diff in payload.items():
+            shard.values[key] += diff
+        shard.bump()
+        return ACCEPTED
+
+
+class EasgdWorker(WorkerScheme):
+    def __init__(self, options: EasgdOptions, num_workers: int) -> None:
+        self.options = options
+        self.alpha = options.alpha or 0.9 / num_workers
+
+    def start(self, ctx: WorkerContext) -> None:
+        self.optimizer = ctx.make_optimizer("sgd")
+        ctx.pull()  # x_i starts at the center
+
+    def before_step(self, ctx: WorkerContext) -> None:
+        if ctx.local_step % self.options.tau == 0 and ctx.local_step > 0:
+            self.elastic_exchange(ctx)
+
+    def elastic_exchange(self, ctx: WorkerContext) -> None:
+        _, center = ctx.pull_arrays()
+        local = ctx.arrays()
+        diff = {k: self.alpha * (local[k] - center[k]) for k in local}
+        ctx.load({k: local[k] - diff[k] for k in local})
+        ctx.push(diff)
+
+    def after_backward(self, ctx: WorkerContext) -> None:
+        self.optimizer.step()
+
+    def finish(self, ctx: WorkerContext) -> None:
+        self.elastic_exchange(ctx)
+
+
+SPEC = SchemeSpec(
+    name="easgd",
+    summary="asynchronous elastic averaging: local SGD, every `tau` steps an elastic pull towards the center",
+    options=EasgdOptions,
+    worker=EasgdWorker,
+    server=lambda options, n: ElasticServer(options=options, num_workers=n),
+)

@@ -1,0 +1,72 @@
+"""The catalogue of schemes: name -> options, worker half, server half.
+
+Adding a scheme is one new module that builds a :class:`SchemeSpec` and one line in
+``schemes/__init__.py``; nothing in the runtime changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from distsgd.ps.rules import UpdateRule
+from distsgd.runtime.scheme import WorkerScheme
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchemeSpec:
+    """One scheme of the catalogue."""
+
+    name: str
+    summary: str
+    options: type
+    """A keyword-only dataclass; each field has ``metadata["help"]`` and becomes a CLI flag."""
+    worker: Callable[[Any, int], WorkerScheme]
+    """(options, number of workers) -> the worker half."""
+    server: Callable[[Mapping[str, Any], int], UpdateRule] | None = None
+    """(server options, number of workers) -> the server half; None for collective-only schemes."""
+
+    @property
+    def uses_parameter_servers(self) -> bool:
+        return self.server is not None
+
+    def parse_options(self, values: Mapping[str, Any]) -> Any:
+        """The options dataclass from a mapping; unknown names -> ValueError naming them."""
+        known = {f.name for f in dataclasses.fields(self.options)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            allowed = ", ".join(sorted(known)) or "none"
+            raise ValueError(
+                f"scheme {self.name!r} has no option {unknown[0]!r}; its options are: {allowed}"
+            )
+        return self.options(**values)
+
+
+_SCHEMES: dict[str, SchemeSpec] = {}
+
+
+def register(spec: SchemeSpec) -> SchemeSpec:
+    assert spec.name not in _SCHEMES, f"scheme {spec.name} registered twice"
+    _SCHEMES[spec.name] = spec
+    return spec
+
+
+def names() -> list[str]:
+    return list(_SCHEMES)
+
+
+def get(name: str) -> SchemeSpec:
+    try:
+        return _SCHEMES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheme {name!r}; choose one of: {', '.join(_SCHEMES)}") from None
+
+
+def make_server_rule(name: str, options: Mapping[str, Any], num_workers: int) -> UpdateRule:
+    """The factory a parameter-server process is given (see :data:`distsgd.ps.RuleFactory`)."""
+    spec = get(name)
+    if spec.server is None:
+        raise ValueError(f"scheme {name!r} does not use parameter servers")
+    return spec.server(options, num_workers)

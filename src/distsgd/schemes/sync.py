@@ -1,0 +1,145 @@
+"""Synchronous SGD through parameter servers, with backup workers.
+
+Chen, Pan, Monga, Bengio, Jozefowicz. *Revisiting Distributed Synchronous SGD.* ICLR 2016
+workshop (arXiv:1604.00981); TensorFlow's ``SyncReplicasOptimizer``.
+
+Worker i, at step t::
+
+    w_t  <- pull(min_version = t)       # waits until step t-1 is applied
+    g_i  <- grad L(w_t; batch_i)
+    push(g_i, base_version = t)
+
+Server, for step t::
+
+    accept g_i only if base_version == t (else: stale, dropped)
+    once R = replicas_to_aggregate gradients are in:
+        w_{t+1} <- w_t - lr * (1/R) * sum_i g_i      # momentum if --momentum > 0
+        t <- t + 1                                   # late gradients for t are now stale
+
+R defaults to N - backup_workers. With R = N this equals single-process SGD on a batch N times
+larger. A worker that finishes leaves; from then on a step closes with min(R, workers left).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, ServerSGD, UpdateRule
+from distsgd.ps.shard import Shard
+from distsgd.runtime.config import TrainConfig
+from distsgd.runtime.context import WorkerContext
+from distsgd.runtime.scheme import WorkerScheme
+from distsgd.schemes.registry import SchemeSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncOptions:
+    replicas_to_aggregate: int = field(
+        default=0, metadata={"help": "gradients averaged per step (0 = workers - backup_workers)"}
+    )
+    backup_workers: int = field(
+        default=0,
+        metadata={
+            "help": "close each step without the k slowest workers; their gradients are dropped"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.replicas_to_aggregate < 0 or self.backup_workers < 0:
+            raise ValueError("replicas_to_aggregate and backup_workers must be 0 or more")
+
+    def required(self, num_workers: int) -> int:
+        """R: gradients that close a step; ValueError when it cannot work with this many workers."""
+        if self.backup_workers >= num_workers:
+            raise ValueError(
+                f"backup_workers={self.backup_workers} leaves no worker to wait for with {num_workers} workers; "
+                f"use at most {num_workers - 1}"
+            )
+        r = self.replicas_to_aggregate or num_workers - self.backup_workers
+        if (
+            self.replicas_to_aggregate
+            and self.backup_workers
+            and r != num_workers - self.backup_workers
+        ):
+            raise ValueError(
+                f"replicas_to_aggregate={r} contradicts backup_workers={self.backup_workers} with "
+                f"{num_workers} workers; give only one of them"
+            )
+        if r > num_workers:
+            raise ValueError(
+                f"replicas_to_aggregate={r} exceeds the {num_workers} workers; use at most {num_workers}"
+            )
+        return r
+
+
+class SyncServer(UpdateRule):
+    def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
+        super().__init__(options=options, num_workers=num_workers)
+        self.required = int(options["required"])
+        self.sgd = ServerSGD(lr=float(options["lr"]), momentum=float(options.get("momentum", 0.0)))
+        self.sums: dict[str, np.ndarray] = {}
+        self.contributors: set[int] = set()
+
+    def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
+        if meta.base_version != shard.version:
+            return PushOutcome(
+                False,
+                f"stale: computed on version {meta.base_version}, step {shard.version} is open",
+            )
+        if meta.worker in self.contributors:
+            return PushOutcome(
+                False, f"duplicate: worker {meta.worker} already pushed for step {shard.version}"
+            )
+        for key, grad in payload.items():
+            if key in self.sums:
+                self.sums[key] += grad
+            else:
+                self.sums[key] = np.array(grad, copy=True)
+        self.contributors.add(meta.worker)
+        self._maybe_close(shard)
+        return ACCEPTED
+
+    def on_leave(self, shard: Shard, worker: int) -> None:
+        self._maybe_close(shard)
+
+    def _maybe_close(self, shard: Shard) -> None:
+        count = len(self.contributors)
+        if count == 0 or count < min(self.required, max(1, shard.active_workers)):
+            return
+        self.sgd.step(shard.values, self.sums, scale=1.0 / count)
+        self.sums = {}
+        self.contributors = set()
+        shard.bump()
+
+
+class SyncWorker(WorkerScheme):
+    def __init__(self, options: SyncOptions, num_workers: int) -> None:
+        self.options = options
+        self.required = options.required(num_workers)
+        self.next_versions: list[int] | int = 0
+        self.dropped = 0
+
+    def server_options(self, config: TrainConfig) -> dict[str, Any]:
+        return {**super().server_options(config), "required": self.required}
+
+    def before_step(self, ctx: WorkerContext) -> None:
+        ctx.pull(min_version=self.next_versions)
+
+    def after_backward(self, ctx: WorkerContext) -> None:
+        base = ctx.versions
+        results = ctx.push_grads(base_version=base)
+        self.dropped += sum(not r.accepted for r in results)
+        self.next_versions = [v + 1 for v in base]
+
+
+SPEC = SchemeSpec(
+    name="sync",
+    summary="synchronous SGD: each step applies the mean of R fresh gradients; stale ones are dropped",
+    options=SyncOptions,
+    worker=SyncWorker,
+    server=SyncServer,
+)
