@@ -48,6 +48,7 @@ class Collective:
             "joined %s process group as rank %d of %d via %s", backend, rank, world_size, rendezvous
         )
 
+    @torch.no_grad()
     def allreduce_mean(self, tensors: list[torch.Tensor]) -> None:
         """Replace each tensor, in place, by its mean over all workers."""
         if not tensors:
@@ -62,6 +63,7 @@ class Collective:
             t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
 
+    @torch.no_grad()
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Copy rank ``src``'s tensors to every worker, in place."""
         if not tensors:

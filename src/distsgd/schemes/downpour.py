@@ -14,7 +14,9 @@ Server, on each push, at once::
 
     w <- w - server_lr * delta
 
-A remainder window shorter than ``window`` is pushed when the worker finishes.
+``server_lr`` defaults to 1/N for N workers: N deltas from one round of windows then move the
+server by their mean, as model averaging would; 1.0 adds them up as in the paper's sum of
+accumulated gradients (try it: it overshoots sooner with more workers). A remainder window shorter than ``window`` is pushed when the worker finishes.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ class DownpourOptions:
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"window must be at least 1, got {self.window}")
-        if not self.server_lr > 0:
-            raise ValueError(f"server_lr must be positive, got {self.server_lr}")
+        if self.server_lr < 0:
+            raise ValueError(f"server_lr must be positive (or 0 for 1 / workers), got {self.server_lr}")
 
 
 class DownpourServer(UpdateRule):
@@ -63,10 +65,11 @@ class DownpourServer(UpdateRule):
 class DownpourWorker(WorkerScheme):
     def __init__(self, options: DownpourOptions, num_workers: int) -> None:
         self.options = options
+        self.server_lr = options.server_lr or 1.0 / num_workers
         self.pending = 0
 
     def server_options(self, config: TrainConfig) -> dict[str, Any]:
-        return {"server_lr": self.options.server_lr}
+        return {"server_lr": self.server_lr}
 
     def start(self, ctx: WorkerContext) -> None:
         self.optimizer = ctx.make_optimizer("sgd")

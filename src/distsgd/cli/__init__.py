@@ -1,0 +1,1 @@
+"""The ``distsgd`` command-line tool (the top layer)."""

@@ -1,0 +1,58 @@
+"""Run a user's training script as one worker task: ``python -m distsgd.launcher.bootstrap SCRIPT ...``.
+
+The launcher puts the task's :class:`~distsgd.runtime.TaskEnv` in ``DISTSGD_TASK``; this module
+ties the process to the launcher, applies the thread budget, sets up logging, and runs the
+script as ``__main__``. A script that never calls ``distsgd.train`` is an error (the rest of
+the cluster would wait for it forever).
+"""
+
+from __future__ import annotations
+
+import logging
+import runpy
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from distsgd import api
+from distsgd.launcher.lifeline import limit_threads, tie_to_parent
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, format=LOG_FORMAT, datefmt="%H:%M:%S", stream=sys.stderr, force=True)
+
+
+def run_script(script: str, args: Sequence[str]) -> int:
+    """Run ``script`` with ``args`` as this task; returns the process exit code."""
+    path = Path(script)
+    if not path.is_file():
+        print(f"distsgd: error: script {script} not found; give the path of a Python file", file=sys.stderr)
+        return 2
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.resolve().parent))
+    runpy.run_path(str(path), run_name="__main__")
+    if api.calls == 0:
+        print(
+            f"distsgd: error: {script} finished without calling distsgd.train(); "
+            "call it from the script's main code",
+            file=sys.stderr,
+        )
+        return 3
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    tie_to_parent()
+    limit_threads()
+    setup_logging()
+    if not argv:
+        print("usage: python -m distsgd.launcher.bootstrap SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    return run_script(argv[0], argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""What ``distsgd run`` starts: a typed, validated description of a local run."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distsgd import schemes
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """A whole cluster on this machine, on free loopback ports."""
+
+    script: str = field(metadata={"help": "the training script (calls distsgd.train)"})
+    script_args: tuple[str, ...] = field(default=(), metadata={"help": "arguments for the script"})
+    workers: int = field(default=2, metadata={"help": "number of worker tasks"})
+    ps: int | None = field(
+        default=None, metadata={"help": "parameter-server tasks (default 1, or 0 for collective schemes)"}
+    )
+    scheme: str = field(default="sync", metadata={"help": "training scheme"})
+    scheme_options: dict[str, Any] = field(default_factory=dict, metadata={"help": "the scheme's options"})
+    overrides: dict[str, Any] = field(default_factory=dict, metadata={"help": "TrainConfig fields to override"})
+    run_dir: Path | None = field(default=None, metadata={"help": "run folder (default ./distsgd-runs/<time>-<scheme>)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address tasks bind to"})
+    threads: int = field(default=0, metadata={"help": "torch threads per worker (0 = cores / workers)"})
+    wait_timeout: float = field(default=600.0, metadata={"help": "seconds to wait for slow or starting tasks"})
+    quiet: bool = field(default=False, metadata={"help": "hide task log lines"})
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {self.workers}")
+        if not Path(self.script).is_file():
+            raise ValueError(f"script {self.script} not found; give the path of a Python file")
+        spec = schemes.get(self.scheme)
+        options = spec.parse_options(self.scheme_options)
+        spec.worker(options, self.workers)  # validates options against the worker count
+        if self.ps is not None and self.ps < 0:
+            raise ValueError(f"--ps must be 0 or more, got {self.ps}")
+        if spec.uses_parameter_servers and self.ps == 0:
+            raise ValueError(f"scheme {self.scheme!r} needs parameter servers; use --ps 1 or more")
+        if not spec.uses_parameter_servers and self.ps:
+            raise ValueError(f"scheme {self.scheme!r} uses no parameter servers; drop --ps or use --ps 0")
+        if self.threads < 0:
+            raise ValueError(f"--threads must be 0 or more, got {self.threads}")
+
+    @property
+    def num_ps(self) -> int:
+        if self.ps is not None:
+            return self.ps
+        return 1 if schemes.get(self.scheme).uses_parameter_servers else 0
+
+    @property
+    def threads_per_worker(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // self.workers)
+
+    def resolved_run_dir(self) -> Path:
+        if self.run_dir is not None:
+            return Path(self.run_dir)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        base = Path("distsgd-runs") / f"{stamp}-{self.scheme}"
+        path, n = base, 1
+        while path.exists():
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
+        return path

@@ -1,0 +1,107 @@
+"""The live progress line: global step, loss and throughput, read from ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TextIO
+
+
+class Console:
+    """Serialises task output and one live status line on a terminal (a plain log elsewhere)."""
+
+    def __init__(self, stream: TextIO | None = None, *, quiet: bool = False) -> None:
+        self.stream = stream or sys.stdout
+        self.quiet = quiet
+        self.tty = self.stream.isatty()
+        self._lock = threading.Lock()
+        self._status = ""
+
+    def line(self, text: str) -> None:
+        """Print a log line (above the status line)."""
+        if self.quiet:
+            return
+        with self._lock:
+            if self.tty and self._status:
+                self.stream.write("\r\x1b[K")
+            self.stream.write(text + "\n")
+            if self.tty and self._status:
+                self.stream.write(self._status)
+            self.stream.flush()
+
+    def status(self, text: str) -> None:
+        """Replace the status line (terminal), or print it as a log line (pipe, file)."""
+        with self._lock:
+            if self.tty:
+                self._status = text
+                self.stream.write("\r\x1b[K" + text)
+            else:
+                self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def clear_status(self) -> None:
+        with self._lock:
+            if self.tty and self._status:
+                self.stream.write("\r\x1b[K")
+                self.stream.flush()
+            self._status = ""
+
+    def final(self, text: str) -> None:
+        """Print a line even when quiet (results and errors)."""
+        self.clear_status()
+        with self._lock:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+
+class Progress:
+    """Follows ``metrics.jsonl`` as tasks append to it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+        self.step = 0
+        self.loss: float | None = None
+        self.accuracy: float | None = None
+        self.samples: dict[str, int] = {}
+        self.started = time.monotonic()
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        for raw in lines:
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                continue
+            self.step = max(self.step, int(record.get("step", 0)))
+            if "loss" in record:
+                self.loss = float(record["loss"])
+            if record.get("accuracy") is not None:
+                self.accuracy = float(record["accuracy"])
+            if "samples" in record:
+                self.samples[str(record.get("task"))] = int(record["samples"])
+
+    def render(self) -> str:
+        elapsed = time.monotonic() - self.started
+        rate = sum(self.samples.values()) / elapsed if elapsed > 0 else 0.0
+        parts = [f"step {self.step}"]
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.4f}")
+        if self.accuracy is not None:
+            parts.append(f"acc {self.accuracy:.4f}")
+        parts.append(f"{rate:.0f} samples/s")
+        parts.append(f"{elapsed:.0f}s")
+        return "[distsgd] " + " | ".join(parts)

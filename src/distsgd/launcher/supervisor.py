@@ -1,0 +1,110 @@
+"""Start task processes, relay their output with a role prefix, and stop every one of them.
+
+Each task runs in its own session (process group), so the launcher alone decides when it stops:
+Ctrl-C reaches the launcher, which then ends each task's group by its PID, politely (SIGTERM)
+and then firmly (SIGKILL). Nothing is ever killed by name.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Task:
+    """One started process."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
+    reader: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+
+class Supervisor:
+    """Owns the task processes of one run."""
+
+    def __init__(self, *, log_dir: Path, echo: Callable[[str], None]) -> None:
+        self.log_dir = log_dir
+        self.echo = echo
+        self.tasks: dict[str, Task] = {}
+
+    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str]) -> Task:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        process = subprocess.Popen(
+            list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        task = Task(name=name, process=process, log_path=log_path)
+        task.reader = threading.Thread(target=self._relay, args=(task,), name=f"relay-{name}", daemon=True)
+        task.reader.start()
+        self.tasks[name] = task
+        log.debug("started %s as pid %d", name, process.pid)
+        return task
+
+    def _relay(self, task: Task) -> None:
+        stream: IO[bytes] | None = task.process.stdout
+        assert stream is not None
+        with open(task.log_path, "ab") as log_file:
+            for raw in iter(stream.readline, b""):
+                log_file.write(raw)
+                log_file.flush()
+                line = raw.decode(errors="replace").rstrip("\n")
+                task.tail.append(line)
+                self.echo(f"[{task.name}] {line}")
+        stream.close()
+
+    def failed(self) -> Task | None:
+        """The first task that exited with a nonzero code, if any."""
+        for task in self.tasks.values():
+            code = task.poll()
+            if code is not None and code != 0:
+                return task
+        return None
+
+    def stop(self, names: Sequence[str] | None = None, *, grace: float = 5.0) -> None:
+        """End the named tasks (default: all): SIGTERM to each group, SIGKILL after ``grace``."""
+        tasks = [self.tasks[n] for n in names] if names is not None else list(self.tasks.values())
+        for task in tasks:
+            if task.poll() is None:
+                _signal_group(task.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for task in tasks:
+            try:
+                task.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs; killing it", task.name, grace)
+        for task in tasks:
+            # Also reap stragglers left in the task's own group (e.g. a data-loader child).
+            _signal_group(task.pid, signal.SIGKILL)
+            task.process.wait()
+            if task.reader is not None:
+                task.reader.join(timeout=2.0)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Signal the process group we created for a task (its id is the task's PID)."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
