@@ -14,9 +14,9 @@ from distsgd.ps.partition import ParamInfo, PartitionPlan
 DTYPES = ["float32", "float64", "float16", "int64", "int32", "uint8", "bool"]
 
 shapes = st.lists(st.integers(min_value=0, max_value=12), min_size=0, max_size=3).map(tuple)
-param_lists = st.lists(
-    st.tuples(shapes, st.sampled_from(DTYPES)), min_size=1, max_size=8
-).map(lambda items: [ParamInfo(name=f"p{i}", shape=s, dtype=d) for i, (s, d) in enumerate(items)])
+param_lists = st.lists(st.tuples(shapes, st.sampled_from(DTYPES)), min_size=1, max_size=8).map(
+    lambda items: [ParamInfo(name=f"p{i}", shape=s, dtype=d) for i, (s, d) in enumerate(items)]
+)
 
 
 def _arrays_for(params: list[ParamInfo], seed: int = 0) -> dict[str, np.ndarray]:
@@ -133,8 +133,9 @@ def test_balance_within_four_thirds_of_optimum_bound() -> None:
     params = [ParamInfo(name=f"t{i}", shape=(n,), dtype="float32") for i, n in enumerate(sizes)]
     num_shards = 3
     plan = PartitionPlan(params, num_shards)
-    lower_bound = max(sum(pc.nbytes for pc in plan.pieces) / num_shards,
-                      max(pc.nbytes for pc in plan.pieces))
+    lower_bound = max(
+        sum(pc.nbytes for pc in plan.pieces) / num_shards, max(pc.nbytes for pc in plan.pieces)
+    )
     assert max(plan.shard_bytes) <= 4 / 3 * lower_bound
 
 
@@ -169,16 +170,19 @@ def test_small_tensors_are_not_split() -> None:
 @given(params=param_lists, num_shards=st.integers(min_value=1, max_value=6))
 def test_deterministic(params: list[ParamInfo], num_shards: int) -> None:
     a = PartitionPlan(params, num_shards)
-    b = PartitionPlan([ParamInfo(name=p.name, shape=p.shape, dtype=p.dtype) for p in params],
-                      num_shards)
+    b = PartitionPlan(
+        [ParamInfo(name=p.name, shape=p.shape, dtype=p.dtype) for p in params], num_shards
+    )
     assert _plan_signature(a) == _plan_signature(b)
     assert a.shard_bytes == b.shard_bytes
 
 
 def test_from_arrays_matches_param_infos() -> None:
     arrays = {"a": np.zeros((5, 7), np.float32), "b": np.zeros(3, np.int64)}
-    infos = [ParamInfo(name="a", shape=(5, 7), dtype="float32"),
-             ParamInfo(name="b", shape=(3,), dtype="int64")]
+    infos = [
+        ParamInfo(name="a", shape=(5, 7), dtype="float32"),
+        ParamInfo(name="b", shape=(3,), dtype="int64"),
+    ]
     assert _plan_signature(PartitionPlan.from_arrays(arrays, 2)) == _plan_signature(
         PartitionPlan(infos, 2)
     )
@@ -206,7 +210,9 @@ def test_invalid_arguments() -> None:
         PartitionPlan([ParamInfo(name="a", shape=(1,), dtype="float32")], 0)
     with pytest.raises(ValueError, match="unique"):
         PartitionPlan(
-            [ParamInfo(name="a", shape=(1,), dtype="float32"),
-             ParamInfo(name="a", shape=(2,), dtype="float32")],
+            [
+                ParamInfo(name="a", shape=(1,), dtype="float32"),
+                ParamInfo(name="a", shape=(2,), dtype="float32"),
+            ],
             2,
         )

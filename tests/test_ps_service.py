@@ -253,9 +253,9 @@ def test_truncated_push_is_invalid_argument(server) -> None:
         tensors=[spec_of("w#0", grad)],
     )
     chunks = list(iter_chunks([grad], chunk_bytes=16))
-    err = _raw_push(address, [pb.PushRequest(header=header)] + [
-        pb.PushRequest(chunk=c) for c in chunks[:-1]
-    ])
+    err = _raw_push(
+        address, [pb.PushRequest(header=header)] + [pb.PushRequest(chunk=c) for c in chunks[:-1]]
+    )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "w#0" in err.details() and "truncated" in err.details()
     with _client(address) as client:
@@ -321,11 +321,6 @@ def test_register_unknown_scheme_is_invalid_argument(server) -> None:
     assert service.shard is None
 
 
-@pytest.mark.xfail(
-    reason="BUG: ParameterService.Register catches only ValueError/TypeError from the rule "
-    "factory; a missing required option raises KeyError and the client gets UNKNOWN",
-    strict=True,
-)
 def test_register_with_missing_rule_option_is_invalid_argument(server) -> None:
     address, service = server
     with _client(address, worker=0) as client, pytest.raises(RemoteError) as info:

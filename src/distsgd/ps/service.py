@@ -137,7 +137,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
             try:
                 options = json.loads(head.options_json or "{}")
                 rule = self.rule_factory(head.scheme, options, head.num_workers)
-            except (ValueError, TypeError) as exc:
+            except (ValueError, TypeError, KeyError) as exc:
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"scheme {head.scheme!r}: {exc}")
             self.shard = Shard(
                 index=self.shard_index,

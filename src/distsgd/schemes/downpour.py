@@ -41,7 +41,8 @@ class DownpourOptions:
         default=5, metadata={"help": "local steps between pushes (n_push = n_fetch)"}
     )
     server_lr: float = field(
-        default=1.0, metadata={"help": "rate at which the server applies a pushed update"}
+        default=0.0,
+        metadata={"help": "rate at which the server applies a pushed update; 0 = 1 / workers"},
     )
 
     def __post_init__(self) -> None:

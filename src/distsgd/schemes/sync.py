@@ -108,7 +108,10 @@ class SyncServer(UpdateRule):
 
     def _maybe_close(self, shard: Shard) -> None:
         count = len(self.contributors)
-        if count == 0 or count < min(self.required, max(1, shard.active_workers)):
+        # Workers that pushed for this step and then left still count as expected: their
+        # leaving must not close the step before the others' gradients for it arrive.
+        expected = shard.active_workers + len(self.contributors & shard.finished)
+        if count == 0 or count < min(self.required, max(1, expected)):
             return
         self.sgd.step(shard.values, self.sums, scale=1.0 / count)
         self.sums = {}

@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -13,12 +11,11 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION: _ClassVar[ProtocolVersion]
-
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION: ProtocolVersion
 
 class RequestHeader(_message.Message):
-    __slots__ = ("incarnation", "protocol_version", "run_id", "worker")
+    __slots__ = ("protocol_version", "run_id", "worker", "incarnation")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -27,40 +24,30 @@ class RequestHeader(_message.Message):
     run_id: str
     worker: int
     incarnation: int
-    def __init__(
-        self,
-        protocol_version: int | None = ...,
-        run_id: str | None = ...,
-        worker: int | None = ...,
-        incarnation: int | None = ...,
-    ) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., worker: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("dtype", "key", "shape")
+    __slots__ = ("key", "dtype", "shape")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     key: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(
-        self, key: str | None = ..., dtype: str | None = ..., shape: _Iterable[int] | None = ...
-    ) -> None: ...
+    def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("data", "index", "offset")
+    __slots__ = ("index", "offset", "data")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     index: int
     offset: int
     data: bytes
-    def __init__(
-        self, index: int | None = ..., offset: int | None = ..., data: bytes | None = ...
-    ) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RegisterHeader(_message.Message):
-    __slots__ = ("header", "num_workers", "options_json", "scheme", "shard_index", "tensors")
+    __slots__ = ("header", "scheme", "options_json", "num_workers", "tensors", "shard_index")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -73,27 +60,15 @@ class RegisterHeader(_message.Message):
     num_workers: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     shard_index: int
-    def __init__(
-        self,
-        header: RequestHeader | _Mapping | None = ...,
-        scheme: str | None = ...,
-        options_json: str | None = ...,
-        num_workers: int | None = ...,
-        tensors: _Iterable[TensorSpec | _Mapping] | None = ...,
-        shard_index: int | None = ...,
-    ) -> None: ...
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., scheme: _Optional[str] = ..., options_json: _Optional[str] = ..., num_workers: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shard_index: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("chunk", "header")
+    __slots__ = ("header", "chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     header: RegisterHeader
     chunk: TensorChunk
-    def __init__(
-        self,
-        header: RegisterHeader | _Mapping | None = ...,
-        chunk: TensorChunk | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, header: _Optional[_Union[RegisterHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("created", "version")
@@ -101,7 +76,7 @@ class RegisterResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     created: bool
     version: int
-    def __init__(self, created: bool | None = ..., version: int | None = ...) -> None: ...
+    def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("header", "min_version", "wait_seconds")
@@ -111,90 +86,60 @@ class PullRequest(_message.Message):
     header: RequestHeader
     min_version: int
     wait_seconds: float
-    def __init__(
-        self,
-        header: RequestHeader | _Mapping | None = ...,
-        min_version: int | None = ...,
-        wait_seconds: float | None = ...,
-    ) -> None: ...
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., min_version: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("tensors", "version")
+    __slots__ = ("version", "tensors")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(
-        self, version: int | None = ..., tensors: _Iterable[TensorSpec | _Mapping] | None = ...
-    ) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("chunk", "header")
+    __slots__ = ("header", "chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     header: PullHeader
     chunk: TensorChunk
-    def __init__(
-        self, header: PullHeader | _Mapping | None = ..., chunk: TensorChunk | _Mapping | None = ...
-    ) -> None: ...
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("base_version", "header", "tensors")
+    __slots__ = ("header", "base_version", "tensors")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     base_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(
-        self,
-        header: RequestHeader | _Mapping | None = ...,
-        base_version: int | None = ...,
-        tensors: _Iterable[TensorSpec | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("chunk", "header")
+    __slots__ = ("header", "chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     chunk: TensorChunk
-    def __init__(
-        self, header: PushHeader | _Mapping | None = ..., chunk: TensorChunk | _Mapping | None = ...
-    ) -> None: ...
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "version")
+    __slots__ = ("accepted", "version", "reason")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     version: int
     reason: str
-    def __init__(
-        self, accepted: bool | None = ..., version: int | None = ..., reason: str | None = ...
-    ) -> None: ...
+    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ("header",)
     HEADER_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
-    def __init__(self, header: RequestHeader | _Mapping | None = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = (
-        "active_workers",
-        "finished_workers",
-        "num_workers",
-        "protocol_version",
-        "pushes_accepted",
-        "pushes_rejected",
-        "registered",
-        "scheme",
-        "shard_index",
-        "tensors",
-        "version",
-    )
+    __slots__ = ("protocol_version", "registered", "scheme", "version", "tensors", "num_workers", "active_workers", "finished_workers", "shard_index", "pushes_accepted", "pushes_rejected")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
@@ -217,29 +162,16 @@ class InfoResponse(_message.Message):
     shard_index: int
     pushes_accepted: int
     pushes_rejected: int
-    def __init__(
-        self,
-        protocol_version: int | None = ...,
-        registered: bool | None = ...,
-        scheme: str | None = ...,
-        version: int | None = ...,
-        tensors: _Iterable[TensorSpec | _Mapping] | None = ...,
-        num_workers: int | None = ...,
-        active_workers: int | None = ...,
-        finished_workers: int | None = ...,
-        shard_index: int | None = ...,
-        pushes_accepted: int | None = ...,
-        pushes_rejected: int | None = ...,
-    ) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., registered: _Optional[bool] = ..., scheme: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_workers: _Optional[int] = ..., active_workers: _Optional[int] = ..., finished_workers: _Optional[int] = ..., shard_index: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., pushes_rejected: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("header",)
     HEADER_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
-    def __init__(self, header: RequestHeader | _Mapping | None = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ("version",)
     VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: int | None = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
