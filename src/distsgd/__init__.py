@@ -7,8 +7,8 @@ Layers, lowest first (a package imports only from those before it)::
 The user-facing API is :func:`train` and :class:`TrainConfig`.
 """
 
-from distsgd.api import train
+from distsgd.api import seed_everything, train
 from distsgd.runtime import TrainConfig, TrainResult
 
 __version__ = "0.1.0"
-__all__ = ["TrainConfig", "TrainResult", "__version__", "train"]
+__all__ = ["TrainConfig", "TrainResult", "__version__", "seed_everything", "train"]

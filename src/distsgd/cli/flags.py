@@ -17,15 +17,21 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_dataclass_flags(group: argparse._ArgumentGroup, cls: type, seen: set[str], dest_prefix: str) -> None:
+def add_dataclass_flags(
+    group: argparse._ArgumentGroup, cls: type, seen: set[str], dest_prefix: str
+) -> None:
     for f in dataclasses.fields(cls):
         if f.name in seen:
             continue
         seen.add(f.name)
         kind = _TYPES.get(str(f.type), str)
         group.add_argument(
-            _flag(f.name), dest=dest_prefix + f.name, type=kind, default=argparse.SUPPRESS,
-            metavar=f.name.upper(), help=f"{f.metadata.get('help', '')} (default {f.default})",
+            _flag(f.name),
+            dest=dest_prefix + f.name,
+            type=kind,
+            default=argparse.SUPPRESS,
+            metavar=f.name.upper(),
+            help=f"{f.metadata.get('help', '')} (default {f.default})",
         )
 
 

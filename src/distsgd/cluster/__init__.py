@@ -1,6 +1,6 @@
 """Cluster descriptions: the ``ps`` and ``worker`` tasks of a job and their addresses.
 
-This is the lowest layer of distsgd and depends only on the standard library.
+It sits just above ``distsgd.util`` and depends only on the standard library.
 """
 
 from __future__ import annotations

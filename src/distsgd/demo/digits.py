@@ -53,7 +53,7 @@ class DigitsCNN(nn.Module):
 
 def main() -> None:
     config = distsgd.TrainConfig(batch_size=32, epochs=12, lr=0.05, momentum=0.9)
-    distsgd.api.seed_everything(config.seed)
+    distsgd.seed_everything(config.seed)
     train, test = load_digits()
     result = distsgd.train(
         model=DigitsCNN(), loss_fn=F.cross_entropy, train_data=train, test_data=test, config=config

@@ -1,4 +1,6 @@
-"""Run a user's training script as one worker task: ``python -m distsgd.launcher.bootstrap SCRIPT ...``.
+"""Run a user's training script as one worker task.
+
+Usage: ``python -m distsgd.launcher.bootstrap SCRIPT [ARGS...]``.
 
 The launcher puts the task's :class:`~distsgd.runtime.TaskEnv` in ``DISTSGD_TASK``; this module
 ties the process to the launcher, applies the thread budget, sets up logging, and runs the
@@ -21,14 +23,19 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    logging.basicConfig(level=level, format=LOG_FORMAT, datefmt="%H:%M:%S", stream=sys.stderr, force=True)
+    logging.basicConfig(
+        level=level, format=LOG_FORMAT, datefmt="%H:%M:%S", stream=sys.stderr, force=True
+    )
 
 
 def run_script(script: str, args: Sequence[str]) -> int:
     """Run ``script`` with ``args`` as this task; returns the process exit code."""
     path = Path(script)
     if not path.is_file():
-        print(f"distsgd: error: script {script} not found; give the path of a Python file", file=sys.stderr)
+        print(
+            f"distsgd: error: script {script} not found; give the path of a Python file",
+            file=sys.stderr,
+        )
         return 2
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
+from distsgd.runtime.config import TrainConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,15 +20,26 @@ class LaunchConfig:
     script_args: tuple[str, ...] = field(default=(), metadata={"help": "arguments for the script"})
     workers: int = field(default=2, metadata={"help": "number of worker tasks"})
     ps: int | None = field(
-        default=None, metadata={"help": "parameter-server tasks (default 1, or 0 for collective schemes)"}
+        default=None,
+        metadata={"help": "parameter-server tasks (default 1, or 0 for collective schemes)"},
     )
     scheme: str = field(default="sync", metadata={"help": "training scheme"})
-    scheme_options: dict[str, Any] = field(default_factory=dict, metadata={"help": "the scheme's options"})
-    overrides: dict[str, Any] = field(default_factory=dict, metadata={"help": "TrainConfig fields to override"})
-    run_dir: Path | None = field(default=None, metadata={"help": "run folder (default ./distsgd-runs/<time>-<scheme>)"})
+    scheme_options: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "the scheme's options"}
+    )
+    overrides: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "TrainConfig fields to override"}
+    )
+    run_dir: Path | None = field(
+        default=None, metadata={"help": "run folder (default ./distsgd-runs/<time>-<scheme>)"}
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "address tasks bind to"})
-    threads: int = field(default=0, metadata={"help": "torch threads per worker (0 = cores / workers)"})
-    wait_timeout: float = field(default=600.0, metadata={"help": "seconds to wait for slow or starting tasks"})
+    threads: int = field(
+        default=0, metadata={"help": "torch threads per worker (0 = cores / workers)"}
+    )
+    wait_timeout: float = field(
+        default=600.0, metadata={"help": "seconds to wait for slow or starting tasks"}
+    )
     quiet: bool = field(default=False, metadata={"help": "hide task log lines"})
 
     def __post_init__(self) -> None:
@@ -43,7 +55,10 @@ class LaunchConfig:
         if spec.uses_parameter_servers and self.ps == 0:
             raise ValueError(f"scheme {self.scheme!r} needs parameter servers; use --ps 1 or more")
         if not spec.uses_parameter_servers and self.ps:
-            raise ValueError(f"scheme {self.scheme!r} uses no parameter servers; drop --ps or use --ps 0")
+            raise ValueError(
+                f"scheme {self.scheme!r} uses no parameter servers; drop --ps or use --ps 0"
+            )
+        TrainConfig().replace(**self.overrides)  # each override valid on its own
         if self.threads < 0:
             raise ValueError(f"--threads must be 0 or more, got {self.threads}")
 

@@ -6,6 +6,7 @@ Linux only and racy at start-up), and a watcher thread that notices being re-par
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -55,7 +56,5 @@ def limit_threads(environ: dict[str, str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(int(text))
-    try:
+    with contextlib.suppress(RuntimeError):  # already set, or parallel work has started
         torch.set_num_interop_threads(1)
-    except RuntimeError:  # already set, or parallel work has started
-        pass

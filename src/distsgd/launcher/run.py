@@ -72,7 +72,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
     run_dir = config.resolved_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
@@ -92,12 +92,22 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         store_holder.clear()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        write_atomic(run_dir / "tasks.json", json.dumps({t.name: t.pid for t in supervisor.tasks.values()}) + "\n")
+        _write_tasks(run_dir, supervisor)
+
+
+def _write_tasks(run_dir: Path, supervisor: Supervisor) -> None:
+    """``tasks.json``: the PID of every task, for diagnostics and for tests that check cleanup."""
+    pids = {t.name: t.pid for t in supervisor.tasks.values()}
+    write_atomic(run_dir / "tasks.json", json.dumps(pids) + "\n")
 
 
 def _run(
-    config: LaunchConfig, console: Console, run_dir: Path, supervisor: Supervisor,
-    stop: threading.Event, store_holder: list[Any],
+    config: LaunchConfig,
+    console: Console,
+    run_dir: Path,
+    supervisor: Supervisor,
+    stop: threading.Event,
+    store_holder: list[Any],
 ) -> int:
     num_ps, threads = config.num_ps, config.threads_per_worker
     env = _task_env(config, threads)
@@ -107,12 +117,19 @@ def _run(
         run_dir / "config.json",
         json.dumps(
             {
-                "script": config.script, "script_args": list(config.script_args), "scheme": config.scheme,
-                "scheme_options": config.scheme_options, "overrides": config.overrides,
-                "workers": config.workers, "ps": num_ps, "threads_per_worker": threads, "run_id": run_id,
+                "script": config.script,
+                "script_args": list(config.script_args),
+                "scheme": config.scheme,
+                "scheme_options": config.scheme_options,
+                "overrides": config.overrides,
+                "workers": config.workers,
+                "ps": num_ps,
+                "threads_per_worker": threads,
+                "run_id": run_id,
             },
             indent=2,
-        ) + "\n",
+        )
+        + "\n",
     )
     # 1. Parameter servers on port 0; each reports the address it really bound.
     init_spec = ClusterSpec.local(num_workers=config.workers, num_ps=num_ps, host=config.host)
@@ -122,8 +139,18 @@ def _run(
         addr_file = run_dir / f"ps{i}.address"
         addr_file.unlink(missing_ok=True)
         argv = [
-            sys.executable, "-m", "distsgd", "server", "--job", "ps", "--task", str(i),
-            "--cluster", str(run_dir / "cluster-init.json"), "--address-file", str(addr_file),
+            sys.executable,
+            "-m",
+            "distsgd",
+            "server",
+            "--job",
+            "ps",
+            "--task",
+            str(i),
+            "--cluster",
+            str(run_dir / "cluster-init.json"),
+            "--address-file",
+            str(addr_file),
         ]
         ps_tasks.append((supervisor.start(f"ps{i}", argv, ps_env), addr_file))
     spec = init_spec
@@ -134,7 +161,14 @@ def _run(
     if num_ps == 0 and config.workers > 1:
         from torch.distributed import TCPStore
 
-        store = TCPStore(config.host, 0, None, True, timedelta(seconds=config.wait_timeout), wait_for_workers=False)
+        store = TCPStore(
+            config.host,
+            0,
+            None,
+            True,
+            timedelta(seconds=config.wait_timeout),
+            wait_for_workers=False,
+        )
         store_holder.append(store)
         rendezvous = f"{config.host}:{store.port}"
     write_atomic(run_dir / "cluster.json", json.dumps(spec.to_dict(), indent=2) + "\n")
@@ -142,12 +176,25 @@ def _run(
     workers = []
     for i in range(config.workers):
         task_env = TaskEnv(
-            cluster=spec.to_dict(), task_index=i, scheme=config.scheme, scheme_options=config.scheme_options,
-            overrides=config.overrides, run_dir=str(run_dir.resolve()), run_id=run_id,
-            rendezvous=rendezvous, wait_timeout=config.wait_timeout,
+            cluster=spec.to_dict(),
+            task_index=i,
+            scheme=config.scheme,
+            scheme_options=config.scheme_options,
+            overrides=config.overrides,
+            run_dir=str(run_dir.resolve()),
+            run_id=run_id,
+            rendezvous=rendezvous,
+            wait_timeout=config.wait_timeout,
         )
-        argv = [sys.executable, "-m", "distsgd.launcher.bootstrap", config.script, *config.script_args]
+        argv = [
+            sys.executable,
+            "-m",
+            "distsgd.launcher.bootstrap",
+            config.script,
+            *config.script_args,
+        ]
         workers.append(supervisor.start(f"worker{i}", argv, {**env, ENV_VAR: task_env.to_json()}))
+    _write_tasks(run_dir, supervisor)
     console.line(
         f"[distsgd] run {run_dir}: scheme {config.scheme}, {config.workers} workers, {num_ps} ps, "
         f"{threads} threads per worker"
@@ -168,7 +215,8 @@ def _run(
             supervisor.stop()
             tail = "\n".join(f"    {line}" for line in failed.tail)
             raise RunFailed(
-                f"task {failed.name} failed (exit code {failed.poll()}); its last log lines:\n{tail}\n"
+                f"task {failed.name} failed (exit code {failed.poll()}); "
+                f"its last log lines:\n{tail}\n"
                 f"full logs: {run_dir / 'logs'}"
             )
         progress.poll()

@@ -8,6 +8,7 @@ and then firmly (SIGKILL). Nothing is ever killed by name.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -52,11 +53,17 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         process = subprocess.Popen(
-            list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            list(argv),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         task = Task(name=name, process=process, log_path=log_path)
-        task.reader = threading.Thread(target=self._relay, args=(task,), name=f"relay-{name}", daemon=True)
+        task.reader = threading.Thread(
+            target=self._relay, args=(task,), name=f"relay-{name}", daemon=True
+        )
         task.reader.start()
         self.tasks[name] = task
         log.debug("started %s as pid %d", name, process.pid)
@@ -104,7 +111,5 @@ class Supervisor:
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     """Signal the process group we created for a task (its id is the task's PID)."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -101,7 +101,8 @@ class ParameterClient:
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"ps{i} at {shard.address} was not registered within {timeout:.0f}s; is the chief (worker 0) running?"
+                        f"ps{i} at {shard.address} was not registered within {timeout:.0f}s; "
+                        "is the chief (worker 0) running?"
                     )
                 time.sleep(0.05)
             expected = sorted((p.key, p.shape) for p in self.plan.shard_pieces(i))
@@ -109,7 +110,8 @@ class ParameterClient:
             if expected != have:
                 raise ValueError(
                     f"ps{i} holds different parameters than this worker's model "
-                    f"(first difference: {_first_difference(expected, have)}); every task must build the same model"
+                    f"(first difference: {_first_difference(expected, have)}); "
+                    "every task must build the same model"
                 )
 
     def pull(
@@ -138,7 +140,7 @@ class ParameterClient:
     def push(
         self, arrays: Mapping[str, np.ndarray], *, base_version: int | Sequence[int] | None = None
     ) -> list[PushResult]:
-        """Send named arrays (gradients or updates); ``base_version`` defaults to the last pulled."""
+        """Send named arrays (gradients, updates); ``base_version`` defaults to the last pulled."""
         bases = (
             self.versions
             if base_version is None
@@ -161,7 +163,7 @@ class ParameterClient:
 
 
 def _first_difference(expected: list[Any], have: list[Any]) -> str:
-    for a, b in zip(expected, have):
+    for a, b in zip(expected, have, strict=False):
         if a != b:
             return f"expected {a}, server has {b}"
     if len(expected) != len(have):

@@ -49,6 +49,14 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 f"protocol version mismatch: client speaks {header.protocol_version}, "
                 f"server speaks {PROTOCOL_VERSION}; run the same distsgd version on every task",
             )
+        shard = self.shard
+        if shard is not None and shard.run_id and header.run_id and header.run_id != shard.run_id:
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"a task of run {header.run_id} reached shard {self.shard_index} of run "
+                f"{shard.run_id}; stop the old run's tasks or give this run other ports",
+            )
 
     def _registered(self, context: grpc.ServicerContext) -> Shard:
         shard = self.shard
@@ -116,7 +124,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
             _abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"registration meant for shard {head.shard_index} reached shard {self.shard_index}; "
+                f"registration meant for shard {head.shard_index} reached shard "
+                f"{self.shard_index}; "
                 "check the order of ps addresses in the cluster spec",
             )
         values = self._assemble(head.tensors, request_iterator, context)
@@ -125,6 +134,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 same = (
                     specs_of(self.shard.values) == list(head.tensors)
                     and self.shard.scheme == head.scheme
+                    and self.shard.options_json == head.options_json
+                    and self.shard.num_workers == head.num_workers
                 )
                 if not same:
                     _abort(
@@ -145,6 +156,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 options_json=head.options_json,
                 num_workers=head.num_workers,
                 values=values,
+                run_id=head.header.run_id,
                 rule=rule,
             )
             nbytes = sum(v.nbytes for v in values.values())

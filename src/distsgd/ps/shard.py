@@ -26,6 +26,7 @@ class Shard:
         num_workers: int,
         values: Mapping[str, np.ndarray],
         rule: UpdateRule,
+        run_id: str = "",
     ) -> None:
         self.index = index
         self.scheme = scheme
@@ -33,6 +34,7 @@ class Shard:
         self.num_workers = num_workers
         self.values: dict[str, np.ndarray] = {k: np.array(v, copy=True) for k, v in values.items()}
         self.rule = rule
+        self.run_id = run_id
         self.version = 0
         self.cond = threading.Condition()
         self.finished: set[int] = set()

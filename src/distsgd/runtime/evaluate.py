@@ -23,7 +23,7 @@ def evaluate(
     batch_size: int,
     device: torch.device,
 ) -> dict[str, float]:
-    """``{"loss": ..., "accuracy": ...}`` over the whole data set (accuracy only for class targets)."""
+    """``{"loss": ..., "accuracy": ...}`` over the data set (accuracy for class targets only)."""
     was_training = model.training
     model.eval()
     n = len(dataset)  # type: ignore[arg-type]

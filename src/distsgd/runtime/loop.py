@@ -12,7 +12,7 @@ import io
 import json
 import logging
 import math
-import random
+import secrets
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -106,7 +106,7 @@ def run_worker(
                 list(spec.ps),
                 plan,
                 worker=rank,
-                incarnation=random.getrandbits(63),
+                incarnation=secrets.randbits(63),
                 run_id=env.run_id,
                 timeout=env.rpc_timeout,
                 retry_seconds=env.wait_timeout,

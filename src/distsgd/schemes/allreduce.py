@@ -44,7 +44,7 @@ class AllreduceWorker(WorkerScheme):
 
 SPEC = SchemeSpec(
     name="allreduce",
-    summary="synchronous SGD by all-reduce of gradients over torch.distributed (no parameter servers)",
+    summary="synchronous SGD by all-reduce of gradients (torch.distributed), no parameter servers",
     options=AllreduceOptions,
     worker=AllreduceWorker,
 )

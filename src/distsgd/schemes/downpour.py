@@ -16,7 +16,8 @@ Server, on each push, at once::
 
 ``server_lr`` defaults to 1/N for N workers: N deltas from one round of windows then move the
 server by their mean, as model averaging would; 1.0 adds them up as in the paper's sum of
-accumulated gradients (try it: it overshoots sooner with more workers). A remainder window shorter than ``window`` is pushed when the worker finishes.
+accumulated gradients (try it: it overshoots sooner with more workers). A remainder window
+shorter than ``window`` is pushed when the worker finishes.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class DownpourOptions:
         if self.window < 1:
             raise ValueError(f"window must be at least 1, got {self.window}")
         if self.server_lr < 0:
-            raise ValueError(f"server_lr must be positive (or 0 for 1 / workers), got {self.server_lr}")
+            raise ValueError(
+                f"server_lr must be positive (or 0 for 1 / workers), got {self.server_lr}"
+            )
 
 
 class DownpourServer(UpdateRule):
@@ -97,7 +100,7 @@ class DownpourWorker(WorkerScheme):
 
 SPEC = SchemeSpec(
     name="downpour",
-    summary="DOWNPOUR: `window` local SGD steps, then push the accumulated update; server applies it at once",
+    summary="DOWNPOUR: `window` local SGD steps, then push the accumulated update",
     options=DownpourOptions,
     worker=DownpourWorker,
     server=DownpourServer,

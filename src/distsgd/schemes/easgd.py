@@ -87,7 +87,7 @@ class EasgdWorker(WorkerScheme):
 
 SPEC = SchemeSpec(
     name="easgd",
-    summary="asynchronous elastic averaging: local SGD, every `tau` steps an elastic pull towards the center",
+    summary="asynchronous elastic averaging: local SGD, every `tau` steps an elastic exchange",
     options=EasgdOptions,
     worker=EasgdWorker,
     server=lambda options, n: ElasticServer(options=options, num_workers=n),

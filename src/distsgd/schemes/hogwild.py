@@ -63,7 +63,7 @@ class HogwildWorker(WorkerScheme):
 
 SPEC = SchemeSpec(
     name="hogwild",
-    summary="asynchronous SGD: pull, compute a gradient, push; the server applies it at once, lock-free",
+    summary="asynchronous SGD: pull, gradient, push; the server applies it at once, lock-free",
     options=HogwildOptions,
     worker=HogwildWorker,
     server=HogwildServer,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distsgd.ps.rules import UpdateRule
+from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.scheme import WorkerScheme
 
 
@@ -45,10 +46,19 @@ class SchemeSpec:
 
 
 _SCHEMES: dict[str, SchemeSpec] = {}
+_TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 def register(spec: SchemeSpec) -> SchemeSpec:
+    """Add a scheme to the catalogue (a programming error if the spec is inconsistent)."""
     assert spec.name not in _SCHEMES, f"scheme {spec.name} registered twice"
+    worker_uses_ps = getattr(spec.worker, "uses_parameter_servers", spec.uses_parameter_servers)
+    assert worker_uses_ps == spec.uses_parameter_servers, (
+        f"scheme {spec.name}: the worker half's uses_parameter_servers disagrees with having a "
+        "server half"
+    )
+    clash = {f.name for f in dataclasses.fields(spec.options)} & _TRAIN_FIELDS
+    assert not clash, f"scheme {spec.name}: options {sorted(clash)} clash with TrainConfig fields"
     _SCHEMES[spec.name] = spec
     return spec
 

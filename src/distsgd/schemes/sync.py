@@ -56,7 +56,8 @@ class SyncOptions:
         """R: gradients that close a step; ValueError when it cannot work with this many workers."""
         if self.backup_workers >= num_workers:
             raise ValueError(
-                f"backup_workers={self.backup_workers} leaves no worker to wait for with {num_workers} workers; "
+                f"backup_workers={self.backup_workers} leaves no worker to wait for with "
+                f"{num_workers} workers; "
                 f"use at most {num_workers - 1}"
             )
         r = self.replicas_to_aggregate or num_workers - self.backup_workers
@@ -71,7 +72,8 @@ class SyncOptions:
             )
         if r > num_workers:
             raise ValueError(
-                f"replicas_to_aggregate={r} exceeds the {num_workers} workers; use at most {num_workers}"
+                f"replicas_to_aggregate={r} exceeds the {num_workers} workers; "
+                f"use at most {num_workers}"
             )
         return r
 
@@ -141,7 +143,7 @@ class SyncWorker(WorkerScheme):
 
 SPEC = SchemeSpec(
     name="sync",
-    summary="synchronous SGD: each step applies the mean of R fresh gradients; stale ones are dropped",
+    summary="synchronous SGD: each step applies the mean of R fresh gradients, drops stale ones",
     options=SyncOptions,
     worker=SyncWorker,
     server=SyncServer,

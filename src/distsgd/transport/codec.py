@@ -120,7 +120,9 @@ class ChunkAssembler:
     def finish(self) -> dict[str, np.ndarray]:
         """The complete tensors by key, or :class:`WireError` naming a truncated one."""
         out: dict[str, np.ndarray] = {}
-        for spec, size, filled, buf in zip(self._specs, self._sizes, self._filled, self._buffers):
+        for spec, size, filled, buf in zip(
+            self._specs, self._sizes, self._filled, self._buffers, strict=True
+        ):
             if filled != size:
                 raise WireError(f"{spec.key}: truncated, got {filled} of {size} bytes")
             dtype = wire_dtype(spec.dtype, spec.key)

@@ -1,4 +1,4 @@
-"""Small helpers shared by every layer (the bottom of the stack; imports no other distsgd package)."""
+"""Small helpers shared by every layer: the bottom of the stack, importing no distsgd package."""
 
 from distsgd.util.atomic import write_atomic, write_bytes_atomic
 

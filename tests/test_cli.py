@@ -1,0 +1,122 @@
+"""The command line: bad input gets one line naming the cause and the fix, and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import SCRIPTS, run_distsgd, wait_for
+
+BLOBS = str(SCRIPTS / "blobs.py")
+
+
+def _error_line(done) -> str:  # type: ignore[no-untyped-def]
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("distsgd: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "--scheme", "sync", "--ps", "0", BLOBS], "--ps 1"),
+        (["run", "--scheme", "allreduce", "--ps", "2", BLOBS], "--ps 0"),
+        (["run", "--scheme", "sync", "--tau", "3", BLOBS], "--tau is an option of easgd"),
+        (["run", "--scheme", "sync", "--backup-workers", "2", BLOBS], "backup_workers=2"),
+        (["run", "--workers", "0", BLOBS], "--workers"),
+        (["run", "missing_script.py"], "missing_script.py not found"),
+        (["run", "--lr", "-1", BLOBS], "lr must be positive"),
+        (["run", "--scheme", "downpour", "--window", "0", BLOBS], "window must be at least 1"),
+    ],
+)
+def test_bad_run_arguments(args: list[str], needle: str, tmp_path: Path) -> None:
+    line = _error_line(run_distsgd(args, cwd=tmp_path))
+    assert needle in line
+
+
+@pytest.mark.parametrize(
+    ("cluster", "needle"),
+    [
+        ({"ps": ["127.0.0.1:5000"], "worker": ["127.0.0.1:5000"]}, "give each task its own port"),
+        ({"ps": ["127.0.0.1:5000"], "worker": []}, "no worker"),
+        ({"ps": ["127.0.0.1:99999"], "worker": ["127.0.0.1:1"]}, "bad port"),
+        ({"evaluator": ["a:1"], "worker": ["127.0.0.1:1"]}, "unknown job 'evaluator'"),
+    ],
+)
+def test_bad_cluster_spec(cluster: dict, needle: str, tmp_path: Path) -> None:
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(cluster))
+    line = _error_line(
+        run_distsgd(["server", "--job", "ps", "--task", "0", "--cluster", str(path)])
+    )
+    assert needle in line
+
+
+def test_task_index_out_of_range(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text('[cluster]\nps = ["127.0.0.1:0"]\nworker = ["127.0.0.1:0"]\n')
+    line = _error_line(run_distsgd(["server", "--task", "3", "--cluster", str(path)]))
+    assert "out of range" in line
+
+
+def test_schemes_lists_the_catalogue() -> None:
+    done = run_distsgd(["schemes"])
+    assert done.returncode == 0
+    names = [line.split()[0] for line in done.stdout.splitlines()]
+    assert names == ["sync", "hogwild", "downpour", "easgd", "allreduce"]
+
+
+@pytest.mark.slow
+def test_manual_cluster_with_server_and_worker_commands(spawn, tmp_path: Path) -> None:
+    """The seed's way: one `server` per ps task and one `worker` per worker, TF_CONFIG style."""
+    addr_file = tmp_path / "ps0.address"
+    init = tmp_path / "init.json"
+    init.write_text(json.dumps({"ps": ["127.0.0.1:0"], "worker": ["127.0.0.1:0", "127.0.0.1:0"]}))
+    server = spawn(
+        [
+            "server",
+            "--job_name",
+            "ps",
+            "--task_index",
+            "0",
+            "--cluster",
+            str(init),
+            "--address-file",
+            str(addr_file),
+        ]
+    )
+    assert wait_for(addr_file.exists, 30), "ps did not report its address"
+    ps_address = addr_file.read_text().strip()
+    cluster = {"ps": [ps_address], "worker": ["127.0.0.1:0", "127.0.0.1:0"]}
+    run_dir = tmp_path / "run"
+    workers = []
+    for i in range(2):
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
+        workers.append(
+            spawn(
+                [
+                    "worker",
+                    "--scheme",
+                    "hogwild",
+                    "--run-dir",
+                    str(run_dir),
+                    BLOBS,
+                    "--steps",
+                    "30",
+                ],
+                env={"TF_CONFIG": tf_config},
+            )
+        )
+    for w in workers:
+        out, _ = w.communicate(timeout=120)
+        assert w.returncode == 0, out
+    assert json.loads((run_dir / "result.json").read_text())["test_accuracy"] > 0.5
+    os.kill(server.pid, signal.SIGTERM)
+    out, _ = server.communicate(timeout=20)
+    assert server.returncode == 0, out
+    assert "stopping" in out

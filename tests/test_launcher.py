@@ -1,0 +1,102 @@
+"""The launcher stops every process it started: after a normal end, a killed task, SIGINT."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import SCRIPTS, alive, metrics, run_distsgd, task_pids, wait_for
+
+pytestmark = pytest.mark.slow
+BLOBS = str(SCRIPTS / "blobs.py")
+
+
+def _descendants(proc: psutil.Process) -> list[int]:
+    try:
+        return [c.pid for c in proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_normal_end_leaves_no_process(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run_distsgd(
+        [
+            "run",
+            "--workers",
+            "2",
+            "--scheme",
+            "hogwild",
+            "--run-dir",
+            str(run_dir),
+            BLOBS,
+            "--steps",
+            "20",
+        ]
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("test accuracy: ")
+    pids = task_pids(run_dir)
+    assert set(pids) == {"ps0", "worker0", "worker1"}
+    assert alive(list(pids.values())) == []
+    # Every task line is relayed with its role.
+    assert "[worker1]" in done.stdout and "[ps0]" in done.stdout
+
+
+def _start_slow_run(spawn, run_dir: Path, scheme: str = "sync"):  # type: ignore[no-untyped-def]
+    proc = spawn(
+        [
+            "run",
+            "--workers",
+            "2",
+            "--scheme",
+            scheme,
+            "--run-dir",
+            str(run_dir),
+            BLOBS,
+            "--steps",
+            "2000",
+            "--slow",
+            "0.02",
+        ]
+    )
+    assert wait_for(
+        lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2, 90
+    ), "no progress"
+    tree = _descendants(proc)
+    pids = task_pids(run_dir)
+    assert set(pids.values()) <= set(tree)
+    return proc, tree, pids
+
+
+def test_killed_worker_stops_the_run_and_every_process(spawn, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc, tree, pids = _start_slow_run(spawn, run_dir)
+    os.kill(pids["worker1"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out
+    last = out.strip().splitlines()
+    assert any("task worker1 failed" in line for line in last), out[-2000:]
+    assert alive(tree) == []
+
+
+def test_sigint_stops_every_process(spawn, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc, tree, _ = _start_slow_run(spawn, run_dir, scheme="allreduce")
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-2000:]
+    assert "interrupted" in out
+    assert alive(tree) == []
+
+
+def test_sigkill_of_launcher_takes_tasks_down(spawn, tmp_path: Path) -> None:
+    """Even a launcher killed with SIGKILL (no chance to clean up) leaves no task behind."""
+    run_dir = tmp_path / "run"
+    proc, tree, _ = _start_slow_run(spawn, run_dir, scheme="hogwild")
+    proc.kill()
+    proc.wait(timeout=10)
+    assert wait_for(lambda: alive(tree) == [], 15), f"left behind: {alive(tree)}"
