@@ -47,6 +47,23 @@ def test_loss_falls(scheme: str, tmp_path: Path) -> None:
     assert (run_dir / "final_model.pt").exists()
 
 
+def test_sync_with_a_backup_worker(tmp_path: Path) -> None:
+    """3 workers, each step closes after the first 2 gradients; late ones are dropped, counted."""
+    run_dir = tmp_path / "backup"
+    args = ["run", "--workers", "3", "--scheme", "sync", "--backup-workers", "1", "--quiet"]
+    args += ["--run-dir", str(run_dir), str(SCRIPTS / "blobs.py"), "--steps", "40"]
+    done = run_distsgd(args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = metrics(run_dir)
+    last = {r["task"]: r for r in records if "dropped" in r}
+    dropped = sum(r["dropped"] for r in last.values())
+    result = json.loads((run_dir / "result.json").read_text())
+    # Every step takes exactly 2 of the 3 workers' gradients (until workers start to leave).
+    assert dropped > 0
+    assert result["global_step"] >= 40
+    assert _mean_loss(records, "worker0", False) < 0.5 * _mean_loss(records, "worker0", True)
+
+
 @pytest.mark.parametrize("scheme", schemes.names())
 def test_demo_reaches_95_percent(scheme: str, tmp_path: Path) -> None:
     run_dir = tmp_path / scheme

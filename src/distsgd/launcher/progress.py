@@ -68,7 +68,9 @@ class Progress:
         self.loss: float | None = None
         self.accuracy: float | None = None
         self.samples: dict[str, int] = {}
-        self.started = time.monotonic()
+        self.started = time.time()
+        self.first_record: float | None = None
+        """Wall time of the first metrics line: throughput counts from there, not from start-up."""
 
     def poll(self) -> None:
         try:
@@ -86,6 +88,8 @@ class Progress:
                 record = json.loads(raw)
             except ValueError:
                 continue
+            if self.first_record is None and "time" in record:
+                self.first_record = float(record["time"])
             self.step = max(self.step, int(record.get("step", 0)))
             if "loss" in record:
                 self.loss = float(record["loss"])
@@ -94,9 +98,19 @@ class Progress:
             if "samples" in record:
                 self.samples[str(record.get("task"))] = int(record["samples"])
 
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the launcher started."""
+        return time.time() - self.started
+
+    @property
+    def samples_per_second(self) -> float:
+        if self.first_record is None:
+            return 0.0
+        return sum(self.samples.values()) / max(1e-3, time.time() - self.first_record)
+
     def render(self) -> str:
-        elapsed = time.monotonic() - self.started
-        rate = sum(self.samples.values()) / elapsed if elapsed > 0 else 0.0
+        elapsed, rate = self.elapsed, self.samples_per_second
         parts = [f"step {self.step}"]
         if self.loss is not None:
             parts.append(f"loss {self.loss:.4f}")

@@ -235,7 +235,7 @@ def _run(
         raise RunFailed(f"the workers finished but the chief wrote no {RESULT_FILE} in {run_dir}")
     result = json.loads(result_path.read_text())
     console.final(
-        f"[distsgd] done in {progress.render().split('| ')[-1]}: {result['global_step']} updates, "
+        f"[distsgd] done in {progress.elapsed:.0f}s: {result['global_step']} updates, "
         f"{result['local_steps']} steps on worker0; run folder {run_dir}"
     )
     if result.get("test_accuracy") is not None:

@@ -183,6 +183,8 @@ def run_worker(
                     loss=round(loss_value, 6),
                     samples=ctx.local_step * config.batch_size,
                     epoch=batches.epoch,
+                    bytes_sent=ctx.bytes_sent,
+                    **scheme.stats(),
                 )
             if (
                 eval_model is not None

@@ -35,6 +35,10 @@ class WorkerScheme(ABC):
         """Options sent to the scheme's server rule at registration (JSON-serialisable)."""
         return {"lr": config.lr, "momentum": config.momentum}
 
+    def stats(self) -> dict[str, float]:
+        """Scheme-specific counters added to each metrics line (e.g. dropped gradients)."""
+        return {}
+
     def start(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook
         """Called once before the first step."""
 

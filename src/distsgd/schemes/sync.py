@@ -131,6 +131,9 @@ class SyncWorker(WorkerScheme):
     def server_options(self, config: TrainConfig) -> dict[str, Any]:
         return {**super().server_options(config), "required": self.required}
 
+    def stats(self) -> dict[str, float]:
+        return {"dropped": self.dropped}
+
     def before_step(self, ctx: WorkerContext) -> None:
         ctx.pull(min_version=self.next_versions)
 

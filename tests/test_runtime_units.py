@@ -1,0 +1,109 @@
+"""Runtime pieces on their own: data sharding, typed config, the task environment, metrics."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from distsgd.runtime import TaskEnv, TrainConfig
+from distsgd.runtime.data import ShardedBatches, as_dataset
+from distsgd.runtime.metrics import MetricsWriter
+
+
+def _dataset(n: int) -> TensorDataset:
+    return TensorDataset(torch.arange(n).float().unsqueeze(1), torch.arange(n))
+
+
+def test_shards_are_disjoint_and_equal() -> None:
+    data = _dataset(103)
+    seen: list[set[int]] = []
+    for rank in range(4):
+        batches = ShardedBatches(data, rank=rank, world=4, batch_size=5, seed=7)
+        assert batches.steps_per_epoch == 103 // 4 // 5
+        it = iter(batches)
+        ids = set()
+        for _ in range(batches.steps_per_epoch):
+            _, y = next(it)
+            ids.update(int(v) for v in y)
+        assert batches.position == (0, batches.steps_per_epoch)
+        seen.append(ids)
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert not seen[a] & seen[b]
+
+
+def test_each_epoch_reshuffles_the_same_shard() -> None:
+    batches = ShardedBatches(_dataset(40), rank=1, world=2, batch_size=20, seed=0)
+    it = iter(batches)
+    first = next(it)[1].tolist()
+    second = next(it)[1].tolist()
+    assert sorted(first) == sorted(second) and first != second
+
+
+def test_batch_larger_than_shard_is_explained() -> None:
+    with pytest.raises(ValueError, match="lower --batch-size or use fewer workers"):
+        ShardedBatches(_dataset(30), rank=0, world=4, batch_size=16, seed=0)
+
+
+def test_as_dataset_checks_pairs() -> None:
+    assert len(as_dataset((torch.zeros(3, 2), torch.zeros(3)))) == 3  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="3 inputs but 2 targets"):
+        as_dataset((torch.zeros(3, 2), torch.zeros(2)))
+    with pytest.raises(ValueError, match="expected a torch Dataset"):
+        as_dataset([1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("batch_size", 0, "batch_size must be at least 1"),
+        ("lr", 0.0, "lr must be positive"),
+        ("momentum", 1.0, "momentum must be in"),
+        ("steps", -1, "steps must be 0 or more"),
+        ("epochs", 0.0, "epochs must be positive"),
+    ],
+)
+def test_train_config_rejects_bad_values(field: str, value: object, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        TrainConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_train_config_is_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        TrainConfig(32)  # type: ignore[misc]
+
+
+def test_task_env_round_trip_and_validation() -> None:
+    env = TaskEnv(
+        cluster={"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, task_index=0, scheme="sync"
+    )
+    assert TaskEnv.from_json(env.to_json()) == env
+    assert TaskEnv.from_environ({"DISTSGD_TASK": env.to_json()}) == env
+    assert TaskEnv.from_environ({}) is None
+    with pytest.raises(ValueError, match="out of range"):
+        TaskEnv(cluster={"ps": [], "worker": ["127.0.0.1:2"]}, task_index=1, scheme="sync")
+
+
+def test_metrics_lines_from_threads_never_interleave(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    writers = [MetricsWriter(path, f"worker{i}") for i in range(4)]
+
+    def write(w: MetricsWriter) -> None:
+        for step in range(200):
+            w.log(step=step, loss=1.0 / (step + 1), padding="x" * 300)
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for w in writers:
+        w.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 800
+    assert all(json.loads(line)["padding"] == "x" * 300 for line in lines)
