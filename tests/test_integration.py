@@ -39,11 +39,14 @@ def test_loss_falls(scheme: str, tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     records = metrics(run_dir)
+    # The first loss any worker saw (an async worker that starts late already sees progress).
+    first = max(_mean_loss(records, w, True) for w in ("worker0", "worker1"))
     for worker in ("worker0", "worker1"):
-        first, last = _mean_loss(records, worker, True), _mean_loss(records, worker, False)
+        last = _mean_loss(records, worker, False)
         assert last < 0.5 * first, f"{scheme} {worker}: loss {first:.3f} -> {last:.3f}"
     result = json.loads((run_dir / "result.json").read_text())
     assert result["scheme"] == scheme and result["local_steps"] == 60
+    assert result["test_loss"] < 0.5 * first
     assert (run_dir / "final_model.pt").exists()
 
 
