@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, NoReturn
@@ -38,6 +39,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         self.rule_factory = rule_factory
         self.chunk_bytes = chunk_bytes
         self.shard: Shard | None = None
+        self.incarnation = secrets.randbits(63) | 1
+        """Random per server process; a client seeing another one knows the server restarted."""
         self._register_lock = threading.Lock()
 
     # -- checks ---------------------------------------------------------------------------------
@@ -101,7 +104,11 @@ class ParameterService(pb_grpc.ParameterServerServicer):
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         self._check(request.header, context)
         shard = self.shard
-        reply = pb.InfoResponse(protocol_version=PROTOCOL_VERSION, shard_index=self.shard_index)
+        reply = pb.InfoResponse(
+            protocol_version=PROTOCOL_VERSION,
+            shard_index=self.shard_index,
+            server_incarnation=self.incarnation,
+        )
         if shard is not None:
             with shard.cond:
                 reply.registered = True
@@ -178,7 +185,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         shard.see(request.header.worker, request.header.incarnation)
         remaining = context.time_remaining()
         wait = request.wait_seconds if remaining is None else min(request.wait_seconds, remaining)
-        if not shard.wait_for(request.min_version, wait):
+        restarted = request.server_incarnation not in (0, self.incarnation)
+        if not restarted and not shard.wait_for(request.min_version, wait):
             _abort(
                 context,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -186,7 +194,10 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 f"waiting for version {request.min_version}",
             )
         version, values = shard.snapshot()
-        yield pb.PullResponse(header=pb.PullHeader(version=version, tensors=specs_of(values)))
+        header = pb.PullHeader(
+            version=version, tensors=specs_of(values), server_incarnation=self.incarnation
+        )
+        yield pb.PullResponse(header=header)
         for chunk in iter_chunks(list(values.values()), self.chunk_bytes):
             yield pb.PullResponse(chunk=chunk)
 

@@ -60,6 +60,8 @@ class ShardClient:
         self._header = pb.RequestHeader(
             protocol_version=PROTOCOL_VERSION, run_id=run_id, worker=worker, incarnation=incarnation
         )
+        self.server_incarnation = 0
+        """The server process last seen (0 = none yet); it changes when the server restarts."""
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
 
@@ -125,11 +127,20 @@ class ShardClient:
     def pull(
         self, *, min_version: int = 0, wait_seconds: float | None = None
     ) -> tuple[int, dict[str, np.ndarray]]:
-        """The shard's pieces once its version is at least ``min_version``: (version, arrays)."""
+        """The shard's pieces once its version is at least ``min_version``: (version, arrays).
+
+        A server that restarted (from a checkpoint) answers at once whatever ``min_version``:
+        the versions the caller counted belong to the lost process.
+        """
         wait = self.timeout if wait_seconds is None else wait_seconds
-        request = pb.PullRequest(header=self._header, min_version=min_version, wait_seconds=wait)
 
         def do() -> tuple[int, dict[str, np.ndarray]]:
+            request = pb.PullRequest(
+                header=self._header,
+                min_version=min_version,
+                wait_seconds=wait,
+                server_incarnation=self.server_incarnation,
+            )
             stream = self._stub.Pull(request, timeout=wait + self.timeout)
             first = next(stream)
             if first.WhichOneof("part") != "header":
@@ -137,7 +148,9 @@ class ShardClient:
             assembler = ChunkAssembler(first.header.tensors)
             for message in stream:
                 assembler.add(message.chunk)
-            return first.header.version, assembler.finish()
+            arrays = assembler.finish()
+            self.server_incarnation = first.header.server_incarnation
+            return first.header.version, arrays
 
         return self._call("Pull", do)
 
@@ -160,6 +173,13 @@ class ShardClient:
             "Push", lambda: self._stub.Push(messages(), timeout=self.timeout), retry=False
         )
         return PushResult(accepted=reply.accepted, version=reply.version, reason=reply.reason)
+
+    def checkpoint(self, name: str) -> pb.CheckpointResponse:
+        """Ask the shard to write its state under checkpoint ``name``."""
+        request = pb.CheckpointRequest(header=self._header, name=name)
+        return self._call(
+            "Checkpoint", lambda: self._stub.Checkpoint(request, timeout=self.timeout)
+        )
 
     def leave(self) -> int:
         """Tell the shard this worker has finished; returns the shard's version."""

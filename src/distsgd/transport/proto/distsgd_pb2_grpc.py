@@ -59,6 +59,11 @@ class ParameterServerStub:
                 request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/distsgd.v1.ParameterServer/Checkpoint',
+                request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -94,6 +99,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaveRequest.FromString,
                     response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.CheckpointRequest.FromString,
+                    response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class ParameterServer:
             '/distsgd.v1.ParameterServer/Leave',
             distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaveRequest.SerializeToString,
             distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/distsgd.v1.ParameterServer/Checkpoint',
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.CheckpointRequest.SerializeToString,
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,
