@@ -61,9 +61,12 @@ def test_sync_with_a_backup_worker(tmp_path: Path) -> None:
     last = {r["task"]: r for r in records if "dropped" in r}
     dropped = sum(r["dropped"] for r in last.values())
     result = json.loads((run_dir / "result.json").read_text())
-    # Every step takes exactly 2 of the 3 workers' gradients (until workers start to leave).
-    assert dropped > 0
-    assert result["global_step"] >= 40
+    pushes = 3 * 40
+    # Every push is applied or dropped as stale; a step applies at most 2 gradients (fewer
+    # once workers have finished and left).
+    assert (pushes - dropped) / 2 <= result["global_step"] <= pushes - dropped
+    # Steps close without the slowest worker: more steps than the 40 of waiting for all three.
+    assert result["global_step"] > 40
     assert _mean_loss(records, "worker0", False) < 0.5 * _mean_loss(records, "worker0", True)
 
 

@@ -237,7 +237,12 @@ def test_sync_options_negative_and_unknown() -> None:
         schemes.get("sync").parse_options({"no_such": 1})
     worker = SyncWorker(schemes.get("sync").parse_options({"backup_workers": 1}), 3)
     config = TrainConfig(lr=0.2, momentum=0.5)
-    assert worker.server_options(config) == {"lr": 0.2, "momentum": 0.5, "required": 2}
+    assert worker.server_options(config) == {
+        "lr": 0.2,
+        "momentum": 0.5,
+        "required": 2,
+        "step_timeout": 60.0,
+    }
 
 
 # --------------------------------------------------------------------------- hogwild / downpour

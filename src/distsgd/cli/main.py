@@ -1,18 +1,21 @@
-"""The ``distsgd`` command: run, demo, server, worker, schemes."""
+"""The ``distsgd`` command: run, demo, server, worker, inspect, schemes."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from distsgd import __version__, schemes
 from distsgd.cli.flags import add_scheme_flags, add_training_flags, collect, scheme_options
 from distsgd.cluster import ClusterSpecError, resolve_cluster
 
 DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +34,28 @@ def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("mutual TLS (all three, or none)")
+    group.add_argument("--tls-cert", type=Path, help="this task's certificate (PEM)")
+    group.add_argument("--tls-key", type=Path, help="this task's private key (PEM)")
+    group.add_argument(
+        "--tls-ca", type=Path, help="the CA certificate every task's certificate is signed by"
+    )
+
+
+def _tls(args: argparse.Namespace) -> Any:
+    given = [args.tls_cert, args.tls_key, args.tls_ca]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError(
+            "mutual TLS needs --tls-cert, --tls-key and --tls-ca together; give all three"
+        )
+    from distsgd.transport.security import TlsConfig
+
+    return TlsConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+
+
 def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
     parser.add_argument(
@@ -46,6 +71,28 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=0, help="torch threads per worker (default cores/workers)"
     )
     parser.add_argument("--quiet", action="store_true", help="hide task log lines")
+    ft = parser.add_argument_group("fault tolerance")
+    ft.add_argument(
+        "--checkpoint-every",
+        metavar="N|Ns",
+        default=None,
+        help="checkpoint every N steps of each worker, or every N seconds with 's' (e.g. 50, 30s)",
+    )
+    ft.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart a dead task up to K times from the last checkpoint (default 0: stop the run)",
+    )
+    ft.add_argument(
+        "--inject-fault",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="kill:worker:1@step=50, kill:ps:0@step=120, delay:worker:2=200ms, "
+        "partition:worker:0@step=30+10s (repeatable)",
+    )
+    _add_tls_flags(parser)
     add_scheme_flags(parser)
     add_training_flags(parser)
 
@@ -57,7 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="train a script on a local cluster of N workers and M ps")
     _add_launch_flags(run)
-    run.add_argument("script", help="training script that calls distsgd.train")
+    run.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="continue an earlier run from its last complete checkpoint (same script, options)",
+    )
+    run.add_argument("script", nargs="?", help="training script that calls distsgd.train")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
     demo = sub.add_parser(
@@ -76,7 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--address-file", type=Path, help="write the address really bound to this file"
     )
+    server.add_argument(
+        "--checkpoint-dir", type=Path, help="folder the Checkpoint call writes into"
+    )
+    server.add_argument("--restore", type=Path, help="start from this shard checkpoint (psN.npz)")
     _add_cluster_flags(server)
+    _add_tls_flags(server)
 
     worker = sub.add_parser("worker", help="run a training script as one worker task of a cluster")
     worker.add_argument(
@@ -94,18 +153,66 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.distributed store HOST:PORT (default: chief's address)",
     )
     _add_cluster_flags(worker)
+    _add_tls_flags(worker)
     add_scheme_flags(worker)
     add_training_flags(worker)
     worker.add_argument("script")
     worker.add_argument("script_args", nargs=argparse.REMAINDER)
 
+    inspect = sub.add_parser("inspect", help="show what a checkpoint holds")
+    inspect.add_argument(
+        "path", type=Path, help="a run folder, a checkpoint folder, or a psN.npz / worker file"
+    )
+
     sub.add_parser("schemes", help="list the training schemes")
     return parser
 
 
-def _cmd_run(args: argparse.Namespace, script: str, script_args: Sequence[str]) -> int:
-    from distsgd.launcher import LaunchConfig, launch
+def _checkpoint_every(text: str | None) -> tuple[int, float]:
+    """'50' -> 50 steps; '30s' -> 30 seconds."""
+    if text is None:
+        return 0, 0.0
+    try:
+        if text.endswith("s"):
+            return 0, float(text[:-1])
+        return int(text), 0.0
+    except ValueError:
+        raise ValueError(f"--checkpoint-every {text!r}: give steps (50) or seconds (30s)") from None
 
+
+def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence[str]) -> int:
+    from distsgd.launcher import LaunchConfig, launch
+    from distsgd.launcher.run import load_run_config
+
+    steps, seconds = _checkpoint_every(args.checkpoint_every)
+    common: dict[str, Any] = {
+        "threads": args.threads,
+        "quiet": args.quiet,
+        "max_restarts": args.max_restarts,
+        "faults": tuple(args.inject_fault),
+        "tls": _tls(args),
+    }
+    resume = getattr(args, "resume", None)
+    if resume is not None:
+        saved = load_run_config(resume)
+        config = LaunchConfig(
+            script=saved["script"],
+            script_args=tuple(saved["script_args"]),
+            workers=saved["workers"],
+            ps=saved["ps"],
+            scheme=saved["scheme"],
+            scheme_options=saved["scheme_options"],
+            overrides=saved["overrides"],
+            run_dir=resume,
+            run_id=saved["run_id"],
+            resume=True,
+            checkpoint_every=steps or saved.get("checkpoint_every", 0),
+            checkpoint_seconds=seconds or saved.get("checkpoint_seconds", 0.0),
+            **common,
+        )
+        return launch(config)
+    if script is None:
+        raise ValueError("no training script; give SCRIPT, or --resume RUN_DIR to continue a run")
     config = LaunchConfig(
         script=script,
         script_args=tuple(script_args),
@@ -115,16 +222,26 @@ def _cmd_run(args: argparse.Namespace, script: str, script_args: Sequence[str]) 
         scheme_options=scheme_options(args),
         overrides=collect(args, "train."),
         run_dir=args.run_dir,
-        threads=args.threads,
-        quiet=args.quiet,
+        checkpoint_every=steps,
+        checkpoint_seconds=seconds,
+        **common,
     )
     return launch(config)
+
+
+def _task_index(arg: int | None, tf_task: Any, job: str) -> int:
+    if arg is not None:
+        return arg
+    if tf_task is not None and tf_task.job == job:
+        return int(tf_task.index)
+    raise ValueError(f"no {job} task index; pass --task N (or set TF_CONFIG's task)")
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
     from distsgd.launcher.bootstrap import setup_logging
     from distsgd.launcher.lifeline import tie_to_parent
     from distsgd.ps import serve
+    from distsgd.transport.security import load_secret
 
     spec, tf_task = resolve_cluster(
         cluster_file=args.cluster, ps_hosts=args.ps_hosts, worker_hosts=args.worker_hosts
@@ -133,52 +250,40 @@ def _cmd_server(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--job {args.job}: 'distsgd server' runs ps tasks; run workers with 'distsgd worker'"
         )
-    index = (
-        args.task
-        if args.task is not None
-        else (tf_task.index if tf_task and tf_task.job == "ps" else None)
-    )
-    if index is None:
-        raise ValueError("no ps task index; pass --task N (or set TF_CONFIG's task)")
+    index = _task_index(args.task, tf_task, "ps")
     task = spec.task("ps", index)
+    tls, secret = _tls(args), load_secret()
+    if args.restore is not None and not args.restore.is_file():
+        raise ValueError(f"--restore {args.restore}: no such file; give a psN.npz of a checkpoint")
     tie_to_parent()
     setup_logging()
     address = args.address or spec.address(task)
-    host = address.rpartition(":")[0].strip("[]")
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        logging.getLogger("distsgd").warning(
-            "listening on non-loopback %s without authentication or TLS", address
-        )
     serve(
         address=address,
         shard_index=index,
         rule_factory=schemes.make_server_rule,
         address_file=args.address_file,
+        checkpoint_dir=args.checkpoint_dir,
+        restore=args.restore,
+        secret=secret,
+        tls=tls,
     )
     return 0
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    import os
-
     from distsgd.launcher.bootstrap import main as bootstrap_main
     from distsgd.runtime import ENV_VAR, TaskEnv
 
     spec, tf_task = resolve_cluster(
         cluster_file=args.cluster, ps_hosts=args.ps_hosts, worker_hosts=args.worker_hosts
     )
-    index = (
-        args.task
-        if args.task is not None
-        else (tf_task.index if tf_task and tf_task.job == "worker" else None)
-    )
-    if index is None:
-        raise ValueError("no worker task index; pass --task N (or set TF_CONFIG's task)")
+    index = _task_index(args.task, tf_task, "worker")
     spec.task("worker", index)
     options = scheme_options(args)
-    schemes.get(args.scheme).worker(
-        schemes.get(args.scheme).parse_options(options), spec.num_workers
-    )
+    scheme = schemes.get(args.scheme)
+    scheme.worker(scheme.parse_options(options), spec.num_workers)
+    tls = _tls(args)
     env = TaskEnv(
         cluster=spec.to_dict(),
         task_index=index,
@@ -187,6 +292,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         overrides=collect(args, "train."),
         run_dir=str(args.run_dir or ""),
         rendezvous=args.rendezvous,
+        tls=[] if tls is None else [str(tls.cert), str(tls.key), str(tls.ca)],
     )
     if args.run_dir:
         Path(args.run_dir).mkdir(parents=True, exist_ok=True)
@@ -206,6 +312,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_server(args)
         if args.command == "worker":
             return _cmd_worker(args)
+        if args.command == "inspect":
+            from distsgd.cli.inspect import inspect
+
+            return inspect(args.path)
         if args.command == "schemes":
             for name in schemes.names():
                 print(f"{name:10s} {schemes.get(name).summary}")
@@ -218,4 +328,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    logging.captureWarnings(True)
     sys.exit(main())

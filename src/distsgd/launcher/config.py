@@ -10,6 +10,8 @@ from typing import Any
 
 from distsgd import schemes
 from distsgd.runtime.config import TrainConfig
+from distsgd.runtime.faults import Fault
+from distsgd.transport.security import TlsConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +42,22 @@ class LaunchConfig:
     wait_timeout: float = field(
         default=600.0, metadata={"help": "seconds to wait for slow or starting tasks"}
     )
+    checkpoint_every: int = field(
+        default=0, metadata={"help": "checkpoint every N steps of each worker (0 = off)"}
+    )
+    checkpoint_seconds: float = field(
+        default=0.0, metadata={"help": "checkpoint every N seconds (0 = off)"}
+    )
+    max_restarts: int = field(
+        default=0,
+        metadata={"help": "restarts allowed per task before the run stops (0 = fail fast)"},
+    )
+    faults: tuple[str, ...] = field(default=(), metadata={"help": "--inject-fault specs"})
+    run_id: str = field(default="", metadata={"help": "run id ('' = new; kept on --resume)"})
+    resume: bool = field(
+        default=False, metadata={"help": "continue the run in run_dir from its last checkpoint"}
+    )
+    tls: TlsConfig | None = field(default=None, metadata={"help": "mutual TLS for every task"})
     quiet: bool = field(default=False, metadata={"help": "hide task log lines"})
 
     def __post_init__(self) -> None:
@@ -59,6 +77,20 @@ class LaunchConfig:
                 f"scheme {self.scheme!r} uses no parameter servers; drop --ps or use --ps 0"
             )
         TrainConfig().replace(**self.overrides)  # each override valid on its own
+        if self.checkpoint_every < 0 or self.checkpoint_seconds < 0:
+            raise ValueError("--checkpoint-every must be 0 or more steps (N) or seconds (Ns)")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        for spec_text in self.faults:
+            fault = Fault.parse(spec_text)
+            count = self.num_ps if fault.job == "ps" else self.workers
+            if fault.index >= count:
+                raise ValueError(
+                    f"--inject-fault {spec_text}: there is no {fault.task} "
+                    f"({count} {fault.job} tasks); use an index below {count}"
+                )
+        if self.resume and self.run_dir is None:
+            raise ValueError("--resume needs the run folder to continue")
         if self.threads < 0:
             raise ValueError(f"--threads must be 0 or more, got {self.threads}")
 

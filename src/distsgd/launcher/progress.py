@@ -68,6 +68,7 @@ class Progress:
         self.loss: float | None = None
         self.accuracy: float | None = None
         self.samples: dict[str, int] = {}
+        self.local_steps: dict[str, int] = {}
         self.started = time.time()
         self.first_record: float | None = None
         """Wall time of the first metrics line: throughput counts from there, not from start-up."""
@@ -97,6 +98,8 @@ class Progress:
                 self.accuracy = float(record["accuracy"])
             if "samples" in record:
                 self.samples[str(record.get("task"))] = int(record["samples"])
+            if "local_step" in record:
+                self.local_steps[str(record.get("task"))] = int(record["local_step"])
 
     @property
     def elapsed(self) -> float:

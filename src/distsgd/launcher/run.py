@@ -3,8 +3,9 @@
 Order of events: parameter servers start on port 0 and report their real addresses; the cluster
 spec is written to the run folder; for collective schemes the launcher hosts the rendezvous
 store; workers start; the launcher relays their logs and shows progress until every worker has
-exited. Whatever happens (success, a failed task, Ctrl-C, SIGTERM) every task is stopped in a
-``finally`` before the launcher returns.
+exited. A task that dies is restarted (``--max-restarts``) from the last checkpoint; faults can
+be injected on purpose (``--inject-fault``). Whatever happens (success, a failed task, Ctrl-C,
+SIGTERM) every task is stopped in a ``finally`` before the launcher returns.
 """
 
 from __future__ import annotations
@@ -27,43 +28,32 @@ from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.progress import Console, Progress
 from distsgd.launcher.supervisor import Supervisor, Task
+from distsgd.runtime.checkpoint import (
+    INCOMPLETE,
+    Checkpoint,
+    latest_checkpoint,
+    load_worker_state,
+    newest_worker_state,
+)
+from distsgd.runtime.faults import Fault
 from distsgd.runtime.loop import METRICS_FILE, RESULT_FILE
+from distsgd.runtime.metrics import MetricsWriter
 from distsgd.runtime.task import ENV_VAR, TaskEnv
+from distsgd.transport.security import SECRET_ENV, SECRET_FILE_ENV, write_secret_file
 from distsgd.util import write_atomic
 
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+CONFIG_FILE = "config.json"
 
 
 class RunFailed(RuntimeError):
     """A task failed or the run could not start; the message says which and why."""
 
 
-def _task_env(config: LaunchConfig, threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            PARENT_ENV: str(os.getpid()),
-            "DISTSGD_THREADS": str(threads),
-            "OMP_NUM_THREADS": str(threads),
-            "MKL_NUM_THREADS": str(threads),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    env.pop(ENV_VAR, None)
-    return env
-
-
-def _wait_for_address(task: Task, path: Path, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return path.read_text().strip()
-        if task.poll() is not None:
-            raise RunFailed(f"{task.name} exited with code {task.poll()} before it was listening")
-        time.sleep(0.02)
-    raise RunFailed(f"{task.name} did not report its address within {timeout:.0f}s")
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM reached the launcher."""
 
 
 def launch(config: LaunchConfig, console: Console | None = None) -> int:
@@ -81,15 +71,19 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
     supervisor = Supervisor(log_dir=run_dir / "logs", echo=console.line)
-    store_holder: list[Any] = []  # keeps the rendezvous store alive for the run
+    local = LocalRun(config, console, run_dir, supervisor, stop)
     try:
-        return _run(config, console, run_dir, supervisor, stop, store_holder)
+        return local.run()
+    except Interrupted:
+        console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks")
+        return EXIT_INTERRUPTED
     except RunFailed as exc:
         console.final(f"distsgd: error: {exc}")
         return EXIT_FAILED
     finally:
         supervisor.stop()
-        store_holder.clear()
+        local.store = None
+        local.events.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _write_tasks(run_dir, supervisor)
@@ -101,42 +95,95 @@ def _write_tasks(run_dir: Path, supervisor: Supervisor) -> None:
     write_atomic(run_dir / "tasks.json", json.dumps(pids) + "\n")
 
 
-def _run(
-    config: LaunchConfig,
-    console: Console,
-    run_dir: Path,
-    supervisor: Supervisor,
-    stop: threading.Event,
-    store_holder: list[Any],
-) -> int:
-    num_ps, threads = config.num_ps, config.threads_per_worker
-    env = _task_env(config, threads)
-    ps_env = {**env, "DISTSGD_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    run_id = secrets.token_hex(8)
-    write_atomic(
-        run_dir / "config.json",
-        json.dumps(
+class LocalRun:
+    """One run of ``distsgd run``: its tasks, restarts and injected kills."""
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        console: Console,
+        run_dir: Path,
+        supervisor: Supervisor,
+        stop: threading.Event,
+    ) -> None:
+        self.config = config
+        self.console = console
+        self.run_dir = run_dir
+        self.supervisor = supervisor
+        self.stop = stop
+        self.num_ps = config.num_ps
+        self.threads = config.threads_per_worker
+        self.collective = self.num_ps == 0
+        self.ckpt_root = run_dir / "checkpoints"
+        self.checkpointing = bool(config.checkpoint_every or config.checkpoint_seconds)
+        self.run_id = config.run_id or secrets.token_hex(8)
+        env = dict(os.environ)
+        env.pop(ENV_VAR, None)
+        env.pop(SECRET_ENV, None)
+        secret_file = run_dir / "secret"
+        if not secret_file.exists():  # kept on --resume: the restored shards know the run
+            write_secret_file(secret_file)
+        env.update(
             {
-                "script": config.script,
-                "script_args": list(config.script_args),
-                "scheme": config.scheme,
-                "scheme_options": config.scheme_options,
-                "overrides": config.overrides,
-                "workers": config.workers,
-                "ps": num_ps,
-                "threads_per_worker": threads,
-                "run_id": run_id,
-            },
-            indent=2,
+                PARENT_ENV: str(os.getpid()),
+                "PYTHONUNBUFFERED": "1",
+                SECRET_FILE_ENV: str(secret_file.resolve()),
+            }
         )
-        + "\n",
-    )
-    # 1. Parameter servers on port 0; each reports the address it really bound.
-    init_spec = ClusterSpec.local(num_workers=config.workers, num_ps=num_ps, host=config.host)
-    write_atomic(run_dir / "cluster-init.json", json.dumps(init_spec.to_dict()) + "\n")
-    ps_tasks = []
-    for i in range(num_ps):
-        addr_file = run_dir / f"ps{i}.address"
+        self.worker_env = {
+            **env,
+            "DISTSGD_THREADS": str(self.threads),
+            "OMP_NUM_THREADS": str(self.threads),
+            "MKL_NUM_THREADS": str(self.threads),
+        }
+        self.ps_env = {
+            **env,
+            "DISTSGD_THREADS": "1",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        self.spec = ClusterSpec.local(
+            num_workers=config.workers, num_ps=self.num_ps, host=config.host
+        )
+        self.store: Any = None
+        self.rendezvous = ""
+        self.restarts: dict[str, int] = {}
+        self.done: set[str] = set()
+        self.faults = [Fault.parse(f) for f in config.faults]
+        self.kills_pending = [f for f in self.faults if f.kind == "kill"]
+        self.progress = Progress(run_dir / METRICS_FILE)
+        self.events = MetricsWriter(run_dir / METRICS_FILE, "launcher")
+
+    # -- starting tasks -------------------------------------------------------------------------
+    def _write_config(self) -> None:
+        c = self.config
+        data = {
+            "script": str(Path(c.script).resolve()),
+            "script_args": list(c.script_args),
+            "scheme": c.scheme,
+            "scheme_options": c.scheme_options,
+            "overrides": c.overrides,
+            "workers": c.workers,
+            "ps": self.num_ps,
+            "threads_per_worker": self.threads,
+            "run_id": self.run_id,
+            "checkpoint_every": c.checkpoint_every,
+            "checkpoint_seconds": c.checkpoint_seconds,
+        }
+        write_atomic(self.run_dir / CONFIG_FILE, json.dumps(data, indent=2) + "\n")
+
+    def start_ps(self, index: int, *, address: str, restore: Path | None) -> Task:
+        init = self.run_dir / "cluster-init.json"
+        write_atomic(
+            init,
+            json.dumps(
+                ClusterSpec.local(
+                    num_workers=self.config.workers, num_ps=self.num_ps, host=self.config.host
+                ).to_dict()
+            )
+            + "\n",
+        )
+        addr_file = self.run_dir / f"ps{index}.address"
         addr_file.unlink(missing_ok=True)
         argv = [
             sys.executable,
@@ -146,100 +193,309 @@ def _run(
             "--job",
             "ps",
             "--task",
-            str(i),
+            str(index),
             "--cluster",
-            str(run_dir / "cluster-init.json"),
+            str(init),
+            "--address",
+            address,
             "--address-file",
             str(addr_file),
+            "--checkpoint-dir",
+            str(self.ckpt_root),
         ]
-        ps_tasks.append((supervisor.start(f"ps{i}", argv, ps_env), addr_file))
-    spec = init_spec
-    for i, (task, addr_file) in enumerate(ps_tasks):
-        spec = spec.with_address(spec.task("ps", i), _wait_for_address(task, addr_file, 60.0))
-    # 2. Rendezvous store for collective schemes, hosted here so no worker needs a fixed port.
-    rendezvous = ""
-    if num_ps == 0 and config.workers > 1:
-        from torch.distributed import TCPStore
+        if restore is not None:
+            argv += ["--restore", str(restore)]
+        if self.config.tls is not None:
+            tls = self.config.tls
+            argv += [
+                "--tls-cert",
+                str(tls.cert),
+                "--tls-key",
+                str(tls.key),
+                "--tls-ca",
+                str(tls.ca),
+            ]
+        task = self.supervisor.start(f"ps{index}", argv, self.ps_env)
+        bound = _wait_for_address(task, addr_file, 60.0)
+        self.spec = self.spec.with_address(self.spec.task("ps", index), bound)
+        return task
 
-        store = TCPStore(
-            config.host,
-            0,
-            None,
-            True,
-            timedelta(seconds=config.wait_timeout),
-            wait_for_workers=False,
-        )
-        store_holder.append(store)
-        rendezvous = f"{config.host}:{store.port}"
-    write_atomic(run_dir / "cluster.json", json.dumps(spec.to_dict(), indent=2) + "\n")
-    # 3. Workers.
-    workers = []
-    for i in range(config.workers):
+    def start_worker(self, index: int, *, resume: Path | None) -> Task:
+        c = self.config
         task_env = TaskEnv(
-            cluster=spec.to_dict(),
-            task_index=i,
-            scheme=config.scheme,
-            scheme_options=config.scheme_options,
-            overrides=config.overrides,
-            run_dir=str(run_dir.resolve()),
-            run_id=run_id,
-            rendezvous=rendezvous,
-            wait_timeout=config.wait_timeout,
+            cluster=self.spec.to_dict(),
+            task_index=index,
+            scheme=c.scheme,
+            scheme_options=c.scheme_options,
+            overrides=c.overrides,
+            run_dir=str(self.run_dir.resolve()),
+            run_id=self.run_id,
+            rendezvous=self.rendezvous,
+            wait_timeout=c.wait_timeout,
+            checkpoint_every=c.checkpoint_every,
+            checkpoint_seconds=c.checkpoint_seconds,
+            resume="" if resume is None else str(resume),
+            tls=[] if c.tls is None else [str(c.tls.cert), str(c.tls.key), str(c.tls.ca)],
+            faults=[
+                f
+                for f in c.faults
+                if Fault.parse(f).task == f"worker{index}" and not f.startswith("kill")
+            ],
         )
-        argv = [
-            sys.executable,
-            "-m",
-            "distsgd.launcher.bootstrap",
-            config.script,
-            *config.script_args,
-        ]
-        workers.append(supervisor.start(f"worker{i}", argv, {**env, ENV_VAR: task_env.to_json()}))
-    _write_tasks(run_dir, supervisor)
-    console.line(
-        f"[distsgd] run {run_dir}: scheme {config.scheme}, {config.workers} workers, {num_ps} ps, "
-        f"{threads} threads per worker"
-    )
-    # 4. Supervise until every worker is done.
-    progress = Progress(run_dir / METRICS_FILE)
-    last_plain = 0.0
-    while True:
-        if stop.wait(0.25):
-            console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks")
-            return EXIT_INTERRUPTED
-        failed = supervisor.failed()
-        if failed is None:
-            for task, _ in ps_tasks:
-                if task.poll() is not None:
-                    failed = task
-        if failed is not None:
-            supervisor.stop()
-            tail = "\n".join(f"    {line}" for line in failed.tail)
-            raise RunFailed(
-                f"task {failed.name} failed (exit code {failed.poll()}); "
-                f"its last log lines:\n{tail}\n"
-                f"full logs: {run_dir / 'logs'}"
+        argv = [sys.executable, "-m", "distsgd.launcher.bootstrap", c.script, *c.script_args]
+        self.done.discard(f"worker{index}")
+        return self.supervisor.start(
+            f"worker{index}", argv, {**self.worker_env, ENV_VAR: task_env.to_json()}
+        )
+
+    def _new_rendezvous(self) -> None:
+        if self.collective and self.config.workers > 1:
+            from torch.distributed import TCPStore
+
+            self.store = TCPStore(
+                self.config.host,
+                0,
+                None,
+                True,
+                timedelta(seconds=self.config.wait_timeout),
+                wait_for_workers=False,
             )
-        progress.poll()
-        now = time.monotonic()
-        if console.tty or now - last_plain >= 10.0:
-            if progress.samples:
-                console.status(progress.render())
-            last_plain = now
-        if all(task.poll() == 0 for task in workers):
-            break
-    progress.poll()
-    console.clear_status()
-    supervisor.stop()  # the parameter servers; their last words come before the result
-    result_path = run_dir / RESULT_FILE
-    if not result_path.exists():
-        raise RunFailed(f"the workers finished but the chief wrote no {RESULT_FILE} in {run_dir}")
-    result = json.loads(result_path.read_text())
-    console.final(
-        f"[distsgd] done in {progress.elapsed:.0f}s: {result['global_step']} updates, "
-        f"{result['local_steps']} steps on worker0; run folder {run_dir}"
-    )
-    if result.get("test_accuracy") is not None:
-        console.final(f"test accuracy: {result['test_accuracy']:.4f}")
-    elif result.get("test_loss") is not None:
-        console.final(f"test loss: {result['test_loss']:.4f}")
-    return EXIT_OK
+            self.rendezvous = f"{self.config.host}:{self.store.port}"
+
+    def start_cluster(self, checkpoint: Checkpoint | None, *, fresh_ports: bool) -> None:
+        for i in range(self.num_ps):
+            address = (
+                f"{self.config.host}:0"
+                if fresh_ports
+                else self.spec.address(self.spec.task("ps", i))
+            )
+            self.start_ps(
+                i, address=address, restore=None if checkpoint is None else checkpoint.shard_file(i)
+            )
+        self._new_rendezvous()
+        write_atomic(
+            self.run_dir / "cluster.json", json.dumps(self.spec.to_dict(), indent=2) + "\n"
+        )
+        for i in range(self.config.workers):
+            self.start_worker(i, resume=None if checkpoint is None else checkpoint.worker_file(i))
+        _write_tasks(self.run_dir, self.supervisor)
+
+    def latest(self) -> Checkpoint | None:
+        checkpoint, problems = latest_checkpoint(self.ckpt_root)
+        pending = [p for p in problems if INCOMPLETE in p]
+        for problem in problems:
+            if INCOMPLETE not in problem:
+                self.console.line(f"[distsgd] unusable checkpoint: {problem}")
+        if pending:
+            self.console.line(
+                f"[distsgd] skipping {len(pending)} newer checkpoint(s) without a manifest "
+                "(still being completed, or interrupted)"
+            )
+        if checkpoint is not None and len(problems) > len(pending):
+            self.console.line(
+                f"[distsgd] using the previous complete checkpoint {checkpoint.path.name}"
+            )
+        return checkpoint
+
+    # -- the run --------------------------------------------------------------------------------
+    def run(self) -> int:
+        checkpoint = None
+        if self.config.resume:
+            checkpoint = self.latest()
+            if checkpoint is None:
+                raise RunFailed(
+                    f"no complete checkpoint in {self.ckpt_root}; "
+                    "start a new run instead of --resume"
+                )
+            self.console.line(
+                f"[distsgd] resuming {self.run_dir} from {checkpoint.path.name} "
+                f"(step {checkpoint.step})"
+            )
+            self.events.log(step=checkpoint.step, event="resume", checkpoint=checkpoint.path.name)
+        self._write_config()
+        self.start_cluster(checkpoint, fresh_ports=True)
+        self.console.line(
+            f"[distsgd] run {self.run_dir}: scheme {self.config.scheme}, "
+            f"{self.config.workers} workers, "
+            f"{self.num_ps} ps, {self.threads} threads per worker"
+        )
+        self.supervise()
+        return self.finish()
+
+    def supervise(self) -> None:
+        last_plain = 0.0
+        while True:
+            if self.stop.wait(0.25):
+                raise Interrupted
+            self.progress.poll()
+            self._inject_kills()
+            for task in list(self.supervisor.tasks.values()):
+                code = task.poll()
+                if code is None or task.name in self.done:
+                    continue
+                if self.supervisor.tasks.get(task.name) is not task:
+                    continue  # replaced by a restart in this pass
+                if code == 0 and task.name.startswith("worker"):
+                    self.done.add(task.name)
+                    continue
+                self._handle_failure(task, code)
+                break  # a restart may have replaced other tasks: look again
+            now = time.monotonic()
+            if (self.console.tty or now - last_plain >= 10.0) and self.progress.samples:
+                self.console.status(self.progress.render())
+                last_plain = now
+            if all(f"worker{i}" in self.done for i in range(self.config.workers)):
+                return
+
+    def _inject_kills(self) -> None:
+        for fault in list(self.kills_pending):
+            if self.progress.step >= (fault.step or 0):
+                self.kills_pending.remove(fault)
+                task = self.supervisor.tasks.get(fault.task)
+                if task is not None and task.poll() is None:
+                    self.console.line(
+                        f"[distsgd] fault injected: SIGKILL {fault.task} (pid {task.pid}) "
+                        f"at step {self.progress.step}"
+                    )
+                    self.events.log(
+                        step=self.progress.step,
+                        event="fault_injected",
+                        fault="kill",
+                        target=fault.task,
+                    )
+                    os.kill(task.pid, signal.SIGKILL)
+
+    def _handle_failure(self, task: Task, code: int) -> None:
+        used = self.restarts.get(task.name, 0)
+        step = self.progress.step
+        if used >= self.config.max_restarts:
+            tail = "\n".join(f"    {line}" for line in task.tail)
+            self.events.log(
+                step=step, event="fault", target=task.name, exit_code=code, action="stop"
+            )
+            how = "" if self.config.max_restarts == 0 else f" and has used its {used} restarts"
+            resume = ""
+            if self.latest() is not None:
+                resume = f"\nresume with: distsgd run --resume {self.run_dir}"
+            raise RunFailed(
+                f"task {task.name} failed (exit code {code}){how}; its last log lines:\n{tail}\n"
+                f"full logs: {self.run_dir / 'logs'}{resume}"
+            )
+        self.restarts[task.name] = used + 1
+        backoff = min(0.5 * 2**used, 10.0)
+        self.console.line(
+            f"[distsgd] {task.name} died (exit code {code}); "
+            f"restart {used + 1} of {self.config.max_restarts} in {backoff:.1f}s"
+        )
+        if self.stop.wait(backoff):
+            raise Interrupted
+        if task.name.startswith("ps"):
+            self._restart_ps(int(task.name[2:]), code, step)
+        elif self.collective:
+            self._restart_all(task.name, code, step, "collective schemes restart every worker")
+        else:
+            self._restart_worker(int(task.name[6:]), code, step)
+        _write_tasks(self.run_dir, self.supervisor)
+
+    def _restart_worker(self, index: int, code: int, step: int) -> None:
+        name = f"worker{index}"
+        resume = newest_worker_state(self.ckpt_root, index) if self.checkpointing else None
+        reached = self.progress.local_steps.get(name, 0)
+        resumed_at = 0 if resume is None else int(load_worker_state(resume)["local_step"])
+        self.events.log(
+            step=step,
+            event="fault",
+            target=name,
+            exit_code=code,
+            action="restart",
+            resumed_from=None if resume is None else str(resume),
+            lost_steps=max(0, reached - resumed_at),
+        )
+        self.start_worker(index, resume=resume)
+
+    def _restart_ps(self, index: int, code: int, step: int) -> None:
+        checkpoint = self.latest()
+        if checkpoint is None:
+            self._restart_all(f"ps{index}", code, step, "no checkpoint to restore the shard from")
+            return
+        restored = int(checkpoint.manifest["shards"][index]["version"])
+        self.events.log(
+            step=step,
+            event="fault",
+            target=f"ps{index}",
+            exit_code=code,
+            action="restart",
+            resumed_from=checkpoint.path.name,
+            restored_version=restored,
+            lost_updates=max(0, step - restored),
+        )
+        address = self.spec.address(self.spec.task("ps", index))
+        self.start_ps(index, address=address, restore=checkpoint.shard_file(index))
+
+    def _restart_all(self, name: str, code: int, step: int, why: str) -> None:
+        checkpoint = self.latest()
+        self.console.line(
+            f"[distsgd] restarting the whole cluster ({why}) "
+            f"from {checkpoint.path.name if checkpoint else 'the start'}"
+        )
+        self.supervisor.stop()
+        self.supervisor.tasks.clear()
+        self.done.clear()
+        at = 0 if checkpoint is None else checkpoint.step
+        self.events.log(
+            step=step,
+            event="fault",
+            target=name,
+            exit_code=code,
+            action="restart_all",
+            resumed_from=None if checkpoint is None else checkpoint.path.name,
+            lost_steps=max(0, max(self.progress.local_steps.values(), default=0) - at),
+        )
+        self.start_cluster(checkpoint, fresh_ports=True)
+
+    def finish(self) -> int:
+        self.progress.poll()
+        self.console.clear_status()
+        self.supervisor.stop()  # the parameter servers; their last words come before the result
+        result_path = self.run_dir / RESULT_FILE
+        if not result_path.exists():
+            raise RunFailed(
+                f"the workers finished but the chief wrote no {RESULT_FILE} in {self.run_dir}"
+            )
+        result = json.loads(result_path.read_text())
+        restarts = sum(self.restarts.values())
+        extra = f", {restarts} restarts" if restarts else ""
+        self.console.final(
+            f"[distsgd] done in {self.progress.elapsed:.0f}s: {result['global_step']} updates, "
+            f"{result['local_steps']} steps on worker0{extra}; run folder {self.run_dir}"
+        )
+        if result.get("test_accuracy") is not None:
+            self.console.final(f"test accuracy: {result['test_accuracy']:.4f}")
+        elif result.get("test_loss") is not None:
+            self.console.final(f"test loss: {result['test_loss']:.4f}")
+        return EXIT_OK
+
+
+def _wait_for_address(task: Task, path: Path, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text().strip()
+        if task.poll() is not None:
+            raise RunFailed(f"{task.name} exited with code {task.poll()} before it was listening")
+        time.sleep(0.02)
+    raise RunFailed(f"{task.name} did not report its address within {timeout:.0f}s")
+
+
+def load_run_config(run_dir: Path) -> dict[str, Any]:
+    """The saved ``config.json`` of a run folder (for ``--resume``)."""
+    path = run_dir / CONFIG_FILE
+    try:
+        return dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ValueError(
+            f"{run_dir} is not a distsgd run folder (no {CONFIG_FILE}); "
+            "give the folder of an earlier run"
+        ) from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: damaged ({exc})") from None

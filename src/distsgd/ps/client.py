@@ -13,11 +13,14 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
 import numpy as np
 
 from distsgd.ps.partition import PartitionPlan
 from distsgd.transport.client import PushResult, ShardClient
+from distsgd.transport.errors import RemoteError
 from distsgd.transport.proto import distsgd_pb2 as pb
+from distsgd.transport.security import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,8 @@ class ParameterClient:
         run_id: str = "",
         timeout: float = 30.0,
         retry_seconds: float = 60.0,
+        secret: str | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         if len(addresses) != plan.num_shards:
             raise ValueError(
@@ -50,6 +55,8 @@ class ParameterClient:
                 run_id=run_id,
                 timeout=timeout,
                 retry_seconds=retry_seconds,
+                secret=secret,
+                tls=tls,
             )
             for a in addresses
         ]
@@ -152,8 +159,28 @@ class ParameterClient:
         )
         parts = self.plan.split(arrays)
         self.bytes_sent += sum(a.nbytes for a in arrays.values())
-        results = self._each(lambda i, s: s.push(base_version=bases[i], tensors=parts[i]))
+
+        def one(i: int, shard: ShardClient) -> PushResult:
+            try:
+                return shard.push(base_version=bases[i], tensors=parts[i])
+            except RemoteError as exc:
+                if exc.code != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                # The server is down (or restarting): this update is lost, training goes on;
+                # the next pull waits, with backoff, until the server is back.
+                log.warning("push to ps%d lost: %s", i, exc.message)
+                return PushResult(False, self.versions[i], f"lost: {exc.message}")
+
+        results = self._each(one)
         return results
+
+    def checkpoint(self, name: str) -> list[dict[str, Any]]:
+        """Every shard writes its state under checkpoint ``name``: file, sha256, bytes, version."""
+        replies = self._each(lambda i, s: s.checkpoint(name))
+        return [
+            {"file": r.file, "sha256": r.sha256, "bytes": r.bytes, "version": r.version}
+            for r in replies
+        ]
 
     def leave(self) -> None:
         self._each(lambda i, s: s.leave())

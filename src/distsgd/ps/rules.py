@@ -59,6 +59,34 @@ class UpdateRule(ABC):
     def on_leave(self, shard: Shard, worker: int) -> None:  # noqa: B027 - optional hook
         """A worker finished or left; synchronous rules adjust how many pushes close a step."""
 
+    def tick(self, shard: Shard, now: float) -> None:  # noqa: B027 - optional hook
+        """Called about twice a second under the shard's lock (timeouts, e.g. a dead worker)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rule's state for a checkpoint: numpy arrays and JSON values, by name.
+
+        The default saves every :class:`ServerSGD` attribute's momentum buffers; a rule with
+        more state (an open synchronous step) extends it. Keys must not contain "/"-prefixed
+        names of other entries.
+        """
+        out: dict[str, Any] = {}
+        for name, value in vars(self).items():
+            if isinstance(value, ServerSGD):
+                for key, buf in value.buffers.items():
+                    out[f"{name}.buffers/{key}"] = buf
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        for name, value in vars(self).items():
+            if isinstance(value, ServerSGD):
+                prefix = f"{name}.buffers/"
+                value.buffers = {
+                    k[len(prefix) :]: np.array(v, copy=True)
+                    for k, v in state.items()
+                    if k.startswith(prefix)
+                }
+
 
 RuleFactory = Callable[[str, Mapping[str, Any], int], UpdateRule]
 """(scheme name, options, number of workers) -> the scheme's rule; raises ValueError if unknown."""

@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 import secrets
 import threading
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
 
 from distsgd.ps.rules import PushMeta, RuleFactory
-from distsgd.ps.shard import Shard
+from distsgd.ps.shard import CorruptCheckpoint, Shard
 from distsgd.transport.codec import ChunkAssembler, WireError, iter_chunks, specs_of
 from distsgd.transport.errors import NOT_REGISTERED, PROTOCOL_VERSION
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
+from distsgd.util import write_bytes_atomic
 
 log = logging.getLogger(__name__)
 
+CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 MAX_MESSAGE_BYTES = 4 << 30
 """Largest total tensor payload one Register or Push may announce (4 GiB)."""
 
@@ -33,15 +38,48 @@ class ParameterService(pb_grpc.ParameterServerServicer):
     """Serves one shard. The shard exists once the chief has registered it."""
 
     def __init__(
-        self, *, shard_index: int, rule_factory: RuleFactory, chunk_bytes: int = 1 << 20
+        self,
+        *,
+        shard_index: int,
+        rule_factory: RuleFactory,
+        chunk_bytes: int = 1 << 20,
+        checkpoint_dir: Path | None = None,
+        restore: Path | None = None,
     ) -> None:
         self.shard_index = shard_index
         self.rule_factory = rule_factory
         self.chunk_bytes = chunk_bytes
+        self.checkpoint_dir = checkpoint_dir
         self.shard: Shard | None = None
+        if restore is not None:
+            self.shard = Shard.from_bytes(
+                Path(restore).read_bytes(), rule_factory, name=str(restore)
+            )
+            if self.shard.index != shard_index:
+                raise CorruptCheckpoint(
+                    f"{restore} holds shard {self.shard.index}, not shard {shard_index}"
+                )
+            log.info(
+                "shard %d restored from %s at version %d", shard_index, restore, self.shard.version
+            )
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(
+            target=self._tick, name=f"ps{shard_index}-tick", daemon=True
+        )
+        self._ticker.start()
         self.incarnation = secrets.randbits(63) | 1
         """Random per server process; a client seeing another one knows the server restarted."""
         self._register_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Stop the background ticker."""
+        self._stop.set()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.5):
+            shard = self.shard
+            if shard is not None:
+                shard.tick()
 
     # -- checks ---------------------------------------------------------------------------------
     def _check(self, header: pb.RequestHeader, context: grpc.ServicerContext) -> None:
@@ -59,6 +97,13 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"a task of run {header.run_id} reached shard {self.shard_index} of run "
                 f"{shard.run_id}; stop the old run's tasks or give this run other ports",
+            )
+        if shard is not None and not -1 <= header.worker < shard.num_workers:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"worker {header.worker} is not in this run of {shard.num_workers} workers; "
+                "give each worker its index 0..N-1 (-1 for tools)",
             )
 
     def _registered(self, context: grpc.ServicerContext) -> Shard:
@@ -120,6 +165,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 reply.finished_workers = len(shard.finished)
                 reply.pushes_accepted = shard.pushes_accepted
                 reply.pushes_rejected = shard.pushes_rejected
+                reply.restored_version = shard.restored_version
+                reply.nonfinite_rejected = shard.nonfinite_rejected
         return reply
 
     def Register(
@@ -135,9 +182,14 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 f"{self.shard_index}; "
                 "check the order of ps addresses in the cluster spec",
             )
-        values = self._assemble(head.tensors, request_iterator, context)
+        if head.num_workers < 1:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"registration for {head.num_workers} workers; a run has at least one worker",
+            )
         with self._register_lock:
-            if self.shard is not None:
+            if self.shard is not None:  # decided before reading any tensor data
                 same = (
                     specs_of(self.shard.values) == list(head.tensors)
                     and self.shard.scheme == head.scheme
@@ -152,6 +204,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                         f"({self.shard.scheme}); restart the ps task to train another one",
                     )
                 return pb.RegisterResponse(created=False, version=self.shard.version)
+            values = self._assemble(head.tensors, request_iterator, context)
             try:
                 options = json.loads(head.options_json or "{}")
                 rule = self.rule_factory(head.scheme, options, head.num_workers)
@@ -230,6 +283,31 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         )
         outcome, version = shard.push(payload, meta)
         return pb.PushResponse(accepted=outcome.accepted, version=version, reason=outcome.reason)
+
+    def Checkpoint(
+        self, request: pb.CheckpointRequest, context: grpc.ServicerContext
+    ) -> pb.CheckpointResponse:
+        self._check(request.header, context)
+        shard = self._registered(context)
+        if self.checkpoint_dir is None:
+            _abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"ps{self.shard_index} has no checkpoint directory; start it with --checkpoint-dir",
+            )
+        if not CHECKPOINT_NAME.fullmatch(request.name) or set(request.name) == {"."}:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"bad checkpoint name {request.name[:80]!r}; use letters, digits, '.', '_' and '-'",
+            )
+        version, data = shard.to_bytes()
+        path = self.checkpoint_dir / request.name / f"ps{self.shard_index}.npz"
+        write_bytes_atomic(path, data)
+        digest = hashlib.sha256(data).hexdigest()
+        return pb.CheckpointResponse(
+            version=version, file=str(path), sha256=digest, bytes=len(data)
+        )
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
         self._check(request.header, context)

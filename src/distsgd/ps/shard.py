@@ -1,13 +1,27 @@
-"""One parameter-server shard: its pieces, a version counter, membership, and its update rule."""
+"""One parameter-server shard: its pieces, a version counter, membership, and its update rule.
+
+A shard serialises to one ``.npz`` file (:meth:`Shard.to_bytes` / :meth:`Shard.from_bytes`):
+every piece, the rule's state, and a JSON header with the version, membership and counters.
+"""
 
 from __future__ import annotations
 
+import io
+import json
 import threading
+import time
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-from distsgd.ps.rules import PushMeta, PushOutcome, UpdateRule
+from distsgd.ps.rules import PushMeta, PushOutcome, RuleFactory, UpdateRule
+
+CHECKPOINT_FORMAT = 1
+
+
+class CorruptCheckpoint(ValueError):
+    """A shard file that cannot be read back; the message names the file."""
 
 
 class Shard:
@@ -41,6 +55,8 @@ class Shard:
         self.incarnations: dict[int, int] = {}
         self.pushes_accepted = 0
         self.pushes_rejected = 0
+        self.nonfinite_rejected = 0
+        self.restored_version = 0
 
     def bump(self, steps: int = 1) -> int:
         """Advance the version and wake readers waiting for it."""
@@ -70,8 +86,17 @@ class Shard:
             self.incarnations[worker] = incarnation
 
     def push(self, payload: dict[str, np.ndarray], meta: PushMeta) -> tuple[PushOutcome, int]:
-        """Hand a validated payload to the rule; returns the outcome and the version after it."""
+        """Hand a validated payload to the rule; returns the outcome and the version after it.
+
+        A payload with NaN or Inf anywhere is refused (and counted) before the rule sees it.
+        """
         self.see(meta.worker, meta.incarnation)
+        for key, array in payload.items():
+            if array.dtype.kind == "f" and not np.isfinite(array).all():
+                with self.cond:
+                    self.nonfinite_rejected += 1
+                    self.pushes_rejected += 1
+                    return PushOutcome(False, f"nonfinite: NaN or Inf in {key}"), self.version
         if self.rule.locked:
             with self.cond:
                 outcome = self.rule.apply(self, payload, meta)
@@ -99,3 +124,82 @@ class Shard:
     @property
     def active_workers(self) -> int:
         return self.num_workers - len(self.finished)
+
+    def tick(self) -> None:
+        """Let the rule act on time (a synchronous step waiting for a dead worker)."""
+        with self.cond:
+            self.rule.tick(self, time.monotonic())
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def to_bytes(self) -> tuple[int, bytes]:
+        """(version, an ``.npz`` of the whole shard), taken under the lock: a consistent state."""
+        with self.cond:
+            rule_state = self.rule.state_dict()
+            arrays = {f"values/{k}": v.copy() for k, v in self.values.items()}
+            arrays.update(
+                {
+                    f"rule/{k}": np.array(v, copy=True)
+                    for k, v in rule_state.items()
+                    if isinstance(v, np.ndarray)
+                }
+            )
+            header = {
+                "format": CHECKPOINT_FORMAT,
+                "index": self.index,
+                "scheme": self.scheme,
+                "options_json": self.options_json,
+                "num_workers": self.num_workers,
+                "run_id": self.run_id,
+                "version": self.version,
+                "finished": sorted(self.finished),
+                "pushes_accepted": self.pushes_accepted,
+                "pushes_rejected": self.pushes_rejected,
+                "nonfinite_rejected": self.nonfinite_rejected,
+                "rule": {k: v for k, v in rule_state.items() if not isinstance(v, np.ndarray)},
+                "keys": list(self.values),
+            }
+            version = self.version
+        arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)  # type: ignore[arg-type]
+        return version, buf.getvalue()
+
+    @classmethod
+    def from_bytes(
+        cls, data: bytes, rule_factory: RuleFactory, *, name: str = "checkpoint"
+    ) -> Shard:
+        """Rebuild a shard written by :meth:`to_bytes`; :class:`CorruptCheckpoint` if unreadable."""
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+                arrays = {k: npz[k] for k in npz.files}
+            header: dict[str, Any] = json.loads(arrays.pop("header").tobytes())
+            if header.get("format") != CHECKPOINT_FORMAT:
+                raise CorruptCheckpoint(f"{name}: unknown shard format {header.get('format')!r}")
+            values = {k: arrays[f"values/{k}"] for k in header["keys"]}
+            rule = rule_factory(
+                header["scheme"], json.loads(header["options_json"] or "{}"), header["num_workers"]
+            )
+        except CorruptCheckpoint:
+            raise
+        except Exception as exc:  # zip, json, key errors: all mean the file is damaged
+            raise CorruptCheckpoint(
+                f"{name}: not a readable shard checkpoint ({type(exc).__name__}: {exc})"
+            ) from None
+        rule_state: dict[str, Any] = dict(header["rule"])
+        rule_state.update({k[5:]: v for k, v in arrays.items() if k.startswith("rule/")})
+        rule.load_state_dict(rule_state)
+        shard = cls(
+            index=header["index"],
+            scheme=header["scheme"],
+            options_json=header["options_json"],
+            num_workers=header["num_workers"],
+            values=values,
+            rule=rule,
+            run_id=header["run_id"],
+        )
+        shard.version = shard.restored_version = int(header["version"])
+        shard.finished = set(header["finished"])
+        shard.pushes_accepted = int(header["pushes_accepted"])
+        shard.pushes_rejected = int(header["pushes_rejected"])
+        shard.nonfinite_rejected = int(header["nonfinite_rejected"])
+        return shard

@@ -15,6 +15,7 @@ from torch import nn
 from distsgd.ps.client import ParameterClient
 from distsgd.runtime.collective import Collective
 from distsgd.runtime.config import TrainConfig
+from distsgd.runtime.faults import FaultInjector
 from distsgd.transport.client import PushResult
 
 
@@ -40,6 +41,9 @@ class WorkerContext:
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
         self._ps = ps
         self._collective = collective
+        self.faults: FaultInjector | None = None
+        self.lost_pushes = 0
+        """Pushes that never reached the servers (network partition)."""
         self.local_step = 0
         """Steps this worker has taken."""
         self.global_step = 0
@@ -107,6 +111,8 @@ class WorkerContext:
         self, *, min_version: int | Sequence[int] = 0
     ) -> tuple[int, dict[str, np.ndarray]]:
         """The servers' parameters (not loaded into the replica): (version, arrays)."""
+        if self.faults is not None:
+            self.faults.wait_partition()  # a partitioned worker's pulls retry until it heals
         version, arrays = self.ps.pull(min_version=min_version)
         self.global_step = max(self.global_step, version)
         return version, arrays
@@ -121,6 +127,9 @@ class WorkerContext:
         self, arrays: Mapping[str, np.ndarray], *, base_version: int | Sequence[int] | None = None
     ) -> list[PushResult]:
         """Send named arrays to the servers' update rule; one result per shard."""
+        if self.faults is not None and self.faults.partitioned:
+            self.lost_pushes += 1
+            return [PushResult(False, v, "lost: partitioned") for v in self.ps.versions]
         results = self.ps.push(arrays, base_version=base_version)
         self.global_step = max([self.global_step, *(r.version for r in results)])
         return results

@@ -65,7 +65,12 @@ class ShardedBatches:
 
     @property
     def position(self) -> tuple[int, int]:
+        """(epoch, batches of it already served)."""
         return self.epoch, self.batch
+
+    def seek(self, position: tuple[int, int]) -> None:
+        """Continue from a saved :attr:`position` (before iterating)."""
+        self.epoch, self.batch = int(position[0]), int(position[1])
 
     def __iter__(self) -> Iterator[Any]:
         while True:

@@ -24,14 +24,17 @@ from torch.utils.data import Dataset
 
 from distsgd.ps.client import ParameterClient
 from distsgd.ps.partition import PartitionPlan
+from distsgd.runtime.checkpoint import Checkpointer, load_worker_state
 from distsgd.runtime.collective import Collective
 from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.data import ShardedBatches
 from distsgd.runtime.evaluate import LossFn, evaluate
+from distsgd.runtime.faults import FaultInjector
 from distsgd.runtime.metrics import MetricsWriter
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.task import TaskEnv
+from distsgd.transport.security import TlsConfig, load_secret
 from distsgd.util import write_atomic, write_bytes_atomic
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,10 @@ def run_worker(
                 run_id=env.run_id,
                 timeout=env.rpc_timeout,
                 retry_seconds=env.wait_timeout,
+                secret=load_secret(),
+                tls=TlsConfig(cert=Path(env.tls[0]), key=Path(env.tls[1]), ca=Path(env.tls[2]))
+                if env.tls
+                else None,
             )
             if chief:
                 ps.register(
@@ -152,7 +159,45 @@ def run_worker(
             config.batch_size,
             batches.steps_per_epoch,
         )
+        faults = FaultInjector(env.faults)
+        ctx.faults = faults
+        start_step = 0
+        resumed = load_worker_state(Path(env.resume)) if env.resume else None
+        if resumed is not None:
+            batches.seek(resumed["position"])
+            start_step = ctx.local_step = int(resumed["local_step"])
+            ctx.global_step = int(resumed["global_step"])
         scheme.start(ctx)
+        if resumed is not None:
+            model.load_state_dict(resumed["model"])
+            scheme.load_state_dict(resumed["scheme"])
+            log.info("%s: resumed from %s at local step %d", name, env.resume, start_step)
+            metrics.log(
+                step=ctx.global_step, local_step=start_step, event="resumed", file=env.resume
+            )
+        ckpt = None
+        if run_dir is not None and (env.checkpoint_every or env.checkpoint_seconds):
+            ckpt = Checkpointer(
+                run_dir=run_dir,
+                rank=rank,
+                num_workers=world,
+                every_steps=env.checkpoint_every,
+                every_seconds=env.checkpoint_seconds,
+                wait=env.wait_timeout,
+            )
+
+        def worker_state() -> dict[str, Any]:
+            return {
+                "worker": rank,
+                "local_step": ctx.local_step,
+                "global_step": ctx.global_step,
+                "position": batches.position,
+                "model": model.state_dict(),
+                "scheme": scheme.state_dict(),
+                "scheme_name": env.scheme,
+                "steps": steps,
+            }
+
         eval_model = (
             copy.deepcopy(model) if chief and test_set is not None and config.eval_every else None
         )
@@ -160,10 +205,17 @@ def run_worker(
         batch_iter = iter(batches)
         model.train()
         loss_value = float("nan")
-        for _ in range(steps):
+        while ctx.local_step < steps:
+            if ckpt is not None:
+                ckpt.maybe_save_worker(ctx.local_step, start_step, worker_state)
+            faults.before_step(ctx.global_step)
             x, y = next(batch_iter)
             x, y = x.to(device), y.to(device)
             scheme.before_step(ctx)
+            if ckpt is not None and chief:
+                ckpt.maybe_checkpoint_servers(
+                    None if ps is None else ps.checkpoint, {"scheme": env.scheme, "steps": steps}
+                )
             model.zero_grad(set_to_none=False)
             loss = loss_fn(model(x), y)
             loss.backward()
@@ -202,6 +254,9 @@ def run_worker(
                     accuracy=scores.get("accuracy"),
                 )
         scheme.finish(ctx)
+        if ckpt is not None:
+            ckpt.save_worker(worker_state(), ctx.local_step)
+            ckpt.close()
         seconds = time.monotonic() - started
         if ps is not None:
             ps.leave()

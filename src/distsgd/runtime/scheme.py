@@ -14,8 +14,11 @@ given. Hooks, in the order the runtime calls them::
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
 
 if TYPE_CHECKING:
     from distsgd.runtime.config import TrainConfig
@@ -38,6 +41,34 @@ class WorkerScheme(ABC):
     def stats(self) -> dict[str, float]:
         """Scheme-specific counters added to each metrics line (e.g. dropped gradients)."""
         return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scheme's worker state for a checkpoint.
+
+        The default takes every attribute except ``options``: optimizers by their own
+        ``state_dict``, everything else (counters, arrays, dicts of arrays) as a deep copy. A new
+        scheme is checkpointable without writing anything, as long as its state lives in
+        attributes.
+        """
+        out: dict[str, Any] = {}
+        for name, value in vars(self).items():
+            if name == "options":
+                continue
+            if isinstance(value, torch.optim.Optimizer):
+                out[name] = {"__optimizer__": value.state_dict()}
+            else:
+                out[name] = copy.deepcopy(value)
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (called after :meth:`start`, which built the optimizers)."""
+        for name, value in state.items():
+            current = getattr(self, name, None)
+            if isinstance(value, dict) and "__optimizer__" in value:
+                assert isinstance(current, torch.optim.Optimizer), f"{name} is not an optimizer"
+                current.load_state_dict(value["__optimizer__"])
+            else:
+                setattr(self, name, value)
 
     def start(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook
         """Called once before the first step."""

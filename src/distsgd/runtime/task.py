@@ -43,6 +43,22 @@ class TaskEnv:
         default=600.0,
         metadata={"help": "how long to wait for other tasks (start-up, slow peers), seconds"},
     )
+    checkpoint_every: int = field(
+        default=0, metadata={"help": "checkpoint every N local steps (0 = off)"}
+    )
+    checkpoint_seconds: float = field(
+        default=0.0, metadata={"help": "checkpoint every N seconds (0 = off)"}
+    )
+    resume: str = field(
+        default="", metadata={"help": "worker state file to continue from ('' = fresh)"}
+    )
+    faults: list[str] = field(
+        default_factory=list, metadata={"help": "faults injected into this task"}
+    )
+    tls: list[str] = field(
+        default_factory=list,
+        metadata={"help": "[cert, key, ca] paths for mutual TLS ([] = plaintext)"},
+    )
 
     def __post_init__(self) -> None:
         spec = self.spec

@@ -22,6 +22,8 @@ larger. A worker that finishes leaves; from then on a step closes with min(R, wo
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,8 @@ from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.schemes.registry import SchemeSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +52,18 @@ class SyncOptions:
         },
     )
 
+    step_timeout: float = field(
+        default=60.0,
+        metadata={
+            "help": "seconds a step waits for missing (dead) workers, then closes without them"
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.replicas_to_aggregate < 0 or self.backup_workers < 0:
             raise ValueError("replicas_to_aggregate and backup_workers must be 0 or more")
+        if not self.step_timeout > 0:
+            raise ValueError(f"step_timeout must be positive, got {self.step_timeout}")
 
     def required(self, num_workers: int) -> int:
         """R: gradients that close a step; ValueError when it cannot work with this many workers."""
@@ -83,8 +96,10 @@ class SyncServer(UpdateRule):
         super().__init__(options=options, num_workers=num_workers)
         self.required = int(options["required"])
         self.sgd = ServerSGD(lr=float(options["lr"]), momentum=float(options.get("momentum", 0.0)))
+        self.step_timeout = float(options.get("step_timeout", 60.0))
         self.sums: dict[str, np.ndarray] = {}
         self.contributors: set[int] = set()
+        self.opened = time.monotonic()
 
     def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
         if meta.base_version != shard.version:
@@ -101,12 +116,44 @@ class SyncServer(UpdateRule):
                 self.sums[key] += grad
             else:
                 self.sums[key] = np.array(grad, copy=True)
+        if not self.contributors:
+            self.opened = time.monotonic()
         self.contributors.add(meta.worker)
         self._maybe_close(shard)
         return ACCEPTED
 
     def on_leave(self, shard: Shard, worker: int) -> None:
         self._maybe_close(shard)
+
+    def tick(self, shard: Shard, now: float) -> None:
+        """Close a step that waited ``step_timeout`` seconds for a dead or stuck worker."""
+        if not self.contributors or now - self.opened < self.step_timeout:
+            return
+        missing = sorted(set(range(self.num_workers)) - self.contributors - shard.finished)
+        log.warning(
+            "shard %d: step %d closed after %.0fs with %d of %d gradients; no gradient from "
+            "worker(s) %s",
+            shard.index,
+            shard.version,
+            now - self.opened,
+            len(self.contributors),
+            self.required,
+            missing,
+        )
+        self._close(shard)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update({f"sums/{k}": v for k, v in self.sums.items()})
+        state["contributors"] = sorted(self.contributors)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.sums = {
+            k[5:]: np.array(v, copy=True) for k, v in state.items() if k.startswith("sums/")
+        }
+        self.contributors = {int(w) for w in state.get("contributors", [])}
 
     def _maybe_close(self, shard: Shard) -> None:
         count = len(self.contributors)
@@ -115,6 +162,10 @@ class SyncServer(UpdateRule):
         expected = shard.active_workers + len(self.contributors & shard.finished)
         if count == 0 or count < min(self.required, max(1, expected)):
             return
+        self._close(shard)
+
+    def _close(self, shard: Shard) -> None:
+        count = len(self.contributors)
         self.sgd.step(shard.values, self.sums, scale=1.0 / count)
         self.sums = {}
         self.contributors = set()
@@ -129,7 +180,11 @@ class SyncWorker(WorkerScheme):
         self.dropped = 0
 
     def server_options(self, config: TrainConfig) -> dict[str, Any]:
-        return {**super().server_options(config), "required": self.required}
+        return {
+            **super().server_options(config),
+            "required": self.required,
+            "step_timeout": self.options.step_timeout,
+        }
 
     def stats(self) -> dict[str, float]:
         return {"dropped": self.dropped}

@@ -1,5 +1,6 @@
 """Transport layer: the wire protocol (``proto/distsgd.proto``), tensors as raw bytes in chunks,
-and a gRPC client for one parameter-server shard with deadlines and retries.
+a gRPC client for one parameter-server shard with deadlines and retries, and the run secret and
+mutual TLS that guard it (``security.py``).
 
 Framework-agnostic: tensors are numpy arrays here.
 """
@@ -14,15 +15,39 @@ from distsgd.transport.codec import (
     specs_of,
 )
 from distsgd.transport.errors import PROTOCOL_VERSION, RemoteError
+from distsgd.transport.security import (
+    METADATA_KEY,
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    TlsConfig,
+    channel_credentials,
+    exposure_warning,
+    is_loopback,
+    load_secret,
+    new_secret,
+    server_credentials,
+    write_secret_file,
+)
 
 __all__ = [
     "CHUNK_BYTES",
+    "METADATA_KEY",
     "PROTOCOL_VERSION",
+    "SECRET_ENV",
+    "SECRET_FILE_ENV",
     "ChunkAssembler",
     "RemoteError",
     "ShardClient",
+    "TlsConfig",
     "WireError",
+    "channel_credentials",
+    "exposure_warning",
+    "is_loopback",
     "iter_chunks",
+    "load_secret",
+    "new_secret",
+    "server_credentials",
     "spec_of",
     "specs_of",
+    "write_secret_file",
 ]

@@ -20,6 +20,12 @@ from distsgd.transport.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks, sp
 from distsgd.transport.errors import PROTOCOL_VERSION, RemoteError
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
+from distsgd.transport.security import (
+    METADATA_KEY,
+    TlsConfig,
+    channel_credentials,
+    check_secret,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,7 +46,12 @@ class PushResult:
 
 
 class ShardClient:
-    """Calls on one parameter-server shard at ``address``."""
+    """Calls on one parameter-server shard at ``address``.
+
+    ``secret`` (the run secret; None or "" = none) travels as call metadata on every RPC.
+    ``tls`` makes the channel mutual TLS: the server's certificate must be signed by ``tls.ca``
+    and name the host in ``address``; ``tls.cert`` is presented as the client certificate.
+    """
 
     def __init__(
         self,
@@ -52,6 +63,8 @@ class ShardClient:
         timeout: float = 30.0,
         retry_seconds: float = 60.0,
         chunk_bytes: int = CHUNK_BYTES,
+        secret: str | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
@@ -62,7 +75,14 @@ class ShardClient:
         )
         self.server_incarnation = 0
         """The server process last seen (0 = none yet); it changes when the server restarts."""
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._metadata: tuple[tuple[str, str], ...] | None = (
+            ((METADATA_KEY, check_secret(secret)),) if secret else None
+        )
+        self._channel = (
+            grpc.secure_channel(address, channel_credentials(tls), options=GRPC_OPTIONS)
+            if tls is not None
+            else grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        )
         self._stub = pb_grpc.ParameterServerStub(self._channel)
 
     def close(self) -> None:
@@ -94,7 +114,9 @@ class ShardClient:
         """The shard's state (registered, version, pieces, membership counters)."""
         request = pb.InfoRequest(header=self._header)
         return self._call(
-            "Info", lambda: self._stub.Info(request, timeout=self.timeout), retry=retry
+            "Info",
+            lambda: self._stub.Info(request, timeout=self.timeout, metadata=self._metadata),
+            retry=retry,
         )
 
     def register(
@@ -122,7 +144,10 @@ class ShardClient:
             for chunk in iter_chunks(arrays, self.chunk_bytes):
                 yield pb.RegisterRequest(chunk=chunk)
 
-        return self._call("Register", lambda: self._stub.Register(messages(), timeout=self.timeout))
+        return self._call(
+            "Register",
+            lambda: self._stub.Register(messages(), timeout=self.timeout, metadata=self._metadata),
+        )
 
     def pull(
         self, *, min_version: int = 0, wait_seconds: float | None = None
@@ -141,7 +166,7 @@ class ShardClient:
                 wait_seconds=wait,
                 server_incarnation=self.server_incarnation,
             )
-            stream = self._stub.Pull(request, timeout=wait + self.timeout)
+            stream = self._stub.Pull(request, timeout=wait + self.timeout, metadata=self._metadata)
             first = next(stream)
             if first.WhichOneof("part") != "header":
                 raise RemoteError(self.address, "Pull", grpc.StatusCode.INTERNAL, "no header first")
@@ -170,7 +195,9 @@ class ShardClient:
                 yield pb.PushRequest(chunk=chunk)
 
         reply = self._call(
-            "Push", lambda: self._stub.Push(messages(), timeout=self.timeout), retry=False
+            "Push",
+            lambda: self._stub.Push(messages(), timeout=self.timeout, metadata=self._metadata),
+            retry=False,
         )
         return PushResult(accepted=reply.accepted, version=reply.version, reason=reply.reason)
 
@@ -178,10 +205,14 @@ class ShardClient:
         """Ask the shard to write its state under checkpoint ``name``."""
         request = pb.CheckpointRequest(header=self._header, name=name)
         return self._call(
-            "Checkpoint", lambda: self._stub.Checkpoint(request, timeout=self.timeout)
+            "Checkpoint",
+            lambda: self._stub.Checkpoint(request, timeout=self.timeout, metadata=self._metadata),
         )
 
     def leave(self) -> int:
         """Tell the shard this worker has finished; returns the shard's version."""
         request = pb.LeaveRequest(header=self._header)
-        return self._call("Leave", lambda: self._stub.Leave(request, timeout=self.timeout)).version
+        return self._call(
+            "Leave",
+            lambda: self._stub.Leave(request, timeout=self.timeout, metadata=self._metadata),
+        ).version

@@ -95,7 +95,8 @@ class ChunkAssembler:
         total = sum(self._sizes)
         if max_bytes is not None and total > max_bytes:
             raise WireError(f"message announces {total} bytes, over the limit of {max_bytes}")
-        self._buffers = [bytearray(size) for size in self._sizes]
+        # Grown as data arrives: announcing a huge tensor costs the sender the bytes, not us.
+        self._buffers = [bytearray() for _ in self._sizes]
         self._filled = [0] * len(specs)
 
     def add(self, chunk: pb.TensorChunk) -> None:
@@ -114,7 +115,7 @@ class ChunkAssembler:
         end = filled + len(chunk.data)
         if end > size:
             raise WireError(f"{key}: chunk ends at byte {end}, past the tensor's {size} bytes")
-        self._buffers[chunk.index][filled:end] = chunk.data
+        self._buffers[chunk.index] += chunk.data
         self._filled[chunk.index] = end
 
     def finish(self) -> dict[str, np.ndarray]:

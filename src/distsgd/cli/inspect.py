@@ -1,0 +1,85 @@
+"""``distsgd inspect PATH``: what a checkpoint holds, read without starting anything."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from distsgd.runtime.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    latest_checkpoint,
+    load_worker_state,
+    verify,
+)
+
+
+def _shard_lines(path: Path) -> list[str]:
+    with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as npz:
+        header = json.loads(npz["header"].tobytes())
+        lines = [
+            f"  {path.name}: shard {header['index']}, scheme {header['scheme']}, "
+            f"version {header['version']}, "
+            f"{header['num_workers']} workers ({len(header['finished'])} finished), "
+            f"pushes {header['pushes_accepted']} accepted / {header['pushes_rejected']} rejected "
+            f"({header['nonfinite_rejected']} non-finite)"
+        ]
+        for key in header["keys"]:
+            a = npz[f"values/{key}"]
+            lines.append(f"    {key:40s} {a.dtype.name}{list(a.shape)}  {a.nbytes} bytes")
+        rule = [k[5:] for k in npz.files if k.startswith("rule/")] + list(header["rule"])
+        lines.append(f"    rule state: {', '.join(rule) if rule else 'none'}")
+    return lines
+
+
+def _worker_lines(path: Path) -> list[str]:
+    state = load_worker_state(path)
+    params = sum(int(v.numel()) for v in state["model"].values())
+    scheme_state = ", ".join(sorted(state["scheme"])) or "none"
+    return [
+        f"  {path.name}: worker {state['worker']}, "
+        f"local step {state['local_step']} of {state['steps']}, "
+        f"global step {state['global_step']}, "
+        f"data position (epoch, batch) = {tuple(state['position'])}",
+        f"    replica: {len(state['model'])} tensors, {params} values; "
+        f"scheme state: {scheme_state}",
+    ]
+
+
+def describe(path: Path) -> list[str]:
+    """Lines describing ``path`` (a run folder, a checkpoint folder, or one state file)."""
+    if path.is_file():
+        return _shard_lines(path) if path.suffix == ".npz" else _worker_lines(path)
+    if (path / "checkpoints").is_dir():
+        checkpoint, problems = latest_checkpoint(path / "checkpoints")
+        lines = [f"unusable: {p}" for p in problems]
+        if checkpoint is None:
+            raise CheckpointError(f"{path}: no complete checkpoint")
+        return [*lines, *describe(checkpoint.path)]
+    checkpoint = verify(path)
+    m: dict[str, Any] = checkpoint.manifest
+    lines = [
+        f"checkpoint {path} ({MANIFEST} verified): step {m['step']}, "
+        f"scheme {m.get('scheme', '?')}, "
+        f"{len(m['shards'])} shards, {len(m['workers'])} workers"
+    ]
+    for entry in m["shards"]:
+        lines += _shard_lines(path / entry["file"])
+    for entry in m["workers"]:
+        lines += _worker_lines(path / entry["file"])
+    return lines
+
+
+def inspect(path: Path) -> int:
+    if not path.exists():
+        raise ValueError(f"{path}: no such file or folder; give a run folder or a checkpoint")
+    try:
+        for line in describe(path):
+            print(line)
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from None
+    return 0

@@ -1,0 +1,223 @@
+"""Who may talk to a parameter server: a per-run shared secret, and optional mutual TLS.
+
+The secret. Every task of one run shares one random secret (:func:`new_secret`). Clients send it
+as call metadata (:data:`METADATA_KEY`) on every RPC; a server started with a secret refuses any
+call without it with ``UNAUTHENTICATED`` before its handler runs (``distsgd.ps.auth``). Tasks
+get it from the environment (:data:`SECRET_ENV`) or, better, from a file only its owner can
+read (:data:`SECRET_FILE_ENV`, written by :func:`write_secret_file`), never from the command
+line, where ``ps`` shows it to every user of the machine. :func:`load_secret` reads either.
+
+TLS. Without TLS the secret and the parameters cross the network in plaintext. With a
+:class:`TlsConfig` (the flags ``--tls-cert``, ``--tls-key`` and ``--tls-ca``) the server listens
+on a TLS port and demands a client certificate signed by the CA (mutual TLS), and the client
+checks the server's certificate against the same CA. See ``docs/security.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import secrets
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+SECRET_ENV = "DISTSGD_SECRET"
+"""Environment variable holding the run secret itself."""
+
+SECRET_FILE_ENV = "DISTSGD_SECRET_FILE"
+"""Environment variable naming a file (mode 0600) that holds the run secret."""
+
+METADATA_KEY = "x-distsgd-auth"
+"""gRPC call-metadata key under which clients send the run secret."""
+
+
+def new_secret() -> str:
+    """A fresh random run secret: 64 hex characters (256 bits)."""
+    return secrets.token_hex(32)
+
+
+def check_secret(secret: str, source: str = "the run secret") -> str:
+    """``secret`` without surrounding whitespace, or ValueError if it cannot be used.
+
+    It must be non-empty printable ASCII, because gRPC metadata values are.
+    """
+    value = secret.strip()
+    if not value:
+        raise ValueError(f"{source} is empty; use a random string such as new_secret() makes")
+    if not (value.isascii() and value.isprintable()):
+        raise ValueError(f"{source} must be printable ASCII (a hex string, for example)")
+    return value
+
+
+def write_secret_file(path: Path | str) -> str:
+    """Create ``path`` holding a new secret, readable by its owner only (0600); returns it.
+
+    The file is created under a temporary name beside ``path`` with ``O_EXCL`` and mode 0600
+    from the start (never briefly readable by others), then renamed over ``path``.
+    """
+    path = Path(path)
+    secret = new_secret()
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask did
+            os.write(fd, (secret + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    return secret
+
+
+def load_secret(environ: Mapping[str, str] | None = None) -> str | None:
+    """The run secret from ``DISTSGD_SECRET``, else from the file ``DISTSGD_SECRET_FILE`` names.
+
+    None when neither is set. ValueError (one line) for an empty secret, a missing file, or a
+    file that group or others may access (it must be mode 0600 or stricter).
+    """
+    env = os.environ if environ is None else environ
+    if SECRET_ENV in env:
+        return check_secret(env[SECRET_ENV], SECRET_ENV)
+    name = env.get(SECRET_FILE_ENV)
+    if name is None:
+        return None
+    if not name.strip():
+        raise ValueError(f"{SECRET_FILE_ENV} is set but empty; name the run's secret file")
+    path = Path(name)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise ValueError(
+            f"cannot read secret file {path} ({SECRET_FILE_ENV}): {exc.strerror}"
+        ) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"secret file {path} ({SECRET_FILE_ENV}) is not a regular file")
+        if mode & 0o077:
+            raise ValueError(
+                f"secret file {path} is open to group or others (mode {stat.S_IMODE(mode):04o}); "
+                f"run: chmod 600 {path}"
+            )
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(64 * 1024)
+    finally:
+        os.close(fd)
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError(f"secret file {path} must hold printable ASCII") from None
+    return check_secret(text, f"secret file {path}")
+
+
+# ------------------------------------------------------------------------------------------ TLS
+
+
+def _tls_path(value: Path | str, flag: str) -> Path:
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"{flag} {path}: no such file")
+    return path
+
+
+@dataclass(frozen=True, kw_only=True)
+class TlsConfig:
+    """Mutual TLS between workers and parameter servers: PEM files, the same CA on every task.
+
+    Every task has its own certificate and key, signed by the run's CA. A server accepts only
+    clients with a certificate the CA signed; a client accepts only a server whose certificate
+    the CA signed and whose name (subject alternative name) matches the host it dialled.
+    """
+
+    cert: Path
+    """This task's certificate (chain), PEM. On a server it must name the host clients dial
+    (a DNS or IP subject alternative name); on a client it is the client certificate."""
+    key: Path
+    """The private key of ``cert``, PEM; keep it mode 0600."""
+    ca: Path
+    """The CA certificate, PEM, that signed every task's certificate; peers are checked
+    against it in both directions."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cert", _tls_path(self.cert, "--tls-cert"))
+        object.__setattr__(self, "key", _tls_path(self.key, "--tls-key"))
+        object.__setattr__(self, "ca", _tls_path(self.ca, "--tls-ca"))
+
+    @classmethod
+    def from_flags(
+        cls,
+        cert: Path | str | None = None,
+        key: Path | str | None = None,
+        ca: Path | str | None = None,
+    ) -> TlsConfig | None:
+        """None when no flag is given; all three together; ValueError naming a missing one."""
+        given = {"--tls-cert": cert, "--tls-key": key, "--tls-ca": ca}
+        if all(v is None for v in given.values()):
+            return None
+        missing = [flag for flag, v in given.items() if v is None]
+        if missing:
+            raise ValueError(
+                f"--tls-cert, --tls-key and --tls-ca go together; missing {', '.join(missing)}"
+            )
+        assert cert is not None and key is not None and ca is not None
+        return cls(cert=Path(cert), key=Path(key), ca=Path(ca))
+
+
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    """Server side of mutual TLS: present ``cert``, demand a client certificate signed by ``ca``."""
+    return grpc.ssl_server_credentials(
+        [(tls.key.read_bytes(), tls.cert.read_bytes())],
+        root_certificates=tls.ca.read_bytes(),
+        require_client_auth=True,
+    )
+
+
+def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
+    """Client side of mutual TLS: trust servers signed by ``ca``, present ``cert``."""
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.ca.read_bytes(),
+        private_key=tls.key.read_bytes(),
+        certificate_chain=tls.cert.read_bytes(),
+    )
+
+
+# ----------------------------------------------------------------------------------- exposure
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IP, brackets allowed) is this machine's loopback only."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(address: str, *, secret: str | None, tls: TlsConfig | None) -> str | None:
+    """A one-line warning for a server on ``address`` ("host:port") reachable from other
+    machines without TLS, or None when it listens on loopback or uses TLS."""
+    host = address.rpartition(":")[0]
+    if tls is not None or is_loopback(host):
+        return None
+    if secret:
+        return (
+            f"listening on non-loopback {address} without TLS: the run secret and the "
+            "parameters cross the network in plaintext; pass --tls-cert, --tls-key and --tls-ca"
+        )
+    return (
+        f"listening on non-loopback {address} without authentication or TLS: anyone who can "
+        f"reach it can read and change the parameters; set {SECRET_FILE_ENV} and pass "
+        "--tls-cert, --tls-key and --tls-ca"
+    )

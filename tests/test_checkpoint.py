@@ -1,0 +1,154 @@
+"""Checkpoint pieces on their own: shard files, worker state, manifests, NaN, sync timeouts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from distsgd import schemes
+from distsgd.ps import PushMeta, Shard
+from distsgd.ps.shard import CorruptCheckpoint
+from distsgd.runtime.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    ManifestWriter,
+    latest_checkpoint,
+    save_worker_state,
+    verify,
+)
+from distsgd.schemes.downpour import DownpourOptions, DownpourWorker
+
+
+def _shard(scheme: str, options: dict, workers: int = 2) -> Shard:
+    rule = schemes.make_server_rule(scheme, options, workers)
+    values = {"w#0": np.arange(6, dtype=np.float32), "b#0": np.ones((2, 2), np.float32)}
+    return Shard(
+        index=0,
+        scheme=scheme,
+        options_json=json.dumps(options),
+        num_workers=workers,
+        values=values,
+        rule=rule,
+    )
+
+
+def _push(shard: Shard, worker: int, base: int, value: float = 1.0):  # type: ignore[no-untyped-def]
+    payload = {k: np.full_like(v, value) for k, v in shard.values.items()}
+    return shard.push(payload, PushMeta(worker=worker, incarnation=1, base_version=base))
+
+
+def test_sync_shard_round_trip_keeps_open_step_and_momentum() -> None:
+    options = {"lr": 0.1, "momentum": 0.9, "required": 2, "step_timeout": 60.0}
+    shard = _shard("sync", options)
+    _push(shard, 0, 0), _push(shard, 1, 0)  # step 0 closes: momentum buffers exist
+    _push(shard, 0, 1, value=2.0)  # step 1 open with worker 0's gradient
+    version, data = shard.to_bytes()
+    restored = Shard.from_bytes(data, schemes.make_server_rule)
+    assert version == restored.version == restored.restored_version == 1
+    for key in shard.values:
+        np.testing.assert_array_equal(restored.values[key], shard.values[key])
+    # Closing step 1 on both gives the same parameters: open sums and momentum came back.
+    _push(shard, 1, 1, value=4.0)
+    _push(restored, 1, 1, value=4.0)
+    for key in shard.values:
+        np.testing.assert_allclose(restored.values[key], shard.values[key], rtol=1e-6)
+    assert restored.version == 2
+
+
+@pytest.mark.parametrize(
+    "damage", [lambda b: b[: len(b) // 2], lambda b: b"not a zip", lambda b: b[:-10] + b"0" * 10]
+)
+def test_damaged_shard_file_is_named(damage) -> None:  # type: ignore[no-untyped-def]
+    _, data = _shard("hogwild", {"lr": 0.1}).to_bytes()
+    with pytest.raises(CorruptCheckpoint, match=r"ps0\.npz"):
+        Shard.from_bytes(damage(data), schemes.make_server_rule, name="ps0.npz")
+
+
+def test_nonfinite_push_is_refused_and_counted() -> None:
+    shard = _shard("hogwild", {"lr": 0.1})
+    before = {k: v.copy() for k, v in shard.values.items()}
+    payload = {k: np.zeros_like(v) for k, v in shard.values.items()}
+    payload["b#0"][1, 1] = np.nan
+    outcome, version = shard.push(payload, PushMeta(worker=0, incarnation=1, base_version=0))
+    assert (
+        not outcome.accepted and outcome.reason.startswith("nonfinite") and "b#0" in outcome.reason
+    )
+    assert version == 0 and shard.nonfinite_rejected == 1
+    for key in before:
+        np.testing.assert_array_equal(shard.values[key], before[key])
+
+
+def test_sync_step_closes_after_timeout_without_a_dead_worker() -> None:
+    shard = _shard("sync", {"lr": 1.0, "required": 2, "step_timeout": 5.0})
+    _push(shard, 0, 0)
+    opened = shard.rule.opened  # type: ignore[attr-defined]
+    shard.rule.tick(shard, opened + 4.0)
+    assert shard.version == 0  # still waiting for worker 1
+    shard.rule.tick(shard, opened + 5.5)
+    assert shard.version == 1  # closed with worker 0's gradient alone
+    np.testing.assert_allclose(shard.values["w#0"], np.arange(6) - 1.0)
+
+
+def test_worker_scheme_state_round_trip_includes_optimizer() -> None:
+    model = torch.nn.Linear(3, 2)
+    a = DownpourWorker(DownpourOptions(window=3), 2)
+    a.optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    a.optimizer.step()
+    a.pending = 2
+    state = a.state_dict()
+    b = DownpourWorker(DownpourOptions(window=3), 2)
+    b.optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    b.load_state_dict(state)
+    assert b.pending == 2 and b.server_lr == a.server_lr
+    bufs_a = [s["momentum_buffer"] for s in a.optimizer.state.values()]
+    bufs_b = [s["momentum_buffer"] for s in b.optimizer.state.values()]
+    assert bufs_b and all(torch.equal(x, y) for x, y in zip(bufs_a, bufs_b, strict=True))
+
+
+def _complete_checkpoint(root: Path, step: int) -> Path:
+    shard = _shard("hogwild", {"lr": 0.1})
+    version, data = shard.to_bytes()
+    folder = root / f"ckpt-{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "ps0.npz").write_bytes(data)
+    import hashlib
+
+    shards = [
+        {
+            "file": str(folder / "ps0.npz"),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "bytes": len(data),
+            "version": version,
+        }
+    ]
+    save_worker_state(
+        root / "workers" / f"worker0-{step:08d}.pt", {"worker": 0, "local_step": step}
+    )
+    writer = ManifestWriter(root, 1, wait=5)
+    writer.complete(folder.name, step, shards, {"scheme": "hogwild"})
+    writer.join(10)
+    return folder
+
+
+def test_latest_checkpoint_skips_damaged_and_incomplete(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    good = _complete_checkpoint(root, 10)
+    damaged = _complete_checkpoint(root, 20)
+    raw = bytearray((damaged / "ps0.npz").read_bytes())
+    raw[100] ^= 0xFF
+    (damaged / "ps0.npz").write_bytes(bytes(raw))
+    incomplete = root / "ckpt-00000030"  # killed before its manifest was written
+    incomplete.mkdir()
+    (incomplete / "ps0.npz").write_bytes(b"partial")
+    checkpoint, problems = latest_checkpoint(root)
+    assert checkpoint is not None and checkpoint.path == good and checkpoint.step == 10
+    assert "no MANIFEST.json" in problems[0] and "ckpt-00000030" in problems[0]
+    assert "damaged" in problems[1] and "ckpt-00000020" in problems[1]
+    with pytest.raises(CheckpointError, match="damaged"):
+        verify(damaged)
+    assert json.loads((good / MANIFEST).read_text())["workers"][0]["step"] == 10

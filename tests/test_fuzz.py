@@ -1,0 +1,649 @@
+"""Fuzzing the parameter server over the wire: whatever arrives, it answers with an error status,
+stays up, and leaves the registered parameters and version as they were.
+
+One in-process server (port 0, run secret set) holds a small hogwild model. Hypothesis sends
+every RPC random and malformed requests through a raw stub (with the right secret, so the
+requests reach the service): random protocol versions and run ids, random and huge shapes,
+unknown dtypes and keys, chunks with random index, offset and data, streams without a header or
+with two, and random bytes that may not even parse. A well-formed push with valid keys and
+shapes would be applied by hogwild, so such pushes are filtered out: every push sent must be
+refused. After every example a correct client pulls and compares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+
+from distsgd.ps import start_server
+from distsgd.schemes import make_server_rule, names
+from distsgd.transport import METADATA_KEY, PROTOCOL_VERSION, RemoteError, ShardClient
+from distsgd.transport.codec import ALLOWED_DTYPES, ChunkAssembler, WireError, iter_chunks
+from distsgd.transport.proto import distsgd_pb2 as pb
+from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
+
+SECRET = "fuzz-" + "0f" * 16
+RUN = "fuzzrun"
+METADATA = ((METADATA_KEY, SECRET),)
+HOGWILD = {"lr": 0.5, "momentum": 0.0}
+NUM_WORKERS = 2
+SERVICE = "/distsgd.v1.ParameterServer/"
+TIMEOUT = 5.0
+PULL_TIMEOUT = 0.25
+"""Deadline of fuzzed pulls: one whose min_version is never reached waits this long."""
+REGISTER_ALLOC_LIMIT = 16 << 20
+"""Register assembles what its header announces before comparing it with the registered pieces
+(up to service.MAX_MESSAGE_BYTES, 4 GiB, each call); fuzzed Registers stay below this or far above
+4 GiB so that the test does not allocate gigabytes."""
+
+CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+FUZZ = settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+def _model() -> dict[str, np.ndarray]:
+    return {
+        "w#0": np.arange(6, dtype=np.float32).reshape(2, 3) / 4,
+        "b#0": np.array([1.0, -2.0, 0.5], dtype=np.float32),
+        "s#0": np.array(3.0, dtype=np.float64),
+    }
+
+
+MODEL = _model()
+SPECS = {key: (a.dtype.name, a.shape) for key, a in MODEL.items()}
+
+
+@dataclass
+class Target:
+    address: str
+    service: Any
+    channel: grpc.Channel
+    stub: pb_grpc.ParameterServerStub
+    good: ShardClient
+    version: int
+    values: dict[str, np.ndarray]
+    root: Path
+    checkpoint_dir: Path
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    root = tmp_path_factory.mktemp("fuzz")
+    checkpoint_dir = root / "checkpoints"
+    checkpoint_dir.mkdir()
+    srv, address, service = start_server(
+        address="127.0.0.1:0",
+        shard_index=0,
+        rule_factory=make_server_rule,
+        secret=SECRET,
+        checkpoint_dir=checkpoint_dir,
+    )
+    channel = grpc.insecure_channel(address)
+    good = ShardClient(address, worker=0, run_id=RUN, secret=SECRET, timeout=TIMEOUT)
+    try:
+        reply = good.register(
+            shard_index=0,
+            scheme="hogwild",
+            options_json=json.dumps(HOGWILD),
+            num_workers=NUM_WORKERS,
+            tensors=MODEL,
+        )
+        assert reply.created
+        version, values = good.pull()
+        yield Target(
+            address=address,
+            service=service,
+            channel=channel,
+            stub=pb_grpc.ParameterServerStub(channel),
+            good=good,
+            version=version,
+            values=values,
+            root=root,
+            checkpoint_dir=checkpoint_dir,
+        )
+    finally:
+        good.close()
+        channel.close()
+        srv.stop(grace=None).wait(timeout=5)
+        service.close()
+
+
+def _files_under(folder: Path) -> set[Path]:
+    return {p for p in folder.rglob("*") if p.is_file()}
+
+
+def assert_unchanged(t: Target) -> None:
+    """The server answers, and holds exactly the registered parameters at the same version."""
+    info = t.good.info(retry=False)
+    assert info.registered and info.scheme == "hogwild"
+    assert [(s.key, s.dtype, tuple(s.shape)) for s in info.tensors] == [
+        (k, d, s) for k, (d, s) in SPECS.items()
+    ]
+    version, values = t.good.pull()
+    assert version == t.version
+    assert list(values) == list(t.values)
+    for key, value in values.items():
+        assert value.dtype == t.values[key].dtype and value.shape == t.values[key].shape, key
+        np.testing.assert_array_equal(value, t.values[key], err_msg=key)
+    outside = {p for p in _files_under(t.root) if t.checkpoint_dir not in p.parents}
+    assert not outside, f"files written outside the checkpoint dir: {sorted(outside)}"
+
+
+def call(fn: Any, *args: Any, **kw: Any) -> tuple[grpc.StatusCode, Any]:
+    """Run one RPC; (status code, reply or None)."""
+    try:
+        reply = fn(*args, metadata=METADATA, **kw)
+        if isinstance(reply, Iterator):
+            reply = list(reply)
+    except grpc.RpcError as exc:
+        event(f"status {exc.code().name}")  # shown by pytest --hypothesis-show-statistics
+        return exc.code(), None
+    event("status OK")
+    return grpc.StatusCode.OK, reply
+
+
+# --------------------------------------------------------------------------- strategies
+
+U32 = st.one_of(st.integers(0, 4), st.integers(0, 2**32 - 1))
+U64 = st.one_of(st.integers(0, 4), st.integers(0, 2**64 - 1))
+I64 = st.one_of(st.integers(-2, 4), st.integers(-(2**63), 2**63 - 1))
+
+workers = st.one_of(st.integers(-1, NUM_WORKERS - 1), st.integers(-(2**31), 2**31 - 1))
+good_headers = st.builds(
+    pb.RequestHeader,
+    protocol_version=st.just(PROTOCOL_VERSION),
+    run_id=st.sampled_from(["", RUN]),
+    worker=workers,
+    incarnation=U64,
+)
+any_headers = st.builds(
+    pb.RequestHeader,
+    protocol_version=U32,
+    run_id=st.one_of(st.just(""), st.just(RUN), st.text(max_size=12)),
+    worker=workers,
+    incarnation=U64,
+)
+headers = st.one_of(good_headers, any_headers)
+"""Request headers, half of them ones the server accepts (so the rest of the request is tested)."""
+
+dtypes = st.one_of(
+    st.sampled_from(sorted(ALLOWED_DTYPES)),
+    st.sampled_from(["bfloat16", "float128", "complex64", "object", "<f4", ">f4", "f4", "", "V8"]),
+    st.text(max_size=8),
+)
+
+shapes = st.one_of(
+    st.lists(st.integers(0, 5), max_size=3),
+    st.lists(I64, max_size=4),
+    st.lists(st.sampled_from([2**31, 2**40, 2**62, -1, -(2**63)]), min_size=1, max_size=3),
+)
+
+random_specs = st.builds(
+    pb.TensorSpec,
+    key=st.one_of(st.sampled_from(sorted(SPECS)), st.text(max_size=10)),
+    dtype=dtypes,
+    shape=shapes,
+)
+registered_specs = st.sampled_from(sorted(SPECS)).map(
+    lambda k: pb.TensorSpec(key=k, dtype=SPECS[k][0], shape=list(SPECS[k][1]))
+)
+specs = st.one_of(random_specs, registered_specs)
+
+random_chunks = st.builds(pb.TensorChunk, index=U32, offset=U64, data=st.binary(max_size=40))
+
+
+def _nbytes(spec: pb.TensorSpec) -> int | None:
+    """What the header announces for one tensor; None if the spec is invalid anyway."""
+    if spec.dtype not in ALLOWED_DTYPES or any(d < 0 for d in spec.shape):
+        return None
+    return math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
+
+
+def _announced(tensors: list[pb.TensorSpec]) -> int:
+    sizes = [_nbytes(s) for s in tensors]
+    return 0 if None in sizes else sum(s for s in sizes if s is not None)
+
+
+def _safe_to_send(tensors: list[pb.TensorSpec]) -> bool:
+    total = _announced(tensors)
+    return total <= REGISTER_ALLOC_LIMIT or total > (4 << 30)
+
+
+@st.composite
+def tensor_streams(draw: st.DrawFn) -> tuple[list[pb.TensorSpec], list[pb.TensorChunk], str]:
+    """Specs and the chunks that follow them: random, or right with one mutation."""
+    tensors = draw(st.lists(specs, max_size=4))
+    shape_of = st.sampled_from(
+        ["random", "exact", "drop", "extra", "offset", "index", "dup", "shuffle", "none"]
+    )
+    how = draw(shape_of)
+    if how == "random":
+        return tensors, draw(st.lists(random_chunks, max_size=6)), how
+    # Chunks for the tensors as announced, where they can be made (small, valid dtype).
+    arrays: list[np.ndarray] = []
+    for spec in tensors:
+        size = _nbytes(spec)
+        if size is None or size > 4096:
+            arrays.append(np.zeros(draw(st.integers(0, 8)), np.uint8))
+        else:
+            raw = draw(st.binary(min_size=size, max_size=size))
+            arrays.append(np.frombuffer(raw, np.uint8))
+    chunks = list(iter_chunks(arrays, chunk_bytes=draw(st.integers(1, 16))))
+    if how == "drop" and chunks:
+        del chunks[draw(st.integers(0, len(chunks) - 1))]
+    elif how == "extra":
+        chunks.append(draw(random_chunks))
+    elif how == "offset" and chunks:
+        i = draw(st.integers(0, len(chunks) - 1))
+        chunks[i] = pb.TensorChunk(index=chunks[i].index, offset=draw(U64), data=chunks[i].data)
+    elif how == "index" and chunks:
+        i = draw(st.integers(0, len(chunks) - 1))
+        chunks[i] = pb.TensorChunk(index=draw(U32), offset=chunks[i].offset, data=chunks[i].data)
+    elif how == "dup" and chunks:
+        chunks.insert(draw(st.integers(0, len(chunks))), draw(st.sampled_from(chunks)))
+    elif how == "shuffle":
+        chunks = draw(st.permutations(chunks))
+    elif how == "none":
+        chunks = []
+    return tensors, chunks, how
+
+
+FRAMINGS = ["ok", "no-header", "two-headers", "only-chunks", "empty", "header-last"]
+
+
+def _frame(kind: Any, header: Any, chunks: list[pb.TensorChunk], framing: str) -> list[Any]:
+    body = [kind(chunk=c) for c in chunks]
+    if framing == "ok":
+        return [kind(header=header), *body]
+    if framing == "no-header" or framing == "only-chunks":
+        return body or [kind(chunk=pb.TensorChunk())]
+    if framing == "two-headers":
+        return [kind(header=header), *body[:1], kind(header=header), *body[1:]]
+    if framing == "empty":
+        return []
+    return [*body, kind(header=header)]  # header-last
+
+
+# --------------------------------------------------------------------------- what is valid
+
+
+REFUSED_HEADER = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+"""Another protocol or run: FAILED_PRECONDITION; a worker outside the run: INVALID_ARGUMENT."""
+
+
+def header_ok(header: pb.RequestHeader) -> bool:
+    """What a registered shard accepts: this protocol, this run, a worker of the run (or -1)."""
+    return (
+        header.protocol_version == PROTOCOL_VERSION
+        and header.run_id in ("", RUN)
+        and -1 <= header.worker < NUM_WORKERS
+    )
+
+
+def assembles(tensors: list[pb.TensorSpec], rest: list[Any]) -> bool:
+    """Whether header specs plus the remaining messages form a complete, well-formed stream."""
+    try:
+        assembler = ChunkAssembler(tensors, max_bytes=4 << 30)
+        for message in rest:
+            if message.WhichOneof("part") != "chunk":
+                return False
+            assembler.add(message.chunk)
+        assembler.finish()
+    except WireError:
+        return False
+    return True
+
+
+def push_would_apply(messages: list[pb.PushRequest]) -> bool:
+    """A correct server applies exactly these pushes (hogwild applies every valid one)."""
+    if not messages or messages[0].WhichOneof("part") != "header":
+        return False
+    head = messages[0].header
+    if not header_ok(head.header):
+        return False
+    for spec in head.tensors:
+        if spec.key not in SPECS or (spec.dtype, tuple(spec.shape)) != SPECS[spec.key]:
+            return False
+    return assembles(list(head.tensors), messages[1:])
+
+
+def register_is_same(messages: list[pb.RegisterRequest]) -> bool:
+    """A Register a correct server answers OK (created = false): the same registration again."""
+    if not messages or messages[0].WhichOneof("part") != "header":
+        return False
+    head = messages[0].header
+    same = (
+        header_ok(head.header)
+        and head.shard_index == 0
+        and head.scheme == "hogwild"
+        and head.options_json == json.dumps(HOGWILD)
+        and head.num_workers == NUM_WORKERS
+        and [(s.key, s.dtype, tuple(s.shape)) for s in head.tensors]
+        == [(k, d, s) for k, (d, s) in SPECS.items()]
+    )
+    return same and assembles(list(head.tensors), messages[1:])
+
+
+def check_push(t: Target, messages: list[pb.PushRequest]) -> None:
+    code, reply = call(t.stub.Push, iter(messages), timeout=TIMEOUT)
+    assert code != grpc.StatusCode.OK, f"malformed push was answered OK: {reply}"
+    assert code != grpc.StatusCode.UNAUTHENTICATED
+    assert_unchanged(t)
+
+
+def check_register(t: Target, messages: list[pb.RegisterRequest]) -> None:
+    code, reply = call(t.stub.Register, iter(messages), timeout=TIMEOUT)
+    if code == grpc.StatusCode.OK:
+        assert register_is_same(messages), f"malformed register was answered OK: {reply}"
+        assert not reply.created
+    assert_unchanged(t)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@FUZZ
+@given(
+    header=headers,
+    base_version=U64,
+    stream=tensor_streams(),
+    framing=st.sampled_from(FRAMINGS),
+)
+def test_fuzz_push(target: Target, header, base_version, stream, framing) -> None:
+    tensors, chunks, _ = stream
+    assume(_safe_to_send(tensors))  # the service checks pushed specs first; stay safe anyway
+    head = pb.PushHeader(header=header, base_version=base_version, tensors=tensors)
+    messages = _frame(pb.PushRequest, head, chunks, framing)
+    assume(not push_would_apply(messages))
+    check_push(target, messages)
+
+
+@FUZZ
+@given(
+    header=headers,
+    scheme=st.one_of(st.just("hogwild"), st.sampled_from(names()), st.text(max_size=10)),
+    options_json=st.one_of(st.just(json.dumps(HOGWILD)), st.text(max_size=20)),
+    num_workers=st.one_of(st.just(NUM_WORKERS), U32),
+    shard_index=st.one_of(st.just(0), U32),
+    stream=tensor_streams(),
+    framing=st.sampled_from(FRAMINGS),
+)
+def test_fuzz_register_on_registered_server(
+    target: Target, header, scheme, options_json, num_workers, shard_index, stream, framing
+) -> None:
+    tensors, chunks, _ = stream
+    assume(_safe_to_send(tensors))
+    head = pb.RegisterHeader(
+        header=header,
+        scheme=scheme,
+        options_json=options_json,
+        num_workers=num_workers,
+        tensors=tensors,
+        shard_index=shard_index,
+    )
+    check_register(target, _frame(pb.RegisterRequest, head, chunks, framing))
+
+
+@settings(FUZZ, max_examples=60)
+@given(
+    header=headers,
+    min_version=st.one_of(st.just(0), U64),
+    wait_seconds=st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True), st.floats(-1.0, PULL_TIMEOUT)
+    ),
+    server_incarnation=U64,
+)
+def test_fuzz_pull(target: Target, header, min_version, wait_seconds, server_incarnation) -> None:
+    request = pb.PullRequest(
+        header=header,
+        min_version=min_version,
+        wait_seconds=wait_seconds,
+        server_incarnation=server_incarnation,
+    )
+    code, reply = call(target.stub.Pull, request, timeout=PULL_TIMEOUT)
+    if not header_ok(header):
+        assert code in REFUSED_HEADER
+    elif code == grpc.StatusCode.OK:  # a pull is read-only: check what it sent
+        assert reply[0].WhichOneof("part") == "header"
+        assert reply[0].header.version == target.version
+        assembler = ChunkAssembler(reply[0].header.tensors)
+        for message in reply[1:]:
+            assembler.add(message.chunk)
+        values = assembler.finish()
+        for key, value in target.values.items():
+            np.testing.assert_array_equal(values[key], value)
+    else:
+        restarted = server_incarnation not in (0, target.service.incarnation)
+        assert min_version > target.version and not restarted, code
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_unchanged(target)
+
+
+@FUZZ
+@given(header=headers)
+def test_fuzz_info(target: Target, header) -> None:
+    code, reply = call(target.stub.Info, pb.InfoRequest(header=header), timeout=TIMEOUT)
+    assert (code == grpc.StatusCode.OK) == header_ok(header), code
+    if reply is not None:
+        assert reply.registered and reply.version == target.version
+    assert_unchanged(target)
+
+
+leave_workers = st.one_of(st.integers(-1, NUM_WORKERS - 1), st.integers(-(2**31), 2**31 - 1))
+"""A worker index outside [-1, num_workers) is refused (INVALID_ARGUMENT) by every RPC."""
+
+
+@contextlib.contextmanager
+def fresh_server(*, register: bool) -> Iterator[tuple[str, Any, ShardClient]]:
+    """A server of its own (for calls that legitimately change its state), with a client."""
+    srv, address, service = start_server(
+        address="127.0.0.1:0", shard_index=0, rule_factory=make_server_rule, max_threads=4
+    )
+    client = ShardClient(address, worker=0, run_id=RUN, timeout=TIMEOUT, retry_seconds=0.0)
+    try:
+        if register:
+            client.register(
+                shard_index=0,
+                scheme="hogwild",
+                options_json=json.dumps(HOGWILD),
+                num_workers=NUM_WORKERS,
+                tensors=MODEL,
+            )
+        yield address, service, client
+    finally:
+        client.close()
+        srv.stop(grace=None).wait(timeout=5)
+        service.close()
+
+
+@settings(FUZZ, max_examples=50)
+@given(
+    leaves=st.lists(
+        st.builds(
+            pb.RequestHeader,
+            protocol_version=st.one_of(st.just(PROTOCOL_VERSION), U32),
+            run_id=st.one_of(st.sampled_from(["", RUN]), st.text(max_size=12)),
+            worker=leave_workers,
+            incarnation=U64,
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_fuzz_leave(leaves) -> None:
+    """Leave changes membership (that is its job), never the parameters or the version, and the
+    server goes on answering Info with consistent counters."""
+    with fresh_server(register=True) as (address, _, client):
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.ParameterServerStub(channel)
+            for header in leaves:
+                code, _ = call(stub.Leave, pb.LeaveRequest(header=header), timeout=TIMEOUT)
+                if not header_ok(header):
+                    assert code in REFUSED_HEADER
+        info = client.info(retry=False)
+        assert info.active_workers + info.finished_workers == NUM_WORKERS
+        version, values = client.pull()
+        assert version == 0
+        for key, value in MODEL.items():
+            np.testing.assert_array_equal(values[key], value)
+
+
+def test_leave_from_unknown_worker_is_refused() -> None:
+    with fresh_server(register=True) as (address, _, client):
+        stranger = ShardClient(address, worker=7, timeout=TIMEOUT, retry_seconds=0.0)
+        with stranger, pytest.raises(RemoteError) as err:
+            stranger.leave()
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        info = client.info(retry=False)
+        assert (info.active_workers, info.finished_workers) == (NUM_WORKERS, 0)
+
+
+checkpoint_names = st.one_of(
+    st.sampled_from(
+        ["", ".", "..", "...", "../x", "../../etc/x", "/tmp/x", "a/b", "a\\b", "x" * 300, "c1"]
+    ),
+    st.text(max_size=20),
+    st.from_regex(CHECKPOINT_NAME, fullmatch=True).filter(lambda s: len(s) <= 40),
+    st.text(max_size=10).map(lambda s: "../" + s),
+)
+
+
+@FUZZ
+@given(header=headers, name=checkpoint_names)
+def test_fuzz_checkpoint(target: Target, header, name) -> None:
+    request = pb.CheckpointRequest(header=header, name=name)
+    code, reply = call(target.stub.Checkpoint, request, timeout=TIMEOUT)
+    if code == grpc.StatusCode.OK:
+        assert header_ok(header)
+        assert CHECKPOINT_NAME.fullmatch(name) and set(name) != {"."}, name
+        written = Path(reply.file).resolve()
+        assert target.checkpoint_dir.resolve() in written.parents, reply.file
+        assert reply.version == target.version
+    assert_unchanged(target)
+
+
+RAW_METHODS = {
+    "Info": ("unary_unary", pb.InfoRequest),
+    "Leave": ("unary_unary", pb.LeaveRequest),
+    "Checkpoint": ("unary_unary", pb.CheckpointRequest),
+    "Pull": ("unary_stream", pb.PullRequest),
+    "Register": ("stream_unary", pb.RegisterRequest),
+    "Push": ("stream_unary", pb.PushRequest),
+}
+
+
+def _parse(cls: Any, raw: bytes) -> Any:
+    try:
+        return cls.FromString(raw)
+    except Exception:  # any parse failure (DecodeError, invalid UTF-8, ...)
+        return None
+
+
+junk_bytes = st.one_of(
+    st.binary(max_size=64),
+    # a valid-looking prefix (field 1, length-delimited) followed by junk
+    st.binary(max_size=48).map(lambda b: b"\x0a" + bytes([len(b) + 5]) + b),
+)
+
+
+@FUZZ
+@given(
+    method=st.sampled_from(sorted(RAW_METHODS)),
+    messages=st.lists(junk_bytes, max_size=4),
+)
+def test_fuzz_raw_bytes(target: Target, method, messages) -> None:
+    """Bytes that may not even parse, as whole messages, to every method."""
+    kind, cls = RAW_METHODS[method]
+    path = SERVICE + method
+    parsed = [_parse(cls, raw) for raw in messages]
+    announced = (
+        [m.header.tensors for m in parsed if m is not None and m.HasField("header")]
+        if kind == "stream_unary"
+        else []
+    )
+    assume(all(_safe_to_send(list(t)) for t in announced))
+    if kind == "stream_unary":
+        fn = target.channel.stream_unary(path)
+        code, _ = call(fn, iter(messages), timeout=TIMEOUT)
+        if None in parsed:
+            assert code != grpc.StatusCode.OK
+        elif method == "Push":
+            assume(not push_would_apply(parsed))
+            assert code != grpc.StatusCode.OK
+        elif code == grpc.StatusCode.OK:
+            assert register_is_same(parsed)
+    else:
+        request = messages[0] if messages else b""
+        first = parsed[0] if messages else cls()
+        if kind == "unary_unary":
+            code, _ = call(target.channel.unary_unary(path), request, timeout=TIMEOUT)
+        else:
+            code, _ = call(target.channel.unary_stream(path), request, timeout=PULL_TIMEOUT)
+        if first is None or not header_ok(first.header):
+            assert code != grpc.StatusCode.OK, method
+    assert_unchanged(target)
+
+
+# --------------------------------------------------------------------------- fresh servers
+
+options_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=5),
+    st.lists(st.integers(), max_size=2),
+)
+option_names = st.one_of(
+    st.sampled_from(["lr", "momentum", "required", "server_lr", "alpha", "window", "tau"]),
+    st.text(max_size=6),
+)
+
+
+@settings(FUZZ, max_examples=60)
+@given(
+    scheme=st.one_of(st.sampled_from(names()), st.text(max_size=8)),
+    options_json=st.one_of(
+        st.dictionaries(option_names, options_values, max_size=3).map(json.dumps),
+        st.sampled_from(["", "[]", "null", "1", '"x"', "{", "1e999", '{"lr": NaN}']),
+        st.text(max_size=12),
+    ),
+    num_workers=st.one_of(st.integers(0, 4), U32),
+)
+def test_fuzz_register_options_on_fresh_server(scheme, options_json, num_workers) -> None:
+    """A Register that the rule factory refuses leaves the server unregistered and working."""
+    with fresh_server(register=False) as (_, service, client):
+        try:
+            reply = client.register(
+                shard_index=0,
+                scheme=scheme,
+                options_json=options_json,
+                num_workers=num_workers,
+                tensors=MODEL,
+            )
+            code = grpc.StatusCode.OK
+        except RemoteError as exc:
+            code = exc.code
+        event(f"status {code.name}")
+        info = client.info(retry=False)
+    if code == grpc.StatusCode.OK:
+        assert reply.created and info.registered
+    else:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, scheme, options_json)
+        assert not info.registered and service.shard is None
