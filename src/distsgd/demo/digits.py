@@ -52,7 +52,9 @@ class DigitsCNN(nn.Module):
 
 
 def main() -> None:
-    config = distsgd.TrainConfig(batch_size=32, epochs=12, lr=0.05, momentum=0.9)
+    config = distsgd.TrainConfig(
+        batch_size=32, epochs=12, lr=0.05, momentum=0.9, lr_schedule="cosine"
+    )
     distsgd.seed_everything(config.seed)
     train, test = load_digits()
     result = distsgd.train(

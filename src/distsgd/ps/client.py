@@ -145,7 +145,11 @@ class ParameterClient:
         )
 
     def push(
-        self, arrays: Mapping[str, np.ndarray], *, base_version: int | Sequence[int] | None = None
+        self,
+        arrays: Mapping[str, np.ndarray],
+        *,
+        base_version: int | Sequence[int] | None = None,
+        lr_scale: float = 1.0,
     ) -> list[PushResult]:
         """Send named arrays (gradients, updates); ``base_version`` defaults to the last pulled."""
         bases = (
@@ -162,7 +166,7 @@ class ParameterClient:
 
         def one(i: int, shard: ShardClient) -> PushResult:
             try:
-                return shard.push(base_version=bases[i], tensors=parts[i])
+                return shard.push(base_version=bases[i], tensors=parts[i], lr_scale=lr_scale)
             except RemoteError as exc:
                 if exc.code != grpc.StatusCode.UNAVAILABLE:
                     raise

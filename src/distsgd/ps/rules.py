@@ -25,6 +25,8 @@ class PushMeta:
     worker: int
     incarnation: int
     base_version: int
+    lr_scale: float = 1.0
+    """The worker's learning-rate schedule factor; server-side optimizers scale their rate."""
 
 
 @dataclass(frozen=True)

@@ -277,6 +277,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 )
         payload = self._assemble(head.tensors, request_iterator, context)
         meta = PushMeta(
+            lr_scale=head.lr_scale or 1.0,
             worker=head.header.worker,
             incarnation=head.header.incarnation,
             base_version=head.base_version,

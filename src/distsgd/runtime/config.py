@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_factor(schedule: str, step: int, total: int) -> float:
+    """The schedule's multiplier of the learning rate at ``step`` of ``total``."""
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(step, total) / max(1, total)))
+    return 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +38,10 @@ class TrainConfig:
         default=0.05, metadata={"help": "learning rate of the worker (or server) optimizer"}
     )
     momentum: float = field(default=0.0, metadata={"help": "heavy-ball momentum of that optimizer"})
+    lr_schedule: str = field(
+        default="constant",
+        metadata={"help": "learning-rate schedule over the run: constant or cosine (decays to 0)"},
+    )
     seed: int = field(default=0, metadata={"help": "seed for model init, data order and sharding"})
     eval_every: int = field(
         default=0, metadata={"help": "chief evaluates every N local steps (0 = only at the end)"}
@@ -51,6 +65,10 @@ class TrainConfig:
             raise ValueError(f"epochs must be positive (or set steps), got {self.epochs}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}"
+            )
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
 

@@ -42,6 +42,9 @@ class WorkerContext:
         self._ps = ps
         self._collective = collective
         self.faults: FaultInjector | None = None
+        self.lr_scale = 1.0
+        """The learning-rate schedule's factor this step (see ``TrainConfig.lr_schedule``)."""
+        self._optimizers: list[torch.optim.Optimizer] = []
         self.lost_pushes = 0
         """Pushes that never reached the servers (network partition)."""
         self.local_step = 0
@@ -77,21 +80,34 @@ class WorkerContext:
             p.copy_(torch.from_numpy(np.asarray(arrays[name])).to(p.device))
 
     def make_optimizer(self, kind: str = "sgd", **overrides: float | bool) -> torch.optim.Optimizer:
-        """A local optimizer over the replica with the run's lr and momentum (overridable)."""
+        """A local optimizer over the replica with the run's lr and momentum (overridable).
+
+        The runtime applies the learning-rate schedule to every optimizer made here.
+        """
         params = list(self.params.values())
+        kw: dict[str, float | bool] = {"lr": self.config.lr}
         if kind == "sgd":
-            kw: dict[str, float | bool] = {"lr": self.config.lr, "momentum": self.config.momentum}
-            kw.update(overrides)
-            return torch.optim.SGD(params, **kw)  # type: ignore[arg-type]
-        if kind == "adagrad":
-            kw = {"lr": self.config.lr}
-            kw.update(overrides)
-            return torch.optim.Adagrad(params, **kw)  # type: ignore[arg-type]
-        if kind == "adamw":
-            kw = {"lr": self.config.lr}
-            kw.update(overrides)
-            return torch.optim.AdamW(params, **kw)  # type: ignore[arg-type]
-        raise ValueError(f"unknown optimizer {kind!r}; use sgd, adagrad or adamw")
+            kw["momentum"] = self.config.momentum
+        kw.update(overrides)
+        classes = {
+            "sgd": torch.optim.SGD,
+            "adagrad": torch.optim.Adagrad,
+            "adamw": torch.optim.AdamW,
+        }
+        if kind not in classes:
+            raise ValueError(f"unknown optimizer {kind!r}; use sgd, adagrad or adamw")
+        optimizer = classes[kind](params, **kw)  # type: ignore[arg-type]
+        for group in optimizer.param_groups:
+            group["base_lr"] = group["lr"]
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    def set_lr_scale(self, scale: float) -> None:
+        """(Runtime) the schedule's factor for this step: local optimizers and pushes follow it."""
+        self.lr_scale = scale
+        for optimizer in self._optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = group["base_lr"] * scale
 
     # -- parameter servers ----------------------------------------------------------------------
     @property
@@ -130,7 +146,7 @@ class WorkerContext:
         if self.faults is not None and self.faults.partitioned:
             self.lost_pushes += 1
             return [PushResult(False, v, "lost: partitioned") for v in self.ps.versions]
-        results = self.ps.push(arrays, base_version=base_version)
+        results = self.ps.push(arrays, base_version=base_version, lr_scale=self.lr_scale)
         self.global_step = max([self.global_step, *(r.version for r in results)])
         return results
 

@@ -26,7 +26,7 @@ from distsgd.ps.client import ParameterClient
 from distsgd.ps.partition import PartitionPlan
 from distsgd.runtime.checkpoint import Checkpointer, load_worker_state
 from distsgd.runtime.collective import Collective
-from distsgd.runtime.config import TrainConfig
+from distsgd.runtime.config import TrainConfig, lr_factor
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.data import ShardedBatches
 from distsgd.runtime.evaluate import LossFn, evaluate
@@ -209,6 +209,7 @@ def run_worker(
             if ckpt is not None:
                 ckpt.maybe_save_worker(ctx.local_step, start_step, worker_state)
             faults.before_step(ctx.global_step)
+            ctx.set_lr_scale(lr_factor(config.lr_schedule, ctx.local_step, steps))
             x, y = next(batch_iter)
             x, y = x.to(device), y.to(device)
             scheme.before_step(ctx)
@@ -254,12 +255,13 @@ def run_worker(
                     accuracy=scores.get("accuracy"),
                 )
         scheme.finish(ctx)
+        seconds = time.monotonic() - started
         if ckpt is not None:
             ckpt.save_worker(worker_state(), ctx.local_step)
-            ckpt.close()
-        seconds = time.monotonic() - started
         if ps is not None:
-            ps.leave()
+            ps.leave()  # before waiting on checkpoints: a sync step may wait for this leave
+        if ckpt is not None:
+            ckpt.close()
         result = TrainResult(
             scheme=env.scheme,
             worker=rank,

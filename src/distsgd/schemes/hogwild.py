@@ -45,7 +45,7 @@ class HogwildServer(UpdateRule):
         self.sgd = ServerSGD(lr=float(options["lr"]), momentum=float(options.get("momentum", 0.0)))
 
     def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
-        self.sgd.step(shard.values, payload)
+        self.sgd.step(shard.values, payload, scale=meta.lr_scale)
         shard.bump()
         return ACCEPTED
 

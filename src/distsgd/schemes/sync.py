@@ -100,6 +100,7 @@ class SyncServer(UpdateRule):
         self.sums: dict[str, np.ndarray] = {}
         self.contributors: set[int] = set()
         self.opened = time.monotonic()
+        self.lr_scales: list[float] = []
 
     def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
         if meta.base_version != shard.version:
@@ -119,6 +120,7 @@ class SyncServer(UpdateRule):
         if not self.contributors:
             self.opened = time.monotonic()
         self.contributors.add(meta.worker)
+        self.lr_scales.append(meta.lr_scale)
         self._maybe_close(shard)
         return ACCEPTED
 
@@ -146,6 +148,7 @@ class SyncServer(UpdateRule):
         state = super().state_dict()
         state.update({f"sums/{k}": v for k, v in self.sums.items()})
         state["contributors"] = sorted(self.contributors)
+        state["lr_scales"] = list(self.lr_scales)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -154,6 +157,7 @@ class SyncServer(UpdateRule):
             k[5:]: np.array(v, copy=True) for k, v in state.items() if k.startswith("sums/")
         }
         self.contributors = {int(w) for w in state.get("contributors", [])}
+        self.lr_scales = [float(x) for x in state.get("lr_scales", [])]
 
     def _maybe_close(self, shard: Shard) -> None:
         count = len(self.contributors)
@@ -166,9 +170,11 @@ class SyncServer(UpdateRule):
 
     def _close(self, shard: Shard) -> None:
         count = len(self.contributors)
-        self.sgd.step(shard.values, self.sums, scale=1.0 / count)
+        lr_scale = sum(self.lr_scales) / len(self.lr_scales) if self.lr_scales else 1.0
+        self.sgd.step(shard.values, self.sums, scale=lr_scale / count)
         self.sums = {}
         self.contributors = set()
+        self.lr_scales = []
         shard.bump()
 
 

@@ -179,13 +179,18 @@ class ShardClient:
 
         return self._call("Pull", do)
 
-    def push(self, *, base_version: int, tensors: Mapping[str, np.ndarray]) -> PushResult:
+    def push(
+        self, *, base_version: int, tensors: Mapping[str, np.ndarray], lr_scale: float = 1.0
+    ) -> PushResult:
         """Send a gradient or update computed on parameters of ``base_version``.
 
         Not retried on a lost connection: the server may have applied it already.
         """
         header = pb.PushHeader(
-            header=self._header, base_version=base_version, tensors=specs_of(tensors)
+            header=self._header,
+            base_version=base_version,
+            tensors=specs_of(tensors),
+            lr_scale=lr_scale,
         )
         arrays = list(tensors.values())
 

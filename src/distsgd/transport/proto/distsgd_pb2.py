@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%distsgd/transport/proto/distsgd.proto\x12\ndistsgd.v1\"^\n\rRequestHeader\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06worker\x18\x03 \x01(\x05\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\"7\n\nTensorSpec\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\":\n\x0bTensorChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb4\x01\n\x0eRegisterHeader\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.distsgd.v1.RequestHeader\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x14\n\x0coptions_json\x18\x03 \x01(\t\x12\x13\n\x0bnum_workers\x18\x04 \x01(\r\x12\'\n\x07tensors\x18\x05 \x03(\x0b\x32\x16.distsgd.v1.TensorSpec\x12\x13\n\x0bshard_index\x18\x06 \x01(\r\"q\n\x0fRegisterRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.distsgd.v1.RegisterHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.distsgd.v1.TensorChunkH\x00\x42\x06\n\x04part\"4\n\x10RegisterResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x7f\n\x0bPullRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.distsgd.v1.RequestHeader\x12\x13\n\x0bmin_version\x18\x02 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\x12\x1a\n\x12server_incarnation\x18\x04 \x01(\x04\"b\n\nPullHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.distsgd.v1.TensorSpec\x12\x1a\n\x12server_incarnation\x18\x03 \x01(\x04\"j\n\x0cPullResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.distsgd.v1.PullHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.distsgd.v1.TensorChunkH\x00\x42\x06\n\x04part\"v\n\nPushHeader\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.distsgd.v1.RequestHeader\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x04\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.distsgd.v1.TensorSpec\"i\n\x0bPushRequest\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.distsgd.v1.PushHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.distsgd.v1.TensorChunkH\x00\x42\x06\n\x04part\"A\n\x0cPushResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"8\n\x0bInfoRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.distsgd.v1.RequestHeader\"\xe6\x02\n\x0cInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nregistered\x18\x02 \x01(\x08\x12\x0e\n\x06scheme\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\'\n\x07tensors\x18\x05 \x03(\x0b\x32\x16.distsgd.v1.TensorSpec\x12\x13\n\x0bnum_workers\x18\x06 \x01(\r\x12\x16\n\x0e\x61\x63tive_workers\x18\x07 \x01(\r\x12\x18\n\x10\x66inished_workers\x18\x08 \x01(\r\x12\x13\n\x0bshard_index\x18\t \x01(\r\x12\x17\n\x0fpushes_accepted\x18\n \x01(\x04\x12\x17\n\x0fpushes_rejected\x18\x0b \x01(\x04\x12\x1a\n\x12server_incarnation\x18\x0c \x01(\x04\x12\x18\n\x10restored_version\x18\r \x01(\x04\x12\x1a\n\x12nonfinite_rejected\x18\x0e \x01(\x04\"L\n\x11\x43heckpointRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.distsgd.v1.RequestHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\"R\n\x12\x43heckpointResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"9\n\x0cLeaveRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.distsgd.v1.RequestHeader\" \n\rLeaveResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04*I\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x14\n\x10PROTOCOL_VERSION\x10\x01\x32\x9a\x03\n\x0fParameterServer\x12\x39\n\x04Info\x12\x17.distsgd.v1.InfoRequest\x1a\x18.distsgd.v1.InfoResponse\x12G\n\x08Register\x12\x1b.distsgd.v1.RegisterRequest\x1a\x1c.distsgd.v1.RegisterResponse(\x01\x12;\n\x04Pull\x12\x17.distsgd.v1.PullRequest\x1a\x18.distsgd.v1.PullResponse0\x01\x12;\n\x04Push\x12\x17.distsgd.v1.PushRequest\x1a\x18.distsgd.v1.PushResponse(\x01\x12<\n\x05Leave\x12\x18.distsgd.v1.LeaveRequest\x1a\x19.distsgd.v1.LeaveResponse\x12K\n\nCheckpoint\x12\x1d.distsgd.v1.CheckpointRequest\x1a\x1e.distsgd.v1.CheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%distsgd/transport/proto/distsgd.proto\x12\ndistsgd.v1\"^\n\rRequestHeader\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0e\n\x06worker\x18\x03 \x01(\x05\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\"7\n\nTensorSpec\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\":\n\x0bTensorChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb4\x01\n\x0eRegisterHeader\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.distsgd.v1.RequestHeader\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x14\n\x0coptions_json\x18\x03 \x01(\t\x12\x13\n\x0bnum_workers\x18\x04 \x01(\r\x12\'\n\x07tensors\x18\x05 \x03(\x0b\x32\x16.distsgd.v1.TensorSpec\x12\x13\n\x0bshard_index\x18\x06 \x01(\r\"q\n\x0fRegisterRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.distsgd.v1.RegisterHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.distsgd.v1.TensorChunkH\x00\x42\x06\n\x04part\"4\n\x10RegisterResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x7f\n\x0bPullRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.distsgd.v1.RequestHeader\x12\x13\n\x0bmin_version\x18\x02 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\x12\x1a\n\x12server_incarnation\x18\x04 \x01(\x04\"b\n\nPullHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.distsgd.v1.TensorSpec\x12\x1a\n\x12server_incarnation\x18\x03 \x01(\x04\"j\n\x0cPullResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.distsgd.v1.PullHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.distsgd.v1.TensorChunkH\x00\x42\x06\n\x04part\"\x88\x01\n\nPushHeader\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.distsgd.v1.RequestHeader\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x04\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.distsgd.v1.TensorSpec\x12\x10\n\x08lr_scale\x18\x04 \x01(\x01\"i\n\x0bPushRequest\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.distsgd.v1.PushHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.distsgd.v1.TensorChunkH\x00\x42\x06\n\x04part\"A\n\x0cPushResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"8\n\x0bInfoRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.distsgd.v1.RequestHeader\"\xe6\x02\n\x0cInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nregistered\x18\x02 \x01(\x08\x12\x0e\n\x06scheme\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\'\n\x07tensors\x18\x05 \x03(\x0b\x32\x16.distsgd.v1.TensorSpec\x12\x13\n\x0bnum_workers\x18\x06 \x01(\r\x12\x16\n\x0e\x61\x63tive_workers\x18\x07 \x01(\r\x12\x18\n\x10\x66inished_workers\x18\x08 \x01(\r\x12\x13\n\x0bshard_index\x18\t \x01(\r\x12\x17\n\x0fpushes_accepted\x18\n \x01(\x04\x12\x17\n\x0fpushes_rejected\x18\x0b \x01(\x04\x12\x1a\n\x12server_incarnation\x18\x0c \x01(\x04\x12\x18\n\x10restored_version\x18\r \x01(\x04\x12\x1a\n\x12nonfinite_rejected\x18\x0e \x01(\x04\"L\n\x11\x43heckpointRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.distsgd.v1.RequestHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\"R\n\x12\x43heckpointResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"9\n\x0cLeaveRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.distsgd.v1.RequestHeader\" \n\rLeaveResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04*I\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x14\n\x10PROTOCOL_VERSION\x10\x01\x32\x9a\x03\n\x0fParameterServer\x12\x39\n\x04Info\x12\x17.distsgd.v1.InfoRequest\x1a\x18.distsgd.v1.InfoResponse\x12G\n\x08Register\x12\x1b.distsgd.v1.RegisterRequest\x1a\x1c.distsgd.v1.RegisterResponse(\x01\x12;\n\x04Pull\x12\x17.distsgd.v1.PullRequest\x1a\x18.distsgd.v1.PullResponse0\x01\x12;\n\x04Push\x12\x17.distsgd.v1.PushRequest\x1a\x18.distsgd.v1.PushResponse(\x01\x12<\n\x05Leave\x12\x18.distsgd.v1.LeaveRequest\x1a\x19.distsgd.v1.LeaveResponse\x12K\n\nCheckpoint\x12\x1d.distsgd.v1.CheckpointRequest\x1a\x1e.distsgd.v1.CheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'distsgd.transport.proto.distsgd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=1923
-  _globals['_PROTOCOLVERSION']._serialized_end=1996
+  _globals['_PROTOCOLVERSION']._serialized_start=1942
+  _globals['_PROTOCOLVERSION']._serialized_end=2015
   _globals['_REQUESTHEADER']._serialized_start=53
   _globals['_REQUESTHEADER']._serialized_end=147
   _globals['_TENSORSPEC']._serialized_start=149
@@ -51,24 +51,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLHEADER']._serialized_end=845
   _globals['_PULLRESPONSE']._serialized_start=847
   _globals['_PULLRESPONSE']._serialized_end=953
-  _globals['_PUSHHEADER']._serialized_start=955
-  _globals['_PUSHHEADER']._serialized_end=1073
-  _globals['_PUSHREQUEST']._serialized_start=1075
-  _globals['_PUSHREQUEST']._serialized_end=1180
-  _globals['_PUSHRESPONSE']._serialized_start=1182
-  _globals['_PUSHRESPONSE']._serialized_end=1247
-  _globals['_INFOREQUEST']._serialized_start=1249
-  _globals['_INFOREQUEST']._serialized_end=1305
-  _globals['_INFORESPONSE']._serialized_start=1308
-  _globals['_INFORESPONSE']._serialized_end=1666
-  _globals['_CHECKPOINTREQUEST']._serialized_start=1668
-  _globals['_CHECKPOINTREQUEST']._serialized_end=1744
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=1746
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=1828
-  _globals['_LEAVEREQUEST']._serialized_start=1830
-  _globals['_LEAVEREQUEST']._serialized_end=1887
-  _globals['_LEAVERESPONSE']._serialized_start=1889
-  _globals['_LEAVERESPONSE']._serialized_end=1921
-  _globals['_PARAMETERSERVER']._serialized_start=1999
-  _globals['_PARAMETERSERVER']._serialized_end=2409
+  _globals['_PUSHHEADER']._serialized_start=956
+  _globals['_PUSHHEADER']._serialized_end=1092
+  _globals['_PUSHREQUEST']._serialized_start=1094
+  _globals['_PUSHREQUEST']._serialized_end=1199
+  _globals['_PUSHRESPONSE']._serialized_start=1201
+  _globals['_PUSHRESPONSE']._serialized_end=1266
+  _globals['_INFOREQUEST']._serialized_start=1268
+  _globals['_INFOREQUEST']._serialized_end=1324
+  _globals['_INFORESPONSE']._serialized_start=1327
+  _globals['_INFORESPONSE']._serialized_end=1685
+  _globals['_CHECKPOINTREQUEST']._serialized_start=1687
+  _globals['_CHECKPOINTREQUEST']._serialized_end=1763
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=1765
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=1847
+  _globals['_LEAVEREQUEST']._serialized_start=1849
+  _globals['_LEAVEREQUEST']._serialized_end=1906
+  _globals['_LEAVERESPONSE']._serialized_start=1908
+  _globals['_LEAVERESPONSE']._serialized_end=1940
+  _globals['_PARAMETERSERVER']._serialized_start=2018
+  _globals['_PARAMETERSERVER']._serialized_end=2428
 # @@protoc_insertion_point(module_scope)

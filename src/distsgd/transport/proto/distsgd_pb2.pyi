@@ -109,14 +109,16 @@ class PullResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("header", "base_version", "tensors")
+    __slots__ = ("header", "base_version", "tensors", "lr_scale")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LR_SCALE_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     base_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    lr_scale: float
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., lr_scale: _Optional[float] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")

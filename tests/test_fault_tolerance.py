@@ -1,0 +1,107 @@
+"""Training survives SIGKILLed workers and parameter servers, and resumes after a crash.
+
+Every scheme: an undisturbed demo run, then the same run (same seed) with worker 1 and ps 0
+killed mid-run (collective schemes have no ps: worker 1 only). The disturbed run must finish,
+log each fault and its restart, and reach a test accuracy within 0.01 of the undisturbed one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import SCRIPTS, metrics, run_distsgd
+
+from distsgd import schemes
+
+pytestmark = pytest.mark.slow
+
+
+def _accuracy(done) -> float:  # type: ignore[no-untyped-def]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("test accuracy: "), last
+    return float(last.split(":")[1])
+
+
+@pytest.mark.parametrize("scheme", schemes.names())
+def test_kills_cost_at_most_a_point_of_accuracy(scheme: str, tmp_path: Path) -> None:
+    base = ["demo", "--scheme", scheme, "--quiet", "--checkpoint-every", "5"]
+    calm_dir = tmp_path / "calm"
+    calm = _accuracy(run_distsgd([*base, "--run-dir", str(calm_dir)]))
+    total = json.loads((calm_dir / "result.json").read_text())["global_step"]
+    kills = ["--inject-fault", f"kill:worker:1@step={int(0.3 * total)}"]
+    uses_ps = schemes.get(scheme).uses_parameter_servers
+    if uses_ps:
+        kills += ["--inject-fault", f"kill:ps:0@step={int(0.6 * total)}"]
+    hit_dir = tmp_path / "hit"
+    hit = _accuracy(run_distsgd([*base, "--max-restarts", "3", *kills, "--run-dir", str(hit_dir)]))
+    events = [r for r in metrics(hit_dir) if r.get("task") == "launcher"]
+    injected = {e["target"] for e in events if e.get("event") == "fault_injected"}
+    restarted = {
+        e["target"]
+        for e in events
+        if e.get("event") == "fault" and e["action"].startswith("restart")
+    }
+    expected = {"worker1", "ps0"} if uses_ps else {"worker1"}
+    assert injected == expected and restarted == expected, events
+    print(f"{scheme}: undisturbed {calm:.4f}, with kills {hit:.4f}")
+    assert abs(hit - calm) <= 0.01, f"{scheme}: undisturbed {calm:.4f}, with kills {hit:.4f}"
+
+
+def test_kill_during_checkpoint_writes_then_resume(tmp_path: Path) -> None:
+    """Checkpoints are written every step, so the kill lands while files are being written;
+    with no restarts allowed the run stops, says how to resume, and --resume finishes it."""
+    run_dir = tmp_path / "run"
+    args = [
+        "run",
+        "--scheme",
+        "sync",
+        "--checkpoint-every",
+        "1",
+        "--quiet",
+        "--run-dir",
+        str(run_dir),
+    ]
+    args += ["--inject-fault", "kill:worker:0@step=40", str(SCRIPTS / "blobs.py")]
+    args += ["--steps", "80", "--slow", "0.02"]
+    done = run_distsgd(args)
+    assert done.returncode == 1
+    assert "task worker0 failed" in done.stdout and f"distsgd run --resume {run_dir}" in done.stdout
+    resumed = run_distsgd(["run", "--resume", str(run_dir), "--quiet"])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert resumed.stdout.strip().splitlines()[-1].startswith("test accuracy: ")
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["local_steps"] == 80
+    resumes = [r for r in metrics(run_dir) if r.get("event") == "resumed"]
+    assert {r["task"] for r in resumes} == {"worker0", "worker1"}
+    assert all(30 <= r["local_step"] < 80 for r in resumes), resumes
+    inspected = run_distsgd(["inspect", str(run_dir)])
+    assert inspected.returncode == 0 and "MANIFEST.json verified" in inspected.stdout
+
+
+def test_resume_names_a_damaged_checkpoint_and_uses_the_previous(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [
+        "run",
+        "--scheme",
+        "hogwild",
+        "--checkpoint-every",
+        "10",
+        "--quiet",
+        "--run-dir",
+        str(run_dir),
+    ]
+    done = run_distsgd([*args, str(SCRIPTS / "blobs.py"), "--steps", "40"])
+    assert done.returncode == 0
+    folders = sorted((run_dir / "checkpoints").glob("ckpt-*"))
+    newest = folders[-1]
+    shard = newest / "ps0.npz"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    resumed = run_distsgd(["run", "--resume", str(run_dir)])
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"{shard}: damaged" in resumed.stdout
+    assert f"using the previous complete checkpoint {folders[-2].name}" in resumed.stdout
