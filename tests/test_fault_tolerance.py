@@ -105,3 +105,28 @@ def test_resume_names_a_damaged_checkpoint_and_uses_the_previous(tmp_path: Path)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert f"{shard}: damaged" in resumed.stdout
     assert f"using the previous complete checkpoint {folders[-2].name}" in resumed.stdout
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_nonfinite_gradient_policy(policy: str, tmp_path: Path) -> None:
+    """Worker 1 computes a NaN gradient (with a finite loss) at its step 10."""
+    run_dir = tmp_path / policy
+    args = [
+        "run",
+        "--scheme",
+        "hogwild",
+        "--quiet",
+        "--nonfinite",
+        policy,
+        "--run-dir",
+        str(run_dir),
+    ]
+    done = run_distsgd([*args, str(SCRIPTS / "blobs.py"), "--steps", "30", "--poison-step", "10"])
+    if policy == "stop":
+        assert done.returncode == 1
+        assert "task worker" in done.stdout and "nonfinite: NaN or Inf in z#0" in done.stdout
+        return
+    assert done.returncode == 0, done.stdout[-2000:]
+    last = {r["task"]: r for r in metrics(run_dir) if "nonfinite_skipped" in r}
+    assert sorted(r["nonfinite_skipped"] for r in last.values()) == [1, 1]  # each worker once
+    assert json.loads((run_dir / "result.json").read_text())["test_accuracy"] > 0.9

@@ -24,26 +24,37 @@ def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Slow(nn.Module):
-    """Wraps a model and sleeps in forward, to make runs long enough to interrupt."""
+    """Wraps a model; sleeps in forward (runs long enough to interrupt) and, at one training
+    step, makes a finite loss with a NaN gradient (0 * d sqrt(z)/dz at z = 0)."""
 
-    def __init__(self, inner: nn.Module, delay: float) -> None:
+    def __init__(self, inner: nn.Module, delay: float, poison_step: int = -1) -> None:
         super().__init__()
         self.inner = inner
         self.delay = delay
+        self.poison_step = poison_step
+        self.z = nn.Parameter(torch.zeros(1))
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and self.delay:
-            time.sleep(self.delay)
-        return self.inner(x)
+        out = self.inner(x)
+        if self.training:
+            if self.delay:
+                time.sleep(self.delay)
+            self.calls += 1
+            if self.calls == self.poison_step:
+                out = out + 0.0 * torch.sqrt(self.z)
+        return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--poison-step", type=int, default=-1, help="NaN gradient at this step")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = Slow(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)), args.slow)
+    inner = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = Slow(inner, args.slow, args.poison_step)
     config = distsgd.TrainConfig(batch_size=16, steps=args.steps, lr=0.05, log_every=1)
     distsgd.train(
         model=model,

@@ -42,6 +42,12 @@ class TrainConfig:
         default="constant",
         metadata={"help": "learning-rate schedule over the run: constant or cosine (decays to 0)"},
     )
+    nonfinite: str = field(
+        default="skip",
+        metadata={
+            "help": "a gradient with NaN/Inf refused by the servers: skip it, or stop the run"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed for model init, data order and sharding"})
     eval_every: int = field(
         default=0, metadata={"help": "chief evaluates every N local steps (0 = only at the end)"}
@@ -69,6 +75,8 @@ class TrainConfig:
             raise ValueError(
                 f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}"
             )
+        if self.nonfinite not in ("skip", "stop"):
+            raise ValueError(f"nonfinite must be skip or stop, got {self.nonfinite!r}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
 

@@ -46,6 +46,8 @@ class WorkerContext:
         """The learning-rate schedule's factor this step (see ``TrainConfig.lr_schedule``)."""
         self._optimizers: list[torch.optim.Optimizer] = []
         self.lost_pushes = 0
+        self.nonfinite_skipped = 0
+        """Pushes the servers refused for NaN or Inf values (policy ``skip``)."""
         """Pushes that never reached the servers (network partition)."""
         self.local_step = 0
         """Steps this worker has taken."""
@@ -147,6 +149,16 @@ class WorkerContext:
             self.lost_pushes += 1
             return [PushResult(False, v, "lost: partitioned") for v in self.ps.versions]
         results = self.ps.push(arrays, base_version=base_version, lr_scale=self.lr_scale)
+        if any(r.reason.startswith("lost") for r in results):
+            self.lost_pushes += 1
+        refused = [r.reason for r in results if r.reason.startswith("nonfinite")]
+        if refused:
+            self.nonfinite_skipped += 1
+            if self.config.nonfinite == "stop":
+                raise FloatingPointError(
+                    f"worker {self.rank}: the servers refused a push at step {self.local_step} "
+                    f"({refused[0]}); lower --lr, or pass --nonfinite skip to drop such updates"
+                )
         self.global_step = max([self.global_step, *(r.version for r in results)])
         return results
 

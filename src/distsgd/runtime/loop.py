@@ -237,6 +237,8 @@ def run_worker(
                     samples=ctx.local_step * config.batch_size,
                     epoch=batches.epoch,
                     bytes_sent=ctx.bytes_sent,
+                    lost_pushes=ctx.lost_pushes,
+                    nonfinite_skipped=ctx.nonfinite_skipped,
                     **scheme.stats(),
                 )
             if (
