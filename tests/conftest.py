@@ -38,6 +38,8 @@ def run_distsgd(
 
 def metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
