@@ -21,9 +21,12 @@ class Console:
         self._status = ""
 
     def line(self, text: str) -> None:
-        """Print a log line (above the status line)."""
-        if self.quiet:
-            return
+        """Print a task's log line (above the status line); hidden when quiet."""
+        if not self.quiet:
+            self.note(text)
+
+    def note(self, text: str) -> None:
+        """A line of the launcher's own (faults, restarts, the run folder): shown even when quiet."""
         with self._lock:
             if self.tty and self._status:
                 self.stream.write("\r\x1b[K")

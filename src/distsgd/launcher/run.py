@@ -285,14 +285,14 @@ class LocalRun:
         pending = [p for p in problems if INCOMPLETE in p]
         for problem in problems:
             if INCOMPLETE not in problem:
-                self.console.line(f"[distsgd] unusable checkpoint: {problem}")
+                self.console.note(f"[distsgd] unusable checkpoint: {problem}")
         if pending:
-            self.console.line(
+            self.console.note(
                 f"[distsgd] skipping {len(pending)} newer checkpoint(s) without a manifest "
                 "(still being completed, or interrupted)"
             )
         if checkpoint is not None and len(problems) > len(pending):
-            self.console.line(
+            self.console.note(
                 f"[distsgd] using the previous complete checkpoint {checkpoint.path.name}"
             )
         return checkpoint
@@ -307,14 +307,14 @@ class LocalRun:
                     f"no complete checkpoint in {self.ckpt_root}; "
                     "start a new run instead of --resume"
                 )
-            self.console.line(
+            self.console.note(
                 f"[distsgd] resuming {self.run_dir} from {checkpoint.path.name} "
                 f"(step {checkpoint.step})"
             )
             self.events.log(step=checkpoint.step, event="resume", checkpoint=checkpoint.path.name)
         self._write_config()
         self.start_cluster(checkpoint, fresh_ports=True)
-        self.console.line(
+        self.console.note(
             f"[distsgd] run {self.run_dir}: scheme {self.config.scheme}, "
             f"{self.config.workers} workers, "
             f"{self.num_ps} ps, {self.threads} threads per worker"
@@ -353,7 +353,7 @@ class LocalRun:
                 self.kills_pending.remove(fault)
                 task = self.supervisor.tasks.get(fault.task)
                 if task is not None and task.poll() is None:
-                    self.console.line(
+                    self.console.note(
                         f"[distsgd] fault injected: SIGKILL {fault.task} (pid {task.pid}) "
                         f"at step {self.progress.step}"
                     )
@@ -383,7 +383,7 @@ class LocalRun:
             )
         self.restarts[task.name] = used + 1
         backoff = min(0.5 * 2**used, 10.0)
-        self.console.line(
+        self.console.note(
             f"[distsgd] {task.name} died (exit code {code}); "
             f"restart {used + 1} of {self.config.max_restarts} in {backoff:.1f}s"
         )
@@ -434,7 +434,7 @@ class LocalRun:
 
     def _restart_all(self, name: str, code: int, step: int, why: str) -> None:
         checkpoint = self.latest()
-        self.console.line(
+        self.console.note(
             f"[distsgd] restarting the whole cluster ({why}) "
             f"from {checkpoint.path.name if checkpoint else 'the start'}"
         )
