@@ -26,7 +26,7 @@ class Console:
             self.note(text)
 
     def note(self, text: str) -> None:
-        """A line of the launcher's own (faults, restarts, the run folder): shown even when quiet."""
+        """The launcher's own line (faults, restarts, the run folder): shown even when quiet."""
         with self._lock:
             if self.tty and self._status:
                 self.stream.write("\r\x1b[K")
