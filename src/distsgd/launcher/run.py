@@ -370,9 +370,7 @@ class LocalRun:
         step = self.progress.step
         if used >= self.config.max_restarts:
             tail = "\n".join(f"    {line}" for line in task.tail)
-            self.events.log(
-                step=step, event="fault", target=task.name, exit_code=code, action="stop"
-            )
+            self._fault(task.name, code, step, "stop")
             how = "" if self.config.max_restarts == 0 else f" and has used its {used} restarts"
             resume = ""
             if self.latest() is not None:
@@ -397,17 +395,22 @@ class LocalRun:
             self._restart_worker(int(task.name[6:]), code, step)
         _write_tasks(self.run_dir, self.supervisor)
 
+    def _fault(self, target: str, code: int, step: int, action: str, **cost: Any) -> None:
+        """One ``metrics.jsonl`` record per fault: which task, when, what was done, what it cost."""
+        self.events.log(
+            step=step, event="fault", target=target, exit_code=code, action=action, **cost
+        )
+
     def _restart_worker(self, index: int, code: int, step: int) -> None:
         name = f"worker{index}"
         resume = newest_worker_state(self.ckpt_root, index) if self.checkpointing else None
         reached = self.progress.local_steps.get(name, 0)
         resumed_at = 0 if resume is None else int(load_worker_state(resume)["local_step"])
-        self.events.log(
-            step=step,
-            event="fault",
-            target=name,
-            exit_code=code,
-            action="restart",
+        self._fault(
+            name,
+            code,
+            step,
+            "restart",
             resumed_from=None if resume is None else str(resume),
             lost_steps=max(0, reached - resumed_at),
         )
@@ -419,12 +422,11 @@ class LocalRun:
             self._restart_all(f"ps{index}", code, step, "no checkpoint to restore the shard from")
             return
         restored = int(checkpoint.manifest["shards"][index]["version"])
-        self.events.log(
-            step=step,
-            event="fault",
-            target=f"ps{index}",
-            exit_code=code,
-            action="restart",
+        self._fault(
+            f"ps{index}",
+            code,
+            step,
+            "restart",
             resumed_from=checkpoint.path.name,
             restored_version=restored,
             lost_updates=max(0, step - restored),
@@ -442,12 +444,11 @@ class LocalRun:
         self.supervisor.tasks.clear()
         self.done.clear()
         at = 0 if checkpoint is None else checkpoint.step
-        self.events.log(
-            step=step,
-            event="fault",
-            target=name,
-            exit_code=code,
-            action="restart_all",
+        self._fault(
+            name,
+            code,
+            step,
+            "restart_all",
             resumed_from=None if checkpoint is None else checkpoint.path.name,
             lost_steps=max(0, max(self.progress.local_steps.values(), default=0) - at),
         )
