@@ -1,4 +1,7 @@
-"""Real processes on loopback for every scheme: the loss falls; the demo reaches 0.95."""
+"""Real processes on loopback for every scheme: the loss falls.
+
+The demo's accuracy (at least 0.95 for every scheme) is checked in test_fault_tolerance.py,
+where the same undisturbed demo run is also the baseline for the runs with faults."""
 
 from __future__ import annotations
 
@@ -68,18 +71,3 @@ def test_sync_with_a_backup_worker(tmp_path: Path) -> None:
     # Steps close without the slowest worker: more steps than the 40 of waiting for all three.
     assert result["global_step"] > 40
     assert _mean_loss(records, "worker0", False) < 0.5 * _mean_loss(records, "worker0", True)
-
-
-@pytest.mark.parametrize("scheme", schemes.names())
-def test_demo_reaches_95_percent(scheme: str, tmp_path: Path) -> None:
-    run_dir = tmp_path / scheme
-    done = run_distsgd(["demo", "--scheme", scheme, "--quiet", "--run-dir", str(run_dir)])
-    assert done.returncode == 0, done.stdout + done.stderr
-    last = done.stdout.strip().splitlines()[-1]
-    assert last.startswith("test accuracy: ")
-    accuracy = float(last.split(":")[1])
-    assert accuracy >= 0.95, f"{scheme}: {accuracy}"
-    final = [r for r in metrics(run_dir) if r.get("final")]
-    assert final and abs(final[0]["accuracy"] - accuracy) < 1e-4
-    for record in metrics(run_dir):
-        assert {"time", "step", "task"} <= set(record)

@@ -53,7 +53,7 @@ class DigitsCNN(nn.Module):
 
 def main() -> None:
     config = distsgd.TrainConfig(
-        batch_size=32, epochs=12, lr=0.05, momentum=0.9, lr_schedule="cosine"
+        batch_size=32, epochs=30, lr=0.3, momentum=0.0, lr_schedule="cosine"
     )
     distsgd.seed_everything(config.seed)
     train, test = load_digits()

@@ -23,6 +23,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import numpy as np
+
 from distsgd.cluster import ClusterSpec
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.lifeline import PARENT_ENV
@@ -33,6 +35,7 @@ from distsgd.runtime.checkpoint import (
     Checkpoint,
     latest_checkpoint,
     load_worker_state,
+    newest_shard_file,
     newest_worker_state,
 )
 from distsgd.runtime.faults import Fault
@@ -417,22 +420,22 @@ class LocalRun:
         self.start_worker(index, resume=resume)
 
     def _restart_ps(self, index: int, code: int, step: int) -> None:
-        checkpoint = self.latest()
-        if checkpoint is None:
+        shard_file = newest_shard_file(self.ckpt_root, index)
+        if shard_file is None:
             self._restart_all(f"ps{index}", code, step, "no checkpoint to restore the shard from")
             return
-        restored = int(checkpoint.manifest["shards"][index]["version"])
+        restored = _shard_version(shard_file)
         self._fault(
             f"ps{index}",
             code,
             step,
             "restart",
-            resumed_from=checkpoint.path.name,
+            resumed_from=shard_file.parent.name,
             restored_version=restored,
             lost_updates=max(0, step - restored),
         )
         address = self.spec.address(self.spec.task("ps", index))
-        self.start_ps(index, address=address, restore=checkpoint.shard_file(index))
+        self.start_ps(index, address=address, restore=shard_file)
 
     def _restart_all(self, name: str, code: int, step: int, why: str) -> None:
         checkpoint = self.latest()
@@ -475,6 +478,12 @@ class LocalRun:
         elif result.get("test_loss") is not None:
             self.console.final(f"test loss: {result['test_loss']:.4f}")
         return EXIT_OK
+
+
+def _shard_version(path: Path) -> int:
+    """The version a shard file holds (read from its JSON header only)."""
+    with np.load(path, allow_pickle=False) as npz:
+        return int(json.loads(npz["header"].tobytes())["version"])
 
 
 def _wait_for_address(task: Task, path: Path, timeout: float) -> str:

@@ -27,6 +27,7 @@ import os
 import shutil
 import threading
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,61 +147,86 @@ def latest_checkpoint(root: Path) -> tuple[Checkpoint | None, list[str]]:
 
 
 class ManifestWriter:
-    """(Chief) completes checkpoints in the background: waits for every worker's state of at
-    least the checkpoint's step (or its newest, after ``wait`` seconds), links them in, and
-    writes the manifest last. Keeps the newest :data:`KEEP` checkpoints."""
+    """(Chief) completes checkpoints in the background, oldest first, on one thread.
+
+    A checkpoint of step k is complete when every worker has saved a state of step k or later
+    (asynchronous workers drift apart; a restarted one lags): those files are linked in and the
+    manifest is written last. A checkpoint still waiting after ``wait`` seconds is given up.
+    Only complete checkpoints count for :data:`KEEP`; pending ones never push a complete one out.
+    """
 
     def __init__(self, root: Path, num_workers: int, wait: float = 60.0) -> None:
         self.root = root
         self.num_workers = num_workers
         self.wait = wait
-        self._threads: list[threading.Thread] = []
+        self._pending: list[tuple[str, int, list[dict[str, Any]], dict[str, Any], float]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="manifests", daemon=True)
+        self._thread.start()
 
     def complete(
         self, name: str, step: int, shards: list[dict[str, Any]], extra: dict[str, Any]
     ) -> None:
-        thread = threading.Thread(
-            target=self._complete, args=(name, step, shards, extra), daemon=True
-        )
-        thread.start()
-        self._threads.append(thread)
+        with self._lock:
+            self._pending.append((name, step, shards, extra, time.monotonic() + self.wait))
+        self._wake.set()
 
     def join(self, timeout: float) -> None:
+        """Finish what can be finished within ``timeout`` seconds, then stop."""
         deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending:
+                    break
+            time.sleep(0.05)
+        self._closing = True
+        self._wake.set()
+        self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
 
-    def _complete(
+    def _run(self) -> None:
+        while not self._closing:
+            self._wake.wait(0.1)
+            self._wake.clear()
+            with self._lock:
+                pending = list(self._pending)
+            for item in pending:
+                name, step, shards, extra, give_up = item
+                done = self._try(name, step, shards, extra)
+                if done or time.monotonic() > give_up:
+                    if not done:
+                        log.warning(
+                            "checkpoint %s: not every worker reached step %d; given up", name, step
+                        )
+                    with self._lock:
+                        self._pending.remove(item)
+                    self._prune()
+
+    def _try(
         self, name: str, step: int, shards: list[dict[str, Any]], extra: dict[str, Any]
-    ) -> None:
-        folder = self.root / name
-        deadline = time.monotonic() + self.wait
-        workers = []
+    ) -> bool:
+        newest: list[Path] = []
         for rank in range(self.num_workers):
-            while True:
-                files = worker_files(self.root, rank)
-                newest = files[-1] if files else None
-                if newest is not None and _step_of(newest) >= step:
-                    break
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            if newest is None:
-                log.warning("checkpoint %s: no state of worker %d yet; not completed", name, rank)
-                return
+            files = worker_files(self.root, rank)
+            if not files or _step_of(files[-1]) < step:
+                return False
+            newest.append(files[-1])
+        folder = self.root / name
+        workers = []
+        for rank, source in enumerate(newest):
             target = folder / f"worker{rank}.pt"
             target.unlink(missing_ok=True)
             try:
-                os.link(newest, target)
-            except FileNotFoundError:  # pruned meanwhile; take the next newest next time
-                log.warning("checkpoint %s: worker %d state vanished; not completed", name, rank)
-                return
+                os.link(source, target)
+            except FileNotFoundError:  # the worker pruned it meanwhile: try again
+                return False
             workers.append(
                 {
                     "file": target.name,
                     "sha256": sha256_file(target),
                     "bytes": target.stat().st_size,
-                    "step": _step_of(newest),
+                    "step": _step_of(source),
                 }
             )
         manifest = {
@@ -214,8 +240,38 @@ class ManifestWriter:
         }
         write_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         log.info("checkpoint %s complete (%d shards, %d workers)", name, len(shards), len(workers))
-        for old in checkpoint_dirs(self.root)[:-KEEP]:
-            shutil.rmtree(old, ignore_errors=True)
+        return True
+
+    def _prune(self) -> None:
+        """Keep the newest KEEP complete checkpoints and whatever is newer than them."""
+        with self._lock:
+            waiting = {name for name, *_ in self._pending}
+        folders = checkpoint_dirs(self.root)
+        complete = [f for f in folders if (f / MANIFEST).exists()]
+        if len(complete) <= KEEP:
+            return
+        oldest_kept = complete[-KEEP]
+        for folder in folders:
+            if folder < oldest_kept and folder.name not in waiting:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def newest_shard_file(root: Path, index: int) -> Path | None:
+    """The newest intact ``ps<index>.npz`` under ``root``, complete checkpoint or not.
+
+    Restarting one server wants its own newest state (each shard file is written atomically and
+    carries zip checksums); only a whole-run resume needs a manifest's consistent set.
+    """
+    for folder in reversed(checkpoint_dirs(root)):
+        path = folder / f"ps{index}.npz"
+        try:
+            with zipfile.ZipFile(path) as archive:
+                if archive.testzip() is None:
+                    return path
+        except (OSError, zipfile.BadZipFile):
+            continue
+        log.warning("skipping damaged %s", path)
+    return None
 
 
 def prune_worker_files(root: Path, rank: int) -> None:
@@ -285,6 +341,6 @@ class Checkpointer:
         (self.root / name).mkdir(parents=True, exist_ok=True)
         self.writer.complete(name, self.due_step, shards, extra)
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         if self.writer is not None:
             self.writer.join(timeout)
