@@ -1,0 +1,80 @@
+"""DynSGD: staleness-aware asynchronous SGD; a stale gradient counts for less.
+
+Jiang, Cui, Zhang, Yu. *Heterogeneity-aware Distributed Parameter Servers.* SIGMOD 2017.
+
+Worker i, forever (as in Hogwild)::
+
+    w_i, v <- pull()                    # parameters and the shard version they belong to
+    g      <- grad L(w_i; batch)
+    push(g, base_version = v)
+
+Server, on each push (under the shard's lock, so staleness is exact)::
+
+    s <- version - base_version         # updates applied since the worker pulled
+    w <- w - lr / (s + 1) * g
+    version <- version + 1
+
+A fresh gradient (s = 0) takes a full step; one computed 3 updates ago, a quarter step. With
+one worker every gradient is fresh and DynSGD is plain SGD.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, ServerSGD, UpdateRule
+from distsgd.ps.shard import Shard
+from distsgd.runtime.context import WorkerContext
+from distsgd.runtime.scheme import WorkerScheme
+from distsgd.schemes.registry import SchemeSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynsgdOptions:
+    """DynSGD has no options of its own; --lr and --momentum set the server's SGD."""
+
+
+class DynsgdServer(UpdateRule):
+    def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
+        super().__init__(options=options, num_workers=num_workers)
+        self.sgd = ServerSGD(lr=float(options["lr"]), momentum=float(options.get("momentum", 0.0)))
+
+    def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
+        staleness = max(0, shard.version - meta.base_version)
+        self.sgd.step(shard.values, payload, scale=meta.lr_scale / (staleness + 1))
+        shard.bump()
+        return ACCEPTED
+
+
+class DynsgdWorker(WorkerScheme):
+    def __init__(self, options: DynsgdOptions, num_workers: int) -> None:
+        self.options = options
+        self.pushes = 0
+        self.staleness_sum = 0
+
+    def stats(self) -> dict[str, float]:
+        return {"mean_staleness": self.staleness_sum / max(1, self.pushes)}
+
+    def before_step(self, ctx: WorkerContext) -> None:
+        ctx.pull()
+
+    def after_backward(self, ctx: WorkerContext) -> None:
+        base = ctx.versions
+        results = ctx.push_grads(base_version=base)
+        for b, r in zip(base, results, strict=True):
+            if r.accepted:  # the push became version r.version: r.version - 1 - b came between
+                self.pushes += 1
+                self.staleness_sum += max(0, r.version - 1 - b)
+
+
+SPEC = SchemeSpec(
+    name="dynsgd",
+    summary="staleness-aware async SGD: the server scales each gradient by 1/(staleness+1)",
+    options=DynsgdOptions,
+    worker=DynsgdWorker,
+    server=DynsgdServer,
+)
