@@ -120,3 +120,19 @@ def test_manual_cluster_with_server_and_worker_commands(spawn, tmp_path: Path) -
     out, _ = server.communicate(timeout=20)
     assert server.returncode == 0, out
     assert "stopping" in out
+
+
+def test_run_folder_of_an_earlier_run_is_not_reused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    line = _error_line(run_distsgd(["run", "--run-dir", str(tmp_path), BLOBS]))
+    assert "holds an earlier run" in line and f"--resume {tmp_path}" in line
+
+
+def test_resume_refuses_options_it_would_ignore(tmp_path: Path) -> None:
+    line = _error_line(run_distsgd(["run", "--resume", str(tmp_path), "--workers", "4", BLOBS]))
+    assert "drop SCRIPT, --workers" in line
+
+
+def test_resume_of_a_folder_that_is_no_run(tmp_path: Path) -> None:
+    line = _error_line(run_distsgd(["run", "--resume", str(tmp_path)]))
+    assert "not a distsgd run folder" in line

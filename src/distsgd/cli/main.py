@@ -44,16 +44,9 @@ def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _tls(args: argparse.Namespace) -> Any:
-    given = [args.tls_cert, args.tls_key, args.tls_ca]
-    if not any(given):
-        return None
-    if not all(given):
-        raise ValueError(
-            "mutual TLS needs --tls-cert, --tls-key and --tls-ca together; give all three"
-        )
     from distsgd.transport.security import TlsConfig
 
-    return TlsConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+    return TlsConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
 
 
 def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
@@ -194,7 +187,27 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
     }
     resume = getattr(args, "resume", None)
     if resume is not None:
+        ignored = [
+            flag
+            for flag, given in (
+                ("SCRIPT", script is not None),
+                ("--workers", args.workers != 2),
+                ("--ps", args.ps is not None),
+                ("--scheme", args.scheme != "sync"),
+                ("--run-dir", args.run_dir is not None),
+                ("scheme options", bool(collect(args, "scheme."))),
+                ("training flags", bool(collect(args, "train."))),
+            )
+            if given
+        ]
+        if ignored:
+            raise ValueError(
+                "--resume continues the run with its saved script and options; "
+                f"drop {', '.join(ignored)}"
+            )
         saved = load_run_config(resume)
+        if args.checkpoint_every is None:
+            steps, seconds = saved.get("checkpoint_every", 0), saved.get("checkpoint_seconds", 0.0)
         config = LaunchConfig(
             script=saved["script"],
             script_args=tuple(saved["script_args"]),
@@ -206,8 +219,8 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
             run_dir=resume,
             run_id=saved["run_id"],
             resume=True,
-            checkpoint_every=steps or saved.get("checkpoint_every", 0),
-            checkpoint_seconds=seconds or saved.get("checkpoint_seconds", 0.0),
+            checkpoint_every=steps,
+            checkpoint_seconds=seconds,
             **common,
         )
         return launch(config)

@@ -63,8 +63,15 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
     """Run ``config`` to the end; returns the exit code (0, 1 failed, 130 interrupted)."""
     console = console or Console(quiet=config.quiet)
     run_dir = config.resolved_run_dir()
+    if not config.resume and (run_dir / CONFIG_FILE).exists():
+        raise ValueError(
+            f"run folder {run_dir} holds an earlier run; give another --run-dir, "
+            f"or continue that run with --resume {run_dir}"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
+    supervisor = Supervisor(log_dir=run_dir / "logs", echo=console.line)
+    local = LocalRun(config, console, run_dir, supervisor, stop)
     previous: dict[signal.Signals, Any] = {}
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -73,8 +80,6 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
-    supervisor = Supervisor(log_dir=run_dir / "logs", echo=console.line)
-    local = LocalRun(config, console, run_dir, supervisor, stop)
     try:
         return local.run()
     except Interrupted:
@@ -435,7 +440,10 @@ class LocalRun:
             lost_updates=max(0, step - restored),
         )
         address = self.spec.address(self.spec.task("ps", index))
-        self.start_ps(index, address=address, restore=shard_file)
+        try:
+            self.start_ps(index, address=address, restore=shard_file)
+        except RunFailed as exc:  # e.g. its old port was taken meanwhile
+            self._restart_all(f"ps{index}", code, step, f"ps{index} could not come back: {exc}")
 
     def _restart_all(self, name: str, code: int, step: int, why: str) -> None:
         checkpoint = self.latest()
@@ -492,7 +500,11 @@ def _wait_for_address(task: Task, path: Path, timeout: float) -> str:
         if path.exists():
             return path.read_text().strip()
         if task.poll() is not None:
-            raise RunFailed(f"{task.name} exited with code {task.poll()} before it was listening")
+            tail = "\n".join(f"    {line}" for line in list(task.tail)[-5:])
+            raise RunFailed(
+                f"{task.name} exited with code {task.poll()} before it was listening; "
+                f"its last log lines:\n{tail}\nfull log: {task.log_path}"
+            )
         time.sleep(0.02)
     raise RunFailed(f"{task.name} did not report its address within {timeout:.0f}s")
 
@@ -501,11 +513,25 @@ def load_run_config(run_dir: Path) -> dict[str, Any]:
     """The saved ``config.json`` of a run folder (for ``--resume``)."""
     path = run_dir / CONFIG_FILE
     try:
-        return dict(json.loads(path.read_text()))
+        saved = dict(json.loads(path.read_text()))
     except FileNotFoundError:
         raise ValueError(
             f"{run_dir} is not a distsgd run folder (no {CONFIG_FILE}); "
             "give the folder of an earlier run"
         ) from None
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise ValueError(f"{path}: damaged ({exc})") from None
+    needed = (
+        "script",
+        "script_args",
+        "scheme",
+        "scheme_options",
+        "overrides",
+        "workers",
+        "ps",
+        "run_id",
+    )
+    missing = [key for key in needed if key not in saved]
+    if missing:
+        raise ValueError(f"{path}: damaged (no {', '.join(missing)}); it cannot be resumed")
+    return saved

@@ -121,12 +121,21 @@ def verify(path: Path) -> Checkpoint:
         ) from None
     except ValueError as exc:
         raise CheckpointError(f"{manifest_path}: damaged ({exc})") from None
-    for entry in [*manifest.get("shards", []), *manifest.get("workers", [])]:
-        file = path / entry["file"]
-        if not file.exists():
-            raise CheckpointError(f"{file}: missing")
-        if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
-            raise CheckpointError(f"{file}: damaged (size or SHA-256 differs from the manifest)")
+    try:
+        int(manifest["step"])
+        entries = [*manifest["shards"], *manifest["workers"]]
+        for entry in entries:
+            file = path / entry["file"]
+            if not file.exists():
+                raise CheckpointError(f"{file}: missing")
+            if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
+                raise CheckpointError(
+                    f"{file}: damaged (size or SHA-256 differs from the manifest)"
+                )
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{manifest_path}: damaged (bad field: {exc!r})") from None
     return Checkpoint(path=path, manifest=manifest)
 
 
@@ -266,7 +275,7 @@ def newest_shard_file(root: Path, index: int) -> Path | None:
         path = folder / f"ps{index}.npz"
         try:
             with zipfile.ZipFile(path) as archive:
-                if archive.testzip() is None:
+                if archive.testzip() is None and "header.npy" in archive.namelist():
                     return path
         except (OSError, zipfile.BadZipFile):
             continue

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from distsgd.ps.client import ParameterClient
 from distsgd.ps.partition import PartitionPlan
-from distsgd.runtime.checkpoint import Checkpointer, load_worker_state
+from distsgd.runtime.checkpoint import Checkpointer, CheckpointError, load_worker_state
 from distsgd.runtime.collective import Collective
 from distsgd.runtime.config import TrainConfig, lr_factor
 from distsgd.runtime.context import WorkerContext
@@ -164,6 +164,12 @@ def run_worker(
         start_step = 0
         resumed = load_worker_state(Path(env.resume)) if env.resume else None
         if resumed is not None:
+            for key, want in (("worker", rank), ("scheme_name", env.scheme)):
+                if resumed.get(key) != want:
+                    raise CheckpointError(
+                        f"{env.resume}: saved for {key} {resumed.get(key)!r}, this task is "
+                        f"{want!r}; resume each worker from its own state"
+                    )
             batches.seek(resumed["position"])
             start_step = ctx.local_step = int(resumed["local_step"])
             ctx.global_step = int(resumed["global_step"])
