@@ -68,7 +68,7 @@ def test_schemes_lists_the_catalogue() -> None:
     done = run_distsgd(["schemes"])
     assert done.returncode == 0
     names = [line.split()[0] for line in done.stdout.splitlines()]
-    assert names == ["sync", "hogwild", "downpour", "easgd", "allreduce", "dynsgd"]
+    assert names == ["sync", "hogwild", "downpour", "easgd", "allreduce", "dynsgd", "localsgd"]
 
 
 @pytest.mark.slow

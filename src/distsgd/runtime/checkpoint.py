@@ -220,7 +220,10 @@ class ManifestWriter:
             files = worker_files(self.root, rank)
             if not files or _step_of(files[-1]) < step:
                 return False
-            newest.append(files[-1])
+            # The state of exactly this step when it is still there: workers of a collective
+            # scheme move in lockstep and must resume at the same step.
+            exact = [f for f in files if _step_of(f) == step]
+            newest.append(exact[0] if exact else files[-1])
         folder = self.root / name
         workers = []
         for rank, source in enumerate(newest):

@@ -1,0 +1,73 @@
+"""Local SGD (periodic model averaging) and post-local SGD, over all-reduce.
+
+Stich. *Local SGD Converges Fast and Communicates Little.* ICLR 2019; Lin, Stich, Patel, Jaggi.
+*Don't Use Large Mini-Batches, Use Local SGD.* ICLR 2020 (post-local SGD).
+
+Every worker, every step t::
+
+    if t < switch_step:                         # post-local SGD: a synchronous phase first
+        g <- (1/N) * sum_j grad L(w_j; batch_j)  # all-reduce of gradients, as `allreduce`
+        w <- w - lr * g
+    else:
+        w <- w - lr * grad L(w; batch)          # a local step, no communication
+        if (t + 1) % period == 0:
+            w <- (1/N) * sum_j w_j              # all-reduce of the parameters
+
+``switch_step = 0`` (the default) is plain local SGD; ``period = 1`` with plain SGD equals
+synchronous all-reduce SGD. Optimizer state (momentum) stays local, as in the papers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from distsgd.runtime.context import WorkerContext
+from distsgd.runtime.scheme import WorkerScheme
+from distsgd.schemes.registry import SchemeSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalsgdOptions:
+    period: int = field(default=4, metadata={"help": "H: local steps between parameter averages"})
+    switch_step: int = field(
+        default=0, metadata={"help": "post-local SGD: all-reduce gradients before this step"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.period < 1:
+            raise ValueError(f"period must be at least 1, got {self.period}")
+        if self.switch_step < 0:
+            raise ValueError(f"switch_step must be 0 or more, got {self.switch_step}")
+
+
+class LocalsgdWorker(WorkerScheme):
+    uses_parameter_servers = False
+    evaluate_on = "local"
+
+    def __init__(self, options: LocalsgdOptions, num_workers: int) -> None:
+        self.options = options
+
+    def start(self, ctx: WorkerContext) -> None:
+        self.optimizer = ctx.make_optimizer("sgd")
+        ctx.broadcast(list(ctx.params.values()))
+
+    def after_backward(self, ctx: WorkerContext) -> None:
+        step = ctx.local_step  # the step being taken (counted after this hook)
+        if step < self.options.switch_step:
+            ctx.allreduce_mean([p.grad for p in ctx.params.values() if p.grad is not None])
+            self.optimizer.step()
+            return
+        self.optimizer.step()
+        if (step + 1) % self.options.period == 0:
+            ctx.allreduce_mean([p.data for p in ctx.params.values()])
+
+    def finish(self, ctx: WorkerContext) -> None:
+        ctx.allreduce_mean([p.data for p in ctx.params.values()])  # every replica ends equal
+
+
+SPEC = SchemeSpec(
+    name="localsgd",
+    summary="local SGD: average the replicas every `period` steps (post-local: sync first)",
+    options=LocalsgdOptions,
+    worker=LocalsgdWorker,
+)
