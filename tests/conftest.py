@@ -36,6 +36,22 @@ def run_distsgd(
     )
 
 
+def run_scheme(
+    scheme: str, run_dir: Path, script: str | Path, *script_args: str, workers: int = 2
+) -> subprocess.CompletedProcess[str]:
+    """``distsgd run`` of ``script`` under ``scheme``, quiet, into ``run_dir``."""
+    args = ["run", "--workers", str(workers), "--scheme", scheme, "--quiet"]
+    return run_distsgd([*args, "--run-dir", str(run_dir), str(script), *script_args])
+
+
+def final_accuracy(done: subprocess.CompletedProcess[str]) -> float:
+    """The ``test accuracy: X`` the launcher prints as its last line (asserts it is there)."""
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("test accuracy: "), last
+    return float(last.split(":")[1])
+
+
 def metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():

@@ -11,18 +11,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, metrics, run_distsgd
+from conftest import SCRIPTS, final_accuracy, metrics, run_distsgd
 
 from distsgd import schemes
 
 pytestmark = pytest.mark.slow
-
-
-def _accuracy(done) -> float:  # type: ignore[no-untyped-def]
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    last = done.stdout.strip().splitlines()[-1]
-    assert last.startswith("test accuracy: "), last
-    return float(last.split(":")[1])
 
 
 @pytest.mark.parametrize("scheme", schemes.names())
@@ -31,7 +24,7 @@ def test_demo_reaches_95_percent_and_kills_cost_at_most_a_point(
 ) -> None:
     base = ["demo", "--scheme", scheme, "--quiet", "--checkpoint-every", "5"]
     calm_dir = tmp_path / "calm"
-    calm = _accuracy(run_distsgd([*base, "--run-dir", str(calm_dir)]))
+    calm = final_accuracy(run_distsgd([*base, "--run-dir", str(calm_dir)]))
     # The demo as a user runs it: at least 0.95, and metrics.jsonl as documented.
     assert calm >= 0.95, f"{scheme}: {calm}"
     records = metrics(calm_dir)
@@ -45,7 +38,9 @@ def test_demo_reaches_95_percent_and_kills_cost_at_most_a_point(
     if uses_ps:
         kills += ["--inject-fault", f"kill:ps:0@step={int(0.6 * total)}"]
     hit_dir = tmp_path / "hit"
-    hit = _accuracy(run_distsgd([*base, "--max-restarts", "3", *kills, "--run-dir", str(hit_dir)]))
+    hit = final_accuracy(
+        run_distsgd([*base, "--max-restarts", "3", *kills, "--run-dir", str(hit_dir)])
+    )
     events = [r for r in metrics(hit_dir) if r.get("task") == "launcher"]
     injected = {e["target"] for e in events if e.get("event") == "fault_injected"}
     restarted = {

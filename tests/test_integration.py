@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, metrics, run_distsgd
+from conftest import SCRIPTS, metrics, run_distsgd, run_scheme
 
 from distsgd import schemes
 
@@ -25,21 +25,7 @@ def _mean_loss(records: list[dict], worker: str, first: bool) -> float:
 @pytest.mark.parametrize("scheme", schemes.names())
 def test_loss_falls(scheme: str, tmp_path: Path) -> None:
     run_dir = tmp_path / scheme
-    done = run_distsgd(
-        [
-            "run",
-            "--workers",
-            "2",
-            "--scheme",
-            scheme,
-            "--quiet",
-            "--run-dir",
-            str(run_dir),
-            str(SCRIPTS / "blobs.py"),
-            "--steps",
-            "60",
-        ]
-    )
+    done = run_scheme(scheme, run_dir, SCRIPTS / "blobs.py", "--steps", "60")
     assert done.returncode == 0, done.stdout + done.stderr
     records = metrics(run_dir)
     # The first loss any worker saw (an async worker that starts late already sees progress).

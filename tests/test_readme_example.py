@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_distsgd
+from conftest import ROOT, final_accuracy, run_scheme
 
 pytestmark = pytest.mark.slow
 
@@ -34,19 +34,5 @@ def test_readme_script_alone(tmp_path: Path) -> None:
 @pytest.mark.parametrize("scheme", ["sync", "allreduce"])
 def test_readme_script_under_run(scheme: str, tmp_path: Path) -> None:
     script = _readme_script(tmp_path)
-    done = run_distsgd(
-        [
-            "run",
-            "--workers",
-            "2",
-            "--scheme",
-            scheme,
-            "--quiet",
-            "--run-dir",
-            str(tmp_path / "r"),
-            str(script),
-        ]
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    accuracy = float(done.stdout.strip().splitlines()[-1].split(":")[1])
+    accuracy = final_accuracy(run_scheme(scheme, tmp_path / "r", script))
     assert accuracy > 0.9
