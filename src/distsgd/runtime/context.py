@@ -46,9 +46,14 @@ class WorkerContext:
         """The learning-rate schedule's factor this step (see ``TrainConfig.lr_schedule``)."""
         self._optimizers: list[torch.optim.Optimizer] = []
         self.lost_pushes = 0
+        """Pushes that never reached the servers (network partition, server down)."""
         self.nonfinite_skipped = 0
         """Pushes the servers refused for NaN or Inf values (policy ``skip``)."""
-        """Pushes that never reached the servers (network partition)."""
+        self.applied_pushes = 0
+        """Shard pushes the servers accepted (one push to M shards counts M)."""
+        self.staleness_sum = 0
+        """Sum over accepted shard pushes of the updates other pushes made between the
+        version the payload was computed on and its own (0 when nothing came between)."""
         self.local_step = 0
         """Steps this worker has taken."""
         self.global_step = 0
@@ -148,7 +153,12 @@ class WorkerContext:
         if self.faults is not None and self.faults.partitioned:
             self.lost_pushes += 1
             return [PushResult(False, v, "lost: partitioned") for v in self.ps.versions]
-        results = self.ps.push(arrays, base_version=base_version, lr_scale=self.lr_scale)
+        bases = list(self.ps.versions) if base_version is None else base_version
+        results = self.ps.push(arrays, base_version=bases, lr_scale=self.lr_scale)
+        for base, result in zip(self._per_shard(bases), results, strict=True):
+            if result.accepted:  # the push made version result.version (or joined its step)
+                self.applied_pushes += 1
+                self.staleness_sum += max(0, result.version - 1 - base)
         if any(r.reason.startswith("lost") for r in results):
             self.lost_pushes += 1
         refused = [r.reason for r in results if r.reason.startswith("nonfinite")]
@@ -161,6 +171,14 @@ class WorkerContext:
                 )
         self.global_step = max([self.global_step, *(r.version for r in results)])
         return results
+
+    @property
+    def mean_staleness(self) -> float:
+        """Mean staleness of this worker's accepted pushes so far (see ``staleness_sum``)."""
+        return self.staleness_sum / max(1, self.applied_pushes)
+
+    def _per_shard(self, version: int | Sequence[int]) -> list[int]:
+        return [version] * len(self.ps.versions) if isinstance(version, int) else list(version)
 
     def push_grads(self, *, base_version: int | Sequence[int] | None = None) -> list[PushResult]:
         """Send the replica's gradients."""

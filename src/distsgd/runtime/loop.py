@@ -245,6 +245,7 @@ def run_worker(
                     bytes_sent=ctx.bytes_sent,
                     lost_pushes=ctx.lost_pushes,
                     nonfinite_skipped=ctx.nonfinite_skipped,
+                    **({"mean_staleness": round(ctx.mean_staleness, 4)} if ps is not None else {}),
                     **scheme.stats(),
                 )
             if (
