@@ -1,10 +1,22 @@
-"""Schemes of the wider catalogue against plain single-process references (DynSGD)."""
+"""Schemes of the wider catalogue against plain single-process references.
+
+Asynchronous schemes run with their workers' hooks forced into a fixed order (``_Turns``), so a
+plain loop over the same batches in the same order must give the same parameters.
+"""
 
 from __future__ import annotations
 
+import copy
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
 from test_scheme_rules import (
     _assert_close,
     _grads,
+    _loss,
     _problem,
     _push,
     _reference_sgd,
@@ -14,9 +26,13 @@ from test_scheme_rules import (
     _w0,
     ps_server,  # noqa: F401 - fixture
 )
+from torch import nn
+from torch.utils.data import TensorDataset
 
 from distsgd import schemes
-from distsgd.runtime.config import TrainConfig
+from distsgd.runtime import TrainConfig, WorkerContext
+from distsgd.runtime.data import ShardedBatches
+from distsgd.runtime.scheme import WorkerScheme
 
 
 def test_dynsgd_scales_each_gradient_by_one_over_staleness_plus_one() -> None:
@@ -48,3 +64,296 @@ def test_dynsgd_one_worker_equals_plain_sgd(ps_server) -> None:  # noqa: F811
     version, server = _server_params(address, model)
     assert version == config.steps
     _assert_close(server, _reference_sgd(model, data, world=1, config=config))
+
+
+# --------------------------------------------------------------------------- forced interleaving
+
+
+class _Turns(WorkerScheme):
+    """Runs a scheme's hooks in a fixed order across worker threads: every worker's ``start``
+    by rank, then step 0 of rank 0, step 0 of rank 1, ..., then every ``finish`` by rank. An
+    asynchronous scheme under this order is deterministic, so a plain reference can replay it."""
+
+    def __init__(self, inner: WorkerScheme, rank: int, world: int, board: dict) -> None:
+        self.inner, self.rank, self.world, self.board = inner, rank, world, board
+        self.uses_parameter_servers = inner.uses_parameter_servers  # type: ignore[misc]
+        self.evaluate_on = inner.evaluate_on  # type: ignore[misc]
+
+    def _wait(self) -> None:
+        with self.board["cond"]:
+            ok = self.board["cond"].wait_for(
+                lambda: self.board["turn"] % self.world == self.rank, timeout=20
+            )
+            assert ok, f"rank {self.rank} never got its turn"
+
+    def _advance(self) -> None:
+        with self.board["cond"]:
+            self.board["turn"] += 1
+            self.board["cond"].notify_all()
+
+    def server_options(self, config: TrainConfig) -> dict[str, Any]:
+        return self.inner.server_options(config)
+
+    def start(self, ctx: WorkerContext) -> None:
+        self._wait()
+        self.inner.start(ctx)
+        self._advance()
+
+    def before_step(self, ctx: WorkerContext) -> None:
+        self._wait()
+        self.inner.before_step(ctx)
+
+    def after_backward(self, ctx: WorkerContext) -> None:
+        self.inner.after_backward(ctx)
+        self._advance()
+
+    def finish(self, ctx: WorkerContext) -> None:
+        self._wait()
+        self.inner.finish(ctx)
+        self._advance()
+
+
+def _run_in_turns(address: str, name: str, options: Any, config: TrainConfig, world: int):
+    model, data = _problem()
+    spec = schemes.get(name)
+    board = {"cond": threading.Condition(), "turn": 0}
+    _run_workers(
+        address=address,
+        scheme_name=name,
+        make_scheme=lambda rank: _Turns(spec.worker(options, world), rank, world, board),
+        model=model,
+        data=data,
+        config=config,
+        world=world,
+    )
+    return model, data, _server_params(address, model)
+
+
+class _Replicas:
+    """The plain reference's workers: a model copy and a batch stream per rank."""
+
+    def __init__(self, model: nn.Module, data: TensorDataset, world: int, config: TrainConfig):
+        self.models = [copy.deepcopy(model) for _ in range(world)]
+        self.batches = [
+            iter(ShardedBatches(data, rank=r, world=world, batch_size=config.batch_size, seed=0))
+            for r in range(world)
+        ]
+
+    def backward(self, rank: int) -> nn.Module:
+        """One batch's gradient on replica ``rank`` (zeroed first, as the runtime does)."""
+        model = self.models[rank]
+        x, y = next(self.batches[rank])
+        model.zero_grad(set_to_none=False)
+        _loss(model(x), y).backward()
+        return model
+
+    def get(self, rank: int) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.models[rank].named_parameters()}
+
+    @torch.no_grad()
+    def set(self, rank: int, values: dict[str, torch.Tensor]) -> None:
+        for n, p in self.models[rank].named_parameters():
+            p.copy_(values[n])
+
+
+def _numpy(values: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in values.items()}
+
+
+def _reference_window(
+    model: nn.Module,
+    data: TensorDataset,
+    config: TrainConfig,
+    *,
+    world: int,
+    window: int,
+    server_lr: float,
+    normalize: bool,
+    optimizer: str = "sgd",
+) -> dict[str, np.ndarray]:
+    """DOWNPOUR (normalize=False) and AGN (True), workers taking steps in turn."""
+    reps = _Replicas(model, data, world, config)
+    opt_class = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[optimizer]
+    opts = [opt_class(m.parameters(), lr=config.lr) for m in reps.models]
+    center = reps.get(0)
+    starts = [dict(center) for _ in range(world)]
+    pending = [0] * world
+
+    def exchange(r: int) -> None:
+        now = reps.get(r)
+        for k in center:
+            delta = starts[r][k] - now[k]
+            center[k] = center[k] - server_lr * (delta / pending[r] if normalize else delta)
+        reps.set(r, center)
+        starts[r], pending[r] = dict(center), 0
+
+    for _ in range(config.steps):
+        for r in range(world):
+            reps.backward(r)
+            opts[r].step()
+            pending[r] += 1
+            if pending[r] == window:
+                exchange(r)
+    for r in range(world):
+        if pending[r]:
+            exchange(r)
+    return _numpy(center)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "optimizer"),
+    [
+        ("downpour", {"window": 2, "server_lr": 0.5}, "sgd"),
+        ("downpour", {"window": 2, "server_lr": 0.5, "local_optimizer": "adagrad"}, "adagrad"),
+        ("agn", {"window": 2}, "sgd"),
+    ],
+)
+def test_window_schemes_in_a_forced_order_equal_the_reference(
+    ps_server,  # noqa: F811
+    name: str,
+    options: dict,
+    optimizer: str,
+) -> None:
+    address, _ = ps_server
+    config = TrainConfig(batch_size=4, steps=5, lr=0.1, log_every=1)
+    spec = schemes.get(name)
+    parsed = spec.options(**options)
+    model, data, (version, server) = _run_in_turns(address, name, parsed, config, 2)
+    assert version == 2 * 3  # per worker: windows of 2, 2, then the remainder of 1
+    expected = _reference_window(
+        model,
+        data,
+        config,
+        world=2,
+        window=2,
+        server_lr=parsed.server_lr,
+        normalize=name == "agn",
+        optimizer=optimizer,
+    )
+    _assert_close(server, expected)
+
+
+def test_eamsgd_in_a_forced_order_equals_the_reference(ps_server) -> None:  # noqa: F811
+    address, _ = ps_server
+    world, tau, alpha, delta = 2, 2, 0.3, 0.9
+    config = TrainConfig(batch_size=4, steps=5, lr=0.05, log_every=1)
+    options = schemes.get("eamsgd").options(tau=tau, alpha=alpha, delta=delta)
+    model, data, (_, server) = _run_in_turns(address, "eamsgd", options, config, world)
+
+    reps = _Replicas(model, data, world, config)
+    center = reps.get(0)
+    velocity = [{k: torch.zeros_like(v) for k, v in center.items()} for _ in range(world)]
+
+    def elastic(r: int) -> None:
+        x = reps.get(r)
+        diff = {k: alpha * (x[k] - center[k]) for k in x}
+        reps.set(r, {k: x[k] - diff[k] for k in x})
+        for k in center:
+            center[k] = center[k] + diff[k]
+
+    for step in range(config.steps):
+        for r in range(world):
+            if step % tau == 0 and step > 0:
+                elastic(r)
+            x = reps.get(r)
+            reps.set(r, {k: x[k] + delta * velocity[r][k] for k in x})  # look-ahead point
+            grads = {n: p.grad.clone() for n, p in reps.backward(r).named_parameters()}
+            velocity[r] = {k: delta * velocity[r][k] - config.lr * grads[k] for k in x}
+            reps.set(r, {k: x[k] + velocity[r][k] for k in x})
+    for r in range(world):
+        elastic(r)
+    _assert_close(server, _numpy(center))
+
+
+def test_sagn_equals_the_reference(ps_server) -> None:  # noqa: F811
+    """Synchronous: any interleaving gives the same rounds, so no forced order is needed."""
+    address, _ = ps_server
+    world, window, server_lr = 2, 2, 0.7
+    config = TrainConfig(batch_size=4, steps=5, lr=0.1, log_every=1)
+    spec = schemes.get("sagn")
+    model, data = _problem()
+    _run_workers(
+        address=address,
+        scheme_name="sagn",
+        make_scheme=lambda rank: spec.worker(
+            spec.options(window=window, server_lr=server_lr), world
+        ),
+        model=model,
+        data=data,
+        config=config,
+        world=world,
+    )
+    version, server = _server_params(address, model)
+    assert version == 3  # rounds of 2, 2 and the remainder of 1
+
+    reps = _Replicas(model, data, world, config)
+    opts = [torch.optim.SGD(m.parameters(), lr=config.lr) for m in reps.models]
+    center = reps.get(0)
+    for length in (2, 2, 1):
+        updates = []
+        for r in range(world):
+            reps.set(r, center)
+            for _ in range(length):
+                reps.backward(r)
+                opts[r].step()
+            now = reps.get(r)
+            updates.append({k: (center[k] - now[k]) / length for k in now})
+        center = {k: center[k] - server_lr * sum(u[k] for u in updates) for k in center}
+    _assert_close(server, _numpy(center))
+
+
+def test_sync_with_per_worker_learning_rates_equals_the_reference(ps_server) -> None:  # noqa: F811
+    address, service = ps_server
+    world, rates = 2, [0.05, 0.2]
+    config = TrainConfig(batch_size=4, steps=4, lr=0.1, log_every=1)
+    spec = schemes.get("sync")
+    model, data = _problem()
+    _run_workers(
+        address=address,
+        scheme_name="sync",
+        make_scheme=lambda rank: spec.worker(spec.options(worker_lrs="0.05,0.2"), world),
+        model=model,
+        data=data,
+        config=config,
+        world=world,
+    )
+    _, server = _server_params(address, model)
+    reps = _Replicas(model, data, world, config)
+    w = reps.get(0)
+    for _ in range(config.steps):
+        step = {k: torch.zeros_like(v) for k, v in w.items()}
+        for r in range(world):
+            reps.set(r, w)
+            for n, p in reps.backward(r).named_parameters():
+                step[n] += rates[r] * p.grad / world
+        w = {k: w[k] - step[k] for k in w}
+    assert service.shard is not None and service.shard.pushes_rejected == 0
+    _assert_close(server, _numpy(w))
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "match"),
+    [
+        ("agn", {"window": 0}, "window"),
+        ("agn", {"server_lr": 0}, "server_lr"),
+        ("sagn", {"step_timeout": 0}, "step_timeout"),
+        ("eamsgd", {"delta": 1.0}, "delta"),
+        ("eamsgd", {"tau": 0}, "tau"),
+        ("downpour", {"local_optimizer": "adam"}, "local_optimizer"),
+        ("sync", {"worker_lrs": "0.1,x"}, "worker_lrs"),
+        ("sync", {"worker_lrs": "0.1,-1"}, "positive"),
+        ("diloco", {"fragments": 0}, "fragments"),
+        ("diloco", {"inner_steps": 4, "fragments": 5}, "fragments"),
+        ("diloco", {"outer_momentum": 1.0}, "outer_momentum"),
+        ("diloco", {"inner_lr": 0}, "inner_lr"),
+    ],
+)
+def test_options_are_validated(name: str, options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        schemes.get(name).options(**options)
+
+
+def test_worker_lrs_need_one_rate_per_worker() -> None:
+    spec = schemes.get("sync")
+    with pytest.raises(ValueError, match="2 rates for 3 workers"):
+        spec.worker(spec.options(worker_lrs="0.1,0.2"), 3)

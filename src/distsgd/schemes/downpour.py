@@ -6,9 +6,13 @@ Distributed Deep Networks.* NeurIPS 2012 (Downpour SGD, with n_fetch = n_push = 
 Worker i::
 
     w_i <- pull();  w_start <- w_i
-    repeat window times:  w_i <- w_i - lr * grad L(w_i; batch)     # local optimizer (SGD)
+    repeat window times:  w_i <- w_i - lr * grad L(w_i; batch)     # local optimizer
     delta <- w_start - w_i                                         # the accumulated update
     push(delta)
+
+The local optimizer is plain SGD (the seed's "DOWNPOUR-Easy") or Adagrad (``--local-optimizer
+adagrad``, as in the paper's Downpour and the seed's "DOWNPOUR"): per-coordinate rates
+lr / sqrt(sum of squared gradients), whose accumulators stay on the worker across windows.
 
 Server, on each push, at once::
 
@@ -46,7 +50,15 @@ class DownpourOptions:
         metadata={"help": "rate at which the server applies a pushed update; 0 = 1 / workers"},
     )
 
+    local_optimizer: str = field(
+        default="sgd", metadata={"help": "the worker's optimizer between pushes: sgd or adagrad"}
+    )
+
     def __post_init__(self) -> None:
+        if self.local_optimizer not in ("sgd", "adagrad"):
+            raise ValueError(
+                f"local_optimizer must be sgd or adagrad, got {self.local_optimizer!r}"
+            )
         if self.window < 1:
             raise ValueError(f"window must be at least 1, got {self.window}")
         if self.server_lr < 0:
@@ -76,7 +88,7 @@ class DownpourWorker(WorkerScheme):
         return {"server_lr": self.server_lr}
 
     def start(self, ctx: WorkerContext) -> None:
-        self.optimizer = ctx.make_optimizer("sgd")
+        self.optimizer = ctx.make_optimizer(self.options.local_optimizer)
         ctx.pull()
         self.window_start = ctx.arrays()
 
@@ -90,9 +102,13 @@ class DownpourWorker(WorkerScheme):
         if self.pending:
             self._exchange(ctx)
 
+    def accumulated_update(self, start: np.ndarray, now: np.ndarray) -> np.ndarray:
+        """What one parameter's window pushes: DOWNPOUR sends the whole accumulated update."""
+        return start - now
+
     def _exchange(self, ctx: WorkerContext) -> None:
         now = ctx.arrays()
-        ctx.push({k: self.window_start[k] - now[k] for k in now})
+        ctx.push({k: self.accumulated_update(self.window_start[k], now[k]) for k in now})
         ctx.pull()
         self.window_start = ctx.arrays()
         self.pending = 0
@@ -100,7 +116,7 @@ class DownpourWorker(WorkerScheme):
 
 SPEC = SchemeSpec(
     name="downpour",
-    summary="DOWNPOUR: `window` local SGD steps, then push the accumulated update",
+    summary="DOWNPOUR: `window` local SGD (or Adagrad) steps, then push the accumulated update",
     options=DownpourOptions,
     worker=DownpourWorker,
     server=DownpourServer,

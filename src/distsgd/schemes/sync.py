@@ -16,6 +16,10 @@ Server, for step t::
         w_{t+1} <- w_t - lr * (1/R) * sum_i g_i      # momentum if --momentum > 0
         t <- t + 1                                   # late gradients for t are now stale
 
+``worker_lrs`` gives each worker its own learning rate (the seed's
+"Synchronous-SGD-different-learning-rates"): worker i pushes g_i * lr_i / lr, so a step applies
+``w <- w - (1/R) * sum_i lr_i * g_i``.
+
 R defaults to N - backup_workers. With R = N this equals single-process SGD on a batch N times
 larger. A worker that finishes leaves; from then on a step closes with min(R, workers left).
 """
@@ -59,11 +63,35 @@ class SyncOptions:
         },
     )
 
+    worker_lrs: str = field(
+        default="",
+        metadata={"help": "comma-separated learning rate of each worker (default: all --lr)"},
+    )
+
     def __post_init__(self) -> None:
+        self.rates(None)
         if self.replicas_to_aggregate < 0 or self.backup_workers < 0:
             raise ValueError("replicas_to_aggregate and backup_workers must be 0 or more")
         if not self.step_timeout > 0:
             raise ValueError(f"step_timeout must be positive, got {self.step_timeout}")
+
+    def rates(self, num_workers: int | None) -> list[float]:
+        """``worker_lrs`` as numbers (empty when not given); ValueError if malformed."""
+        if not self.worker_lrs:
+            return []
+        try:
+            rates = [float(x) for x in self.worker_lrs.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"worker_lrs must be comma-separated numbers like 0.1,0.2, got {self.worker_lrs!r}"
+            ) from None
+        if not all(r > 0 for r in rates):
+            raise ValueError(f"worker_lrs must all be positive, got {self.worker_lrs!r}")
+        if num_workers is not None and len(rates) != num_workers:
+            raise ValueError(
+                f"worker_lrs has {len(rates)} rates for {num_workers} workers; give one per worker"
+            )
+        return rates
 
     def required(self, num_workers: int) -> int:
         """R: gradients that close a step; ValueError when it cannot work with this many workers."""
@@ -168,10 +196,13 @@ class SyncServer(UpdateRule):
             return
         self._close(shard)
 
-    def _close(self, shard: Shard) -> None:
-        count = len(self.contributors)
+    def step_scale(self) -> float:
+        """The factor on the summed pushes when a step closes: the mean, at the mean schedule."""
         lr_scale = sum(self.lr_scales) / len(self.lr_scales) if self.lr_scales else 1.0
-        self.sgd.step(shard.values, self.sums, scale=lr_scale / count)
+        return lr_scale / len(self.contributors)
+
+    def _close(self, shard: Shard) -> None:
+        self.sgd.step(shard.values, self.sums, scale=self.step_scale())
         self.sums = {}
         self.contributors = set()
         self.lr_scales = []
@@ -182,6 +213,7 @@ class SyncWorker(WorkerScheme):
     def __init__(self, options: SyncOptions, num_workers: int) -> None:
         self.options = options
         self.required = options.required(num_workers)
+        self.rates = options.rates(num_workers)
         self.next_versions: list[int] | int = 0
         self.dropped = 0
 
@@ -200,7 +232,11 @@ class SyncWorker(WorkerScheme):
 
     def after_backward(self, ctx: WorkerContext) -> None:
         base = ctx.versions
-        results = ctx.push_grads(base_version=base)
+        if self.rates:
+            factor = self.rates[ctx.rank] / ctx.config.lr
+            results = ctx.push({k: g * factor for k, g in ctx.grads().items()}, base_version=base)
+        else:
+            results = ctx.push_grads(base_version=base)
         self.dropped += sum(not r.accepted for r in results)
         self.next_versions = [v + 1 for v in base]
 
