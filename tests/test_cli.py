@@ -68,7 +68,19 @@ def test_schemes_lists_the_catalogue() -> None:
     done = run_distsgd(["schemes"])
     assert done.returncode == 0
     names = [line.split()[0] for line in done.stdout.splitlines()]
-    assert names == ["sync", "hogwild", "downpour", "easgd", "allreduce", "dynsgd", "localsgd"]
+    assert names == [
+        "sync",
+        "hogwild",
+        "downpour",
+        "agn",
+        "sagn",
+        "easgd",
+        "eamsgd",
+        "allreduce",
+        "dynsgd",
+        "localsgd",
+        "diloco",
+    ]
 
 
 @pytest.mark.slow
