@@ -1,0 +1,402 @@
+"""``distsgd compare``: several schemes, one after the other, on the same script, data and seed.
+
+Each scheme runs through :func:`distsgd.launcher.run.launch` (the launcher of ``distsgd run``)
+into ``OUT/runs/<scheme>/``, with its launcher output in ``OUT/runs/<scheme>/launcher.log``.
+Then :mod:`distsgd.launcher.report` writes ``compare.png``, ``compare.md`` and
+``compare.json`` into ``OUT``. A scheme whose run fails is reported as failed and the others
+still run; Ctrl-C stops the current run (the launcher stops its tasks) and the rest are skipped.
+
+Curves need evaluations during the run, every ``eval_every`` local steps of the chief. Unless
+``--eval-every`` is given, compare picks it so that each curve has about ``points`` (20)
+evaluations: from ``--steps`` when given; otherwise the step count is known only once a run
+has finished, so the first run evaluates every :data:`PROVISIONAL_EVAL_EVERY` steps, and if that
+gave fewer than ``points / 2`` or more than ``2.5 * points`` evaluations, that run is repeated
+(the first try moves to ``OUT/pilot/<scheme>``) with the calibrated value, which every later
+scheme uses as well: all schemes of a comparison evaluate equally often.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import platform
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, TextIO, cast
+
+from distsgd import schemes
+from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.progress import Console
+from distsgd.launcher.report import (
+    Context,
+    SchemeRun,
+    default_target,
+    summarize,
+    with_target,
+    write_figure,
+    write_json,
+    write_markdown,
+)
+from distsgd.launcher.run import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, launch
+from distsgd.transport.security import TlsConfig
+
+log = logging.getLogger(__name__)
+
+PROVISIONAL_EVAL_EVERY = 16
+"""Evaluation interval of the first run when the step count is not known in advance."""
+
+FIGURE, TABLE, DATA = "compare.png", "compare.md", "compare.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareConfig:
+    """A comparison of schemes on this machine; every run gets the same script and options."""
+
+    schemes: tuple[str, ...] = field(metadata={"help": "the schemes, run in this order"})
+    script: str = field(metadata={"help": "the training script (calls distsgd.train)"})
+    script_args: tuple[str, ...] = field(default=(), metadata={"help": "arguments for the script"})
+    label: str = field(
+        default="", metadata={"help": "the model's name in titles ('' = the script's file name)"}
+    )
+    workers: int = field(default=2, metadata={"help": "worker tasks of every run"})
+    ps: int | None = field(
+        default=None,
+        metadata={"help": "ps tasks of parameter-server schemes (default 1); others run without"},
+    )
+    scheme_options: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={"help": "scheme options; each applies to every listed scheme that has it"},
+    )
+    overrides: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "TrainConfig fields to override in every run"}
+    )
+    out: Path | None = field(
+        default=None,
+        metadata={"help": "output folder, new or empty (default ./distsgd-compare/<time>)"},
+    )
+    target: float | None = field(
+        default=None,
+        metadata={"help": "target test accuracy (default 95% of the best final accuracy)"},
+    )
+    points: int = field(
+        default=20, metadata={"help": "evaluations per curve to aim for (sets eval_every)"}
+    )
+    threads: int = field(
+        default=0, metadata={"help": "torch threads per worker (0 = cores / workers)"}
+    )
+    checkpoint_every: int = field(default=0, metadata={"help": "checkpoint every N steps"})
+    checkpoint_seconds: float = field(default=0.0, metadata={"help": "checkpoint every N s"})
+    max_restarts: int = field(default=0, metadata={"help": "restarts allowed per task"})
+    faults: tuple[str, ...] = field(default=(), metadata={"help": "--inject-fault specs"})
+    tls: TlsConfig | None = field(default=None, metadata={"help": "mutual TLS for every task"})
+    command: str = field(default="", metadata={"help": "the command line, for the report"})
+
+    def __post_init__(self) -> None:
+        if not self.schemes:
+            raise ValueError("no schemes to compare; give --schemes A,B (see distsgd schemes)")
+        for name in self.schemes:
+            if not name:
+                raise ValueError("an empty name in --schemes; give names separated by commas")
+            schemes.get(name)  # unknown -> ValueError listing the catalogue
+        duplicates = sorted({n for n in self.schemes if self.schemes.count(n) > 1})
+        if duplicates:
+            raise ValueError(
+                f"--schemes lists {duplicates[0]} twice; give each scheme once "
+                "(runs of one scheme differ only by noise)"
+            )
+        self._check_scheme_options()
+        if self.ps and not any(_uses_ps(n) for n in self.schemes):
+            raise ValueError(
+                f"--ps {self.ps}: none of {', '.join(self.schemes)} uses parameter servers; "
+                "drop --ps"
+            )
+        if self.target is not None and not 0.0 < self.target <= 1.0:
+            raise ValueError(f"--target must be an accuracy in (0, 1], got {self.target}")
+        if self.points < 2:
+            raise ValueError(f"points must be at least 2, got {self.points}")
+        if self.out is not None and _occupied(self.out):
+            raise ValueError(
+                f"--out {self.out} exists and is not empty; give a new or empty folder"
+            )
+        for name in self.schemes:
+            try:
+                self.launch_config(name, Path("."), self.planned_eval_every() or 1)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+
+    def _check_scheme_options(self) -> None:
+        for option in self.scheme_options:
+            if not any(option in _option_names(n) for n in self.schemes):
+                flag = "--" + option.replace("_", "-")
+                owners = [n for n in schemes.names() if option in _option_names(n)]
+                raise ValueError(
+                    f"{flag} is an option of {', '.join(owners) or 'no scheme'}, none of which "
+                    f"is in --schemes; drop {flag} or add "
+                    f"{owners[0] if owners else 'its scheme'} to --schemes"
+                )
+
+    def options_for(self, name: str) -> dict[str, Any]:
+        """The scheme options given that ``name`` has."""
+        own = _option_names(name)
+        return {k: v for k, v in self.scheme_options.items() if k in own}
+
+    def planned_eval_every(self) -> int | None:
+        """``eval_every`` when it is known before any run: given, or ``steps / points``."""
+        if "eval_every" in self.overrides:
+            return int(self.overrides["eval_every"])
+        steps = int(self.overrides.get("steps", 0))
+        return max(1, round(steps / self.points)) if steps else None
+
+    def launch_config(self, name: str, run_dir: Path, eval_every: int) -> LaunchConfig:
+        """The run of scheme ``name`` (validated by :class:`LaunchConfig`)."""
+        return LaunchConfig(
+            script=self.script,
+            script_args=self.script_args,
+            workers=self.workers,
+            ps=self.ps if _uses_ps(name) else None,
+            scheme=name,
+            scheme_options=self.options_for(name),
+            overrides={**self.overrides, "eval_every": eval_every},
+            run_dir=run_dir,
+            threads=self.threads,
+            checkpoint_every=self.checkpoint_every,
+            checkpoint_seconds=self.checkpoint_seconds,
+            max_restarts=self.max_restarts,
+            faults=self.faults,
+            tls=self.tls,
+        )
+
+    def resolved_out(self) -> Path:
+        if self.out is not None:
+            return self.out
+        base = Path("distsgd-compare") / time.strftime("%Y%m%d-%H%M%S")
+        path, n = base, 1
+        while path.exists():
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
+        return path
+
+
+def _occupied(path: Path) -> bool:
+    return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
+
+def _uses_ps(name: str) -> bool:
+    return schemes.get(name).uses_parameter_servers
+
+
+def _option_names(name: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(schemes.get(name).options)}
+
+
+class _Capture:
+    """A run's launcher output (the stream of its :class:`Console`): written to
+    ``launcher.log``, its last lines kept for the failure reason."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.lines: deque[str] = deque(maxlen=400)
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        self._file.write(text)
+        parts = (self._partial + text).split("\n")
+        self._partial = parts.pop()
+        self.lines.extend(parts)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self._file.close()
+
+    def reason(self) -> str:
+        """'task worker1 failed (exit code 1): <its last log line>' from the launcher's error."""
+        lines = [line for line in self.lines if line.strip()]
+        errors = [i for i, line in enumerate(lines) if line.startswith("distsgd: error: ")]
+        if not errors:
+            return lines[-1].strip() if lines else "no output"
+        first = errors[-1]
+        head = lines[first].removeprefix("distsgd: error: ").split("; its last log lines:")[0]
+        tail = [line.strip() for line in lines[first + 1 :] if line.startswith("    ")]
+        return f"{head.rstrip(':;')}: {tail[-1]}" if tail else head
+
+
+def _calibrated(local_steps: int, eval_every: int, points: int) -> int | None:
+    """A better ``eval_every`` when ``eval_every`` gave far from ``points`` evaluations."""
+    if not local_steps or eval_every <= 0:
+        return None
+    count = local_steps // eval_every
+    if points / 2 <= count <= points * 2.5:
+        return None
+    better = max(1, round(local_steps / points))
+    return None if better == eval_every else better
+
+
+def _machine() -> dict[str, Any]:
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "unknown"
+    return {
+        "cores": os.cpu_count(),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "python": platform.python_version(),
+        "torch": torch_version,
+    }
+
+
+class Comparison:
+    """One ``distsgd compare``: its runs in order, then its reports."""
+
+    def __init__(self, config: CompareConfig, console: Console) -> None:
+        self.config = config
+        self.console = console
+        self.out = config.resolved_out()
+        planned = config.planned_eval_every()
+        self.calibrated = planned is not None
+        self.eval_every = PROVISIONAL_EVAL_EVERY if planned is None else planned
+        self.runs: list[SchemeRun] = []
+
+    def _say(self, text: str) -> None:
+        self.console.note(f"[compare] {text}")
+
+    def run(self) -> int:
+        c = self.config
+        (self.out / "runs").mkdir(parents=True, exist_ok=True)
+        how = (
+            f"every {self.eval_every} local steps"
+            if self.calibrated
+            else f"every {self.eval_every} local steps until the first run tells the step count"
+        )
+        self._say(
+            f"{len(c.schemes)} schemes, {c.workers} workers, {c.script}; the chief evaluates "
+            f"{how}; output in {self.out}"
+        )
+        interrupted = False
+        for index, name in enumerate(c.schemes):
+            if interrupted:
+                self.runs.append(SchemeRun(scheme=name, status="not run", reason="interrupted"))
+                continue
+            run = self._run_scheme(index, name)
+            if run.status == "ok" and not self.calibrated:
+                run = self._calibrate(index, run)
+            self.runs.append(run)
+            interrupted = run.status == "interrupted"
+        self._write_reports()
+        if interrupted:
+            return EXIT_INTERRUPTED
+        return EXIT_OK if all(r.status == "ok" for r in self.runs) else EXIT_FAILED
+
+    def _calibrate(self, index: int, run: SchemeRun) -> SchemeRun:
+        self.calibrated = True
+        steps = run.local_steps or 0
+        better = _calibrated(steps, self.eval_every, self.config.points)
+        if better is None:
+            return run
+        self._say(
+            f"{run.scheme} ran {steps} local steps per worker: evaluating every "
+            f"{self.eval_every} gave {steps // self.eval_every} points; running "
+            f"{run.scheme} again evaluating every {better} (use --eval-every to skip this)"
+        )
+        pilot = self.out / "pilot" / run.scheme
+        pilot.parent.mkdir(exist_ok=True)
+        shutil.move(run.run_dir, pilot)
+        self.eval_every = better
+        return self._run_scheme(index, run.scheme)
+
+    def _run_scheme(self, index: int, name: str) -> SchemeRun:
+        c = self.config
+        run_dir = self.out / "runs" / name
+        launch_config = c.launch_config(name, run_dir, self.eval_every)
+        where = f"{index + 1}/{len(c.schemes)} {name}"
+        self._say(
+            f"{where}: starting ({c.workers} workers, {launch_config.num_ps} ps) in {run_dir}"
+        )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        capture = _Capture(run_dir / "launcher.log")
+        started = time.monotonic()
+        try:
+            code = launch(launch_config, Console(cast(TextIO, capture)))
+        except Exception as exc:  # a scheme that cannot run must not stop the others
+            log.debug("%s: launch raised", name, exc_info=True)
+            capture.write(f"distsgd: error: {exc}\n")
+            code = EXIT_FAILED
+        finally:
+            wall = time.monotonic() - started
+            capture.flush()
+        status = {EXIT_OK: "ok", EXIT_INTERRUPTED: "interrupted"}.get(code, "failed")
+        reason = capture.reason() if status == "failed" else ""
+        capture.close()
+        run = summarize(
+            name,
+            run_dir,
+            status=status,
+            reason=reason,
+            parameter_servers=launch_config.num_ps,
+            eval_every=self.eval_every,
+            wall_seconds=wall,
+        )
+        self._say(f"{where}: {_outcome(run)}")
+        return run
+
+    def _write_reports(self) -> None:
+        c = self.config
+        target = c.target if c.target is not None else default_target(self.runs)
+        self.runs = [with_target(r, target) for r in self.runs]
+        seeds = [r.seed for r in self.runs if r.seed is not None]
+        first = c.launch_config(c.schemes[0], self.out, self.eval_every)
+        context = Context(
+            command=c.command,
+            label=c.label or Path(c.script).name,
+            workers=c.workers,
+            ps=c.ps,
+            seed=c.overrides.get("seed", seeds[0] if seeds else None),
+            target=target,
+            target_source="--target"
+            if c.target is not None
+            else "95% of the best final accuracy; set it with --target",
+            eval_every=self.eval_every,
+            threads_per_worker=first.threads_per_worker,
+            machine=_machine(),
+        )
+        paths = (
+            (self.out / FIGURE, write_figure),
+            (self.out / TABLE, write_markdown),
+            (self.out / DATA, write_json),
+        )
+        for path, write in paths:
+            write(path, context, self.runs)
+            self._say(f"wrote {path}")
+
+
+def _outcome(run: SchemeRun) -> str:
+    wall = f"{run.wall_seconds:.0f}s" if run.wall_seconds is not None else "?"
+    if run.status == "ok":
+        score = (
+            f"test accuracy {run.final_accuracy:.4f}"
+            if run.final_accuracy is not None
+            else f"test loss {run.final_test_loss:.4f}"
+            if run.final_test_loss is not None
+            else "no test score"
+        )
+        train = f"{run.train_seconds:.1f}s" if run.train_seconds is not None else "?"
+        return f"done, {score}, {train} of training ({wall} with start-up)"
+    if run.status == "interrupted":
+        return f"interrupted after {wall}; the remaining schemes are skipped"
+    return f"FAILED after {wall}: {run.reason}"
+
+
+def compare(config: CompareConfig, console: Console | None = None) -> int:
+    """Run every scheme of ``config``, write the reports; 0, 1 (a run failed) or 130."""
+    return Comparison(config, console or Console()).run()
