@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Iterable
+import inspect
+import sys
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from distsgd import schemes
@@ -15,6 +17,14 @@ _TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
 
 
 def add_dataclass_flags(
@@ -31,7 +41,7 @@ def add_dataclass_flags(
             type=kind,
             default=argparse.SUPPRESS,
             metavar=f.name.upper(),
-            help=f"{f.metadata.get('help', '')} (default {f.default})",
+            help=f"{f.metadata.get('help', '')} (default {_default(f)})",
         )
 
 
@@ -46,12 +56,115 @@ def add_scheme_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scheme", default="sync", choices=schemes.names(), help="training scheme (default sync)"
     )
-    seen: set[str] = set()
+    add_scheme_option_flags(parser)
+
+
+def _owners() -> dict[str, list[tuple[str, dataclasses.Field[Any]]]]:
+    """Option name -> (scheme, field) of every scheme that has it, in catalogue order."""
+    owners: dict[str, list[tuple[str, dataclasses.Field[Any]]]] = {}
     for name in schemes.names():
-        spec = schemes.get(name)
-        if dataclasses.fields(spec.options):
-            group = parser.add_argument_group(f"{name} options")
-            add_dataclass_flags(group, spec.options, seen, "scheme.")
+        for f in dataclasses.fields(schemes.get(name).options):
+            owners.setdefault(f.name, []).append((name, f))
+    return owners
+
+
+def _flag_type(fields: list[dataclasses.Field[Any]]) -> type:
+    kinds = {_TYPES.get(str(f.type), str) for f in fields}
+    if len(kinds) == 1:
+        return kinds.pop()
+    return float if kinds == {int, float} else str
+
+
+def _shared_help(owned: list[tuple[str, dataclasses.Field[Any]]]) -> str:
+    """Help of an option several schemes have: each one's default, honestly."""
+    text = str(owned[0][1].metadata.get("help", ""))
+    defaults = ", ".join(f"{scheme} {_default(f)}" for scheme, f in owned)
+    return f"{text} (default: {defaults}; see --help-scheme)"
+
+
+def add_scheme_option_flags(parser: argparse.ArgumentParser) -> None:
+    """Every scheme's options as flags; an option several schemes share is one flag whose help
+    names each scheme's default."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+
+    def group(key: str, title: str) -> argparse._ArgumentGroup:
+        if key not in groups:
+            groups[key] = parser.add_argument_group(title)
+        return groups[key]
+
+    for option, owned in _owners().items():
+        if len(owned) == 1:
+            scheme, f = owned[0]
+            where = group(scheme, f"{scheme} options")
+            text = f"{f.metadata.get('help', '')} (default {_default(f)})"
+        else:
+            where = group("", "options of several schemes (each scheme has its own default)")
+            text = f"{', '.join(s for s, _ in owned)}: {_shared_help(owned)}"
+        where.add_argument(
+            _flag(option),
+            dest="scheme." + option,
+            type=_flag_type([f for _, f in owned]),
+            default=argparse.SUPPRESS,
+            metavar=option.upper(),
+            help=text,
+        )
+
+
+class HelpSchemeAction(argparse.Action):
+    """``--help-scheme NAME``: print the scheme's summary, math and options, then exit 0."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        try:
+            text = scheme_help(str(values))
+        except ValueError as exc:
+            sys.stderr.write(f"distsgd: error: {exc}\n")
+            parser.exit(2)
+        sys.stdout.write(text)
+        parser.exit(0)
+
+
+def add_help_scheme_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--help-scheme",
+        action=HelpSchemeAction,
+        metavar="NAME",
+        help="show a scheme's math, paper and options with its defaults, and exit",
+    )
+
+
+def scheme_help(name: str) -> str:
+    """What ``--help-scheme NAME`` prints (unknown name -> ValueError listing the schemes)."""
+    spec = schemes.get(name)
+    kind = (
+        "parameter servers" if spec.uses_parameter_servers else "collective (no parameter servers)"
+    )
+    lines = [f"{spec.name}: {spec.summary}", f"runs on: {kind}", ""]
+    doc = _module_doc(spec.worker)
+    if doc:
+        lines += [doc, ""]
+    fields = dataclasses.fields(spec.options)
+    if not fields:
+        lines.append(f"options: none (distsgd run --scheme {name} SCRIPT)")
+    else:
+        lines.append(f"options (flags of distsgd run, demo and compare; {name}'s defaults):")
+        for f in fields:
+            metavar = f.name.upper()
+            lines.append(f"  {_flag(f.name)} {metavar}")
+            lines.append(f"      {f.metadata.get('help', '')} (default {_default(f)})")
+    return "\n".join(lines) + "\n"
+
+
+def _module_doc(obj: Any) -> str:
+    module = sys.modules.get(getattr(obj, "__module__", "") or "")
+    if module is None:
+        module = inspect.getmodule(obj)
+    return inspect.cleandoc(module.__doc__ or "") if module is not None else ""
 
 
 def collect(args: argparse.Namespace, prefix: str) -> dict[str, Any]:

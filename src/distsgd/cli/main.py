@@ -1,17 +1,25 @@
-"""The ``distsgd`` command: run, demo, server, worker, inspect, schemes."""
+"""The ``distsgd`` command: run, demo, compare, server, worker, inspect, schemes."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from distsgd import __version__, schemes
-from distsgd.cli.flags import add_scheme_flags, add_training_flags, collect, scheme_options
+from distsgd.cli.flags import (
+    add_help_scheme_flag,
+    add_scheme_flags,
+    add_scheme_option_flags,
+    add_training_flags,
+    collect,
+    scheme_options,
+)
 from distsgd.cluster import ClusterSpecError, resolve_cluster
 
 DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
@@ -49,21 +57,25 @@ def _tls(args: argparse.Namespace) -> Any:
     return TlsConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
 
 
-def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
+def _add_launch_flags(parser: argparse.ArgumentParser, *, compare: bool = False) -> None:
+    """The flags of run and demo; compare has --schemes and --out instead of --scheme,
+    --run-dir and --quiet (its runs' output goes to their launcher.log)."""
     parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
     parser.add_argument(
         "--ps", type=int, default=None, help="parameter-server tasks (default 1; 0 for allreduce)"
     )
-    parser.add_argument(
-        "--run-dir",
-        type=Path,
-        default=None,
-        help="run folder (default ./distsgd-runs/<time>-<scheme>)",
-    )
+    if not compare:
+        parser.add_argument(
+            "--run-dir",
+            type=Path,
+            default=None,
+            help="run folder (default ./distsgd-runs/<time>-<scheme>)",
+        )
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads per worker (default cores/workers)"
     )
-    parser.add_argument("--quiet", action="store_true", help="hide task log lines")
+    if not compare:
+        parser.add_argument("--quiet", action="store_true", help="hide task log lines")
     ft = parser.add_argument_group("fault tolerance")
     ft.add_argument(
         "--checkpoint-every",
@@ -86,8 +98,49 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
         "partition:worker:0@step=30+10s (repeatable)",
     )
     _add_tls_flags(parser)
-    add_scheme_flags(parser)
+    add_help_scheme_flag(parser)
+    if compare:
+        add_scheme_option_flags(parser)
+    else:
+        add_scheme_flags(parser)
     add_training_flags(parser)
+
+
+def _add_compare_command(sub: Any) -> None:
+    compare = sub.add_parser(
+        "compare",
+        help="run several schemes on the same script, plot and tabulate them",
+        description="Run each scheme of --schemes in turn on the same script, data and seed "
+        "(no SCRIPT: the bundled digits demo), then write compare.png (accuracy and loss "
+        "against seconds and samples), compare.md (a table) and compare.json into --out. "
+        "A scheme option applies to every listed scheme that has it; --ps applies to the "
+        "parameter-server schemes. Unless --eval-every or --steps is given, the first run "
+        "calibrates how often the chief evaluates (about 20 points per curve).",
+    )
+    compare.add_argument(
+        "--schemes",
+        default="",
+        metavar="A,B,...",
+        help="comma-separated schemes to compare, in this order (see distsgd schemes)",
+    )
+    compare.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder, new or empty (default ./distsgd-compare/<time>)",
+    )
+    compare.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        metavar="ACC",
+        help="report seconds to this test accuracy (default 95%% of the best final accuracy)",
+    )
+    _add_launch_flags(compare, compare=True)
+    compare.add_argument("script", nargs="?", help="training script (default: the bundled demo)")
+    compare.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="arguments passed to the script"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="train the bundled digits CNN (prints the test accuracy last)"
     )
     _add_launch_flags(demo)
+    _add_compare_command(sub)
 
     server = sub.add_parser("server", help="run one parameter-server task")
     server.add_argument("--job", "--job_name", dest="job", default="ps", help="must be ps")
@@ -157,7 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
         "path", type=Path, help="a run folder, a checkpoint folder, or a psN.npz / worker file"
     )
 
-    sub.add_parser("schemes", help="list the training schemes")
+    sub.add_parser(
+        "schemes",
+        help="list the training schemes (details: distsgd run --help-scheme NAME)",
+    )
     return parser
 
 
@@ -242,6 +299,46 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
     return launch(config)
 
 
+def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from distsgd.launcher.compare import CompareConfig, compare
+
+    steps, seconds = _checkpoint_every(args.checkpoint_every)
+    script = args.script or str(DEMO_SCRIPT)
+    names = tuple(name.strip() for name in args.schemes.split(",")) if args.schemes else ()
+    config = CompareConfig(
+        schemes=names,
+        script=script,
+        script_args=tuple(args.script_args),
+        label="digits CNN (bundled demo)" if args.script is None else Path(script).name,
+        workers=args.workers,
+        ps=args.ps,
+        scheme_options=collect(args, "scheme."),
+        overrides=collect(args, "train."),
+        out=args.out,
+        target=args.target,
+        threads=args.threads,
+        checkpoint_every=steps,
+        checkpoint_seconds=seconds,
+        max_restarts=args.max_restarts,
+        faults=tuple(args.inject_fault),
+        tls=_tls(args),
+        command=shlex.join(["distsgd", *argv]),
+    )
+    try:
+        return compare(config)
+    except KeyboardInterrupt:  # between two runs (a run itself stops on Ctrl-C by itself)
+        print("distsgd: interrupted", file=sys.stderr)
+        return 130
+
+
+def _cmd_schemes() -> int:
+    for name in schemes.names():
+        print(f"{name:10s} {schemes.get(name).summary}")
+    # stderr: stdout stays one scheme per line for scripts
+    print("each scheme's math, paper and options: distsgd run --help-scheme NAME", file=sys.stderr)
+    return 0
+
+
 def _task_index(arg: int | None, tf_task: Any, job: str) -> int:
     if arg is not None:
         return arg
@@ -315,12 +412,15 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
             return _cmd_run(args, args.script, args.script_args)
         if args.command == "demo":
             return _cmd_run(args, str(DEMO_SCRIPT), [])
+        if args.command == "compare":
+            return _cmd_compare(args, argv)
         if args.command == "server":
             return _cmd_server(args)
         if args.command == "worker":
@@ -330,9 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return inspect(args.path)
         if args.command == "schemes":
-            for name in schemes.names():
-                print(f"{name:10s} {schemes.get(name).summary}")
-            return 0
+            return _cmd_schemes()
     except (ValueError, ClusterSpecError, OSError) as exc:
         print(f"distsgd: error: {exc}", file=sys.stderr)
         return 2

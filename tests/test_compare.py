@@ -1,0 +1,300 @@
+"""``distsgd compare`` and ``--help-scheme``: real runs on loopback (slow), the reports' numbers
+from synthetic metrics, and bad input (one line, exit 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import SCRIPTS, alive, metrics, run_distsgd, task_pids, wait_for
+
+from distsgd import schemes
+from distsgd.cli.main import main
+from distsgd.launcher.compare import CompareConfig, _calibrated, _Capture
+from distsgd.launcher.report import build_curves, mean_staleness, seconds_to, training_origin
+
+BLOBS = str(SCRIPTS / "blobs.py")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+FAILS_UNDER_HOGWILD = f"""
+import json, os, runpy, sys
+if json.loads(os.environ["DISTSGD_TASK"])["scheme"] == "hogwild":
+    raise SystemExit("boom: this script refuses hogwild")
+sys.argv = [{BLOBS!r}, "--steps", "20"]
+runpy.run_path({BLOBS!r}, run_name="__main__")
+"""
+
+
+def _compare(tmp_path: Path, *args: str, timeout: float = 200.0):  # type: ignore[no-untyped-def]
+    out = tmp_path / "out"
+    return out, run_distsgd(
+        ["compare", "--workers", "2", "--out", str(out), *args], timeout=timeout, cwd=tmp_path
+    )
+
+
+def _rows(markdown: str) -> dict[str, list[str]]:
+    """scheme -> cells of its table row."""
+    rows = {}
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `"):
+            rows[cells[0].strip("`")] = cells[1:]
+    return rows
+
+
+def _no_process_left(run_dir: Path) -> None:
+    pids = list(task_pids(run_dir).values())
+    assert wait_for(lambda: alive(pids) == [], 10), f"left behind: {alive(pids)}"
+
+
+# ----------------------------------------------------------------------------- real runs
+
+
+@pytest.mark.slow
+def test_compare_two_schemes_writes_figure_table_and_json(tmp_path: Path) -> None:
+    out, done = _compare(
+        tmp_path, "--schemes", "hogwild,allreduce", "--eval-every", "4", BLOBS, "--steps", "40"
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any("1/2 hogwild: starting" in line for line in lines)
+    assert any("2/2 allreduce: done, test accuracy" in line for line in lines)
+    assert lines[-1].endswith("compare.json")
+
+    assert (out / "compare.png").read_bytes()[:8] == PNG_MAGIC
+    rows = _rows((out / "compare.md").read_text())
+    assert list(rows) == ["hogwild", "allreduce"]
+    for cells in rows.values():
+        assert cells[0] == "ok"
+        assert 0.5 < float(cells[1]) <= 1.0  # final accuracy
+        assert float(cells[2]) > 0  # final test loss
+        assert float(cells[4]) > 0  # training seconds
+        assert cells[5].endswith(" MB")
+    assert rows["allreduce"][6].startswith("n/a")
+    float(rows["hogwild"][6])  # measured staleness
+    assert "distsgd compare --workers 2" in (out / "compare.md").read_text()
+
+    data = json.loads((out / "compare.json").read_text())
+    assert data["workers"] == 2 and data["eval_every"] == 4 and data["machine"]["cores"] >= 1
+    for entry in data["schemes"]:
+        assert entry["status"] == "ok"
+        assert entry["local_steps"] == 40 and entry["bytes_sent"] > 0
+        curves = entry["curves"]
+        assert len(curves["accuracy"]) == 40 // 4 + 1  # every 4 steps, and the final one
+        assert curves["eval_samples"] == sorted(curves["eval_samples"])
+        assert entry["samples"] == 2 * 40 * 16  # both workers, batch 16
+        assert 40 * 16 < curves["eval_samples"][-1] <= 2 * 40 * 16
+        assert curves["eval_seconds"][0] >= 0
+        assert curves["train_loss"]
+        _no_process_left(Path(entry["run_dir"]))
+
+
+@pytest.mark.slow
+def test_a_failed_scheme_is_reported_and_the_others_still_run(tmp_path: Path) -> None:
+    script = tmp_path / "picky.py"
+    script.write_text(FAILS_UNDER_HOGWILD)
+    out, done = _compare(
+        tmp_path, "--schemes", "hogwild,allreduce", "--eval-every", "5", str(script)
+    )
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1/2 hogwild: FAILED" in done.stdout
+    rows = _rows((out / "compare.md").read_text())
+    assert rows["hogwild"][0].startswith("**failed: task worker")
+    assert "boom: this script refuses hogwild" in rows["hogwild"][0]
+    assert rows["allreduce"][0] == "ok"
+    assert (out / "compare.png").read_bytes()[:8] == PNG_MAGIC
+    statuses = [e["status"] for e in json.loads((out / "compare.json").read_text())["schemes"]]
+    assert statuses == ["failed", "ok"]
+
+
+@pytest.mark.slow
+def test_sigint_stops_the_current_run_and_skips_the_rest(spawn, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = spawn(
+        [
+            *("compare", "--schemes", "hogwild,allreduce", "--eval-every", "50"),
+            *("--out", str(out), BLOBS, "--steps", "2000", "--slow", "0.01"),
+        ]
+    )
+    run_dir = out / "runs" / "hogwild"
+    assert wait_for(lambda: len(metrics(run_dir)) > 2, 60), "the first run did not start"
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stdout[-3000:]
+    _no_process_left(run_dir)
+    assert not (out / "runs" / "allreduce").exists()
+    rows = _rows((out / "compare.md").read_text())
+    assert rows["hogwild"][0].startswith("**interrupted")
+    assert rows["allreduce"][0].startswith("**not run")
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--schemes", "hogwild,nope"], "unknown scheme 'nope'; choose one of: sync"),
+        ([], "no schemes to compare; give --schemes"),
+        (["--schemes", "hogwild,,allreduce"], "an empty name in --schemes"),
+        (["--schemes", "hogwild,allreduce,hogwild"], "lists hogwild twice"),
+        (["--schemes", "hogwild,allreduce", "--tau", "3"], "drop --tau or add easgd"),
+        (["--schemes", "allreduce,localsgd", "--ps", "1"], "drop --ps"),
+        (["--schemes", "hogwild,allreduce", "--lr", "-1"], "lr must be positive"),
+        (["--schemes", "hogwild", "--target", "2"], "--target must be an accuracy"),
+    ],
+)
+def test_bad_compare_arguments(
+    args: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["compare", "--out", str(tmp_path / "out"), *args, BLOBS]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("distsgd: error: "), err
+    assert needle in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_compare_refuses_a_non_empty_out_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "keep.txt").write_text("mine")
+    assert main(["compare", "--schemes", "hogwild", "--out", str(tmp_path), BLOBS]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "exists and is not empty" in err and "\n" not in err
+
+
+def test_a_shared_option_applies_to_each_listed_scheme_that_has_it() -> None:
+    sharing = [(option, owners) for option, owners in _option_owners().items() if len(owners) > 1]
+    if not sharing:
+        pytest.skip("no option is shared by several schemes")
+    option, owners = sharing[0]
+    others = [n for n in schemes.names() if n not in owners and n != "sync"][:1]
+    config = CompareConfig(
+        schemes=(*owners, *others),
+        script=BLOBS,
+        scheme_options={option: getattr(_defaults(owners[0]), option)},
+    )
+    for name in owners:
+        assert option in config.options_for(name)
+    for name in others:
+        assert config.options_for(name) == {}
+
+
+def _option_owners() -> dict[str, list[str]]:
+    owners: dict[str, list[str]] = {}
+    for name in schemes.names():
+        for f in dataclasses.fields(schemes.get(name).options):
+            owners.setdefault(f.name, []).append(name)
+    return owners
+
+
+def _defaults(name: str):  # type: ignore[no-untyped-def]
+    return schemes.get(name).options()
+
+
+# ----------------------------------------------------------------------------- --help-scheme
+
+
+@pytest.mark.parametrize("name", schemes.names())
+def test_help_scheme_shows_docstring_and_own_defaults(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    spec = schemes.get(name)
+    with pytest.raises(SystemExit) as stop:
+        main(["run", "--help-scheme", name])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"{name}: {spec.summary}")
+    doc = sys.modules[spec.worker.__module__].__doc__ or ""
+    assert doc.strip().splitlines()[0] in text
+    for f in dataclasses.fields(spec.options):
+        flag = "--" + f.name.replace("_", "-")
+        assert f"{flag} {f.name.upper()}" in text
+        assert f"(default {getattr(spec.options(), f.name)})" in text
+
+
+@pytest.mark.parametrize("command", ["run", "demo", "compare"])
+def test_help_scheme_of_an_unknown_scheme(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main([command, "--help-scheme", "nope"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("distsgd: error: unknown scheme 'nope'; choose one of: ")
+    assert "\n" not in err and "hogwild" in err
+
+
+def test_help_of_a_shared_flag_names_each_schemes_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, even at hyphens
+    for option, owners in _option_owners().items():
+        if len(owners) > 1:
+            defaults = ", ".join(f"{s} {getattr(_defaults(s), option)}" for s in owners)
+            assert "".join(f"(default: {defaults}; see --help-scheme)".split()) in text, option
+
+
+def test_schemes_command_mentions_help_scheme() -> None:
+    done = run_distsgd(["schemes"])
+    assert done.returncode == 0
+    assert "--help-scheme" in done.stdout + done.stderr
+
+
+# ----------------------------------------------------------------------------- the numbers
+
+
+def _line(t: float, task: str, step: int, **fields: object) -> dict[str, object]:
+    return {"time": t, "task": task, "local_step": step, "step": step, **fields}
+
+
+def test_curves_sum_the_samples_of_all_workers_and_start_at_training() -> None:
+    records = [
+        _line(100.0, "worker0", 10, loss=2.0, samples=320, bytes_sent=10, mean_staleness=1.0),
+        _line(100.5, "worker1", 10, loss=1.0, samples=320, bytes_sent=20, mean_staleness=3.0),
+        _line(101.0, "worker0", 20, loss=1.0, samples=640, bytes_sent=30, mean_staleness=1.0),
+        _line(101.1, "worker0", 20, test_loss=0.9, accuracy=0.7),
+        _line(101.5, "worker1", 30, loss=0.5, samples=960, bytes_sent=40, mean_staleness=3.0),
+        _line(102.0, "worker0", 20, test_loss=0.5, accuracy=0.9, final=True),
+        _line(102.1, "launcher", 0, event="fault"),
+    ]
+    # worker0: 10 steps per second, so it began 1 s before its first line
+    assert training_origin(records) == pytest.approx(99.0)
+    curves = build_curves(records)
+    assert curves.eval_samples == [640 + 320, 640 + 960]
+    assert curves.eval_seconds == pytest.approx([2.1, 3.0])
+    assert curves.accuracy == [0.7, 0.9]
+    assert curves.loss_samples == [320, 640, 960, 1600]
+    assert curves.train_loss[:2] == [2.0, 1.5]  # mean of each worker's latest loss
+    assert seconds_to(curves, 0.8) == pytest.approx(3.0)
+    assert seconds_to(curves, 0.95) is None
+    # worker0 at 20 local steps with 1.0, worker1 at 30 with 3.0
+    assert mean_staleness(records) == pytest.approx((20 * 1.0 + 30 * 3.0) / 50)
+
+
+def test_curves_of_a_run_without_metrics_are_empty() -> None:
+    assert build_curves([]).eval_seconds == []
+    assert mean_staleness([_line(1.0, "worker0", 10, loss=1.0, samples=1)]) is None
+
+
+def test_calibration_aims_at_the_number_of_points() -> None:
+    assert _calibrated(330, 16, 20) is None  # 20 points already
+    assert _calibrated(40, 16, 20) == 2
+    assert _calibrated(10_000, 16, 20) == 500
+    assert _calibrated(0, 16, 20) is None
+
+
+def test_failure_reason_is_the_error_and_the_tasks_last_log_line(tmp_path: Path) -> None:
+    capture = _Capture(tmp_path / "launcher.log")
+    capture.write("[distsgd] run x: scheme hogwild\n")
+    capture.write("distsgd: error: task worker1 failed (exit code 1); its last log lines:\n")
+    capture.write("    Traceback (most recent call last):\n    ValueError: bad\n")
+    capture.write("full logs: x/logs\n")
+    capture.close()
+    assert capture.reason() == "task worker1 failed (exit code 1): ValueError: bad"
+    assert "ValueError: bad" in (tmp_path / "launcher.log").read_text()
