@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -14,7 +15,16 @@ from conftest import SCRIPTS, alive, metrics, run_distsgd, task_pids, wait_for
 from distsgd import schemes
 from distsgd.cli.main import main
 from distsgd.launcher.compare import CompareConfig, _calibrated, _Capture
-from distsgd.launcher.report import build_curves, mean_staleness, seconds_to, training_origin
+from distsgd.launcher.report import (
+    Context,
+    SchemeRun,
+    build_curves,
+    markdown,
+    mean_staleness,
+    seconds_to,
+    training_origin,
+    write_figure,
+)
 
 BLOBS = str(SCRIPTS / "blobs.py")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -39,7 +49,7 @@ def _rows(markdown: str) -> dict[str, list[str]]:
     """scheme -> cells of its table row."""
     rows = {}
     for line in markdown.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
         if line.startswith("| `"):
             rows[cells[0].strip("`")] = cells[1:]
     return rows
@@ -266,10 +276,11 @@ def test_curves_sum_the_samples_of_all_workers_and_start_at_training() -> None:
     # worker0: 10 steps per second, so it began 1 s before its first line
     assert training_origin(records) == pytest.approx(99.0)
     curves = build_curves(records)
-    assert curves.eval_samples == [640 + 320, 640 + 960]
+    # worker1 at 101.1 s is 60% of the way from 320 samples (100.5 s) to 960 (101.5 s)
+    assert curves.eval_samples == [640 + 704, 640 + 960]
     assert curves.eval_seconds == pytest.approx([2.1, 3.0])
     assert curves.accuracy == [0.7, 0.9]
-    assert curves.loss_samples == [320, 640, 960, 1600]
+    assert curves.loss_samples == [320 + 0, 480 + 320, 640 + 640, 640 + 960]
     assert curves.train_loss[:2] == [2.0, 1.5]  # mean of each worker's latest loss
     assert seconds_to(curves, 0.8) == pytest.approx(3.0)
     assert seconds_to(curves, 0.95) is None
@@ -280,6 +291,37 @@ def test_curves_sum_the_samples_of_all_workers_and_start_at_training() -> None:
 def test_curves_of_a_run_without_metrics_are_empty() -> None:
     assert build_curves([]).eval_seconds == []
     assert mean_staleness([_line(1.0, "worker0", 10, loss=1.0, samples=1)]) is None
+
+
+def test_reports_of_a_script_without_accuracy(tmp_path: Path) -> None:
+    """A regression script: the figure plots test loss, the table says there is no target."""
+    records = [
+        _line(10.0 + i, f"worker{i % 2}", 10 * (1 + i // 2), loss=1.0 / (i + 1), samples=10 * i)
+        for i in range(6)
+    ]
+    records.insert(3, _line(12.5, "worker0", 20, test_loss=0.5, accuracy=None))
+    curves = build_curves(records)
+    run = SchemeRun(scheme="hogwild", status="ok", parameter_servers=1, curves=curves)
+    failed = SchemeRun(scheme="allreduce", status="failed", reason="task worker1 | died")
+    context = Context(
+        command="distsgd compare",
+        label="reg.py",
+        workers=2,
+        ps=None,
+        seed=0,
+        target=None,
+        target_source="",
+        eval_every=5,
+        threads_per_worker=1,
+        machine={"cores": 2},
+    )
+    write_figure(tmp_path / "c.png", context, [run, failed])
+    assert (tmp_path / "c.png").read_bytes()[:8] == PNG_MAGIC
+    text = markdown(context, [run, failed])
+    rows = _rows(text)
+    assert rows["hogwild"][3] == "n/a (no accuracy)"
+    assert rows["allreduce"][0] == "**failed: task worker1 \\| died**"
+    assert "target accuracy: n/a" in text
 
 
 def test_calibration_aims_at_the_number_of_points() -> None:

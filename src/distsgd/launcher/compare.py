@@ -352,7 +352,8 @@ class Comparison:
 
     def _write_reports(self) -> None:
         c = self.config
-        target = c.target if c.target is not None else default_target(self.runs)
+        measured = any(r.curves.has_accuracy or r.final_accuracy is not None for r in self.runs)
+        target = c.target if c.target is not None and measured else default_target(self.runs)
         self.runs = [with_target(r, target) for r in self.runs]
         seeds = [r.seed for r in self.runs if r.seed is not None]
         first = c.launch_config(c.schemes[0], self.out, self.eval_every)

@@ -6,8 +6,9 @@ Everything here is a pure function of a run folder's ``metrics.jsonl`` and ``res
   metrics line minus the local steps before that line at the rate of its first two lines
   (process start-up, parameter registration and rendezvous do not count); the earliest worker
   sets the origin of the run.
-* **Samples seen** at time *t* are the sum over workers of each worker's latest ``samples``
-  at or before *t* (all workers together).
+* **Samples seen** at time *t* are the sum over workers of each worker's ``samples`` at *t*,
+  interpolated linearly between its metrics lines (which come every ``log_every`` steps, often
+  less often than the evaluations; 0 at the worker's start, held after its last line).
 * **Test accuracy / test loss** come from the chief's evaluation lines (every ``eval_every``
   local steps, and the final one).
 * **Training loss** at each worker metrics line is the mean over workers of each worker's
@@ -19,6 +20,7 @@ Everything here is a pure function of a run folder's ``metrics.jsonl`` and ``res
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -135,25 +137,60 @@ def _is_eval_line(record: dict[str, Any]) -> bool:
     return record.get("task") == CHIEF and "test_loss" in record
 
 
-def training_origin(records: Sequence[dict[str, Any]]) -> float | None:
-    """Unix time training began: per worker, its first line minus the steps before it at the
-    rate of its first two lines; the earliest worker wins. None without worker lines."""
+def worker_starts(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Unix time each worker began training: its first line minus the steps before it at the
+    rate of its first two lines."""
     first: dict[str, list[dict[str, Any]]] = {}
     for record in records:
         if _is_worker_line(record) and "local_step" in record:
             seen = first.setdefault(str(record["task"]), [])
             if len(seen) < 2:
                 seen.append(record)
-    starts = []
-    for lines in first.values():
+    starts = {}
+    for task, lines in first.items():
         t1, s1 = float(lines[0]["time"]), int(lines[0]["local_step"])
         start = t1
         if len(lines) == 2:
             t2, s2 = float(lines[1]["time"]), int(lines[1]["local_step"])
             if s2 > s1 and t2 >= t1:
                 start = t1 - s1 * (t2 - t1) / (s2 - s1)
-        starts.append(start)
-    return min(starts) if starts else None
+        starts[task] = start
+    return starts
+
+
+def training_origin(records: Sequence[dict[str, Any]]) -> float | None:
+    """Unix time training began: the earliest of :func:`worker_starts`; None without worker
+    lines."""
+    return min(worker_starts(records).values(), default=None)
+
+
+class SampleClock:
+    """Samples seen by all workers at any time: each worker's ``samples`` interpolated linearly
+    between its metrics lines (from 0 at its start; they come every ``log_every`` steps, often
+    less often than the evaluations), held after its last line, summed over workers."""
+
+    def __init__(self, records: Sequence[dict[str, Any]]) -> None:
+        self._series: dict[str, tuple[list[float], list[int]]] = {
+            task: ([start], [0]) for task, start in worker_starts(records).items()
+        }
+        for record in records:
+            if _is_worker_line(record) and "samples" in record:
+                times, counts = self._series[str(record["task"])]
+                times.append(max(times[-1], float(record["time"])))
+                counts.append(int(record["samples"]))
+
+    def at(self, t: float) -> int:
+        total = 0.0
+        for times, counts in self._series.values():
+            i = bisect.bisect_right(times, t)
+            if i == 0:
+                continue
+            if i == len(times) or times[i] == times[i - 1]:
+                total += counts[i - 1]
+            else:
+                share = (t - times[i - 1]) / (times[i] - times[i - 1])
+                total += counts[i - 1] + share * (counts[i] - counts[i - 1])
+        return round(total)
 
 
 def _moving_average(values: Sequence[float], window: int) -> list[float]:
@@ -179,25 +216,24 @@ def build_curves(records: Sequence[dict[str, Any]]) -> Curves:
     origin = training_origin(records)
     if origin is None:
         return Curves()
-    samples: dict[str, int] = {}
+    clock = SampleClock(records)
     losses: dict[str, float] = {}
     curves = Curves()
     raw_loss: list[float] = []
     for record in records:
-        seconds = max(0.0, float(record["time"]) - origin)
+        t = float(record["time"])
+        seconds = max(0.0, t - origin)
         if _is_worker_line(record):
-            task = str(record["task"])
-            samples[task] = int(record.get("samples", samples.get(task, 0)))
             loss = float(record["loss"])
             if math.isfinite(loss):
-                losses[task] = loss
+                losses[str(record["task"])] = loss
             if losses:
                 curves.loss_seconds.append(seconds)
-                curves.loss_samples.append(sum(samples.values()))
+                curves.loss_samples.append(clock.at(t))
                 raw_loss.append(sum(losses.values()) / len(losses))
         elif _is_eval_line(record):
             curves.eval_seconds.append(seconds)
-            curves.eval_samples.append(sum(samples.values()))
+            curves.eval_samples.append(clock.at(t))
             accuracy = record.get("accuracy")
             curves.accuracy.append(None if accuracy is None else float(accuracy))
             curves.test_loss.append(float(record["test_loss"]))
