@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from distsgd.runtime import TaskEnv, TrainConfig
+from distsgd.runtime.config import lr_factor
 from distsgd.runtime.data import ShardedBatches, as_dataset
 from distsgd.runtime.metrics import MetricsWriter
 
@@ -66,6 +67,7 @@ def test_as_dataset_checks_pairs() -> None:
         ("momentum", 1.0, "momentum must be in"),
         ("steps", -1, "steps must be 0 or more"),
         ("epochs", 0.0, "epochs must be positive"),
+        ("warmup", 1.0, "warmup must be a fraction"),
     ],
 )
 def test_train_config_rejects_bad_values(field: str, value: object, needle: str) -> None:
@@ -107,3 +109,19 @@ def test_metrics_lines_from_threads_never_interleave(tmp_path: Path) -> None:
     lines = path.read_text().splitlines()
     assert len(lines) == 800
     assert all(json.loads(line)["padding"] == "x" * 300 for line in lines)
+
+
+def test_warmup_rises_linearly_then_the_schedule_runs_over_the_rest() -> None:
+    total = 100
+    factors = [lr_factor("cosine", step, total, warmup=0.1) for step in range(total + 1)]
+    assert factors[:10] == pytest.approx([(i + 1) / 10 for i in range(10)])
+    assert factors[10] == pytest.approx(1.0)  # the cosine starts after the ramp
+    assert factors[55] == pytest.approx(0.5)  # halfway through the 90 steps after it
+    assert factors[total] == pytest.approx(0.0, abs=1e-12)
+    assert [lr_factor("constant", s, total, warmup=0.1) for s in (0, 9, 10, 99)] == [
+        pytest.approx(0.1),
+        pytest.approx(1.0),
+        1.0,
+        1.0,
+    ]
+    assert lr_factor("cosine", 0, total) == 1.0  # no warmup: as before

@@ -53,7 +53,7 @@ class DigitsCNN(nn.Module):
 
 def main() -> None:
     config = distsgd.TrainConfig(
-        batch_size=32, epochs=30, lr=0.3, momentum=0.0, lr_schedule="cosine"
+        batch_size=32, epochs=30, lr=0.3, momentum=0.0, lr_schedule="cosine", warmup=0.1
     )
     distsgd.seed_everything(config.seed)
     train, test = load_digits()

@@ -10,10 +10,18 @@ from typing import Any
 LR_SCHEDULES = ("constant", "cosine")
 
 
-def lr_factor(schedule: str, step: int, total: int) -> float:
-    """The schedule's multiplier of the learning rate at ``step`` of ``total``."""
+def lr_factor(schedule: str, step: int, total: int, warmup: float = 0.0) -> float:
+    """The schedule's multiplier of the learning rate at ``step`` (0-based) of ``total``.
+
+    The first ``warmup * total`` steps rise linearly to 1; the schedule (constant, or a cosine
+    decay to 0) runs over the steps after them.
+    """
+    ramp = int(warmup * total)
+    if step < ramp:
+        return (step + 1) / ramp
     if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * min(step, total) / max(1, total)))
+        progress = min(step - ramp, total - ramp) / max(1, total - ramp)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
     return 1.0
 
 
@@ -41,6 +49,12 @@ class TrainConfig:
     lr_schedule: str = field(
         default="constant",
         metadata={"help": "learning-rate schedule over the run: constant or cosine (decays to 0)"},
+    )
+    warmup: float = field(
+        default=0.0,
+        metadata={
+            "help": "fraction of the run whose learning rate rises linearly from 0 (e.g. 0.1)"
+        },
     )
     nonfinite: str = field(
         default="skip",
@@ -75,6 +89,8 @@ class TrainConfig:
             raise ValueError(
                 f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}"
             )
+        if not 0.0 <= self.warmup < 1.0:
+            raise ValueError(f"warmup must be a fraction in [0, 1), got {self.warmup}")
         if self.nonfinite not in ("skip", "stop"):
             raise ValueError(f"nonfinite must be skip or stop, got {self.nonfinite!r}")
         if not 0.0 <= self.momentum < 1.0:

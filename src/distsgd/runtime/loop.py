@@ -215,7 +215,7 @@ def run_worker(
             if ckpt is not None:
                 ckpt.maybe_save_worker(ctx.local_step, start_step, worker_state)
             faults.before_step(ctx.global_step)
-            ctx.set_lr_scale(lr_factor(config.lr_schedule, ctx.local_step, steps))
+            ctx.set_lr_scale(lr_factor(config.lr_schedule, ctx.local_step, steps, config.warmup))
             x, y = next(batch_iter)
             x, y = x.to(device), y.to(device)
             scheme.before_step(ctx)
