@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import re
 import sys
 import types
@@ -102,6 +104,55 @@ def test_python_block_runs(path: str, line: int, code: str) -> None:
         exec(compiled, module.__dict__)
     finally:
         del sys.modules[module.__name__]
+
+
+def _shell_commands(text: str) -> Iterator[tuple[int, list[str]]]:
+    """(line, argv) of every ``distsgd ...`` command line in ```bash blocks."""
+    import shlex
+
+    inside, pending, start = False, "", 0
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            inside = not inside and stripped[3:].strip().lower() in ("bash", "sh", "shell")
+            continue
+        if not inside:
+            continue
+        if not pending:
+            start = number
+        code = stripped if pending else stripped.split(" #", 1)[0].strip()
+        if code.endswith("\\"):  # continued on the next line
+            pending += code[:-1] + " "
+            continue
+        code, pending = pending + code, ""
+        if code.startswith("distsgd "):
+            yield start, shlex.split(code)[1:]
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in _doc_files() if "distsgd " in p.read_text(encoding="utf-8")], ids=str
+)
+def test_shell_commands_in_docs_parse(path: Path) -> None:
+    """Every ``distsgd`` command shown in a bash block is accepted by the CLI's parser, its
+    scheme options belong to its scheme, and its scheme lists name real schemes."""
+    from distsgd.cli.flags import scheme_options
+    from distsgd.cli.main import build_parser
+
+    parser = build_parser()
+    for line, argv in _shell_commands(path.read_text(encoding="utf-8")):
+        where = f"{path.relative_to(ROOT)}:{line}: distsgd {' '.join(argv)}"
+        try:
+            with (
+                contextlib.redirect_stdout(io.StringIO()),
+                contextlib.redirect_stderr(io.StringIO()),
+            ):
+                args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help-scheme prints and exits 0
+            if exc.code in (0, None):
+                continue
+            raise AssertionError(f"{where} does not parse") from exc
+        if getattr(args, "scheme", None) and args.command in ("run", "demo"):
+            scheme_options(args)  # ValueError: an option of another scheme
 
 
 def test_architecture_has_a_runnable_scheme_example() -> None:
