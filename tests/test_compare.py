@@ -1,5 +1,5 @@
 """``distsgd compare`` and ``--help-scheme``: real runs on loopback (slow), the reports' numbers
-from synthetic metrics, and bad input (one line, exit 2)."""
+from synthetic metrics, variants in --schemes, and bad input (one line, exit 2)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,17 @@ import pytest
 from conftest import SCRIPTS, alive, metrics, run_distsgd, task_pids, wait_for
 
 from distsgd import schemes
+from distsgd.cli import main as cli_main
 from distsgd.cli.main import main
-from distsgd.launcher.compare import CompareConfig, _calibrated, _Capture
+from distsgd.launcher import compare as compare_module
+from distsgd.launcher.compare import (
+    FOLDER_LIMIT,
+    CompareConfig,
+    _calibrated,
+    _Capture,
+    parse_entry,
+    split_schemes,
+)
 from distsgd.launcher.report import (
     Context,
     SchemeRun,
@@ -24,7 +33,9 @@ from distsgd.launcher.report import (
     seconds_to,
     training_origin,
     write_figure,
+    write_json,
 )
+from distsgd.runtime.config import TrainConfig
 
 BLOBS = str(SCRIPTS / "blobs.py")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -72,19 +83,22 @@ def test_compare_writes_figure_table_and_json_and_survives_a_failed_scheme(
     script.write_text(PICKY)
     out, done = _compare(
         tmp_path,
-        *("--schemes", "hogwild,dynsgd,allreduce", "--eval-every", "4"),
+        *("--schemes", "hogwild(lr=0.1),dynsgd,allreduce", "--eval-every", "4"),
         *(str(script), "--steps", "40"),
     )
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert any("1/3 hogwild: starting" in line for line in lines)
+    assert any("1/3 hogwild(lr=0.1): starting" in line for line in lines)
     assert any("2/3 dynsgd: FAILED" in line for line in lines)
     assert any("3/3 allreduce: done, test accuracy" in line for line in lines)
     assert lines[-1].endswith("compare.json")
 
     assert (out / "compare.png").read_bytes()[:8] == PNG_MAGIC
-    rows = _rows((out / "compare.md").read_text())
-    assert list(rows) == ["hogwild", "dynsgd", "allreduce"]
+    table = (out / "compare.md").read_text()
+    assert table.startswith("# distsgd compare: hogwild(lr=0.1), dynsgd, allreduce\n")
+    assert "--schemes 'hogwild(lr=0.1),dynsgd,allreduce'" in table  # the command as given
+    rows = _rows(table)
+    assert list(rows) == ["hogwild(lr=0.1)", "dynsgd", "allreduce"]
     failed = rows.pop("dynsgd")[0]
     assert failed.startswith("**failed: task worker")
     assert "boom: this script refuses dynsgd" in failed
@@ -95,12 +109,26 @@ def test_compare_writes_figure_table_and_json_and_survives_a_failed_scheme(
         assert float(cells[4]) > 0  # training seconds
         assert cells[5].endswith(" MB")
     assert rows["allreduce"][6].startswith("n/a")
-    float(rows["hogwild"][6])  # measured staleness
-    assert "distsgd compare --workers 2" in (out / "compare.md").read_text()
+    float(rows["hogwild(lr=0.1)"][6])  # measured staleness
+    assert "distsgd compare --workers 2" in table
+
+    # the variant's lr reached its run, and only its run
+    used = {
+        folder: json.loads((out / "runs" / folder / "result.json").read_text())["config"]
+        for folder in ("hogwild_lr=0.1", "allreduce")
+    }
+    assert used["hogwild_lr=0.1"]["lr"] == 0.1
+    assert used["allreduce"]["lr"] == 0.05  # blobs.py's own
 
     data = json.loads((out / "compare.json").read_text())
     assert data["workers"] == 2 and data["eval_every"] == 4 and data["machine"]["cores"] >= 1
     assert [e["status"] for e in data["schemes"]] == ["ok", "failed", "ok"]
+    assert [e["label"] for e in data["schemes"]] == ["hogwild(lr=0.1)", "dynsgd", "allreduce"]
+    assert [e["scheme"] for e in data["schemes"]] == ["hogwild", "dynsgd", "allreduce"]
+    assert data["schemes"][0]["overrides"] == {"lr": 0.1, "eval_every": 4}
+    assert data["schemes"][2]["overrides"] == {"eval_every": 4}
+    assert all(e["scheme_options"] == {} for e in data["schemes"])
+    assert data["schemes"][0]["run_dir"] == str(out / "runs" / "hogwild_lr=0.1")
     for entry in data["schemes"]:
         _no_process_left(Path(entry["run_dir"]))
         if entry["status"] != "ok":
@@ -150,6 +178,30 @@ def test_sigint_stops_the_current_run_and_skips_the_rest(spawn, tmp_path: Path) 
         (["--schemes", "allreduce,localsgd", "--ps", "1"], "drop --ps"),
         (["--schemes", "hogwild,allreduce", "--lr", "-1"], "lr must be positive"),
         (["--schemes", "hogwild", "--target", "2"], "--target must be an accuracy"),
+        # variants
+        (["--schemes", "hogwild,downpour(server_lr=1"], "'downpour(server_lr=1': a '(' without"),
+        (["--schemes", "downpour)x,hogwild"], "entry 'downpour)x': a ')' without its '('"),
+        (["--schemes", "downpour(window=2)x"], "one pair of parentheses, at the end"),
+        (["--schemes", "downpour(window=(2))"], "one pair of parentheses, at the end"),
+        (["--schemes", "downpour()"], "nothing inside the parentheses; give KEY=VALUE pairs"),
+        (["--schemes", "(lr=0.1)"], "no scheme name before '('"),
+        (["--schemes", "downpour(server_lr)"], "'server_lr' has no '='; write KEY=VALUE, e.g."),
+        (["--schemes", "downpour(=1)"], "'=1' has no key"),
+        (["--schemes", "downpour(lr=0.1,,window=2)"], "an empty setting"),
+        (["--schemes", "downpour(server_lr=)"], "server_lr has an empty value; give one, e.g."),
+        (["--schemes", "downpour(window=1.5)"], "window=1.5 is not an integer; give an integer"),
+        (["--schemes", "hogwild(lr=fast)"], "lr=fast is not a number; give a number, e.g. lr="),
+        (["--schemes", "hogwild(lr=0.1,lr=0.2)"], "lr is given twice; give it once"),
+        (["--schemes", "nope(lr=0.1)"], "'nope(lr=0.1)': unknown scheme 'nope'; choose one of"),
+        (["--schemes", "hogwild(eval_every=2)"], "drop it from the entry and give --eval-every"),
+        (["--schemes", "hogwild(lr=0.1),hogwild(lr=0.1)"], "lists hogwild(lr=0.1) twice"),
+        (
+            ["--schemes", "downpour(server_lr=1),downpour(server-lr=1.0)"],
+            "lists downpour(server_lr=1) and downpour(server-lr=1.0), the same settings",
+        ),
+        (["--schemes", "hogwild(lr=-1)"], "hogwild(lr=-1): lr must be positive"),
+        (["--schemes", "downpour(window=0)"], "downpour(window=0): window must be at least 1"),
+        (["--schemes", "hogwild(lr=0.2),allreduce", "--tau", "3"], "drop --tau or add easgd"),
     ],
 )
 def test_bad_compare_arguments(
@@ -169,6 +221,22 @@ def test_compare_refuses_a_non_empty_out_folder(
     assert main(["compare", "--schemes", "hogwild", "--out", str(tmp_path), BLOBS]) == 2
     err = capsys.readouterr().err.strip()
     assert "exists and is not empty" in err and "\n" not in err
+
+
+def test_unknown_key_of_a_variant_lists_the_schemes_options_and_allows_train_fields(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    train = ", ".join(f.name for f in dataclasses.fields(TrainConfig) if f.name != "eval_every")
+    for scheme in ("downpour", "hogwild"):
+        assert main(["compare", "--schemes", f"{scheme}(speed=2)", BLOBS]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith(f"distsgd: error: --schemes entry '{scheme}(")
+        own = ", ".join(f.name for f in dataclasses.fields(schemes.get(scheme).options))
+        if own:
+            assert f"{scheme} has no option 'speed'; use one of its options ({own})" in err
+        else:
+            assert f"{scheme} has no options of its own" in err
+        assert err.endswith(f"a TrainConfig field ({train})")
 
 
 def test_a_shared_option_applies_to_each_listed_scheme_that_has_it() -> None:
@@ -198,6 +266,157 @@ def _option_owners() -> dict[str, list[str]]:
 
 def _defaults(name: str):  # type: ignore[no-untyped-def]
     return schemes.get(name).options()
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+EXAMPLE = "downpour,downpour(server_lr=1),hogwild(lr=0.15),diloco(outer_lr=1,outer_momentum=0)"
+
+
+def test_split_respects_parentheses() -> None:
+    assert split_schemes(EXAMPLE) == (
+        "downpour",
+        "downpour(server_lr=1)",
+        "hogwild(lr=0.15)",
+        "diloco(outer_lr=1,outer_momentum=0)",
+    )
+    assert split_schemes(" hogwild , sync( lr = 0.1 , momentum=0.5 ) ") == (
+        "hogwild",
+        "sync( lr = 0.1 , momentum=0.5 )",
+    )
+    assert split_schemes("") == ()
+    assert split_schemes("hogwild,") == ("hogwild", "")  # -> "an empty name" later
+
+
+def test_a_variant_sorts_its_settings_into_scheme_options_and_training_fields() -> None:
+    entry = parse_entry("diloco(outer-lr=1,outer_momentum=0,batch-size=8,lr_schedule=cosine)")
+    assert entry.scheme == "diloco"
+    assert entry.label == "diloco(outer-lr=1,outer_momentum=0,batch-size=8,lr_schedule=cosine)"
+    assert entry.options == {"outer_lr": 1.0, "outer_momentum": 0.0}
+    assert entry.overrides == {"batch_size": 8, "lr_schedule": "cosine"}
+    assert [type(v) for v in (*entry.options.values(), *entry.overrides.values())] == [
+        float,
+        float,
+        int,
+        str,
+    ]
+    # a str value may hold commas: sync's per-worker rates
+    sync = parse_entry("sync(worker_lrs=0.1,0.2,backup_workers=0)")
+    assert sync.options == {"worker_lrs": "0.1,0.2", "backup_workers": 0}
+    plain = parse_entry(" hogwild ")
+    assert (plain.label, plain.scheme, plain.options, plain.overrides) == (
+        "hogwild",
+        "hogwild",
+        {},
+        {},
+    )
+
+
+def test_a_variants_value_beats_the_global_flag() -> None:
+    config = CompareConfig(
+        schemes=("sync", "hogwild(lr=0.15)", "downpour", "downpour(window=7,seed=3)", "agn"),
+        script=BLOBS,
+        overrides={"lr": 0.3, "seed": 1},
+        scheme_options={"window": 3},
+    )
+    launched = {e.label: config.launch_config(e, Path("r"), 5) for e in config.entries}
+    assert launched["sync"].overrides == {"lr": 0.3, "seed": 1, "eval_every": 5}
+    assert launched["hogwild(lr=0.15)"].overrides == {"lr": 0.15, "seed": 1, "eval_every": 5}
+    # a global scheme flag still reaches every listed scheme that has it, unless the entry sets it
+    assert launched["downpour"].scheme_options == {"window": 3}
+    assert launched["downpour(window=7,seed=3)"].scheme_options == {"window": 7}
+    assert launched["downpour(window=7,seed=3)"].overrides["seed"] == 3
+    assert launched["agn"].scheme_options == {"window": 3}
+    assert launched["sync"].scheme_options == {}
+
+
+def test_the_cli_passes_variants_and_global_flags_through(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: list[CompareConfig] = []
+    monkeypatch.setattr(compare_module, "compare", lambda config: seen.append(config) or 0)
+    argv = ["compare", "--lr", "0.3", "--schemes", "sync,hogwild(lr=0.15)", "--out", "o", BLOBS]
+    assert cli_main.main(argv) == 0
+    (config,) = seen
+    assert [e.label for e in config.entries] == ["sync", "hogwild(lr=0.15)"]
+    assert config.overrides_for("sync")["lr"] == 0.3
+    assert config.overrides_for("hogwild(lr=0.15)")["lr"] == 0.15
+    assert "--schemes 'sync,hogwild(lr=0.15)'" in config.command
+
+
+def test_labels_are_as_written_and_folders_safe_and_unique() -> None:
+    long = "diloco(inner_steps=50,inner_lr=0.005,weight_decay=0.1,outer_lr=0.7,outer_momentum=0.9"
+    texts = (
+        *split_schemes(EXAMPLE),
+        "hogwild( lr = 0.1 )",
+        "sync(worker_lrs=0.1,0.2)",
+        f"{long},fragments=1,lr=0.1)",
+        f"{long},fragments=1,lr=0.2)",
+    )
+    config = CompareConfig(schemes=texts, script=BLOBS)
+    assert [e.label for e in config.entries] == list(texts)
+    folders = [e.folder for e in config.entries]
+    assert folders[:6] == [
+        "downpour",
+        "downpour_server_lr=1",
+        "hogwild_lr=0.15",
+        "diloco_outer_lr=1_outer_momentum=0",
+        "hogwild_lr=0.1",
+        "sync_worker_lrs=0.1-0.2",
+    ]
+    # cut to FOLDER_LIMIT characters, the two long ones coincide: the second gets -2
+    assert len(folders[6]) == FOLDER_LIMIT and folders[7] == folders[6] + "-2"
+    assert len({f.casefold() for f in folders}) == len(folders)
+    assert all(re.fullmatch(r"[A-Za-z0-9._=+-]+", f) for f in folders)
+
+
+def test_reports_show_labels_and_each_runs_settings(tmp_path: Path) -> None:
+    runs = [
+        SchemeRun(scheme="downpour", status="ok", seed=0),
+        SchemeRun(
+            scheme="downpour",
+            label="downpour(server_lr=1,seed=1)",
+            status="failed",
+            reason="boom",
+            scheme_options={"server_lr": 1.0},
+            overrides={"seed": 1, "eval_every": 4},
+            seed=1,
+        ),
+    ]
+    context = Context(
+        command="distsgd compare --schemes 'downpour,downpour(server_lr=1,seed=1)'",
+        label="blobs.py",
+        workers=2,
+        ps=None,
+        seed=None,
+        target=None,
+        target_source="",
+        eval_every=4,
+        threads_per_worker=1,
+        machine={"cores": 2},
+    )
+    text = markdown(context, runs)
+    assert text.startswith("# distsgd compare: downpour, downpour(server_lr=1,seed=1)\n")
+    assert list(_rows(text)) == ["downpour", "downpour(server_lr=1,seed=1)"]
+    assert "seeds 0, 1" in text
+    assert f"- command: `{context.command}`" in text
+    write_json(tmp_path / "c.json", context, runs)
+    entries = json.loads((tmp_path / "c.json").read_text())["schemes"]
+    assert [(e["label"], e["scheme"]) for e in entries] == [
+        ("downpour", "downpour"),
+        ("downpour(server_lr=1,seed=1)", "downpour"),
+    ]
+    assert entries[1]["scheme_options"] == {"server_lr": 1.0}
+    assert entries[1]["overrides"] == {"seed": 1, "eval_every": 4}
+
+
+def test_compare_help_shows_the_variant_syntax(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    text = "".join(capsys.readouterr().out.split())
+    assert "--schemesA,B(KEY=VALUE,...),..." in text
+    assert "downpour(server_lr=1)" in text and "hogwild(lr=0.15)" in text
 
 
 # ----------------------------------------------------------------------------- --help-scheme

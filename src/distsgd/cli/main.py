@@ -114,14 +114,21 @@ def _add_compare_command(sub: Any) -> None:
         "(no SCRIPT: the bundled digits demo), then write compare.png (accuracy and loss "
         "against seconds and samples), compare.md (a table) and compare.json into --out. "
         "A scheme option applies to every listed scheme that has it; --ps applies to the "
-        "parameter-server schemes. Unless --eval-every or --steps is given, the first run "
+        "parameter-server schemes; a variant, an entry of --schemes with settings of its own, "
+        "overrides them for its run. Unless --eval-every or --steps is given, the first run "
         "calibrates how often the chief evaluates (about 20 points per curve).",
     )
     compare.add_argument(
         "--schemes",
         default="",
-        metavar="A,B,...",
-        help="comma-separated schemes to compare, in this order (see distsgd schemes)",
+        metavar="A,B(KEY=VALUE,...),...",
+        help="comma-separated schemes to compare, in this order (see distsgd schemes). An "
+        "entry may be a variant with its own settings in parentheses, e.g. "
+        "'downpour,downpour(server_lr=1),hogwild(lr=0.15)' (quote it for the shell): KEY is "
+        "one of the scheme's options or a training flag's name (lr, momentum, batch_size, "
+        "...; '-' or '_'), and its value beats the flag given for all runs. Each entry is "
+        "labelled as written and runs in OUT/runs/FOLDER: the name, or for a variant the "
+        "name and its settings joined by '_' (downpour_server_lr=1)",
     )
     compare.add_argument(
         "--out",
@@ -300,13 +307,12 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
 
 
 def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from distsgd.launcher.compare import CompareConfig, compare
+    from distsgd.launcher.compare import CompareConfig, compare, split_schemes
 
     steps, seconds = _checkpoint_every(args.checkpoint_every)
     script = args.script or str(DEMO_SCRIPT)
-    names = tuple(name.strip() for name in args.schemes.split(",")) if args.schemes else ()
     config = CompareConfig(
-        schemes=names,
+        schemes=split_schemes(args.schemes),
         script=script,
         script_args=tuple(args.script_args),
         label="digits CNN (bundled demo)" if args.script is None else Path(script).name,

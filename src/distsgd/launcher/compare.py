@@ -1,7 +1,14 @@
 """``distsgd compare``: several schemes, one after the other, on the same script, data and seed.
 
 Each scheme runs through :func:`distsgd.launcher.run.launch` (the launcher of ``distsgd run``)
-into ``OUT/runs/<scheme>/``, with its launcher output in ``OUT/runs/<scheme>/launcher.log``.
+into ``OUT/runs/<folder>/``, with its launcher output in ``OUT/runs/<folder>/launcher.log``.
+
+An entry of ``--schemes`` is a scheme's name, or a *variant*: the name with its own settings in
+parentheses, ``downpour(server_lr=1)`` or ``hogwild(lr=0.15)`` (see :func:`parse_entry`). Its
+label is the entry as written (legend, table rows, compare.json); its folder is the name of a
+plain entry (``hogwild``), and for a variant the name and its settings joined by ``_``
+(``downpour_server_lr=1``, characters other than letters, digits and ``. _ = + -`` turned into
+``-``), with ``-2``, ``-3`` ... appended should two folders still coincide.
 Then :mod:`distsgd.launcher.report` writes ``compare.png``, ``compare.md`` and
 ``compare.json`` into ``OUT``. A scheme whose run fails is reported as failed and the others
 still run; Ctrl-C stops the current run (the launcher stops its tasks) and the rest are skipped.
@@ -11,7 +18,7 @@ Curves need evaluations during the run, every ``eval_every`` local steps of the 
 evaluations: from ``--steps`` when given; otherwise the step count is known only once a run
 has finished, so the first run evaluates every :data:`PROVISIONAL_EVAL_EVERY` steps, and if that
 gave fewer than ``points / 2`` or more than ``2.5 * points`` evaluations, that run is repeated
-(the first try moves to ``OUT/pilot/<scheme>``) with the calibrated value, which every later
+(the first try moves to ``OUT/pilot/<folder>``) with the calibrated value, which every later
 scheme uses as well: all schemes of a comparison evaluate equally often.
 """
 
@@ -21,6 +28,7 @@ import dataclasses
 import logging
 import os
 import platform
+import re
 import shutil
 import time
 from collections import deque
@@ -43,6 +51,7 @@ from distsgd.launcher.report import (
     write_markdown,
 )
 from distsgd.launcher.run import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, launch
+from distsgd.runtime.config import TrainConfig
 from distsgd.transport.security import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -53,11 +62,239 @@ PROVISIONAL_EVAL_EVERY = 16
 FIGURE, TABLE, DATA = "compare.png", "compare.md", "compare.json"
 
 
+FORM = "NAME or NAME(KEY=VALUE,...), e.g. downpour(server_lr=1)"
+"""How an entry of ``--schemes`` is written (for error messages)."""
+
+PER_COMPARISON = {"eval_every": "--eval-every N"}
+"""TrainConfig fields a variant may not set: every run of a comparison shares them."""
+
+_KINDS: dict[str, type] = {"int": int, "float": float, "str": str}
+_BARE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]+")
+FOLDER_LIMIT = 100
+"""Longest run folder name made from a variant (a longer one is cut, then made unique)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchemeEntry:
+    """One entry of ``--schemes``: a scheme, with the settings of a variant if it has some."""
+
+    label: str
+    """The entry as written (legend, table row, compare.json)."""
+    scheme: str
+    options: dict[str, Any] = field(default_factory=dict)
+    """The variant's scheme options (over the global scheme flags)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """The variant's TrainConfig fields (over the global training flags)."""
+    settings: tuple[tuple[str, str], ...] = ()
+    """(field name, value as written) of each setting, in order; names the run folder."""
+    folder: str = ""
+    """Its run folder under ``OUT/runs`` (unique within the comparison)."""
+
+    @property
+    def is_variant(self) -> bool:
+        return bool(self.settings)
+
+
+def split_schemes(text: str) -> tuple[str, ...]:
+    """``--schemes`` cut at the commas outside parentheses, each entry stripped ('' -> ())."""
+    if not text.strip():
+        return ()
+    entries: list[str] = []
+    depth, start = 0, 0
+    for i, char in enumerate(text):
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+            if depth < 0:
+                raise _malformed(text[start:].split(",")[0].strip(), "a ')' without its '('")
+        elif char == "," and depth == 0:
+            entries.append(text[start:i].strip())
+            start = i + 1
+    entries.append(text[start:].strip())
+    if depth > 0:
+        raise _malformed(entries[-1], "a '(' without its ')'")
+    return tuple(entries)
+
+
+def _malformed(text: str, cause: str, fix: str = f"write {FORM}") -> ValueError:
+    return ValueError(f"--schemes entry '{text}': {cause}; {fix}")
+
+
+def _field(scheme: str, key: str) -> tuple[dataclasses.Field[Any], bool] | None:
+    """The options field (True) or TrainConfig field (False) that ``key`` names."""
+    name = key.replace("-", "_")
+    for f in dataclasses.fields(schemes.get(scheme).options):
+        if f.name == name:
+            return f, True
+    for f in dataclasses.fields(TrainConfig):
+        if f.name == name:
+            return f, False
+    return None
+
+
+def _kind(f: dataclasses.Field[Any]) -> type:
+    return _KINDS.get(str(f.type), str)
+
+
+def _example(f: dataclasses.Field[Any]) -> str:
+    default = f.default if f.default is not dataclasses.MISSING else "..."
+    return f"{f.name}={default if default != '' else '...'}"
+
+
+def parse_entry(text: str) -> SchemeEntry:
+    """One entry of ``--schemes``: ``NAME`` or ``NAME(KEY=VALUE,...)``.
+
+    Keys are the scheme's options or TrainConfig fields (``-`` for ``_`` allowed), values are
+    converted by the field's type; a ``str`` value may hold commas (``sync(worker_lrs=0.1,0.2)``:
+    a piece without ``=`` that is not a bare name continues it). Malformed text, an unknown
+    scheme or key, or a value of the wrong type -> ValueError (one line: cause and fix). The
+    values themselves are checked later, with the global flags, by the run's LaunchConfig.
+    """
+    label = text.strip()
+    if not label:
+        raise ValueError("an empty name in --schemes; give names separated by commas")
+    if "(" not in label and ")" not in label:
+        schemes.get(label)  # unknown -> ValueError listing the catalogue
+        return SchemeEntry(label=label, scheme=label)
+    if label.count("(") != label.count(")"):
+        raise _malformed(label, "unbalanced parentheses")
+    match = re.fullmatch(r"([^()]*)\(([^()]*)\)", label, re.DOTALL)
+    if match is None:
+        raise _malformed(label, "one pair of parentheses, at the end, is allowed")
+    name, inner = match.group(1).strip(), match.group(2).strip()
+    if not name:
+        raise _malformed(label, "no scheme name before '('")
+    try:
+        schemes.get(name)
+    except ValueError as exc:
+        raise ValueError(f"--schemes entry '{label}': {exc}") from None
+    if not inner:
+        raise _malformed(
+            label, "nothing inside the parentheses", f"give KEY=VALUE pairs or write just {name}"
+        )
+    found: list[tuple[dataclasses.Field[Any], bool, str]] = []
+    for piece in (p.strip() for p in inner.split(",")):
+        if "=" not in piece:
+            if found and piece and _kind(found[-1][0]) is str and not _BARE_NAME.fullmatch(piece):
+                f, is_option, value = found[-1]
+                found[-1] = (f, is_option, f"{value},{piece}")
+                continue
+            if not piece:
+                raise _malformed(
+                    label,
+                    "an empty setting (two commas in a row, or one before ')')",
+                    "separate KEY=VALUE pairs with single commas",
+                )
+            named = _field(name, piece)
+            example = _example(named[0]) if named else f"{piece}=VALUE"
+            raise _malformed(label, f"'{piece}' has no '='", f"write KEY=VALUE, e.g. {example}")
+        key, _, value = (part.strip() for part in piece.partition("="))
+        if not key:
+            raise _malformed(label, f"'{piece}' has no key", "write KEY=VALUE pairs")
+        known = _field(name, key)
+        if known is None:
+            own = ", ".join(f.name for f in dataclasses.fields(schemes.get(name).options))
+            train = ", ".join(
+                f.name for f in dataclasses.fields(TrainConfig) if f.name not in PER_COMPARISON
+            )
+            if own:
+                cause = f"{name} has no option '{key}'"
+                fix = f"use one of its options ({own}) or a TrainConfig field ({train})"
+            else:
+                cause = f"'{key}' is no TrainConfig field, and {name} has no options of its own"
+                fix = f"use a TrainConfig field ({train})"
+            raise _malformed(label, cause, fix)
+        f, is_option = known
+        if f.name in PER_COMPARISON:
+            raise _malformed(
+                label,
+                f"{f.name} is one setting for the whole comparison (all runs evaluate "
+                "equally often)",
+                f"drop it from the entry and give {PER_COMPARISON[f.name]}",
+            )
+        if any(g.name == f.name for g, _, _ in found):
+            raise _malformed(label, f"{f.name} is given twice", "give it once")
+        if not value:
+            raise _malformed(label, f"{f.name} has an empty value", f"give one, e.g. {_example(f)}")
+        found.append((f, is_option, value))
+    options: dict[str, Any] = {}
+    overrides: dict[str, Any] = {}
+    for f, is_option, value in found:
+        kind = _kind(f)
+        try:
+            converted = kind(value)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise _malformed(
+                label, f"{f.name}={value} is not {what}", f"give {what}, e.g. {_example(f)}"
+            ) from None
+        (options if is_option else overrides)[f.name] = converted
+    return SchemeEntry(
+        label=label,
+        scheme=name,
+        options=options,
+        overrides=overrides,
+        settings=tuple((f.name, value) for f, _, value in found),
+    )
+
+
+def _folder(entry: SchemeEntry) -> str:
+    if not entry.is_variant:
+        return entry.scheme
+    text = "_".join([entry.scheme, *(f"{key}={value}" for key, value in entry.settings)])
+    return _UNSAFE.sub("-", text)[:FOLDER_LIMIT]
+
+
+def _with_folders(entries: list[SchemeEntry]) -> tuple[SchemeEntry, ...]:
+    """Each entry with a run folder of its own (compared case-insensitively: some file
+    systems are)."""
+    taken: set[str] = set()
+    out = []
+    for entry in entries:
+        base = _folder(entry)
+        folder, n = base, 1
+        while folder.casefold() in taken:
+            n += 1
+            folder = f"{base}-{n}"
+        taken.add(folder.casefold())
+        out.append(dataclasses.replace(entry, folder=folder))
+    return tuple(out)
+
+
+def _check_duplicates(entries: list[SchemeEntry]) -> None:
+    seen: dict[str, SchemeEntry] = {}
+    for entry in entries:
+        if entry.label in seen:
+            raise ValueError(
+                f"--schemes lists {entry.label} twice; give each entry once "
+                "(runs with the same settings differ only by noise)"
+            )
+        seen[entry.label] = entry
+    same: dict[tuple[str, str, str], SchemeEntry] = {}
+    for entry in entries:
+        key = (
+            entry.scheme,
+            repr(sorted(entry.options.items())),
+            repr(sorted(entry.overrides.items())),
+        )
+        if key in same:
+            raise ValueError(
+                f"--schemes lists {same[key].label} and {entry.label}, the same settings; give "
+                f"them once (to see the noise between runs, vary the seed: "
+                f"{entry.scheme}(seed=1))"
+            )
+        same[key] = entry
+
+
 @dataclass(frozen=True, kw_only=True)
 class CompareConfig:
     """A comparison of schemes on this machine; every run gets the same script and options."""
 
-    schemes: tuple[str, ...] = field(metadata={"help": "the schemes, run in this order"})
+    schemes: tuple[str, ...] = field(
+        metadata={"help": "the entries of --schemes (NAME or NAME(KEY=VALUE,...)), in order"}
+    )
     script: str = field(metadata={"help": "the training script (calls distsgd.train)"})
     script_args: tuple[str, ...] = field(default=(), metadata={"help": "arguments for the script"})
     label: str = field(
@@ -95,22 +332,17 @@ class CompareConfig:
     faults: tuple[str, ...] = field(default=(), metadata={"help": "--inject-fault specs"})
     tls: TlsConfig | None = field(default=None, metadata={"help": "mutual TLS for every task"})
     command: str = field(default="", metadata={"help": "the command line, for the report"})
+    entries: tuple[SchemeEntry, ...] = field(init=False, repr=False, compare=False)
+    """``schemes`` parsed, each with its run folder."""
 
     def __post_init__(self) -> None:
         if not self.schemes:
             raise ValueError("no schemes to compare; give --schemes A,B (see distsgd schemes)")
-        for name in self.schemes:
-            if not name:
-                raise ValueError("an empty name in --schemes; give names separated by commas")
-            schemes.get(name)  # unknown -> ValueError listing the catalogue
-        duplicates = sorted({n for n in self.schemes if self.schemes.count(n) > 1})
-        if duplicates:
-            raise ValueError(
-                f"--schemes lists {duplicates[0]} twice; give each scheme once "
-                "(runs of one scheme differ only by noise)"
-            )
+        entries = [parse_entry(text) for text in self.schemes]
+        _check_duplicates(entries)
+        object.__setattr__(self, "entries", _with_folders(entries))
         self._check_scheme_options()
-        if self.ps and not any(_uses_ps(n) for n in self.schemes):
+        if self.ps and not any(_uses_ps(e.scheme) for e in self.entries):
             raise ValueError(
                 f"--ps {self.ps}: none of {', '.join(self.schemes)} uses parameter servers; "
                 "drop --ps"
@@ -123,15 +355,15 @@ class CompareConfig:
             raise ValueError(
                 f"--out {self.out} exists and is not empty; give a new or empty folder"
             )
-        for name in self.schemes:
+        for entry in self.entries:
             try:
-                self.launch_config(name, Path("."), self.planned_eval_every() or 1)
+                self.launch_config(entry, Path("."), self.planned_eval_every() or 1)
             except ValueError as exc:
-                raise ValueError(f"{name}: {exc}") from None
+                raise ValueError(f"{entry.label}: {exc}") from None
 
     def _check_scheme_options(self) -> None:
         for option in self.scheme_options:
-            if not any(option in _option_names(n) for n in self.schemes):
+            if not any(option in _option_names(e.scheme) for e in self.entries):
                 flag = "--" + option.replace("_", "-")
                 owners = [n for n in schemes.names() if option in _option_names(n)]
                 raise ValueError(
@@ -140,10 +372,24 @@ class CompareConfig:
                     f"{owners[0] if owners else 'its scheme'} to --schemes"
                 )
 
-    def options_for(self, name: str) -> dict[str, Any]:
-        """The scheme options given that ``name`` has."""
-        own = _option_names(name)
-        return {k: v for k, v in self.scheme_options.items() if k in own}
+    def entry(self, label: str) -> SchemeEntry:
+        """The entry of ``--schemes`` written ``label``."""
+        for entry in self.entries:
+            if entry.label == label:
+                return entry
+        raise KeyError(label)
+
+    def options_for(self, entry: SchemeEntry | str) -> dict[str, Any]:
+        """The scheme options of an entry (or label): the global ones its scheme has, then its
+        own (a variant's value wins)."""
+        entry = self.entry(entry) if isinstance(entry, str) else entry
+        own = _option_names(entry.scheme)
+        return {**{k: v for k, v in self.scheme_options.items() if k in own}, **entry.options}
+
+    def overrides_for(self, entry: SchemeEntry | str) -> dict[str, Any]:
+        """The TrainConfig overrides of an entry (or label): the global ones, then its own."""
+        entry = self.entry(entry) if isinstance(entry, str) else entry
+        return {**self.overrides, **entry.overrides}
 
     def planned_eval_every(self) -> int | None:
         """``eval_every`` when it is known before any run: given, or ``steps / points``."""
@@ -152,16 +398,16 @@ class CompareConfig:
         steps = int(self.overrides.get("steps", 0))
         return max(1, round(steps / self.points)) if steps else None
 
-    def launch_config(self, name: str, run_dir: Path, eval_every: int) -> LaunchConfig:
-        """The run of scheme ``name`` (validated by :class:`LaunchConfig`)."""
+    def launch_config(self, entry: SchemeEntry, run_dir: Path, eval_every: int) -> LaunchConfig:
+        """The run of an entry (validated by :class:`LaunchConfig`)."""
         return LaunchConfig(
             script=self.script,
             script_args=self.script_args,
             workers=self.workers,
-            ps=self.ps if _uses_ps(name) else None,
-            scheme=name,
-            scheme_options=self.options_for(name),
-            overrides={**self.overrides, "eval_every": eval_every},
+            ps=self.ps if _uses_ps(entry.scheme) else None,
+            scheme=entry.scheme,
+            scheme_options=self.options_for(entry),
+            overrides={**self.overrides_for(entry), "eval_every": eval_every},
             run_dir=run_dir,
             threads=self.threads,
             checkpoint_every=self.checkpoint_every,
@@ -284,13 +530,22 @@ class Comparison:
             f"{how}; output in {self.out}"
         )
         interrupted = False
-        for index, name in enumerate(c.schemes):
+        for index, entry in enumerate(c.entries):
             if interrupted:
-                self.runs.append(SchemeRun(scheme=name, status="not run", reason="interrupted"))
+                self.runs.append(
+                    SchemeRun(
+                        scheme=entry.scheme,
+                        label=entry.label,
+                        status="not run",
+                        reason="interrupted",
+                        scheme_options=c.options_for(entry),
+                        overrides=c.overrides_for(entry),
+                    )
+                )
                 continue
-            run = self._run_scheme(index, name)
+            run = self._run_scheme(index, entry)
             if run.status == "ok" and not self.calibrated:
-                run = self._calibrate(index, run)
+                run = self._calibrate(index, entry, run)
             self.runs.append(run)
             interrupted = run.status == "interrupted"
         self._write_reports()
@@ -298,28 +553,28 @@ class Comparison:
             return EXIT_INTERRUPTED
         return EXIT_OK if all(r.status == "ok" for r in self.runs) else EXIT_FAILED
 
-    def _calibrate(self, index: int, run: SchemeRun) -> SchemeRun:
+    def _calibrate(self, index: int, entry: SchemeEntry, run: SchemeRun) -> SchemeRun:
         self.calibrated = True
         steps = run.local_steps or 0
         better = _calibrated(steps, self.eval_every, self.config.points)
         if better is None:
             return run
         self._say(
-            f"{run.scheme} ran {steps} local steps per worker: evaluating every "
+            f"{entry.label} ran {steps} local steps per worker: evaluating every "
             f"{self.eval_every} gave {steps // self.eval_every} points; running "
-            f"{run.scheme} again evaluating every {better} (use --eval-every to skip this)"
+            f"{entry.label} again evaluating every {better} (use --eval-every to skip this)"
         )
-        pilot = self.out / "pilot" / run.scheme
+        pilot = self.out / "pilot" / entry.folder
         pilot.parent.mkdir(exist_ok=True)
         shutil.move(run.run_dir, pilot)
         self.eval_every = better
-        return self._run_scheme(index, run.scheme)
+        return self._run_scheme(index, entry)
 
-    def _run_scheme(self, index: int, name: str) -> SchemeRun:
+    def _run_scheme(self, index: int, entry: SchemeEntry) -> SchemeRun:
         c = self.config
-        run_dir = self.out / "runs" / name
-        launch_config = c.launch_config(name, run_dir, self.eval_every)
-        where = f"{index + 1}/{len(c.schemes)} {name}"
+        run_dir = self.out / "runs" / entry.folder
+        launch_config = c.launch_config(entry, run_dir, self.eval_every)
+        where = f"{index + 1}/{len(c.entries)} {entry.label}"
         self._say(
             f"{where}: starting ({c.workers} workers, {launch_config.num_ps} ps) in {run_dir}"
         )
@@ -329,7 +584,7 @@ class Comparison:
         try:
             code = launch(launch_config, Console(cast(TextIO, capture)))
         except Exception as exc:  # a scheme that cannot run must not stop the others
-            log.debug("%s: launch raised", name, exc_info=True)
+            log.debug("%s: launch raised", entry.label, exc_info=True)
             capture.write(f"distsgd: error: {exc}\n")
             code = EXIT_FAILED
         finally:
@@ -339,8 +594,11 @@ class Comparison:
         reason = capture.reason() if status == "failed" else ""
         capture.close()
         run = summarize(
-            name,
+            entry.scheme,
             run_dir,
+            label=entry.label,
+            scheme_options=launch_config.scheme_options,
+            overrides=launch_config.overrides,
             status=status,
             reason=reason,
             parameter_servers=launch_config.num_ps,
@@ -355,14 +613,16 @@ class Comparison:
         measured = any(r.curves.has_accuracy or r.final_accuracy is not None for r in self.runs)
         target = c.target if c.target is not None and measured else default_target(self.runs)
         self.runs = [with_target(r, target) for r in self.runs]
-        seeds = [r.seed for r in self.runs if r.seed is not None]
-        first = c.launch_config(c.schemes[0], self.out, self.eval_every)
+        seeds = sorted({r.seed for r in self.runs if r.seed is not None})
+        varied = any("seed" in e.overrides for e in c.entries)
+        seed = None if varied else c.overrides.get("seed", seeds[0] if seeds else None)
+        first = c.launch_config(c.entries[0], self.out, self.eval_every)
         context = Context(
             command=c.command,
             label=c.label or Path(c.script).name,
             workers=c.workers,
             ps=c.ps,
-            seed=c.overrides.get("seed", seeds[0] if seeds else None),
+            seed=seed,
             target=target,
             target_source="--target"
             if c.target is not None

@@ -58,11 +58,18 @@ class Curves:
 
 @dataclass(frozen=True, kw_only=True)
 class SchemeRun:
-    """One scheme's run as the reports show it. ``status`` is ok, failed, interrupted or not run;
+    """One entry's run as the reports show it. ``status`` is ok, failed, interrupted or not run;
     numbers are None when the run did not produce them."""
 
     scheme: str
+    """The scheme's name."""
     status: str
+    label: str = ""
+    """The entry of ``--schemes`` as written, e.g. ``downpour(server_lr=1)`` ('' = scheme)."""
+    scheme_options: dict[str, Any] = field(default_factory=dict)
+    """The scheme options of the run (global flags and the entry's own)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """The TrainConfig overrides of the run (global flags and the entry's own)."""
     reason: str = ""
     run_dir: str = ""
     parameter_servers: int = 0
@@ -80,6 +87,10 @@ class SchemeRun:
     seed: int | None = None
     curves: Curves = field(default_factory=Curves)
 
+    def __post_init__(self) -> None:
+        if not self.label:
+            object.__setattr__(self, "label", self.scheme)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Context:
@@ -90,6 +101,7 @@ class Context:
     workers: int
     ps: int | None
     seed: int | None
+    """The seed of every run (None: unknown, or entries set their own)."""
     target: float | None
     target_source: str
     eval_every: int
@@ -289,6 +301,9 @@ def summarize(
     scheme: str,
     run_dir: Path,
     *,
+    label: str = "",
+    scheme_options: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
     status: str,
     reason: str = "",
     parameter_servers: int,
@@ -311,6 +326,9 @@ def summarize(
     config = result.get("config", {})
     return SchemeRun(
         scheme=scheme,
+        label=label,
+        scheme_options=dict(scheme_options or {}),
+        overrides=dict(overrides or {}),
         status=status,
         reason=reason,
         run_dir=str(run_dir),
@@ -378,7 +396,7 @@ def _cell(text: str) -> str:
 def _row(run: SchemeRun, target: float | None) -> str:
     if run.status != "ok":
         why = f"{run.status}: {run.reason}" if run.reason else run.status
-        cells = [f"`{run.scheme}`", f"**{why}**", *["" for _ in range(7)]]
+        cells = [f"`{run.label}`", f"**{why}**", *["" for _ in range(7)]]
         return "| " + " | ".join(_cell(c) for c in cells) + " |"
     if target is None:
         reach = "n/a (no accuracy)"
@@ -387,7 +405,7 @@ def _row(run: SchemeRun, target: float | None) -> str:
     else:
         reach = f"{run.seconds_to_target:.1f}"
     cells = [
-        f"`{run.scheme}`",
+        f"`{run.label}`",
         "ok",
         _number(run.final_accuracy),
         _number(run.final_test_loss),
@@ -407,8 +425,17 @@ def _ps_text(context: Context, runs: Sequence[SchemeRun]) -> str:
     return f"{', '.join(map(str, counts))} ps (parameter-server schemes only)"
 
 
+def _seed_text(context: Context, runs: Sequence[SchemeRun]) -> str:
+    if context.seed is not None:
+        return f"seed {context.seed}"
+    seeds = sorted({r.seed for r in runs if r.seed is not None})
+    if len(seeds) > 1:
+        return f"seeds {', '.join(map(str, seeds))} (entries set their own)"
+    return f"seed {seeds[0]}" if seeds else "seed n/a"
+
+
 def markdown(context: Context, runs: Sequence[SchemeRun]) -> str:
-    """``compare.md``: one row per scheme, then how the numbers were made."""
+    """``compare.md``: one row per entry of ``--schemes``, then how the numbers were made."""
     target = context.target
     target_head = "s to target" if target is None else f"s to {target:.2f}"
     head = [
@@ -424,10 +451,10 @@ def markdown(context: Context, runs: Sequence[SchemeRun]) -> str:
     ]
     machine = context.machine
     lines = [
-        f"# distsgd compare: {', '.join(r.scheme for r in runs)}",
+        f"# distsgd compare: {', '.join(r.label for r in runs)}",
         "",
         f"{context.label}; {context.workers} workers, {_ps_text(context, runs)}; "
-        f"seed {'n/a' if context.seed is None else context.seed}.",
+        f"{_seed_text(context, runs)}.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + " --- |" * len(head),
@@ -460,7 +487,8 @@ def write_markdown(path: Path, context: Context, runs: Sequence[SchemeRun]) -> N
 
 
 def write_json(path: Path, context: Context, runs: Sequence[SchemeRun]) -> None:
-    """``compare.json``: the context and, per scheme, the table's numbers and its curves."""
+    """``compare.json``: the context and, per entry, its label, scheme, scheme options and
+    training overrides, the table's numbers and its curves."""
     data = {"version": 1, **asdict(context), "schemes": [asdict(r) for r in runs]}
     write_atomic(path, json.dumps(data, indent=1) + "\n")
 
@@ -477,7 +505,7 @@ def write_figure(path: Path, context: Context, runs: Sequence[SchemeRun]) -> Non
     top = "test accuracy" if with_accuracy else "test loss (the script reports no accuracy)"
     for run in runs:
         c = run.curves
-        label = run.scheme if run.status == "ok" else f"{run.scheme} ({run.status})"
+        label = run.label if run.status == "ok" else f"{run.label} ({run.status})"
         if with_accuracy:
             pairs = [
                 (x, a) for x, a in zip(c.eval_seconds, c.accuracy, strict=True) if a is not None
