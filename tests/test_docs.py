@@ -137,6 +137,7 @@ def test_shell_commands_in_docs_parse(path: Path) -> None:
     scheme options belong to its scheme, and its scheme lists name real schemes."""
     from distsgd.cli.flags import scheme_options
     from distsgd.cli.main import build_parser
+    from distsgd.launcher.compare import parse_entry, split_schemes
 
     parser = build_parser()
     for line, argv in _shell_commands(path.read_text(encoding="utf-8")):
@@ -153,6 +154,9 @@ def test_shell_commands_in_docs_parse(path: Path) -> None:
             raise AssertionError(f"{where} does not parse") from exc
         if getattr(args, "scheme", None) and args.command in ("run", "demo"):
             scheme_options(args)  # ValueError: an option of another scheme
+        if args.command == "compare":
+            for entry in split_schemes(args.schemes):
+                parse_entry(entry)  # ValueError: an unknown scheme, option or value
 
 
 def test_architecture_has_a_runnable_scheme_example() -> None:
