@@ -369,3 +369,33 @@ def test_layering_checker_reports_upward_imports(tmp_path: Path) -> None:
     assert "package 'extras' is not in the layer order" in text
     assert len(problems) == 5, text
     assert checked == 10
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors of a markdown file's headings."""
+    out = set()
+    for heading in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+def test_relative_links_in_docs_resolve() -> None:
+    """Every relative link (and #anchor) in README.md and docs/ points at something that exists."""
+    broken = []
+    for path in _doc_files():
+        text = path.read_text(encoding="utf-8")
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(#[^)\s]*)?\)", prose):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            resolved = (path.parent / target) if target else path
+            if not resolved.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+            elif (
+                anchor
+                and resolved.suffix == ".md"
+                and anchor[1:] not in _anchors(resolved.read_text(encoding="utf-8"))
+            ):
+                broken.append(f"{path.relative_to(ROOT)}: {target}{anchor}")
+    assert not broken, "broken links:\n" + "\n".join(broken)
