@@ -24,9 +24,10 @@ SGD with AdamW).
 Defaults follow the paper (outer Nesterov lr 0.7, momentum 0.9; AdamW weight decay 0.1) except
 two that depend on the model and the run's length: H (the paper: 500, on runs of tens of
 thousands of steps; here 50, for runs of hundreds of steps) and the inner rate (the paper:
-4e-4 for transformers; here 5e-3, what the small demo CNN needs). The inner rate is ``inner_lr``, not ``--lr``:
-AdamW wants far smaller rates than the SGD schemes; the run's learning-rate schedule scales it.
-The final step synchronizes every fragment, so all replicas end equal to theta.
+4e-4 for transformers; here 5e-3, what the small demo CNN needs). The inner rate is
+``inner_lr``, not ``--lr``: AdamW wants far smaller rates than the SGD schemes; the run's
+learning-rate schedule scales it. The final step synchronizes every fragment, so all replicas
+end equal to theta.
 """
 
 from __future__ import annotations
