@@ -125,3 +125,20 @@ def test_warmup_rises_linearly_then_the_schedule_runs_over_the_rest() -> None:
         1.0,
     ]
     assert lr_factor("cosine", 0, total) == 1.0  # no warmup: as before
+
+
+def test_ps_addresses_are_read_from_the_servers_files(tmp_path: Path) -> None:
+    """Workers start while the servers do: a ps address with port 0 comes from its file."""
+    files = [tmp_path / "ps0.address", tmp_path / "ps1.address"]
+    env = TaskEnv(
+        cluster={"ps": ["127.0.0.1:0", "127.0.0.1:5000"], "worker": ["127.0.0.1:0"]},
+        task_index=0,
+        scheme="sync",
+        ps_address_files=[str(f) for f in files],
+    )
+    with pytest.raises(TimeoutError, match="ps0 did not report its address"):
+        env.with_ps_addresses(0.05)
+    threading.Timer(0.1, lambda: files[0].write_text("127.0.0.1:4321\n")).start()
+    resolved = env.with_ps_addresses(5.0)
+    assert resolved.cluster["ps"] == ["127.0.0.1:4321", "127.0.0.1:5000"]  # a known one stays
+    assert TaskEnv.from_json(resolved.to_json()) == resolved

@@ -181,6 +181,21 @@ class LocalRun:
         write_atomic(self.run_dir / CONFIG_FILE, json.dumps(data, indent=2) + "\n")
 
     def start_ps(self, index: int, *, address: str, restore: Path | None) -> Task:
+        """Start ps ``index`` and wait until it reports the address it bound."""
+        task = self.spawn_ps(index, address=address, restore=restore)
+        self.await_ps(index, task)
+        return task
+
+    def await_ps(self, index: int, task: Task) -> None:
+        bound = _wait_for_address(task, self.ps_address_file(index), 60.0)
+        self.spec = self.spec.with_address(self.spec.task("ps", index), bound)
+
+    def ps_address_file(self, index: int) -> Path:
+        return self.run_dir / f"ps{index}.address"
+
+    def spawn_ps(self, index: int, *, address: str, restore: Path | None) -> Task:
+        """Start ps ``index`` on ``address`` (port 0: any); it writes its real address to
+        :meth:`ps_address_file` once it listens."""
         init = self.run_dir / "cluster-init.json"
         write_atomic(
             init,
@@ -191,8 +206,9 @@ class LocalRun:
             )
             + "\n",
         )
-        addr_file = self.run_dir / f"ps{index}.address"
+        addr_file = self.ps_address_file(index)
         addr_file.unlink(missing_ok=True)
+        self.spec = self.spec.with_address(self.spec.task("ps", index), address)
         argv = [
             sys.executable,
             "-m",
@@ -223,10 +239,7 @@ class LocalRun:
                 "--tls-ca",
                 str(tls.ca),
             ]
-        task = self.supervisor.start(f"ps{index}", argv, self.ps_env)
-        bound = _wait_for_address(task, addr_file, 60.0)
-        self.spec = self.spec.with_address(self.spec.task("ps", index), bound)
-        return task
+        return self.supervisor.start(f"ps{index}", argv, self.ps_env)
 
     def start_worker(self, index: int, *, resume: Path | None) -> Task:
         c = self.config
@@ -244,6 +257,7 @@ class LocalRun:
             checkpoint_seconds=c.checkpoint_seconds,
             resume="" if resume is None else str(resume),
             tls=[] if c.tls is None else [str(c.tls.cert), str(c.tls.key), str(c.tls.ca)],
+            ps_address_files=[str(self.ps_address_file(i)) for i in range(self.num_ps)],
             faults=[
                 f
                 for f in c.faults
@@ -271,21 +285,25 @@ class LocalRun:
             self.rendezvous = f"{self.config.host}:{self.store.port}"
 
     def start_cluster(self, checkpoint: Checkpoint | None, *, fresh_ports: bool) -> None:
+        """Start every task. The workers start while the servers do (both take seconds to
+        import); a worker reads each server's real address from its address file."""
+        servers = []
         for i in range(self.num_ps):
             address = (
                 f"{self.config.host}:0"
                 if fresh_ports
                 else self.spec.address(self.spec.task("ps", i))
             )
-            self.start_ps(
-                i, address=address, restore=None if checkpoint is None else checkpoint.shard_file(i)
-            )
+            restore = None if checkpoint is None else checkpoint.shard_file(i)
+            servers.append(self.spawn_ps(i, address=address, restore=restore))
         self._new_rendezvous()
+        for i in range(self.config.workers):
+            self.start_worker(i, resume=None if checkpoint is None else checkpoint.worker_file(i))
+        for i, task in enumerate(servers):
+            self.await_ps(i, task)
         write_atomic(
             self.run_dir / "cluster.json", json.dumps(self.spec.to_dict(), indent=2) + "\n"
         )
-        for i in range(self.config.workers):
-            self.start_worker(i, resume=None if checkpoint is None else checkpoint.worker_file(i))
         _write_tasks(self.run_dir, self.supervisor)
 
     def latest(self) -> Checkpoint | None:

@@ -84,6 +84,7 @@ def run_worker(
     scheme: WorkerScheme,
 ) -> TrainResult:
     """Train this worker's part of the run under ``scheme``; see the module docstring."""
+    env = env.with_ps_addresses(env.wait_timeout)
     spec = env.spec
     rank, world = env.task_index, spec.num_workers
     chief = rank == 0

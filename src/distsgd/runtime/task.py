@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from distsgd.cluster import ClusterSpec, TaskId
@@ -59,6 +61,13 @@ class TaskEnv:
         default_factory=list,
         metadata={"help": "[cert, key, ca] paths for mutual TLS ([] = plaintext)"},
     )
+    ps_address_files: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "per ps task, the file its server writes the address it bound to; a ps "
+            "address with port 0 is read from it (workers start while the servers do)"
+        },
+    )
 
     def __post_init__(self) -> None:
         spec = self.spec
@@ -73,6 +82,28 @@ class TaskEnv:
     @property
     def task(self) -> TaskId:
         return TaskId(job="worker", index=self.task_index)
+
+    def with_ps_addresses(self, timeout: float, poll: float = 0.02) -> TaskEnv:
+        """A copy whose ps addresses with port 0 are read from ``ps_address_files``, waiting up
+        to ``timeout`` seconds for the servers to write them; TimeoutError names the server."""
+        ps = list(self.cluster.get("ps", []))
+        pending = [
+            i for i, a in enumerate(ps) if a.endswith(":0") and i < len(self.ps_address_files)
+        ]
+        if not pending:
+            return self
+        deadline = time.monotonic() + timeout
+        for i in pending:
+            path = Path(self.ps_address_files[i])
+            while not path.is_file() or not path.read_text().strip():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"ps{i} did not report its address in {path} within {timeout:.0f}s; "
+                        "see its log"
+                    )
+                time.sleep(poll)
+            ps[i] = path.read_text().strip()
+        return dataclasses.replace(self, cluster={**self.cluster, "ps": ps})
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
