@@ -1,10 +1,11 @@
 """``distsgd run``: a whole cluster on this machine, supervised from start to stop.
 
-Order of events: parameter servers start on port 0 and report their real addresses; the cluster
-spec is written to the run folder; for collective schemes the launcher hosts the rendezvous
-store; workers start; the launcher relays their logs and shows progress until every worker has
-exited. A task that dies is restarted (``--max-restarts``) from the last checkpoint; faults can
-be injected on purpose (``--inject-fault``). Whatever happens (success, a failed task, Ctrl-C,
+Order of events: parameter servers start on port 0; for collective schemes the launcher hosts
+the rendezvous store; workers start at once and read each server's real address from its
+address file; the cluster spec with the real addresses is written to the run folder; the
+launcher relays the tasks' logs and shows progress until every worker has exited. A task that
+dies is restarted (``--max-restarts``) from the last checkpoint; faults can be injected on
+purpose (``--inject-fault``). Whatever happens (success, a failed task, Ctrl-C,
 SIGTERM) every task is stopped in a ``finally`` before the launcher returns.
 """
 
