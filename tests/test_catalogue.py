@@ -233,12 +233,19 @@ def test_window_schemes_in_a_forced_order_equal_the_reference(
     _assert_close(server, expected)
 
 
-def test_eamsgd_in_a_forced_order_equals_the_reference(ps_server) -> None:  # noqa: F811
+@pytest.mark.parametrize(("name", "delta"), [("eamsgd", 0.9), ("easgd", 0.0)])
+def test_elastic_averaging_in_a_forced_order_equals_the_reference(
+    ps_server,  # noqa: F811
+    name: str,
+    delta: float,
+) -> None:
+    """EAMSGD (Algorithm 2); with delta = 0 its worker step is plain SGD: EASGD (Algorithm 1)."""
     address, _ = ps_server
-    world, tau, alpha, delta = 2, 2, 0.3, 0.9
+    world, tau, alpha = 2, 2, 0.3
     config = TrainConfig(batch_size=4, steps=5, lr=0.05, log_every=1)
-    options = schemes.get("eamsgd").options(tau=tau, alpha=alpha, delta=delta)
-    model, data, (_, server) = _run_in_turns(address, "eamsgd", options, config, world)
+    extra = {"delta": delta} if name == "eamsgd" else {}
+    options = schemes.get(name).options(tau=tau, alpha=alpha, **extra)
+    model, data, (_, server) = _run_in_turns(address, name, options, config, world)
 
     reps = _Replicas(model, data, world, config)
     center = reps.get(0)
