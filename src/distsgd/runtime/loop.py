@@ -297,6 +297,10 @@ def run_worker(
                 device,
             )
         log.info("%s: done, %d steps in %.1fs", name, ctx.local_step, seconds)
+        if collective is not None:
+            # Every rank tears the group down together: a rank that destroys it while a peer
+            # is still inside it (the chief evaluating) can abort gloo's threads in either.
+            collective.barrier()
         return result
     finally:
         if ps is not None:
