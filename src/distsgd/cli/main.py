@@ -413,7 +413,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if args.run_dir:
         Path(args.run_dir).mkdir(parents=True, exist_ok=True)
     os.environ[ENV_VAR] = env.to_json()
-    return bootstrap_main([args.script, *args.script_args])
+    from distsgd.launcher.bootstrap import exit_now
+
+    exit_now(bootstrap_main([args.script, *args.script_args]))
+    return 0  # not reached
 
 
 def main(argv: Sequence[str] | None = None) -> int:

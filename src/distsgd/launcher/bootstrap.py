@@ -11,6 +11,7 @@ the cluster would wait for it forever).
 from __future__ import annotations
 
 import logging
+import os
 import runpy
 import sys
 from collections.abc import Sequence
@@ -61,5 +62,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_script(argv[0], argv[1:])
 
 
+def exit_now(code: int) -> None:
+    """End this task process with ``code`` once its output is flushed, without interpreter
+    finalization: a finished worker has written everything it owns (atomically), and running
+    C++ destructors of a torch.distributed group whose peers are exiting too can abort the
+    process (see ``runtime.collective.Collective.leave``)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

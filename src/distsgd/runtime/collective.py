@@ -28,6 +28,7 @@ class Collective:
         self.rank = rank
         self.world_size = world_size
         self.bytes_sent = 0
+        self.left = False
         store = dist.TCPStore(
             host.strip("[]"),
             int(port),
@@ -79,6 +80,19 @@ class Collective:
     def barrier(self) -> None:
         dist.barrier()
 
+    def leave(self) -> None:
+        """The normal end: wait until every rank is done, then leave the group as it is.
+
+        Destroying a gloo group right after a barrier can make a peer that is still tearing
+        down abort ("terminate called without an active exception"; pytorch/gloo issue 155);
+        it happened in one CI run in twenty collective runs. The process exits soon after
+        without running C++ destructors (``launcher.bootstrap.exit_now``), which closes the
+        sockets instead.
+        """
+        dist.barrier()
+        self.left = True
+
     def close(self) -> None:
-        if dist.is_initialized():
+        """Destroy the group, unless :meth:`leave` ended it normally."""
+        if dist.is_initialized() and not self.left:
             dist.destroy_process_group()

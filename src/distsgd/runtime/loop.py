@@ -298,9 +298,7 @@ def run_worker(
             )
         log.info("%s: done, %d steps in %.1fs", name, ctx.local_step, seconds)
         if collective is not None:
-            # Every rank tears the group down together: a rank that destroys it while a peer
-            # is still inside it (the chief evaluating) can abort gloo's threads in either.
-            collective.barrier()
+            collective.leave()  # every rank done; see Collective.leave for why not destroyed
         return result
     finally:
         if ps is not None:
