@@ -106,10 +106,14 @@ class DownpourWorker(WorkerScheme):
         """What one parameter's window pushes: DOWNPOUR sends the whole accumulated update."""
         return start - now
 
+    def send(self, ctx: WorkerContext, update: dict[str, np.ndarray]) -> None:
+        """Push a window's update and pull the servers' parameters (at once: asynchronous)."""
+        ctx.push(update)
+        ctx.pull()
+
     def _exchange(self, ctx: WorkerContext) -> None:
         now = ctx.arrays()
-        ctx.push({k: self.accumulated_update(self.window_start[k], now[k]) for k in now})
-        ctx.pull()
+        self.send(ctx, {k: self.accumulated_update(self.window_start[k], now[k]) for k in now})
         self.window_start = ctx.arrays()
         self.pending = 0
 

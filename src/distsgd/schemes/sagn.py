@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.context import WorkerContext
 from distsgd.schemes.agn import AgnOptions, AgnWorker
@@ -80,15 +82,11 @@ class SagnWorker(AgnWorker):
     def stats(self) -> dict[str, float]:
         return {"dropped": self.dropped}
 
-    def _exchange(self, ctx: WorkerContext) -> None:
-        now = ctx.arrays()
+    def send(self, ctx: WorkerContext, update: dict[str, np.ndarray]) -> None:
         base = ctx.versions
-        update = {k: self.accumulated_update(self.window_start[k], now[k]) for k in now}
         results = ctx.push(update, base_version=base)
         self.dropped += sum(not r.accepted for r in results)
         ctx.pull(min_version=[v + 1 for v in base])  # the round closed: everyone's sum is in
-        self.window_start = ctx.arrays()
-        self.pending = 0
 
 
 def _server(options: Mapping[str, Any], num_workers: int) -> SagnServer:
