@@ -21,6 +21,7 @@ from distsgd.cli.flags import (
     scheme_options,
 )
 from distsgd.cluster import ClusterSpecError, resolve_cluster
+from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, DEFAULT_MAX_RESTARTS
 
 DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -81,13 +82,15 @@ def _add_launch_flags(parser: argparse.ArgumentParser, *, compare: bool = False)
         "--checkpoint-every",
         metavar="N|Ns",
         default=None,
-        help="checkpoint every N steps of each worker, or every N seconds with 's' (e.g. 50, 30s)",
+        help="checkpoint every N steps of each worker, or every N seconds with 's' (e.g. 50, "
+        f"30s; default {DEFAULT_CHECKPOINT_SECONDS:.0f}s, 0 = off)",
     )
     ft.add_argument(
         "--max-restarts",
         type=int,
-        default=0,
-        help="restart a dead task up to K times from the last checkpoint (default 0: stop the run)",
+        default=DEFAULT_MAX_RESTARTS,
+        help="restart a dead task up to K times in a row from its last checkpoint (default "
+        f"{DEFAULT_MAX_RESTARTS}; 0 = stop the run at the first failure)",
     )
     ft.add_argument(
         "--inject-fault",
@@ -226,15 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _checkpoint_every(text: str | None) -> tuple[int, float]:
-    """'50' -> 50 steps; '30s' -> 30 seconds."""
+    """'50' -> 50 steps; '30s' -> 30 seconds; '0' -> off; None -> the default cadence."""
     if text is None:
-        return 0, 0.0
+        return 0, DEFAULT_CHECKPOINT_SECONDS
     try:
         if text.endswith("s"):
             return 0, float(text[:-1])
         return int(text), 0.0
     except ValueError:
-        raise ValueError(f"--checkpoint-every {text!r}: give steps (50) or seconds (30s)") from None
+        raise ValueError(
+            f"--checkpoint-every {text!r}: give steps (50), seconds (30s) or 0 (off)"
+        ) from None
 
 
 def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence[str]) -> int:

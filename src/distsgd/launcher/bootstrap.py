@@ -19,6 +19,7 @@ from pathlib import Path
 
 from distsgd import api
 from distsgd.launcher.lifeline import limit_threads, tie_to_parent
+from distsgd.runtime.divergence import DIVERGED_EXIT_CODE, Diverged
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -40,7 +41,11 @@ def run_script(script: str, args: Sequence[str]) -> int:
         return 2
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
-    runpy.run_path(str(path), run_name="__main__")
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except Diverged as exc:
+        print(f"distsgd: diverged: {exc}", file=sys.stderr)
+        return DIVERGED_EXIT_CODE
     if api.calls == 0:
         print(
             f"distsgd: error: {script} finished without calling distsgd.train(); "

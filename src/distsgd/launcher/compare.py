@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, TextIO, cast
 
 from distsgd import schemes
-from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, DEFAULT_MAX_RESTARTS, LaunchConfig
 from distsgd.launcher.progress import Console
 from distsgd.launcher.report import (
     Context,
@@ -327,8 +327,12 @@ class CompareConfig:
         default=0, metadata={"help": "torch threads per worker (0 = cores / workers)"}
     )
     checkpoint_every: int = field(default=0, metadata={"help": "checkpoint every N steps"})
-    checkpoint_seconds: float = field(default=0.0, metadata={"help": "checkpoint every N s"})
-    max_restarts: int = field(default=0, metadata={"help": "restarts allowed per task"})
+    checkpoint_seconds: float = field(
+        default=DEFAULT_CHECKPOINT_SECONDS, metadata={"help": "checkpoint every N s"}
+    )
+    max_restarts: int = field(
+        default=DEFAULT_MAX_RESTARTS, metadata={"help": "restarts allowed per task in a row"}
+    )
     faults: tuple[str, ...] = field(default=(), metadata={"help": "--inject-fault specs"})
     tls: TlsConfig | None = field(default=None, metadata={"help": "mutual TLS for every task"})
     command: str = field(default="", metadata={"help": "the command line, for the report"})

@@ -13,6 +13,11 @@ from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.faults import Fault
 from distsgd.transport.security import TlsConfig
 
+DEFAULT_CHECKPOINT_SECONDS = 30.0
+"""Checkpoint cadence when none is given: a restart costs at most this much of a task's work."""
+DEFAULT_MAX_RESTARTS = 3
+"""Restarts per task in a row when none is given (fault tolerance is on by default)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
@@ -39,18 +44,37 @@ class LaunchConfig:
     threads: int = field(
         default=0, metadata={"help": "torch threads per worker (0 = cores / workers)"}
     )
+    startup_timeout: float = field(
+        default=300.0,
+        metadata={"help": "seconds a task may take to start and find the others (imports, ports)"},
+    )
     wait_timeout: float = field(
-        default=600.0, metadata={"help": "seconds to wait for slow or starting tasks"}
+        default=120.0,
+        metadata={
+            "help": "seconds a task waits for a peer that makes no progress once training runs "
+            "(a dead or stuck task), then fails"
+        },
     )
     checkpoint_every: int = field(
-        default=0, metadata={"help": "checkpoint every N steps of each worker (0 = off)"}
+        default=0, metadata={"help": "checkpoint every N steps of each worker (0 = by time only)"}
     )
     checkpoint_seconds: float = field(
-        default=0.0, metadata={"help": "checkpoint every N seconds (0 = off)"}
+        default=DEFAULT_CHECKPOINT_SECONDS,
+        metadata={"help": "checkpoint every N seconds (0 with checkpoint_every 0 = off)"},
     )
     max_restarts: int = field(
-        default=0,
-        metadata={"help": "restarts allowed per task before the run stops (0 = fail fast)"},
+        default=DEFAULT_MAX_RESTARTS,
+        metadata={
+            "help": "restarts allowed per task in a row before the run stops (0 = fail fast); "
+            "a task that then runs healthy for healthy_seconds gets them back"
+        },
+    )
+    healthy_seconds: float = field(
+        default=60.0,
+        metadata={
+            "help": "a task running this long after a restart counts as healthy again: its "
+            "restart backoff and budget are reset"
+        },
     )
     faults: tuple[str, ...] = field(default=(), metadata={"help": "--inject-fault specs"})
     run_id: str = field(default="", metadata={"help": "run id ('' = new; kept on --resume)"})
@@ -81,6 +105,10 @@ class LaunchConfig:
             raise ValueError("--checkpoint-every must be 0 or more steps (N) or seconds (Ns)")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if not (self.startup_timeout > 0 and self.wait_timeout > 0 and self.healthy_seconds > 0):
+            raise ValueError(
+                "startup_timeout, wait_timeout and healthy_seconds must be positive seconds"
+            )
         for spec_text in self.faults:
             fault = Fault.parse(spec_text)
             count = self.num_ps if fault.job == "ps" else self.workers

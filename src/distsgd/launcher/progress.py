@@ -13,8 +13,16 @@ from typing import TextIO
 class Console:
     """Serialises task output and one live status line on a terminal (a plain log elsewhere)."""
 
-    def __init__(self, stream: TextIO | None = None, *, quiet: bool = False) -> None:
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        *,
+        quiet: bool = False,
+        errors: TextIO | None = None,
+    ) -> None:
         self.stream = stream or sys.stdout
+        self.errors = errors or (sys.stderr if stream is None else stream)
+        """Where :meth:`error` writes: standard error, or ``stream`` when one was given."""
         self.quiet = quiet
         self.tty = self.stream.isatty()
         self._lock = threading.Lock()
@@ -52,6 +60,14 @@ class Console:
                 self.stream.flush()
             self._status = ""
 
+    def error(self, text: str) -> None:
+        """An error line (why the run stopped), on standard error even when quiet."""
+        self.clear_status()
+        with self._lock:
+            self.stream.flush()
+            self.errors.write(text + "\n")
+            self.errors.flush()
+
     def final(self, text: str) -> None:
         """Print a line even when quiet (results and errors)."""
         self.clear_status()
@@ -73,6 +89,8 @@ class Progress:
         self.samples: dict[str, int] = {}
         self.local_steps: dict[str, int] = {}
         self.started = time.time()
+        self.divergence: str | None = None
+        """The first 'diverged' event's reason (a worker's loss went non-finite or up)."""
         self.first_record: float | None = None
         """Wall time of the first metrics line: throughput counts from there, not from start-up."""
 
@@ -103,6 +121,8 @@ class Progress:
                 self.samples[str(record.get("task"))] = int(record["samples"])
             if "local_step" in record:
                 self.local_steps[str(record.get("task"))] = int(record["local_step"])
+            if record.get("event") == "diverged" and self.divergence is None:
+                self.divergence = str(record.get("reason", "training diverged"))
 
     @property
     def elapsed(self) -> float:

@@ -39,16 +39,25 @@ from distsgd.runtime.checkpoint import (
     newest_shard_file,
     newest_worker_state,
 )
+from distsgd.runtime.divergence import DIVERGED_EXIT_CODE, FIX
 from distsgd.runtime.faults import Fault
 from distsgd.runtime.loop import METRICS_FILE, RESULT_FILE
 from distsgd.runtime.metrics import MetricsWriter
 from distsgd.runtime.task import ENV_VAR, TaskEnv
-from distsgd.transport.security import SECRET_ENV, SECRET_FILE_ENV, write_secret_file
+from distsgd.transport.client import ShardClient
+from distsgd.transport.errors import RemoteError
+from distsgd.transport.security import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    load_secret,
+    write_secret_file,
+)
 from distsgd.util import write_atomic
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+"""Exit codes of ``distsgd run``/``demo``: 3 means training finished or stopped but diverged."""
 CONFIG_FILE = "config.json"
 
 
@@ -60,6 +69,10 @@ class Interrupted(Exception):
     """Ctrl-C or SIGTERM reached the launcher."""
 
 
+class Diverged(RuntimeError):
+    """Training diverged (a non-finite loss, or a result no better than chance)."""
+
+
 def launch(config: LaunchConfig, console: Console | None = None) -> int:
     """Run ``config`` to the end; returns the exit code (0, 1 failed, 130 interrupted)."""
     console = console or Console(quiet=config.quiet)
@@ -68,6 +81,11 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         raise ValueError(
             f"run folder {run_dir} holds an earlier run; give another --run-dir, "
             f"or continue that run with --resume {run_dir}"
+        )
+    if not config.resume and (run_dir / "secret").exists():
+        raise ValueError(
+            f"run folder {run_dir} already holds a secret file that a new run would trust; "
+            "give a new --run-dir (a fresh run makes its own secret)"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
@@ -87,8 +105,11 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks")
         return EXIT_INTERRUPTED
     except RunFailed as exc:
-        console.final(f"distsgd: error: {exc}")
+        console.error(f"distsgd: error: {exc}")
         return EXIT_FAILED
+    except Diverged as exc:
+        console.error(f"distsgd: the run diverged: {exc}; {FIX}")
+        return EXIT_DIVERGED
     finally:
         supervisor.stop()
         local.store = None
@@ -130,8 +151,10 @@ class LocalRun:
         env.pop(ENV_VAR, None)
         env.pop(SECRET_ENV, None)
         secret_file = run_dir / "secret"
-        if not secret_file.exists():  # kept on --resume: the restored shards know the run
-            write_secret_file(secret_file)
+        if config.resume:  # kept on --resume: the restored shards know the run
+            self.secret = load_secret({SECRET_FILE_ENV: str(secret_file)})
+        else:
+            self.secret = write_secret_file(secret_file)
         env.update(
             {
                 PARENT_ENV: str(os.getpid()),
@@ -157,6 +180,9 @@ class LocalRun:
         self.store: Any = None
         self.rendezvous = ""
         self.restarts: dict[str, int] = {}
+        """Restarts of each task in a row (reset once it runs healthy_seconds)."""
+        self.started_at: dict[str, float] = {}
+        """When each task was last started (monotonic seconds)."""
         self.done: set[str] = set()
         self.faults = [Fault.parse(f) for f in config.faults]
         self.kills_pending = [f for f in self.faults if f.kind == "kill"]
@@ -240,7 +266,11 @@ class LocalRun:
                 "--tls-ca",
                 str(tls.ca),
             ]
-        return self.supervisor.start(f"ps{index}", argv, self.ps_env)
+        return self._start(f"ps{index}", argv, self.ps_env)
+
+    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> Task:
+        self.started_at[name] = time.monotonic()
+        return self.supervisor.start(name, argv, env)
 
     def start_worker(self, index: int, *, resume: Path | None) -> Task:
         c = self.config
@@ -253,6 +283,7 @@ class LocalRun:
             run_dir=str(self.run_dir.resolve()),
             run_id=self.run_id,
             rendezvous=self.rendezvous,
+            startup_timeout=c.startup_timeout,
             wait_timeout=c.wait_timeout,
             checkpoint_every=c.checkpoint_every,
             checkpoint_seconds=c.checkpoint_seconds,
@@ -267,23 +298,16 @@ class LocalRun:
         )
         argv = [sys.executable, "-m", "distsgd.launcher.bootstrap", c.script, *c.script_args]
         self.done.discard(f"worker{index}")
-        return self.supervisor.start(
-            f"worker{index}", argv, {**self.worker_env, ENV_VAR: task_env.to_json()}
-        )
+        return self._start(f"worker{index}", argv, {**self.worker_env, ENV_VAR: task_env.to_json()})
 
     def _new_rendezvous(self) -> None:
         if self.collective and self.config.workers > 1:
-            from torch.distributed import TCPStore
+            from distsgd.runtime.collective import host_store
 
-            self.store = TCPStore(
-                self.config.host,
-                0,
-                None,
-                True,
-                timedelta(seconds=self.config.wait_timeout),
-                wait_for_workers=False,
+            self.store, port = host_store(
+                self.config.host, timedelta(seconds=self.config.wait_timeout)
             )
-            self.rendezvous = f"{self.config.host}:{self.store.port}"
+            self.rendezvous = f"{self.config.host}:{port}"
 
     def start_cluster(self, checkpoint: Checkpoint | None, *, fresh_ports: bool) -> None:
         """Start every task. The workers start while the servers do (both take seconds to
@@ -393,8 +417,17 @@ class LocalRun:
                     os.kill(task.pid, signal.SIGKILL)
 
     def _handle_failure(self, task: Task, code: int) -> None:
-        used = self.restarts.get(task.name, 0)
         step = self.progress.step
+        if code == DIVERGED_EXIT_CODE and task.name.startswith("worker"):
+            self._fault(task.name, code, step, "stop", diverged=True)
+            self.progress.poll()
+            reason = self.progress.divergence or f"{task.name} stopped on a non-finite loss"
+            record = {"scheme": self.config.scheme, "diverged": True, "divergence": reason}
+            write_atomic(self.run_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
+            raise Diverged(reason)
+        if time.monotonic() - self.started_at.get(task.name, 0.0) >= self.config.healthy_seconds:
+            self.restarts[task.name] = 0  # it ran healthy since its last restart: a new fault
+        used = self.restarts.get(task.name, 0)
         if used >= self.config.max_restarts:
             tail = "\n".join(f"    {line}" for line in task.tail)
             self._fault(task.name, code, step, "stop")
@@ -407,7 +440,7 @@ class LocalRun:
                 f"full logs: {self.run_dir / 'logs'}{resume}"
             )
         self.restarts[task.name] = used + 1
-        backoff = min(0.5 * 2**used, 10.0)
+        backoff = 0.0 if used == 0 else min(0.5 * 2 ** (used - 1), 10.0)
         self.console.note(
             f"[distsgd] {task.name} died (exit code {code}); "
             f"restart {used + 1} of {self.config.max_restarts} in {backoff:.1f}s"
@@ -463,6 +496,30 @@ class LocalRun:
             self.start_ps(index, address=address, restore=shard_file)
         except RunFailed as exc:  # e.g. its old port was taken meanwhile
             self._restart_all(f"ps{index}", code, step, f"ps{index} could not come back: {exc}")
+            return
+        self._tell_finished(index)
+
+    def _tell_finished(self, index: int) -> None:
+        """A restored shard remembers the workers that had left when it was saved; tell it
+        about those that have finished since (their processes are gone and cannot)."""
+        finished = sorted(int(name.removeprefix("worker")) for name in self.done)
+        address = self.spec.address(self.spec.task("ps", index))
+        for worker in finished:
+            try:
+                with ShardClient(
+                    address,
+                    worker=worker,
+                    run_id=self.run_id,
+                    timeout=10.0,
+                    retry_seconds=10.0,
+                    secret=self.secret,
+                    tls=self.config.tls,
+                ) as client:
+                    client.leave()
+            except RemoteError as exc:
+                self.console.note(
+                    f"[distsgd] could not tell ps{index} that worker{worker} left: {exc}"
+                )
 
     def _restart_all(self, name: str, code: int, step: int, why: str) -> None:
         checkpoint = self.latest()
@@ -504,6 +561,12 @@ class LocalRun:
             self.console.final(f"test accuracy: {result['test_accuracy']:.4f}")
         elif result.get("test_loss") is not None:
             self.console.final(f"test loss: {result['test_loss']:.4f}")
+        reason = result.get("divergence") or self.progress.divergence
+        if result.get("diverged") or reason:
+            if not result.get("diverged"):  # another worker's loss ended above its start
+                result.update(diverged=True, divergence=reason)
+                write_atomic(result_path, json.dumps(result, indent=2) + "\n")
+            raise Diverged(str(reason))
         return EXIT_OK
 
 

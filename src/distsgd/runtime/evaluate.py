@@ -23,11 +23,16 @@ def evaluate(
     batch_size: int,
     device: torch.device,
 ) -> dict[str, float]:
-    """``{"loss": ..., "accuracy": ...}`` over the data set (accuracy for class targets only)."""
+    """``{"loss": ..., "accuracy": ..., "chance": ...}`` over the data set.
+
+    Accuracy (for class targets only) comes with ``chance``: the share of the most frequent
+    class, which a model that always answers that class scores (divergence is judged by it).
+    """
     was_training = model.training
     model.eval()
     n = len(dataset)  # type: ignore[arg-type]
     total_loss, correct, classified = 0.0, 0, True
+    counts: torch.Tensor | None = None
     try:
         for start in range(0, n, batch_size):
             x, y = fetch(dataset, torch.arange(start, min(n, start + batch_size)))
@@ -36,6 +41,9 @@ def evaluate(
             total_loss += float(loss_fn(out, y)) * len(y)
             if classified and out.dim() == 2 and y.dim() == 1 and not torch.is_floating_point(y):
                 correct += int((out.argmax(dim=1) == y).sum())
+                if y.numel() and int(y.min()) >= 0:  # not e.g. an ignore_index of -100
+                    batch_counts = torch.bincount(y.reshape(-1).cpu(), minlength=out.shape[1])
+                    counts = batch_counts if counts is None else _add_counts(counts, batch_counts)
             else:
                 classified = False
     finally:
@@ -43,4 +51,15 @@ def evaluate(
     result = {"loss": total_loss / max(1, n)}
     if classified and n:
         result["accuracy"] = correct / n
+        if counts is not None:
+            result["chance"] = int(counts.max()) / n
     return result
+
+
+def _add_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Sum two class-count vectors of possibly different lengths."""
+    size = max(len(a), len(b))
+    out = torch.zeros(size, dtype=torch.long)
+    out[: len(a)] += a
+    out[: len(b)] += b
+    return out

@@ -8,12 +8,14 @@ the final parameters. Schemes never see sockets, files or the data loader.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
 import logging
 import math
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +26,17 @@ from torch.utils.data import Dataset
 
 from distsgd.ps.client import ParameterClient
 from distsgd.ps.partition import PartitionPlan
-from distsgd.runtime.checkpoint import Checkpointer, CheckpointError, load_worker_state
+from distsgd.runtime.checkpoint import (
+    SHARDS_PREFIX,
+    Checkpointer,
+    CheckpointError,
+    load_worker_state,
+)
 from distsgd.runtime.collective import Collective
 from distsgd.runtime.config import TrainConfig, lr_factor
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.data import ShardedBatches
+from distsgd.runtime.divergence import Diverged, DivergenceMonitor, accuracy_verdict
 from distsgd.runtime.evaluate import LossFn, evaluate
 from distsgd.runtime.faults import FaultInjector
 from distsgd.runtime.metrics import MetricsWriter
@@ -57,18 +65,61 @@ class TrainResult:
     bytes_sent: int
     test_loss: float | None = None
     test_accuracy: float | None = None
+    diverged: bool = False
+    """True when training diverged (see :mod:`distsgd.runtime.divergence`)."""
+    divergence: str | None = None
+    """Why it counts as diverged, or None."""
 
 
-def _wait_all_finished(ps: ParameterClient, num_workers: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+def _wait_all_finished(
+    ps: ParameterClient,
+    num_workers: int,
+    timeout: float,
+    save: Callable[[int], None] | None = None,
+    every_versions: int = 0,
+    every_seconds: float = 0.0,
+) -> None:
+    """(Chief, after its last step) wait until every worker has left the servers.
+
+    Fails only when nothing moves for ``timeout`` seconds (no push, no leave): a slow worker is
+    waited for as long as it makes progress. A server that restarted meanwhile has forgotten
+    that this worker left, so it is told again. While it waits the chief keeps the servers'
+    checkpoints going (``save(version)``): whenever a worker leaves, and every
+    ``every_versions`` updates or ``every_seconds`` seconds, so a server that dies now loses
+    no more than it would have mid-run.
+    """
+    infos = ps.info()
+    incarnations = [info.server_incarnation for info in infos]
+    last_state: tuple[int, int] | None = None
+    last_change = saved_at = time.monotonic()
+    saved_version = sum(info.version for info in infos)
+    saved_finished = sum(info.finished_workers for info in infos)
     while True:
         infos = ps.info()
+        now = time.monotonic()
+        if [info.server_incarnation for info in infos] != incarnations:
+            log.info("a parameter server restarted; telling it again that this worker left")
+            ps.leave()
+            infos = ps.info()
+            incarnations = [info.server_incarnation for info in infos]
         if all(info.finished_workers >= num_workers for info in infos):
             return
-        if time.monotonic() > deadline:
+        version = sum(info.version for info in infos)
+        finished = sum(info.finished_workers for info in infos)
+        if (version, finished) != last_state:
+            last_state, last_change = (version, finished), now
+        if save is not None and (
+            finished != saved_finished
+            or (every_versions and version - saved_version >= every_versions)
+            or (every_seconds and now - saved_at >= every_seconds and version != saved_version)
+        ):
+            save(version)
+            saved_version, saved_finished, saved_at = version, finished, now
+        if now - last_change > timeout:
             done = min(info.finished_workers for info in infos)
             raise TimeoutError(
-                f"only {done} of {num_workers} workers finished within {timeout:.0f}s"
+                f"only {done} of {num_workers} workers finished, and nothing moved for "
+                f"{timeout:.0f}s; see the other workers' logs"
             )
         time.sleep(0.05)
 
@@ -84,7 +135,7 @@ def run_worker(
     scheme: WorkerScheme,
 ) -> TrainResult:
     """Train this worker's part of the run under ``scheme``; see the module docstring."""
-    env = env.with_ps_addresses(env.wait_timeout)
+    env = env.with_ps_addresses(env.startup_timeout)
     spec = env.spec
     rank, world = env.task_index, spec.num_workers
     chief = rank == 0
@@ -132,7 +183,7 @@ def run_worker(
                     spec.num_ps,
                     plan.shard_bytes,
                 )
-            ps.wait_registered(env.wait_timeout)
+            ps.wait_registered(env.startup_timeout)
         elif world > 1:
             rendezvous = env.rendezvous or spec.worker[0]
             collective = Collective(
@@ -140,8 +191,10 @@ def run_worker(
                 rank=rank,
                 world_size=world,
                 host_store=chief and not env.rendezvous,
-                timeout=env.wait_timeout,
+                timeout=env.startup_timeout,
                 device=device,
+                run_id=env.run_id,
+                address=spec.worker[rank],
             )
         ctx = WorkerContext(
             model=model,
@@ -205,6 +258,7 @@ def run_worker(
                 "steps": steps,
             }
 
+        watch = DivergenceMonitor(name)
         eval_model = (
             copy.deepcopy(model) if chief and test_set is not None and config.eval_every else None
         )
@@ -228,10 +282,7 @@ def run_worker(
             loss = loss_fn(model(x), y)
             loss.backward()
             loss_value = float(loss.detach())
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(
-                    f"{name}: loss became {loss_value} at step {ctx.local_step}; lower --lr"
-                )
+            watch.observe(loss_value, ctx.local_step)
             scheme.after_backward(ctx)
             ctx.local_step += 1
             if not scheme.uses_parameter_servers:
@@ -270,6 +321,15 @@ def run_worker(
             ckpt.save_worker(worker_state(), ctx.local_step)
         if ps is not None:
             ps.leave()  # before waiting on checkpoints: a sync step may wait for this leave
+            if chief:
+                _wait_all_finished(
+                    ps,
+                    world,
+                    env.wait_timeout,
+                    save=None if ckpt is None else _shard_saver(ps),
+                    every_versions=env.checkpoint_every,
+                    every_seconds=env.checkpoint_seconds or 10.0,
+                )
         if ckpt is not None:
             ckpt.close()
         result = TrainResult(
@@ -281,6 +341,11 @@ def run_worker(
             samples=ctx.local_step * config.batch_size,
             bytes_sent=ctx.bytes_sent,
         )
+        verdict = watch.loss_verdict()
+        if verdict is not None:
+            log.warning("diverged: %s", verdict)
+            metrics.log(step=ctx.global_step, event="diverged", reason=verdict)
+            result = dataclasses.replace(result, diverged=True, divergence=verdict)
         if chief:
             result = _finish_chief(
                 ctx,
@@ -300,12 +365,28 @@ def run_worker(
         if collective is not None:
             collective.leave()  # every rank done; see Collective.leave for why not destroyed
         return result
+    except Diverged as exc:
+        metrics.log(event="diverged", reason=str(exc))
+        raise
     finally:
         if ps is not None:
             ps.close()
         if collective is not None:
             collective.close()
         metrics.close()
+
+
+def _shard_saver(ps: ParameterClient) -> Callable[[int], None]:
+    """Saves every shard under ``shards-<version>`` (server state only, no manifest): what a
+    restarted server restores from once the chief no longer steps."""
+
+    def save(version: int) -> None:
+        try:
+            ps.checkpoint(f"{SHARDS_PREFIX}{version:012d}")
+        except Exception as exc:  # a server down right now: the next change tries again
+            log.warning("server checkpoint at version %d skipped: %s", version, exc)
+
+    return save
 
 
 def _load_eval_params(ctx: WorkerContext, scheme: WorkerScheme, target: nn.Module) -> None:
@@ -333,7 +414,6 @@ def _finish_chief(
     device: torch.device,
 ) -> TrainResult:
     if ps is not None and scheme.evaluate_on == "server":
-        _wait_all_finished(ps, ctx.num_workers, env.wait_timeout)
         version, arrays = ps.pull(record=False)
         ctx.load(arrays)
         ctx.global_step = max(ctx.global_step, version)
@@ -349,6 +429,15 @@ def _finish_chief(
                 "test_accuracy": scores.get("accuracy"),
             }
         )
+        verdict = (
+            f"the final test loss is {scores['loss']}"
+            if not math.isfinite(scores["loss"])
+            else accuracy_verdict(scores.get("accuracy"), scores.get("chance"))
+        )
+        if verdict is not None and not result.diverged:
+            log.warning("diverged: %s", verdict)
+            metrics.log(step=ctx.global_step, event="diverged", reason=verdict)
+            result = dataclasses.replace(result, diverged=True, divergence=verdict)
         metrics.log(
             step=ctx.global_step,
             local_step=ctx.local_step,

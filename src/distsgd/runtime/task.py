@@ -41,9 +41,19 @@ class TaskEnv:
         metadata={"help": "host:port of the torch.distributed store ('' = chief's address)"},
     )
     rpc_timeout: float = field(default=30.0, metadata={"help": "deadline of one RPC, seconds"})
+    startup_timeout: float = field(
+        default=300.0,
+        metadata={
+            "help": "how long start-up may wait for other tasks (server addresses, the "
+            "chief's registration, the process group), seconds"
+        },
+    )
     wait_timeout: float = field(
-        default=600.0,
-        metadata={"help": "how long to wait for other tasks (start-up, slow peers), seconds"},
+        default=120.0,
+        metadata={
+            "help": "once training runs, how long to wait for a peer that makes no progress "
+            "(retries of a failed call, the last workers to finish), seconds"
+        },
     )
     checkpoint_every: int = field(
         default=0, metadata={"help": "checkpoint every N local steps (0 = off)"}
@@ -72,8 +82,8 @@ class TaskEnv:
     def __post_init__(self) -> None:
         spec = self.spec
         spec.task("worker", self.task_index)
-        if self.rpc_timeout <= 0 or self.wait_timeout <= 0:
-            raise ValueError("rpc_timeout and wait_timeout must be positive")
+        if min(self.rpc_timeout, self.startup_timeout, self.wait_timeout) <= 0:
+            raise ValueError("rpc_timeout, startup_timeout and wait_timeout must be positive")
 
     @property
     def spec(self) -> ClusterSpec:

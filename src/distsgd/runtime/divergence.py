@@ -1,0 +1,86 @@
+"""Divergence is never silent: the rules that mark a run diverged, and how a task reports it.
+
+A run has diverged when
+
+* a worker's training loss becomes NaN or infinite (the worker stops at once), or
+* the training loss ends above where it started (the mean of a worker's last
+  :data:`WINDOW` logged losses against the mean of its first :data:`WINDOW`), or
+* the chief's final test accuracy is at or below chance: the share of the test set's most
+  frequent class, which a model that always answers that class scores (with a margin of
+  :data:`CHANCE_MARGIN` for the noise of a collapsed model's answers).
+
+A worker that diverges raises :class:`Diverged`; the bootstrap turns it into the task exit code
+:data:`DIVERGED_EXIT_CODE`, which the launcher never restarts (the same settings would diverge
+again) and reports as the run's own exit code 3 with the fix. A run that ends diverged by the
+last two rules finishes normally, and its ``result.json`` says ``"diverged": true``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+WINDOW = 10
+"""Losses averaged at each end of a worker's run."""
+
+CHANCE_MARGIN = 0.02
+"""Final accuracy up to this much above chance still counts as chance."""
+
+DIVERGED_EXIT_CODE = 86
+"""Exit code of a worker task whose training diverged (the launcher does not restart it)."""
+
+FIX = "lower --lr, or the scheme's own step size (e.g. --server-lr, --alpha, --outer-lr)"
+"""What to try: the line the launcher prints after the reason."""
+
+
+class Diverged(FloatingPointError):
+    """Training diverged; the message says where and how."""
+
+
+class DivergenceMonitor:
+    """Follows one worker's training loss; :meth:`observe` raises on a non-finite loss."""
+
+    def __init__(self, name: str, window: int = WINDOW) -> None:
+        self.name = name
+        self.first: list[float] = []
+        self.last: deque[float] = deque(maxlen=window)
+        self.window = window
+
+    def observe(self, loss: float, step: int) -> None:
+        if not math.isfinite(loss):
+            raise Diverged(f"{self.name}: the training loss became {loss} at step {step}")
+        if len(self.first) < self.window:
+            self.first.append(loss)
+        self.last.append(loss)
+
+    @property
+    def start_loss(self) -> float | None:
+        return sum(self.first) / len(self.first) if self.first else None
+
+    @property
+    def end_loss(self) -> float | None:
+        return sum(self.last) / len(self.last) if self.last else None
+
+    def loss_verdict(self) -> str | None:
+        """Why the run counts as diverged by its loss, or None. Needs two full windows."""
+        start, end = self.start_loss, self.end_loss
+        if start is None or end is None or len(self.first) + len(self.last) < 2 * self.window:
+            return None
+        if end > start:
+            return (
+                f"{self.name}: the training loss ended at {end:.4g}, above where it started "
+                f"({start:.4g}; means of the first and last {self.window} steps)"
+            )
+        return None
+
+
+def accuracy_verdict(accuracy: float | None, chance: float | None) -> str | None:
+    """Why a final accuracy counts as diverged (at or below chance), or None."""
+    if accuracy is None or chance is None:
+        return None
+    if accuracy <= chance + CHANCE_MARGIN:
+        return (
+            f"the final test accuracy {accuracy:.4f} is no better than chance ({chance:.4f}, "
+            "always answering the most frequent class)"
+        )
+    return None
