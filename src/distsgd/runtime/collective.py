@@ -1,14 +1,169 @@
-"""Collectives over torch.distributed (gloo on CPU, NCCL on GPU) for all-reduce style schemes."""
+"""Collectives over torch.distributed (gloo on CPU, NCCL on GPU) for all-reduce style schemes.
+
+Every socket this module opens listens where the cluster spec says, never on all interfaces:
+:func:`host_store` binds the rendezvous store to its host, and the gloo device of each worker
+listens on that worker's own host (loopback for ``distsgd run``). The store's keys live under
+``distsgd/<run id>/``. Neither the store nor gloo can carry TLS or the run secret, so a
+rendezvous or data plane beyond loopback is logged as a warning (:func:`exposure_warning`)
+unless :data:`TRUSTED_NETWORK_ENV` says the network is trusted (docs/security.md).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import socket
+from collections.abc import Mapping
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from distsgd.transport.security import is_loopback
+
 log = logging.getLogger(__name__)
+
+TRUSTED_NETWORK_ENV = "DISTSGD_TRUSTED_NETWORK"
+"""Set to 1 to say the network between the workers is trusted: no exposure warning."""
+
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+"""torch's own variable: gloo listens on these interfaces (comma-separated) when it is set."""
+
+GLOO_BACKEND = "distsgd_gloo"
+"""gloo, with the device (listening address) distsgd chose; registered with torch once."""
+
+_WILDCARDS = frozenset({"", "*", "0.0.0.0", "::"})
+
+
+def host_store(
+    host: str, timeout: timedelta, *, port: int = 0, world_size: int | None = None
+) -> tuple[dist.TCPStore, int]:
+    """A torch.distributed ``TCPStore`` server listening on ``host:port`` only, and its port.
+
+    ``TCPStore`` itself listens on every interface whatever host it is given, so the socket is
+    bound here and handed over (``master_listen_fd``); port 0 picks a free one.
+    """
+    name = host.strip().strip("[]")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            name or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise ValueError(
+            f"rendezvous host {host!r} does not resolve ({exc.strerror}); "
+            "give an IP address or a name of this machine"
+        ) from exc
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            exc.errno,
+            f"the rendezvous store cannot listen on {host}:{port} ({exc.strerror}); "
+            "free the port or give another address",
+        ) from exc
+    bound = int(sock.getsockname()[1])
+    fd = sock.detach()  # the store owns the socket from here on and closes it
+    try:
+        store = dist.TCPStore(
+            name if name not in _WILDCARDS else "127.0.0.1",
+            bound,
+            world_size,
+            True,
+            timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    log.info("rendezvous store listening on %s:%d", host, bound)
+    return store, bound
+
+
+_host_store = host_store  # Collective's parameter of the same name hides the function
+
+
+def _loopback_interface(name: str) -> bool:
+    return name == "lo" or (name.startswith("lo") and name[2:].isdigit())
+
+
+def data_plane(
+    backend: str, address: str, environ: Mapping[str, str] | None = None
+) -> tuple[str, bool]:
+    """Where this worker's collective data plane listens, in words, and whether that is
+    loopback only.
+
+    gloo listens on the interfaces ``GLOO_SOCKET_IFNAME`` names when it is set (torch reads
+    it itself), otherwise on the host of ``address``, this worker's own ``host:port`` in the
+    cluster spec; a wildcard or empty host leaves the choice to gloo: the address the
+    machine's hostname resolves to. NCCL picks its interfaces itself (``NCCL_SOCKET_IFNAME``).
+    """
+    env = os.environ if environ is None else environ
+    variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else GLOO_IFNAME_ENV
+    interfaces = [i.strip() for i in env.get(variable, "").split(",") if i.strip()]
+    if interfaces:
+        where = f"interface {','.join(interfaces)} ({variable})"
+        return where, all(_loopback_interface(i) for i in interfaces)
+    if backend == "nccl":
+        return f"the interfaces NCCL picks ({variable} unset)", False
+    host = address.rpartition(":")[0].strip().strip("[]")
+    if host in _WILDCARDS:
+        return f"the address of hostname {socket.gethostname()!r}", False
+    return host, is_loopback(host)
+
+
+def exposure_warning(
+    rendezvous: str, data_plane: tuple[str, bool], environ: Mapping[str, str] | None = None
+) -> str | None:
+    """A one-line warning when the rendezvous store (``host:port``) or the data plane
+    (:func:`data_plane`'s answer) is reachable beyond loopback, or None: when both are on
+    loopback, or when :data:`TRUSTED_NETWORK_ENV` is 1."""
+    env = os.environ if environ is None else environ
+    where, loopback = data_plane
+    exposed = [] if is_loopback(rendezvous.rpartition(":")[0]) else [f"rendezvous {rendezvous}"]
+    if not loopback:
+        exposed.append(f"data plane on {where}")
+    if not exposed or env.get(TRUSTED_NETWORK_ENV, "") == "1":
+        return None
+    return (
+        f"collective {' and '.join(exposed)} beyond loopback: the torch.distributed store and "
+        "the gloo (or NCCL) data plane carry neither TLS nor the run secret, so anyone who can "
+        "reach these ports can read and change the run's keys, gradients and parameters; use it "
+        f"on a trusted network only ({TRUSTED_NETWORK_ENV}=1 says it is one), or bind loopback"
+    )
+
+
+def _create_gloo(backend_opts: Any, options: Any) -> dist.ProcessGroupGloo:
+    """Backend factory of :data:`GLOO_BACKEND`: gloo with the devices in ``options``."""
+    options._timeout = backend_opts.timeout
+    gloo = dist.ProcessGroupGloo(  # type: ignore[call-arg]
+        backend_opts.store, backend_opts.group_rank, backend_opts.group_size, options
+    )
+    gloo.options.global_ranks_in_group = backend_opts.global_ranks_in_group
+    gloo.options.group_name = backend_opts.group_id
+    return gloo
+
+
+def _gloo_options(host: str, address: str) -> Any:
+    """Options of :data:`GLOO_BACKEND` whose device listens on ``host`` (registered once)."""
+    if not hasattr(dist.Backend, GLOO_BACKEND.upper()):
+        dist.Backend.register_backend(GLOO_BACKEND, _create_gloo, extended_api=True, devices="cpu")
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    try:
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    except RuntimeError as exc:
+        raise ValueError(
+            f"this worker's address {address}: gloo cannot listen on {host} "
+            f"({str(exc).splitlines()[0]}); give each worker an address of its own machine"
+        ) from exc
+    return options
 
 
 class Collective:
@@ -23,30 +178,50 @@ class Collective:
         host_store: bool,
         timeout: float,
         device: torch.device,
+        run_id: str = "",
+        address: str = "",
     ) -> None:
+        """Join the group through the store at ``rendezvous`` (hosted here if ``host_store``);
+        ``address`` is this worker's own ``host:port`` in the cluster spec: gloo listens on its
+        host (``""``: gloo's own choice)."""
         host, _, port = rendezvous.rpartition(":")
         self.rank = rank
         self.world_size = world_size
         self.bytes_sent = 0
         self.left = False
-        store = dist.TCPStore(
-            host.strip("[]"),
-            int(port),
-            world_size=world_size if host_store else None,
-            is_master=host_store,
-            timeout=timedelta(seconds=timeout),
-            wait_for_workers=False,
-        )
+        wait = timedelta(seconds=timeout)
+        store: dist.Store
+        if host_store:
+            store, _ = _host_store(host, wait, port=int(port), world_size=world_size)
+        else:
+            store = dist.TCPStore(
+                host.strip("[]"), int(port), None, False, wait, wait_for_workers=False
+            )
+        store = dist.PrefixStore(f"distsgd/{run_id}" if run_id else "distsgd", store)  # + "/"
         backend = "nccl" if device.type == "cuda" else "gloo"
+        where, loopback = data_plane(backend, address)
+        pg_options = None
+        own_host = address.rpartition(":")[0].strip().strip("[]")
+        if backend == "gloo" and where == own_host:  # else torch's choice: the env, the hostname
+            backend, pg_options = GLOO_BACKEND, _gloo_options(own_host, address)
+        warning = exposure_warning(rendezvous, (where, loopback))
+        if warning is not None:
+            log.warning("%s", warning)
         dist.init_process_group(
             backend,
             store=store,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout),
+            timeout=wait,
+            pg_options=pg_options,
         )
         log.info(
-            "joined %s process group as rank %d of %d via %s", backend, rank, world_size, rendezvous
+            "joined %s process group as rank %d of %d via %s (data plane on %s)",
+            backend,
+            rank,
+            world_size,
+            rendezvous,
+            where,
         )
 
     @torch.no_grad()
