@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -110,6 +111,22 @@ def test_worker_scheme_state_round_trip_includes_optimizer() -> None:
     assert bufs_b and all(torch.equal(x, y) for x, y in zip(bufs_a, bufs_b, strict=True))
 
 
+def worker_state(step: int, **changes: Any) -> dict[str, Any]:
+    """A small complete worker state, as the runtime saves it."""
+    model = torch.nn.Linear(3, 2)
+    return {
+        "worker": 0,
+        "local_step": step,
+        "global_step": step,
+        "position": (0, step),
+        "model": model.state_dict(),
+        "scheme": {"pending": 1, "window_start": {"w": np.arange(3.0)}},
+        "scheme_name": "hogwild",
+        "steps": 100,
+        **changes,
+    }
+
+
 def _complete_checkpoint(root: Path, step: int) -> Path:
     shard = _shard("hogwild", {"lr": 0.1})
     version, data = shard.to_bytes()
@@ -126,9 +143,7 @@ def _complete_checkpoint(root: Path, step: int) -> Path:
             "version": version,
         }
     ]
-    save_worker_state(
-        root / "workers" / f"worker0-{step:08d}.pt", {"worker": 0, "local_step": step}
-    )
+    save_worker_state(root / "workers" / f"worker0-{step:08d}.pt", worker_state(step))
     writer = ManifestWriter(root, 1, wait=5)
     writer.complete(folder.name, step, shards, {"scheme": "hogwild"})
     writer.join(10)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import io
-import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -14,32 +13,41 @@ from distsgd.runtime.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_worker_state,
+    read_shard_header,
     verify,
 )
 
 
 def _shard_lines(path: Path) -> list[str]:
-    with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as npz:
-        header = json.loads(npz["header"].tobytes())
-        lines = [
-            f"  {path.name}: shard {header['index']}, scheme {header['scheme']}, "
-            f"version {header['version']}, "
-            f"{header['num_workers']} workers ({len(header['finished'])} finished), "
-            f"pushes {header['pushes_accepted']} accepted / {header['pushes_rejected']} rejected "
-            f"({header['nonfinite_rejected']} non-finite)"
-        ]
-        for key in header["keys"]:
-            a = npz[f"values/{key}"]
-            lines.append(f"    {key:40s} {a.dtype.name}{list(a.shape)}  {a.nbytes} bytes")
-        rule = [k[5:] for k in npz.files if k.startswith("rule/")] + list(header["rule"])
-        lines.append(f"    rule state: {', '.join(rule) if rule else 'none'}")
+    header = read_shard_header(path)
+    lines = [
+        f"  {path.name}: shard {header['index']}, scheme {header['scheme']}, "
+        f"version {header['version']}, "
+        f"{header['num_workers']} workers ({len(header['finished'])} finished), "
+        f"pushes {header.get('pushes_accepted', '?')} accepted / "
+        f"{header.get('pushes_rejected', '?')} rejected "
+        f"({header.get('nonfinite_rejected', '?')} non-finite)"
+    ]
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            for key in header["keys"]:
+                a = npz[f"values/{key}"]
+                lines.append(f"    {key:40s} {a.dtype.name}{list(a.shape)}  {a.nbytes} bytes")
+            rule = [k[5:] for k in npz.files if k.startswith("rule/")] + list(header["rule"])
+    except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        # a missing parameter, an object array (it would need pickle), a damaged member
+        raise CheckpointError(
+            f"{path}: not a distsgd shard checkpoint ({type(exc).__name__} reading its "
+            "parameters); give a psN.npz of a checkpoint"
+        ) from None
+    lines.append(f"    rule state: {', '.join(rule) if rule else 'none'}")
     return lines
 
 
 def _worker_lines(path: Path) -> list[str]:
     state = load_worker_state(path)
     params = sum(int(v.numel()) for v in state["model"].values())
-    scheme_state = ", ".join(sorted(state["scheme"])) or "none"
+    scheme_state = ", ".join(sorted(map(str, state["scheme"]))) or "none"
     return [
         f"  {path.name}: worker {state['worker']}, "
         f"local step {state['local_step']} of {state['steps']}, "
@@ -60,6 +68,11 @@ def describe(path: Path) -> list[str]:
         if checkpoint is None:
             raise CheckpointError(f"{path}: no complete checkpoint")
         return [*lines, *describe(checkpoint.path)]
+    if not (path / MANIFEST).exists() and not any(path.glob("ps*.npz")):
+        raise CheckpointError(
+            f"{path}: neither a run folder (no checkpoints/) nor a checkpoint (no {MANIFEST}); "
+            "give a run folder, a checkpoint folder or one of its files"
+        )
     checkpoint = verify(path)
     m: dict[str, Any] = checkpoint.manifest
     lines = [
@@ -75,11 +88,15 @@ def describe(path: Path) -> list[str]:
 
 
 def inspect(path: Path) -> int:
+    """Print :func:`describe`; a file that is not what it should be is one line of ValueError
+    (nothing in it is ever run: worker states are read with ``weights_only``, shards without
+    pickle)."""
     if not path.exists():
         raise ValueError(f"{path}: no such file or folder; give a run folder or a checkpoint")
     try:
-        for line in describe(path):
-            print(line)
+        lines = describe(path)
     except CheckpointError as exc:
         raise ValueError(str(exc)) from None
+    for line in lines:
+        print(line)
     return 0

@@ -14,11 +14,12 @@ given. Hooks, in the order the runtime calls them::
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
+
+from distsgd.runtime.checkpoint import plain_state
 
 if TYPE_CHECKING:
     from distsgd.runtime.config import TrainConfig
@@ -46,18 +47,24 @@ class WorkerScheme(ABC):
         """The scheme's worker state for a checkpoint.
 
         The default takes every attribute except ``options``: optimizers by their own
-        ``state_dict``, everything else (counters, arrays, dicts of arrays) as a deep copy. A new
-        scheme is checkpointable without writing anything, as long as its state lives in
-        attributes.
+        ``state_dict``, everything else as a deep copy. A new scheme is checkpointable without
+        writing anything, as long as its state lives in attributes of plain types: torch
+        tensors, numpy arrays of numbers, dict (str or int keys), list, tuple, str, int, float,
+        bool, None. Any other value (a set, an object, a numpy float128) raises
+        :class:`~distsgd.runtime.checkpoint.UnsavableStateError` naming the attribute, at the
+        first checkpoint: a state file never holds Python objects (it is read with
+        ``torch.load(weights_only=True)``). Override this and :meth:`load_state_dict` to save
+        such state as plain values.
         """
         out: dict[str, Any] = {}
         for name, value in vars(self).items():
             if name == "options":
                 continue
+            where = f"{type(self).__name__}.{name}"
             if isinstance(value, torch.optim.Optimizer):
-                out[name] = {"__optimizer__": value.state_dict()}
+                out[name] = {"__optimizer__": plain_state(value.state_dict(), where, copy=False)}
             else:
-                out[name] = copy.deepcopy(value)
+                out[name] = plain_state(value, where)
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
