@@ -554,3 +554,39 @@ def test_failure_reason_is_the_error_and_the_tasks_last_log_line(tmp_path: Path)
     capture.close()
     assert capture.reason() == "task worker1 failed (exit code 1): ValueError: bad"
     assert "ValueError: bad" in (tmp_path / "launcher.log").read_text()
+
+
+def test_a_diverged_run_is_marked_in_table_and_legend(tmp_path: Path) -> None:
+    """A run the launcher named diverged keeps its numbers but says so in the table, the
+    figure's legend and compare.json; the capture finds the reason in its line."""
+    capture = _Capture(tmp_path / "launcher.log")
+    capture.write("[distsgd] done in 9s\ntest accuracy: 0.0944\n")
+    capture.write(
+        "distsgd: the run diverged: the final test accuracy 0.0944 is no better than chance "
+        "(0.1167, ...); lower --lr, or ...\n"
+    )
+    reason = capture.reason()
+    capture.close()
+    assert reason.startswith("the final test accuracy 0.0944 is no better than chance")
+    runs = [
+        SchemeRun(scheme="sync", status="ok", final_accuracy=0.97),
+        SchemeRun(scheme="hogwild", status="diverged", reason=reason, final_accuracy=0.0944),
+    ]
+    context = Context(
+        command="distsgd compare --schemes sync,hogwild",
+        label="demo",
+        workers=4,
+        ps=None,
+        seed=0,
+        target=None,
+        target_source="",
+        eval_every=4,
+        threads_per_worker=1,
+        machine={"cores": 2},
+    )
+    rows = _rows(markdown(context, runs))
+    assert rows["sync"][0] == "ok"
+    assert rows["hogwild"][0].startswith("**diverged**") and rows["hogwild"][1] == "0.0944"
+    write_json(tmp_path / "c.json", context, runs)
+    entries = json.loads((tmp_path / "c.json").read_text())["schemes"]
+    assert [e["status"] for e in entries] == ["ok", "diverged"]

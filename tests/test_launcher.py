@@ -46,7 +46,7 @@ def test_normal_end_leaves_no_process(tmp_path: Path) -> None:
     assert "[worker1]" in done.stdout and "[ps0]" in done.stdout
 
 
-def _start_slow_run(spawn, run_dir: Path, scheme: str = "sync"):  # type: ignore[no-untyped-def]
+def _start_slow_run(spawn, run_dir: Path, scheme: str = "sync", *flags: str):  # type: ignore[no-untyped-def]
     proc = spawn(
         [
             "run",
@@ -56,6 +56,7 @@ def _start_slow_run(spawn, run_dir: Path, scheme: str = "sync"):  # type: ignore
             scheme,
             "--run-dir",
             str(run_dir),
+            *flags,
             BLOBS,
             "--steps",
             "2000",
@@ -73,8 +74,9 @@ def _start_slow_run(spawn, run_dir: Path, scheme: str = "sync"):  # type: ignore
 
 
 def test_killed_worker_stops_the_run_and_every_process(spawn, tmp_path: Path) -> None:
+    """With restarts turned off (they are on by default), a dead task ends the run."""
     run_dir = tmp_path / "run"
-    proc, tree, pids = _start_slow_run(spawn, run_dir)
+    proc, tree, pids = _start_slow_run(spawn, run_dir, "sync", "--max-restarts", "0")
     os.kill(pids["worker1"], signal.SIGKILL)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1, out

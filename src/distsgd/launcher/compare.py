@@ -50,7 +50,14 @@ from distsgd.launcher.report import (
     write_json,
     write_markdown,
 )
-from distsgd.launcher.run import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, launch
+from distsgd.launcher.run import (
+    DIVERGED_PREFIX,
+    EXIT_DIVERGED,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    launch,
+)
 from distsgd.runtime.config import TrainConfig
 from distsgd.transport.security import TlsConfig
 
@@ -473,6 +480,9 @@ class _Capture:
     def reason(self) -> str:
         """'task worker1 failed (exit code 1): <its last log line>' from the launcher's error."""
         lines = [line for line in self.lines if line.strip()]
+        diverged = [line for line in lines if line.startswith(DIVERGED_PREFIX)]
+        if diverged:
+            return diverged[-1].removeprefix(DIVERGED_PREFIX).split("; ")[0]
         errors = [i for i, line in enumerate(lines) if line.startswith("distsgd: error: ")]
         if not errors:
             return lines[-1].strip() if lines else "no output"
@@ -555,7 +565,9 @@ class Comparison:
         self._write_reports()
         if interrupted:
             return EXIT_INTERRUPTED
-        return EXIT_OK if all(r.status == "ok" for r in self.runs) else EXIT_FAILED
+        if any(r.status not in ("ok", "diverged") for r in self.runs):
+            return EXIT_FAILED
+        return EXIT_DIVERGED if any(r.status == "diverged" for r in self.runs) else EXIT_OK
 
     def _calibrate(self, index: int, entry: SchemeEntry, run: SchemeRun) -> SchemeRun:
         self.calibrated = True
@@ -594,8 +606,10 @@ class Comparison:
         finally:
             wall = time.monotonic() - started
             capture.flush()
-        status = {EXIT_OK: "ok", EXIT_INTERRUPTED: "interrupted"}.get(code, "failed")
-        reason = capture.reason() if status == "failed" else ""
+        status = {EXIT_OK: "ok", EXIT_INTERRUPTED: "interrupted", EXIT_DIVERGED: "diverged"}.get(
+            code, "failed"
+        )
+        reason = capture.reason() if status in ("failed", "diverged") else ""
         capture.close()
         run = summarize(
             entry.scheme,
@@ -647,7 +661,7 @@ class Comparison:
 
 def _outcome(run: SchemeRun) -> str:
     wall = f"{run.wall_seconds:.0f}s" if run.wall_seconds is not None else "?"
-    if run.status == "ok":
+    if run.status in ("ok", "diverged"):
         score = (
             f"test accuracy {run.final_accuracy:.4f}"
             if run.final_accuracy is not None
@@ -656,12 +670,14 @@ def _outcome(run: SchemeRun) -> str:
             else "no test score"
         )
         train = f"{run.train_seconds:.1f}s" if run.train_seconds is not None else "?"
-        return f"done, {score}, {train} of training ({wall} with start-up)"
+        done = "done" if run.status == "ok" else f"DIVERGED ({run.reason})"
+        return f"{done}, {score}, {train} of training ({wall} with start-up)"
     if run.status == "interrupted":
         return f"interrupted after {wall}; the remaining schemes are skipped"
     return f"FAILED after {wall}: {run.reason}"
 
 
 def compare(config: CompareConfig, console: Console | None = None) -> int:
-    """Run every scheme of ``config``, write the reports; 0, 1 (a run failed) or 130."""
+    """Run every scheme of ``config``, write the reports; 0, 1 (a run failed), 3 (none failed
+    but one diverged) or 130."""
     return Comparison(config, console or Console()).run()

@@ -87,6 +87,10 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {self.workers}")
+        if Path(self.script).is_dir():
+            raise ValueError(
+                f"script {self.script} is a folder; give the path of a Python file in it"
+            )
         if not Path(self.script).is_file():
             raise ValueError(f"script {self.script} not found; give the path of a Python file")
         spec = schemes.get(self.scheme)

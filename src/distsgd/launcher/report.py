@@ -58,8 +58,9 @@ class Curves:
 
 @dataclass(frozen=True, kw_only=True)
 class SchemeRun:
-    """One entry's run as the reports show it. ``status`` is ok, failed, interrupted or not run;
-    numbers are None when the run did not produce them."""
+    """One entry's run as the reports show it. ``status`` is ok, diverged (finished, but see
+    ``reason``), failed, interrupted or not run; numbers are None when the run did not produce
+    them."""
 
     scheme: str
     """The scheme's name."""
@@ -394,7 +395,7 @@ def _cell(text: str) -> str:
 
 
 def _row(run: SchemeRun, target: float | None) -> str:
-    if run.status != "ok":
+    if run.status not in ("ok", "diverged"):
         why = f"{run.status}: {run.reason}" if run.reason else run.status
         cells = [f"`{run.label}`", f"**{why}**", *["" for _ in range(7)]]
         return "| " + " | ".join(_cell(c) for c in cells) + " |"
@@ -406,7 +407,7 @@ def _row(run: SchemeRun, target: float | None) -> str:
         reach = f"{run.seconds_to_target:.1f}"
     cells = [
         f"`{run.label}`",
-        "ok",
+        "ok" if run.status == "ok" else f"**diverged**: {run.reason}",
         _number(run.final_accuracy),
         _number(run.final_test_loss),
         reach,

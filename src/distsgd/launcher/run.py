@@ -61,6 +61,10 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 
 CONFIG_FILE = "config.json"
 
 
+DIVERGED_PREFIX = "distsgd: the run diverged: "
+"""How the launcher's line about a diverged run begins (then the reason and the fix)."""
+
+
 class RunFailed(RuntimeError):
     """A task failed or the run could not start; the message says which and why."""
 
@@ -108,7 +112,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         console.error(f"distsgd: error: {exc}")
         return EXIT_FAILED
     except Diverged as exc:
-        console.error(f"distsgd: the run diverged: {exc}; {FIX}")
+        console.error(f"{DIVERGED_PREFIX}{exc}; {FIX}")
         return EXIT_DIVERGED
     finally:
         supervisor.stop()

@@ -89,7 +89,7 @@ class Supervisor:
                 return task
         return None
 
-    def stop(self, names: Sequence[str] | None = None, *, grace: float = 5.0) -> None:
+    def stop(self, names: Sequence[str] | None = None, *, grace: float = 2.0) -> None:
         """End the named tasks (default: all): SIGTERM to each group, SIGKILL after ``grace``."""
         tasks = [self.tasks[n] for n in names] if names is not None else list(self.tasks.values())
         for task in tasks:

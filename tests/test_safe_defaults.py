@@ -1,0 +1,115 @@
+"""Without any flag: faults are survived, divergence is named, Ctrl-C leaves nothing behind,
+and a parameter server restored after the chief finished does not hang the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SCRIPTS, alive, final_accuracy, metrics, run_distsgd, task_pids, wait_for
+
+from distsgd.launcher.run import EXIT_DIVERGED
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.xdist_group("demo-runs")
+@pytest.mark.parametrize("fault", ["kill:worker:1@step=40", "kill:ps:0@step=60"])
+def test_faults_are_survived_without_flags(fault: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run_distsgd(
+        [
+            "demo",
+            "--scheme",
+            "hogwild",
+            "--inject-fault",
+            fault,
+            "--quiet",
+            "--run-dir",
+            str(run_dir),
+        ]
+    )
+    accuracy = final_accuracy(done)
+    assert accuracy >= 0.95, accuracy
+    events = [r for r in metrics(run_dir) if r.get("event") == "fault"]
+    target = fault.split(":")[1] + fault.split(":")[2].split("@")[0]
+    assert [e["target"] for e in events] == [target], events
+    assert events[0]["action"].startswith("restart")
+
+
+@pytest.mark.xdist_group("demo-runs")
+def test_divergence_is_named_and_exits_nonzero(tmp_path: Path) -> None:
+    """Hogwild at lr 2 on 4 workers ends at chance: exit 3, a line saying so, result.json."""
+    run_dir = tmp_path / "run"
+    args = ["demo", "--scheme", "hogwild", "--workers", "4", "--lr", "2", "--quiet"]
+    done = run_distsgd([*args, "--run-dir", str(run_dir)])
+    assert done.returncode == EXIT_DIVERGED, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if "diverged" in line]
+    assert len(lines) == 1 and "--lr" in lines[0], done.stderr
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["diverged"] is True and result["divergence"] in lines[0]
+
+
+def test_nonfinite_loss_stops_the_run_without_restarts(tmp_path: Path) -> None:
+    """A loss that becomes infinite or NaN ends the run at once (a restart would diverge again)."""
+    run_dir = tmp_path / "run"
+    args = ["run", "--scheme", "allreduce", "--quiet", "--run-dir", str(run_dir), "--lr", "1e30"]
+    done = run_distsgd([*args, str(SCRIPTS / "blobs.py"), "--steps", "200"])
+    assert done.returncode == EXIT_DIVERGED, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "the run diverged" in done.stderr and "training loss became" in done.stderr
+    faults = [r for r in metrics(run_dir) if r.get("event") == "fault"]
+    assert all(f["action"] == "stop" for f in faults) and faults, faults
+    assert json.loads((run_dir / "result.json").read_text())["diverged"] is True
+
+
+@pytest.mark.xdist_group("demo-runs")
+def test_sigint_leaves_no_process_after_3_seconds(spawn, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = spawn(["demo", "--scheme", "sync", "--quiet", "--run-dir", str(run_dir)])
+    assert wait_for(lambda: len(metrics(run_dir)) >= 4, 90), "no progress"
+    pids = list(task_pids(run_dir).values())
+    tree = [p.pid for p in proc.children(recursive=True)]
+    assert set(pids) <= set(tree)
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    assert wait_for(lambda: alive([proc.pid, *tree]) == [], 3.0), alive([proc.pid, *tree])
+    assert time.monotonic() - sent <= 3.0
+    assert proc.wait(timeout=5) == 130
+
+
+@pytest.mark.xdist_group("demo-runs")
+def test_ps_killed_after_the_chief_finished(spawn, tmp_path: Path) -> None:
+    """The chief (no delay) finishes first and waits; ps0 is killed while the slow workers still
+    push. The restored server must learn who had finished (no hang until a timeout), and it
+    restores from a checkpoint taken after the chief finished, losing at most one interval."""
+    run_dir = tmp_path / "run"
+    args = ["demo", "--scheme", "agn", "--workers", "4", "--checkpoint-every", "20", "--quiet"]
+    for i in (1, 2, 3):
+        args += ["--inject-fault", f"delay:worker:{i}=40ms"]
+    started = time.monotonic()
+    proc = spawn([*args, "--run-dir", str(run_dir)])
+
+    def finished(task: str) -> list[dict]:
+        return [
+            r
+            for r in metrics(run_dir)
+            if r.get("task") == task and r.get("event") == "finished_steps"
+        ]
+
+    assert wait_for(lambda: finished("worker0") != [], 120), "the chief did not finish"
+    finished_at = finished("worker0")[0]["step"]
+    assert not any(finished(f"worker{i}") for i in (1, 2, 3)), "the others finished too soon"
+    time.sleep(2.0)  # let the others push on, past the chief's end
+    os.kill(task_pids(run_dir)["ps0"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert time.monotonic() - started < 120
+    fault = next(r for r in metrics(run_dir) if r.get("event") == "fault")
+    assert fault["target"] == "ps0" and fault["action"] == "restart", fault
+    assert fault["restored_version"] > finished_at, (fault, finished_at)
+    assert fault["lost_updates"] <= 40, fault
+    assert float(out.strip().splitlines()[-1].split(":")[1]) >= 0.9, out[-500:]
