@@ -190,6 +190,8 @@ def _structure_problem(state: Any) -> str | None:
         return f"a {type(state).__name__}, not a dict"
     required = ("format", *_COUNTERS, "position", "model", "scheme", "scheme_name")
     missing = [key for key in required if key not in state]
+    if len(missing) == len(required) and all(isinstance(v, torch.Tensor) for v in state.values()):
+        return f"a model's state_dict of {len(state)} tensors, like final_model.pt"
     if missing:
         return "no " + ", ".join(repr(k) for k in missing)
     if state["format"] not in READABLE_WORKER_FORMATS:
