@@ -1,15 +1,130 @@
-"""Data for one worker: a disjoint shard of the training set, in seeded random order."""
+"""Data for one worker: a disjoint shard of the training set, in seeded random order; and how
+a batch is read: what the model is called with, and what the loss compares its output to.
+
+**How distsgd reads a batch** (as ``torch.utils.data.default_collate`` batched the items):
+
+* a tuple (or list) ``(inputs, target)``: ``model(inputs)``;
+* a tuple ``(x1, x2, ..., target)``: the last element is the target, ``model(x1, x2, ...)``;
+* a dict (mapping) with exactly one target key, the first of :data:`TARGET_KEYS` present
+  (``"target"``, ``"targets"``, ``"label"``, ``"labels"``, ``"y"``): every other key is a
+  keyword argument, ``model(**rest)``, as Hugging Face models are called;
+* anything else, or another split: a ``batch_fn(batch) -> (inputs, target)``, where
+  ``inputs`` is a tuple of positional arguments, a dict of keyword arguments, or one input.
+
+Then ``loss_fn(model(...), target)``. Tensors anywhere inside (nested tuples, lists, dicts) are
+moved to the model's device; other values, such as strings, are passed on as they are.
+:func:`check_data` refuses an unreadable first item before training starts.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import inspect
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 DataLike = Dataset[Any] | Sequence[Any] | tuple[Any, Any]
+
+BatchFn = Callable[[Any], tuple[Any, Any]]
+"""``batch_fn(batch) -> (inputs, target)``: ``inputs`` a tuple of positional arguments of the
+model, a dict of keyword arguments, or one input."""
+
+TARGET_KEYS = ("target", "targets", "label", "labels", "y")
+"""The keys under which a dict item holds its target."""
+
+READABLE = (
+    "distsgd reads (inputs, target) tuples, (x1, ..., target) tuples or dicts with a 'target' "
+    "key ('targets', 'label', 'labels' or 'y' too); pass batch_fn= to read anything else"
+)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch, split: the model is called ``model(*args, **kwargs)``, the loss compares
+    its output to ``target``."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    target: Any = None
+
+    def to(self, device: torch.device) -> Batch:
+        """The same batch with every tensor in it on ``device``."""
+        return Batch(
+            to_device(self.args, device),
+            to_device(self.kwargs, device),
+            to_device(self.target, device),
+        )
+
+    def forward(self, model: nn.Module) -> Any:
+        return model(*self.args, **self.kwargs)
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor inside it (tuples, lists, dicts, nested) moved to ``device``;
+    anything else is returned as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(to_device(v, device) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+def _keywords(mapping: Mapping[Any, Any], what: str) -> dict[str, Any]:
+    bad = [k for k in mapping if not isinstance(k, str)]
+    if bad:
+        raise ValueError(
+            f"{what} has the non-string key {bad[0]!r}; the model's keyword arguments need "
+            "string keys: pass batch_fn= to read it"
+        )
+    return dict(mapping)
+
+
+def split_batch(batch: Any, batch_fn: BatchFn | None = None, what: str = "a batch") -> Batch:
+    """Split ``batch`` into the model's arguments and the target (module docstring)."""
+    if batch_fn is not None:
+        got = batch_fn(batch)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise ValueError(
+                f"batch_fn returned {_kind(got)} for {what}; return (inputs, target), inputs "
+                "a tuple of positional arguments, a dict of keyword arguments or one input"
+            )
+        inputs, target = got
+        if isinstance(inputs, tuple):
+            return Batch(inputs, {}, target)
+        if isinstance(inputs, Mapping):
+            return Batch((), _keywords(inputs, "batch_fn's inputs"), target)
+        return Batch((inputs,), {}, target)
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return Batch(tuple(batch[:-1]), {}, batch[-1])
+    if isinstance(batch, Mapping):
+        keys = [k for k in TARGET_KEYS if k in batch]
+        if len(keys) == 1:
+            rest = {k: v for k, v in batch.items() if k != keys[0]}
+            return Batch((), _keywords(rest, what), batch[keys[0]])
+        if len(keys) > 1:
+            raise ValueError(
+                f"{what} is a dict with the target keys {', '.join(map(repr, keys))}; which is "
+                "the target? keep one, or pass batch_fn= to say"
+            )
+        shown = ", ".join(map(repr, list(batch)[:6]))
+        raise ValueError(f"{what} is a dict with the keys {shown} but no target key; {READABLE}")
+    raise ValueError(f"{what} is {_kind(batch)}; {READABLE}")
 
 
 def as_dataset(data: Any, name: str = "train_data") -> Dataset[Any]:
@@ -86,3 +201,67 @@ class ShardedBatches:
                 yield fetch(self.dataset, order[b * self.batch_size : (b + 1) * self.batch_size])
             self.epoch += 1
             self.batch = 0
+
+
+def check_data(
+    dataset: Dataset[Any],
+    name: str,
+    *,
+    batch_fn: BatchFn | None = None,
+    model: nn.Module | None = None,
+) -> None:
+    """Refuse, with a ``ValueError`` naming what it got, a data set whose first item distsgd
+    cannot read, or whose inputs ``model.forward`` cannot take: before the first step.
+
+    Reading the item leaves the random generators as they were (an augmenting data set may
+    draw from them), so a run is the same with the check as without it.
+    """
+    if len(dataset) == 0:  # type: ignore[arg-type]
+        return
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            split = _read_first(dataset, name, batch_fn)
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+    if model is not None:
+        _check_forward(model, split, name)
+
+
+def _read_first(dataset: Dataset[Any], name: str, batch_fn: BatchFn | None) -> Batch:
+    if batch_fn is None:
+        split_batch(dataset[0], None, f"{name} item")
+    try:
+        batch = fetch(dataset, torch.tensor([0]))
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(
+            f"{name} items cannot be batched by torch's default_collate "
+            f"({str(exc).splitlines()[0]}); {READABLE}"
+        ) from exc
+    try:
+        return split_batch(batch, batch_fn, f"a batch of {name}")
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(
+            f"batch_fn raised {type(exc).__name__}: {exc} on a batch of {name}'s first item; "
+            "fix batch_fn"
+        ) from exc
+
+
+def _check_forward(model: nn.Module, split: Batch, name: str) -> None:
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a compiled or built-in forward: nothing to check
+        return
+    try:
+        signature.bind(*split.args, **split.kwargs)
+    except TypeError as exc:
+        given = [f"{len(split.args)} positional"] if split.args else []
+        given += [f"keywords {', '.join(split.kwargs)}"] if split.kwargs else []
+        raise ValueError(
+            f"{type(model).__name__}.forward{signature} cannot take the inputs of {name} "
+            f"({' and '.join(given) or 'none'}): {exc}; pass batch_fn= to say what the "
+            "model gets"
+        ) from exc

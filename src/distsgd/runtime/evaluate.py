@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from distsgd.runtime.data import fetch
+from distsgd.runtime.data import BatchFn, fetch, split_batch
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -22,6 +22,7 @@ def evaluate(
     *,
     batch_size: int,
     device: torch.device,
+    batch_fn: BatchFn | None = None,
 ) -> dict[str, float]:
     """``{"loss": ..., "accuracy": ..., "chance": ...}`` over the data set.
 
@@ -35,11 +36,18 @@ def evaluate(
     counts: torch.Tensor | None = None
     try:
         for start in range(0, n, batch_size):
-            x, y = fetch(dataset, torch.arange(start, min(n, start + batch_size)))
-            x, y = x.to(device), y.to(device)
-            out = model(x)
-            total_loss += float(loss_fn(out, y)) * len(y)
-            if classified and out.dim() == 2 and y.dim() == 1 and not torch.is_floating_point(y):
+            indices = torch.arange(start, min(n, start + batch_size))
+            batch = split_batch(fetch(dataset, indices), batch_fn).to(device)
+            out, y = batch.forward(model), batch.target
+            total_loss += float(loss_fn(out, y)) * len(indices)
+            if (
+                classified
+                and isinstance(out, torch.Tensor)
+                and isinstance(y, torch.Tensor)
+                and out.dim() == 2
+                and y.dim() == 1
+                and not torch.is_floating_point(y)
+            ):
                 correct += int((out.argmax(dim=1) == y).sum())
                 if y.numel() and int(y.min()) >= 0:  # not e.g. an ignore_index of -100
                     batch_counts = torch.bincount(y.reshape(-1).cpu(), minlength=out.shape[1])
