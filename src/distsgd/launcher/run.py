@@ -24,9 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import numpy as np
-
-from distsgd.cluster import ClusterSpec
+from distsgd.cluster import ClusterSpec, TaskId
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.progress import Console, Progress
@@ -34,10 +32,12 @@ from distsgd.launcher.supervisor import Supervisor, Task
 from distsgd.runtime.checkpoint import (
     INCOMPLETE,
     Checkpoint,
+    CheckpointError,
     latest_checkpoint,
-    load_worker_state,
     newest_shard_file,
     newest_worker_state,
+    read_shard_header,
+    worker_state_step,
 )
 from distsgd.runtime.divergence import DIVERGED_EXIT_CODE, FIX
 from distsgd.runtime.faults import Fault
@@ -451,12 +451,16 @@ class LocalRun:
         )
         if self.stop.wait(backoff):
             raise Interrupted
-        if task.name.startswith("ps"):
-            self._restart_ps(int(task.name[2:]), code, step)
-        elif self.collective:
-            self._restart_all(task.name, code, step, "collective schemes restart every worker")
-        else:
-            self._restart_worker(int(task.name[6:]), code, step)
+        restart = TaskId.parse(task.name)
+        try:
+            if restart.job == "ps":
+                self._restart_ps(restart.index, code, step)
+            elif self.collective:
+                self._restart_all(task.name, code, step, "collective schemes restart every worker")
+            else:
+                self._restart_worker(restart.index, code, step)
+        except CheckpointError as exc:  # e.g. a checkpoint file that holds code
+            raise RunFailed(f"{task.name} cannot be restarted: {exc}") from None
         _write_tasks(self.run_dir, self.supervisor)
 
     def _fault(self, target: str, code: int, step: int, action: str, **cost: Any) -> None:
@@ -469,7 +473,7 @@ class LocalRun:
         name = f"worker{index}"
         resume = newest_worker_state(self.ckpt_root, index) if self.checkpointing else None
         reached = self.progress.local_steps.get(name, 0)
-        resumed_at = 0 if resume is None else int(load_worker_state(resume)["local_step"])
+        resumed_at = 0 if resume is None else worker_state_step(resume)
         self._fault(
             name,
             code,
@@ -485,7 +489,7 @@ class LocalRun:
         if shard_file is None:
             self._restart_all(f"ps{index}", code, step, "no checkpoint to restore the shard from")
             return
-        restored = _shard_version(shard_file)
+        restored = int(read_shard_header(shard_file)["version"])
         self._fault(
             f"ps{index}",
             code,
@@ -572,12 +576,6 @@ class LocalRun:
                 write_atomic(result_path, json.dumps(result, indent=2) + "\n")
             raise Diverged(str(reason))
         return EXIT_OK
-
-
-def _shard_version(path: Path) -> int:
-    """The version a shard file holds (read from its JSON header only)."""
-    with np.load(path, allow_pickle=False) as npz:
-        return int(json.loads(npz["header"].tobytes())["version"])
 
 
 def _wait_for_address(task: Task, path: Path, timeout: float) -> str:

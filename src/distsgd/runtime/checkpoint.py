@@ -53,6 +53,9 @@ from distsgd.util import write_atomic, write_bytes_atomic
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
+SHARDS_PREFIX = "shards-"
+"""Folders of server-only checkpoints (``shards-<version>/ps<j>.npz``, no manifest) that the
+chief takes while it waits for the other workers to finish."""
 KEEP = 3
 INCOMPLETE = "incomplete (no"
 FORMAT = 1

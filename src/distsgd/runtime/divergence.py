@@ -3,8 +3,10 @@
 A run has diverged when
 
 * a worker's training loss becomes NaN or infinite (the worker stops at once), or
-* the training loss ends above where it started (the mean of a worker's last
-  :data:`WINDOW` logged losses against the mean of its first :data:`WINDOW`), or
+* the training loss ends clearly above where it started: the mean of a worker's last
+  :data:`WINDOW` losses exceeds the mean of its first :data:`WINDOW` by more than
+  :data:`SIGMAS` standard errors of the difference (a loss that merely wobbles on a plateau
+  is not flagged; a worker resumed from a checkpoint is judged only on a run from step 0), or
 * the chief's final test accuracy is at or below chance: the share of the test set's most
   frequent class, which a model that always answers that class scores (with a margin of
   :data:`CHANCE_MARGIN` for the noise of a collapsed model's answers).
@@ -18,10 +20,14 @@ last two rules finishes normally, and its ``result.json`` says ``"diverged": tru
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 
 WINDOW = 10
 """Losses averaged at each end of a worker's run."""
+
+SIGMAS = 3.0
+"""How many standard errors above its start the loss must end to count as diverged."""
 
 CHANCE_MARGIN = 0.02
 """Final accuracy up to this much above chance still counts as chance."""
@@ -40,15 +46,19 @@ class Diverged(FloatingPointError):
 class DivergenceMonitor:
     """Follows one worker's training loss; :meth:`observe` raises on a non-finite loss."""
 
-    def __init__(self, name: str, window: int = WINDOW) -> None:
+    def __init__(self, name: str, window: int = WINDOW, *, from_start: bool = True) -> None:
         self.name = name
         self.first: list[float] = []
         self.last: deque[float] = deque(maxlen=window)
         self.window = window
+        self.seen = 0
+        self.from_start = from_start
+        """False for a worker resumed mid-run: its first losses are not the run's start."""
 
     def observe(self, loss: float, step: int) -> None:
         if not math.isfinite(loss):
             raise Diverged(f"{self.name}: the training loss became {loss} at step {step}")
+        self.seen += 1
         if len(self.first) < self.window:
             self.first.append(loss)
         self.last.append(loss)
@@ -64,9 +74,12 @@ class DivergenceMonitor:
     def loss_verdict(self) -> str | None:
         """Why the run counts as diverged by its loss, or None. Needs two full windows."""
         start, end = self.start_loss, self.end_loss
-        if start is None or end is None or len(self.first) + len(self.last) < 2 * self.window:
+        if start is None or end is None or not self.from_start or self.seen < 2 * self.window:
             return None
-        if end > start:
+        spread = math.sqrt(
+            (statistics.variance(self.first) + statistics.variance(self.last)) / self.window
+        )
+        if end > start + SIGMAS * spread:
             return (
                 f"{self.name}: the training loss ended at {end:.4g}, above where it started "
                 f"({start:.4g}; means of the first and last {self.window} steps)"

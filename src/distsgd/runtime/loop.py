@@ -35,7 +35,7 @@ from distsgd.runtime.checkpoint import (
 from distsgd.runtime.collective import Collective
 from distsgd.runtime.config import TrainConfig, lr_factor
 from distsgd.runtime.context import WorkerContext
-from distsgd.runtime.data import ShardedBatches
+from distsgd.runtime.data import BatchFn, ShardedBatches, split_batch
 from distsgd.runtime.divergence import Diverged, DivergenceMonitor, accuracy_verdict
 from distsgd.runtime.evaluate import LossFn, evaluate
 from distsgd.runtime.faults import FaultInjector
@@ -133,6 +133,7 @@ def run_worker(
     config: TrainConfig,
     env: TaskEnv,
     scheme: WorkerScheme,
+    batch_fn: BatchFn | None = None,
 ) -> TrainResult:
     """Train this worker's part of the run under ``scheme``; see the module docstring."""
     env = env.with_ps_addresses(env.startup_timeout)
@@ -237,6 +238,7 @@ def run_worker(
             )
         ckpt = None
         if run_dir is not None and (env.checkpoint_every or env.checkpoint_seconds):
+            scheme.state_dict()  # a state that cannot be saved fails now, not at a checkpoint
             ckpt = Checkpointer(
                 run_dir=run_dir,
                 rank=rank,
@@ -258,7 +260,7 @@ def run_worker(
                 "steps": steps,
             }
 
-        watch = DivergenceMonitor(name)
+        watch = DivergenceMonitor(name, from_start=start_step == 0)
         eval_model = (
             copy.deepcopy(model) if chief and test_set is not None and config.eval_every else None
         )
@@ -271,15 +273,14 @@ def run_worker(
                 ckpt.maybe_save_worker(ctx.local_step, start_step, worker_state)
             faults.before_step(ctx.global_step)
             ctx.set_lr_scale(lr_factor(config.lr_schedule, ctx.local_step, steps, config.warmup))
-            x, y = next(batch_iter)
-            x, y = x.to(device), y.to(device)
+            batch = split_batch(next(batch_iter), batch_fn).to(device)
             scheme.before_step(ctx)
             if ckpt is not None and chief:
                 ckpt.maybe_checkpoint_servers(
                     None if ps is None else ps.checkpoint, {"scheme": env.scheme, "steps": steps}
                 )
             model.zero_grad(set_to_none=False)
-            loss = loss_fn(model(x), y)
+            loss = loss_fn(batch.forward(model), batch.target)
             loss.backward()
             loss_value = float(loss.detach())
             watch.observe(loss_value, ctx.local_step)
@@ -307,7 +308,12 @@ def run_worker(
             ):
                 _load_eval_params(ctx, scheme, eval_model)
                 scores = evaluate(
-                    eval_model, test_set, loss_fn, batch_size=config.eval_batch_size, device=device
+                    eval_model,
+                    test_set,
+                    loss_fn,
+                    batch_size=config.eval_batch_size,
+                    device=device,
+                    batch_fn=batch_fn,
                 )
                 metrics.log(
                     step=ctx.global_step,
@@ -321,15 +327,16 @@ def run_worker(
             ckpt.save_worker(worker_state(), ctx.local_step)
         if ps is not None:
             ps.leave()  # before waiting on checkpoints: a sync step may wait for this leave
-            if chief:
-                _wait_all_finished(
-                    ps,
-                    world,
-                    env.wait_timeout,
-                    save=None if ckpt is None else _shard_saver(ps),
-                    every_versions=env.checkpoint_every,
-                    every_seconds=env.checkpoint_seconds or 10.0,
-                )
+        metrics.log(step=ctx.global_step, local_step=ctx.local_step, event="finished_steps")
+        if ps is not None and chief:
+            _wait_all_finished(
+                ps,
+                world,
+                env.wait_timeout,
+                save=None if ckpt is None else _shard_saver(ps),
+                every_versions=env.checkpoint_every,
+                every_seconds=env.checkpoint_seconds or 10.0,
+            )
         if ckpt is not None:
             ckpt.close()
         result = TrainResult(
@@ -360,6 +367,7 @@ def run_worker(
                 metrics,
                 ps,
                 device,
+                batch_fn,
             )
         log.info("%s: done, %d steps in %.1fs", name, ctx.local_step, seconds)
         if collective is not None:
@@ -412,6 +420,7 @@ def _finish_chief(
     metrics: MetricsWriter,
     ps: ParameterClient | None,
     device: torch.device,
+    batch_fn: BatchFn | None,
 ) -> TrainResult:
     if ps is not None and scheme.evaluate_on == "server":
         version, arrays = ps.pull(record=False)
@@ -420,7 +429,12 @@ def _finish_chief(
         result = TrainResult(**{**asdict(result), "global_step": ctx.global_step})
     if test_set is not None:
         scores = evaluate(
-            model, test_set, loss_fn, batch_size=config.eval_batch_size, device=device
+            model,
+            test_set,
+            loss_fn,
+            batch_size=config.eval_batch_size,
+            device=device,
+            batch_fn=batch_fn,
         )
         result = TrainResult(
             **{
