@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from distsgd.ps import start_server
+from distsgd.ps.rules import MAX_LR_SCALE
 from distsgd.schemes import make_server_rule, names
 from distsgd.transport import METADATA_KEY, PROTOCOL_VERSION, RemoteError, ShardClient
 from distsgd.transport.codec import ALLOWED_DTYPES, ChunkAssembler, WireError, iter_chunks
@@ -310,12 +311,17 @@ def assembles(tensors: list[pb.TensorSpec], rest: list[Any]) -> bool:
     return True
 
 
+def lr_scale_ok(value: float) -> bool:
+    """What a server accepts as ``PushHeader.lr_scale``: 0 (= 1.0) or finite in (0, 1000]."""
+    return value == 0 or 0 < value <= MAX_LR_SCALE
+
+
 def push_would_apply(messages: list[pb.PushRequest]) -> bool:
     """A correct server applies exactly these pushes (hogwild applies every valid one)."""
     if not messages or messages[0].WhichOneof("part") != "header":
         return False
     head = messages[0].header
-    if not header_ok(head.header):
+    if not header_ok(head.header) or not lr_scale_ok(head.lr_scale):
         return False
     for spec in head.tensors:
         if spec.key not in SPECS or (spec.dtype, tuple(spec.shape)) != SPECS[spec.key]:
@@ -358,17 +364,28 @@ def check_register(t: Target, messages: list[pb.RegisterRequest]) -> None:
 # --------------------------------------------------------------------------- tests
 
 
+lr_scales = st.one_of(
+    st.just(0.0),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -1.0, MAX_LR_SCALE * 1.0001]),
+)
+"""Valid and invalid ``lr_scale`` values; a push with an invalid one is refused as a whole."""
+
+
 @FUZZ
 @given(
     header=headers,
     base_version=U64,
     stream=tensor_streams(),
     framing=st.sampled_from(FRAMINGS),
+    lr_scale=lr_scales,
 )
-def test_fuzz_push(target: Target, header, base_version, stream, framing) -> None:
+def test_fuzz_push(target: Target, header, base_version, stream, framing, lr_scale) -> None:
     tensors, chunks, _ = stream
     assume(_safe_to_send(tensors))  # the service checks pushed specs first; stay safe anyway
-    head = pb.PushHeader(header=header, base_version=base_version, tensors=tensors)
+    head = pb.PushHeader(
+        header=header, base_version=base_version, tensors=tensors, lr_scale=lr_scale
+    )
     messages = _frame(pb.PushRequest, head, chunks, framing)
     assume(not push_would_apply(messages))
     check_push(target, messages)
@@ -417,8 +434,11 @@ def test_fuzz_pull(target: Target, header, min_version, wait_seconds, server_inc
         server_incarnation=server_incarnation,
     )
     code, reply = call(target.stub.Pull, request, timeout=PULL_TIMEOUT)
+    bad_wait = math.isnan(wait_seconds) or wait_seconds < 0
     if not header_ok(header):
         assert code in REFUSED_HEADER
+    elif bad_wait:  # refused before anything else, whatever the version
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, code
     elif code == grpc.StatusCode.OK:  # a pull is read-only: check what it sent
         assert reply[0].WhichOneof("part") == "header"
         assert reply[0].header.version == target.version

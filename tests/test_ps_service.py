@@ -24,7 +24,7 @@ def _arrays() -> dict[str, np.ndarray]:
     return {
         "w#0": np.arange(12, dtype=np.float32).reshape(3, 4) / 10,
         "b#0": np.array([1.0, -2.0, 3.0], dtype=np.float32),
-        "step#0": np.array([7], dtype=np.int64),
+        "step#0": np.array([7.0], dtype=np.float64),
     }
 
 
@@ -96,7 +96,7 @@ def test_register_pull_round_trip(server) -> None:
         assert [(t.key, t.dtype, list(t.shape)) for t in info.tensors] == [
             ("w#0", "float32", [3, 4]),
             ("b#0", "float32", [3]),
-            ("step#0", "int64", [1]),
+            ("step#0", "float64", [1]),
         ]
         # Registering the same model again is idempotent.
         again = _register(client)

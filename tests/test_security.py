@@ -37,6 +37,9 @@ from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
 
 SECRET = "s3cret-" + "ab" * 20
+OTHER_SECRET = "wrong-" + "cd" * 20
+"""A secret of valid length that is not the server's."""
+ENV_SECRET = "e" * 40
 HOGWILD = {"lr": 0.5, "momentum": 0.0}
 
 
@@ -176,7 +179,7 @@ def test_unknown_method_is_refused_without_secret(secured) -> None:
 
 def test_shard_client_with_wrong_secret_gets_unauthenticated(secured) -> None:
     address, service = secured
-    with _client(address, worker=0, secret="wrong") as bad:
+    with _client(address, worker=0, secret=OTHER_SECRET) as bad:
         with pytest.raises(RemoteError) as err:
             _register(bad)  # on an unregistered server
         assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
@@ -256,7 +259,7 @@ def test_write_secret_file_is_0600_and_loads(tmp_path: Path) -> None:
 def test_load_secret_from_env_first(tmp_path: Path) -> None:
     path = tmp_path / "secret"
     write_secret_file(path)
-    assert load_secret({SECRET_ENV: "  abc \n", SECRET_FILE_ENV: str(path)}) == "abc"
+    assert load_secret({SECRET_ENV: f"  {ENV_SECRET} \n", SECRET_FILE_ENV: str(path)}) == ENV_SECRET
     assert load_secret({}) is None
     with pytest.raises(ValueError, match=SECRET_ENV):
         load_secret({SECRET_ENV: "   "})
@@ -266,20 +269,20 @@ def test_load_secret_from_env_first(tmp_path: Path) -> None:
 
 def test_load_secret_uses_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
-    monkeypatch.setenv(SECRET_ENV, "from-env")
-    assert load_secret() == "from-env"
+    monkeypatch.setenv(SECRET_ENV, ENV_SECRET)
+    assert load_secret() == ENV_SECRET
 
 
 def test_load_secret_refuses_a_file_others_can_read(tmp_path: Path) -> None:
     path = tmp_path / "secret"
-    path.write_text("abc\n")
+    path.write_text(ENV_SECRET + "\n")
     path.chmod(0o644)
     with pytest.raises(ValueError) as err:
         load_secret({SECRET_FILE_ENV: str(path)})
     message = str(err.value)
     assert "\n" not in message and str(path) in message and f"chmod 600 {path}" in message
     path.chmod(0o600)
-    assert load_secret({SECRET_FILE_ENV: str(path)}) == "abc"
+    assert load_secret({SECRET_FILE_ENV: str(path)}) == ENV_SECRET
 
 
 def test_load_secret_file_errors_are_one_line(tmp_path: Path) -> None:
@@ -298,11 +301,15 @@ def test_exposure_warning() -> None:
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("[::1]")
     assert is_loopback("127.1.2.3")
     assert not is_loopback("0.0.0.0") and not is_loopback("[::]") and not is_loopback("10.0.0.1")
-    assert exposure_warning("127.0.0.1:5000", secret=None, tls=None) is None
+    assert exposure_warning("127.0.0.1:5000", secret=SECRET, tls=None) is None
+    assert exposure_warning("[::1]:5000", secret=SECRET, tls=None) is None
+    # No secret warns on every address, loopback included: every local user can connect.
+    for loopback in ("127.0.0.1:5000", "localhost:5000", "[::1]:5000"):
+        assert "without a run secret" in str(exposure_warning(loopback, secret=None, tls=None))
     assert "without authentication or TLS" in str(
         exposure_warning("0.0.0.0:5000", secret=None, tls=None)
     )
-    assert "plaintext" in str(exposure_warning("[::]:5000", secret="x", tls=None))
+    assert "plaintext" in str(exposure_warning("[::]:5000", secret=SECRET, tls=None))
 
 
 def test_serve_warns_on_non_loopback_without_tls(

@@ -18,7 +18,7 @@ import numpy as np
 
 from distsgd.ps.partition import PartitionPlan
 from distsgd.transport.client import PushResult, ShardClient
-from distsgd.transport.errors import RemoteError
+from distsgd.transport.errors import PushReject, RemoteError
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.security import TlsConfig
 
@@ -173,7 +173,8 @@ class ParameterClient:
                 # The server is down (or restarting): this update is lost, training goes on;
                 # the next pull waits, with backoff, until the server is back.
                 log.warning("push to ps%d lost: %s", i, exc.message)
-                return PushResult(False, self.versions[i], f"lost: {exc.message}")
+                lost = PushReject.LOST
+                return PushResult(False, self.versions[i], f"{lost.label}: {exc.message}", lost)
 
         results = self._each(one)
         return results

@@ -7,15 +7,36 @@ scheme name to its rule (dependency injection keeps this layer below the schemes
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
+from distsgd.transport.errors import PushReject
+
 if TYPE_CHECKING:
     from distsgd.ps.shard import Shard
+
+MAX_LR_SCALE = 1e3
+"""Largest ``PushHeader.lr_scale`` a server accepts (a schedule factor is at most 1 in practice)."""
+
+MAX_RATE = 1e4
+"""Largest learning rate a server rule accepts (``lr``, ``server_lr``)."""
+
+MAX_WORKERS = 1 << 16
+"""Most workers a run may register (``RegisterHeader.num_workers``)."""
+
+MAX_OPTIONS_BYTES = 64 << 10
+"""Largest ``RegisterHeader.options_json`` (64 KiB of UTF-8)."""
+
+MAX_OPTIONS_DEPTH = 4
+"""Deepest nesting of arrays and objects in ``options_json`` (a flat object is depth 1)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,13 +52,204 @@ class PushMeta:
 
 @dataclass(frozen=True)
 class PushOutcome:
-    """Whether the shard applied a push, and if not, why."""
+    """Whether the shard applied a push, and if not, why: ``reject`` typed, ``reason`` in words.
+
+    Build a refusal with :meth:`refused`, which starts the words with the reject's label.
+    """
 
     accepted: bool
     reason: str = ""
+    reject: PushReject = PushReject.NONE
+
+    def __post_init__(self) -> None:
+        assert self.accepted == (self.reject is PushReject.NONE), "refusals carry a reject"
+
+    @classmethod
+    def refused(cls, reject: PushReject, detail: str) -> PushOutcome:
+        """A push not applied because of ``reject``; ``reason`` is ``"<label>: <detail>"``."""
+        return cls(False, f"{reject.label}: {detail}", reject)
 
 
 ACCEPTED = PushOutcome(True)
+
+
+# ------------------------------------------------------------------------------ rule options
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} overflows a double")
+    return value
+
+
+def _json_depth(text: str, limit: int) -> int:
+    """How deep arrays and objects nest in JSON ``text`` (strings skipped); stops past ``limit``."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                break
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def parse_options_json(text: str) -> dict[str, Any]:
+    """A rule's options from ``RegisterHeader.options_json``: a JSON object ("" = {}).
+
+    ValueError (one line) for more than :data:`MAX_OPTIONS_BYTES`, nesting deeper than
+    :data:`MAX_OPTIONS_DEPTH`, NaN or Infinity, a number that overflows a double, invalid JSON,
+    or anything but an object.
+    """
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_OPTIONS_BYTES:
+        raise ValueError(
+            f"options_json has {size} bytes, over the limit of {MAX_OPTIONS_BYTES}; "
+            "send only the rule's options"
+        )
+    if not text.strip():
+        return {}
+    if _json_depth(text, MAX_OPTIONS_DEPTH) > MAX_OPTIONS_DEPTH:
+        raise ValueError(
+            f"options_json nests deeper than {MAX_OPTIONS_DEPTH} levels; send a flat JSON object"
+        )
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"options_json is not JSON ({exc.msg} at character {exc.pos}); send a JSON object"
+        ) from None
+    except (ValueError, RecursionError) as exc:  # our hooks, or an int too long to convert
+        raise ValueError(f"options_json: {exc}; send a JSON object of finite numbers") from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"options_json must be a JSON object, got {type(value).__name__}; send {{...}}"
+        )
+    return value
+
+
+def bounded(
+    default: Any = dataclasses.MISSING,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    doc: str = "",
+) -> Any:
+    """A :class:`ServerOptions` field whose value must lie in ``[low, high]`` (``(low, high]``
+    with ``low_open``); no ``default`` means the option is required."""
+    return dataclasses.field(
+        default=default, metadata={"low": low, "high": high, "low_open": low_open, "doc": doc}
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_option(name: str, value: Any, kind: Any, meta: Mapping[str, Any]) -> Any:
+    """``value`` as option ``name`` of type ``kind``, or ValueError naming the option."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"option {name!r} must be true or false, got {_short(value)}")
+        return value
+    if kind is str:
+        if not isinstance(value, str) or len(value) > 256:
+            raise ValueError(f"option {name!r} must be a string (at most 256), got {_short(value)}")
+        return value
+    low, high, low_open = meta.get("low"), meta.get("high"), meta.get("low_open", False)
+    interval = (
+        f"{'(' if low_open else '['}{'-inf' if low is None else f'{low:g}'}, "
+        f"{'inf' if high is None else f'{high:g}'}]"
+    )
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(
+                f"option {name!r} must be an integer in {interval}, got {_short(value)}"
+            )
+        number: float = value
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"option {name!r} must be a number in {interval}, got {_short(value)}")
+        try:
+            number = value = float(value)
+        except OverflowError:
+            number = value = math.inf
+        if not math.isfinite(number):
+            raise ValueError(f"option {name!r} must be a finite number in {interval}, got {value}")
+    else:
+        raise TypeError(f"option {name!r}: ServerOptions fields are bool, int, float or str")
+    too_low = low is not None and (number <= low if low_open else number < low)
+    if too_low or (high is not None and number > high):
+        raise ValueError(f"option {name!r} must be in {interval}, got {_short(value)}")
+    return value
+
+
+OptionsT = TypeVar("OptionsT", bound="ServerOptions")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerOptions:
+    """The typed options of a server rule, read from the JSON object a worker half's
+    ``server_options`` returned. Subclasses declare fields of type bool, int, float or str
+    (ranges with :func:`bounded`); :meth:`from_json` checks each value's type, finiteness and
+    range, and refuses unknown names, with a ValueError naming the option.
+    """
+
+    ignored: ClassVar[frozenset[str]] = frozenset()
+    """Names a worker half may send that this rule does not use (accepted and dropped)."""
+
+    @classmethod
+    def from_json(cls: type[OptionsT], mapping: Mapping[str, Any]) -> OptionsT:
+        """The options from a JSON object (already parsed); ValueError naming a bad option."""
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in mapping if k not in fields and k not in cls.ignored)
+        if unknown:
+            takes = ", ".join(fields) or "none"
+            raise ValueError(
+                f"unknown option {_short(unknown[0])}; this rule's options are: {takes}"
+            )
+        values: dict[str, Any] = {}
+        for name, f in fields.items():
+            if name in mapping:
+                values[name] = _check_option(name, mapping[name], hints[name], f.metadata)
+            elif f.default is dataclasses.MISSING:
+                raise ValueError(
+                    f"option {name!r} is missing; the scheme's worker half sends it "
+                    "(WorkerScheme.server_options)"
+                )
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SgdServerOptions(ServerOptions):
+    """Options of a rule that steps with :class:`ServerSGD` at the run's rate."""
+
+    lr: float = bounded(low=0.0, low_open=True, high=MAX_RATE, doc="the server's learning rate")
+    momentum: float = bounded(0.0, low=0.0, high=1.0, doc="heavy-ball momentum")
+
+    def sgd(self) -> ServerSGD:
+        """A :class:`ServerSGD` with these options."""
+        return ServerSGD(lr=self.lr, momentum=self.momentum)
 
 
 class UpdateRule(ABC):
@@ -50,8 +262,10 @@ class UpdateRule(ABC):
 
     locked: ClassVar[bool] = True
 
-    def __init__(self, *, options: Mapping[str, Any], num_workers: int) -> None:
-        self.options = dict(options)
+    def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
+        """``options``: the parsed JSON object the worker half's ``server_options`` returned; a
+        rule reads them with its :class:`ServerOptions` subclass (``XOptions.from_json``), which
+        raises ValueError naming a bad option. Every rule is built as ``Rule(options, n)``."""
         self.num_workers = num_workers
 
     @abstractmethod
@@ -91,7 +305,8 @@ class UpdateRule(ABC):
 
 
 RuleFactory = Callable[[str, Mapping[str, Any], int], UpdateRule]
-"""(scheme name, options, number of workers) -> the scheme's rule; raises ValueError if unknown."""
+"""(scheme name, options, number of workers) -> the scheme's rule; ValueError (one line, naming
+the option) for an unknown scheme or a bad option."""
 
 
 class ServerSGD:

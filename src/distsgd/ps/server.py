@@ -2,12 +2,18 @@
 
 With a run secret every call must carry it (:class:`~distsgd.ps.auth.SecretInterceptor`); with a
 :class:`~distsgd.transport.security.TlsConfig` the port is mutual TLS. See ``docs/security.md``.
+
+The port is exclusive: servers are started without ``SO_REUSEPORT``, so a second server on a
+port in use fails (:class:`OSError`, one line) instead of sharing it. :func:`serve` stops within
+a second of SIGTERM or SIGINT: waiting pulls are woken and answered UNAVAILABLE first.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
+import socket
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -25,6 +31,39 @@ from distsgd.util import write_atomic
 
 log = logging.getLogger(__name__)
 
+SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+"""gRPC server options: the clients' message limits, and no SO_REUSEPORT (ports are exclusive)."""
+
+STOP_GRACE_SECONDS = 0.5
+"""How long :func:`stop_server` lets calls in flight finish before cancelling them."""
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether some socket already listens on ``host:port`` (a plain bind fails EADDRINUSE).
+
+    Checked before gRPC binds, so that a busy port is one distsgd message, not a gRPC C-core log
+    line. The probe sets SO_REUSEADDR as gRPC does, so a port in TIME_WAIT counts as free.
+    """
+    try:
+        infos = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError:
+        return False  # gRPC reports an unresolvable host itself
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:
+            continue  # e.g. no IPv6 on this machine
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
 
 def start_server(
     *,
@@ -39,14 +78,25 @@ def start_server(
 ) -> tuple[grpc.Server, str, ParameterService]:
     """Start serving one shard on ``address`` ("host:port", port 0 = any free port).
 
-    Returns the server, the address it really listens on, and the service (for in-process tests).
-    Pulls that wait for a synchronous step hold a thread each, hence the generous pool.
-    ``secret``: every call must carry this run secret (None = no check; "" is refused as a
-    mistake). ``tls``: listen with mutual TLS instead of plaintext. ``checkpoint_dir`` and
-    ``restore`` go to :class:`ParameterService` (where Checkpoint writes; a shard file to start
-    from).
+    Returns the server, the address it really listens on, and the service (for in-process tests;
+    stop both with :func:`stop_server`). Pulls that wait for a synchronous step hold a thread
+    each, hence the generous pool; at most three quarters of ``max_threads`` wait at once (one
+    more is answered RESOURCE_EXHAUSTED and retried by the client), so the other quarter is
+    always free for pushes, Info and Leave. ``secret``: every call must carry this run secret
+    (None = no check; "" or fewer than 32 characters is refused as a mistake). ``tls``: listen
+    with mutual TLS instead of plaintext. ``checkpoint_dir`` and ``restore`` go to
+    :class:`ParameterService` (where Checkpoint writes; a shard file to start from).
+
+    A port in use raises :class:`OSError` with a one-line message.
     """
+    if max_threads < 2:
+        raise ValueError(f"max_threads must be at least 2, got {max_threads}")
     host, _, port = address.rpartition(":")
+    if port.isdigit() and int(port) != 0 and _port_in_use(host, int(port)):
+        raise OSError(
+            f"cannot listen on {address}: the port is in use (another distsgd server?); "
+            "stop that process, or pick a free port (0 = any free port)"
+        )
     interceptors: list[grpc.ServerInterceptor[Any, Any]] = (
         [SecretInterceptor(secret)] if secret is not None else []
     )
@@ -55,10 +105,11 @@ def start_server(
         rule_factory=rule_factory,
         checkpoint_dir=checkpoint_dir,
         restore=restore,
+        max_waiting_pulls=max(1, max_threads * 3 // 4),
     )
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_threads),
-        options=GRPC_OPTIONS,
+        futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix=f"ps{shard_index}"),
+        options=SERVER_OPTIONS,
         interceptors=interceptors,
     )
     pb_grpc.add_ParameterServerServicer_to_server(service, server)
@@ -67,14 +118,26 @@ def start_server(
             bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls))
         else:
             bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError as exc:  # grpcio raises on a busy or invalid address
+    except RuntimeError:  # grpcio raises on a busy or invalid address
+        service.close()
         raise OSError(
-            f"cannot listen on {address}: {exc}; pick a free port or use port 0"
+            f"cannot listen on {address}: the address is invalid or in use; "
+            "pick a free port (0 = any free port) on an address of this machine"
         ) from None
     if bound == 0:
+        service.close()
         raise OSError(f"cannot listen on {address}; pick a free port or use port 0")
     server.start()
     return server, f"{host}:{bound}", service
+
+
+def stop_server(
+    server: grpc.Server, service: ParameterService, grace: float = STOP_GRACE_SECONDS
+) -> None:
+    """Stop quickly: wake waiting pulls (they answer UNAVAILABLE), let calls in flight finish
+    for ``grace`` seconds, then cancel the rest. Returns within about ``grace`` + 0.5 s."""
+    service.close()
+    server.stop(grace=grace).wait(timeout=grace + 0.5)
 
 
 def serve(
@@ -92,7 +155,8 @@ def serve(
     """Serve until SIGINT/SIGTERM (or ``stop`` is set); shutdown always runs.
 
     ``secret``, ``tls``, ``checkpoint_dir`` and ``restore`` as for :func:`start_server`. A warning
-    is logged when the address is reachable from other machines (not loopback) without TLS.
+    is logged on any address without a run secret (on loopback every local user can connect),
+    and on a non-loopback one without TLS. Returns within a second of ``stop`` (or the signal).
     """
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -123,5 +187,4 @@ def serve(
         stop.wait()
         log.info("parameter server ps%d stopping", shard_index)
     finally:
-        server.stop(grace=1.0).wait(timeout=5.0)
-        service.close()
+        stop_server(server, service)

@@ -1,23 +1,53 @@
-"""The gRPC service of one parameter-server task (see ``transport/proto/distsgd.proto``)."""
+"""The gRPC service of one parameter-server task (see ``transport/proto/distsgd.proto``).
+
+Every field a peer sends is checked before anything changes: a request that fails a check is
+refused as a whole with a documented status code and leaves the shard exactly as it was. A push
+is validated whole (header, lr_scale, every key, dtype and shape, then every value finite)
+before the rule sees any of it. An exception no check foresaw is answered INTERNAL and logged,
+never UNKNOWN.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
-import json
+import inspect
 import logging
+import math
 import re
 import secrets
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
+import numpy as np
 
-from distsgd.ps.rules import PushMeta, RuleFactory
+from distsgd.ps.rules import (
+    MAX_LR_SCALE,
+    MAX_WORKERS,
+    PushMeta,
+    RuleFactory,
+    parse_options_json,
+)
 from distsgd.ps.shard import CorruptCheckpoint, Shard
-from distsgd.transport.codec import ChunkAssembler, WireError, iter_chunks, specs_of
-from distsgd.transport.errors import NOT_REGISTERED, PROTOCOL_VERSION
+from distsgd.transport.codec import (
+    FLOAT_DTYPES,
+    ChunkAssembler,
+    TooLarge,
+    WireError,
+    iter_chunks,
+    specs_of,
+)
+from distsgd.transport.errors import (
+    ERROR_KEY,
+    MAX_WAIT_SECONDS,
+    NOT_REGISTERED,
+    PROTOCOL_VERSION,
+    Refusal,
+)
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
 from distsgd.util import write_bytes_atomic
@@ -25,17 +55,91 @@ from distsgd.util import write_bytes_atomic
 log = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+SCHEME_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_MESSAGE_BYTES = 4 << 30
 """Largest total tensor payload one Register or Push may announce (4 GiB)."""
+PARAM_DTYPES = FLOAT_DTYPES
+"""Dtypes a registered piece may have: parameters are floating point (float16/32/64)."""
+MAX_KEY_CHARS = 1024
+"""Longest piece key."""
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    context.abort(code, message)
-    raise AssertionError("unreachable: context.abort raises")
+def _clip(text: str, limit: int = 80) -> str:
+    """``text`` for a status message: a peer's string may be megabytes long."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Aborted(Exception):
+    """Raised once a call has been answered with an error status (by :func:`_abort`)."""
+
+
+def _abort(
+    context: grpc.ServicerContext,
+    code: grpc.StatusCode,
+    message: str,
+    refusal: Refusal | None = None,
+) -> NoReturn:
+    """Answer the call with ``code`` and ``message`` (and ``refusal`` as trailing metadata)."""
+    if refusal is not None:
+        context.set_trailing_metadata(((ERROR_KEY, refusal.value),))
+    with contextlib.suppress(Exception):  # abort sets the status, then raises a bare Exception
+        context.abort(code, message)
+    raise _Aborted(code.name)
+
+
+def _internal(method: str, exc: Exception, context: grpc.ServicerContext) -> NoReturn:
+    log.error("%s failed with an unexpected error (a bug)", method, exc_info=exc)
+    _abort(
+        context,
+        grpc.StatusCode.INTERNAL,
+        f"{method}: internal error in the parameter server ({type(exc).__name__}); "
+        "see the server's log",
+    )
+
+
+def _guarded(method: F) -> F:
+    """The RPC ``method``, answering INTERNAL (and logging the traceback) for any exception
+    that is not an abort of its own; a call the client already gave up is left alone."""
+    name = method.__name__
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from method(self, request, context)
+            except _Aborted:
+                raise
+            except Exception as exc:
+                if not context.is_active():  # the client went away: nothing to answer
+                    raise
+                _internal(name, exc, context)
+
+        return cast(F, stream)
+
+    @functools.wraps(method)
+    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except _Aborted:
+            raise
+        except Exception as exc:
+            if not context.is_active():
+                raise
+            _internal(name, exc, context)
+
+    return cast(F, unary)
 
 
 class ParameterService(pb_grpc.ParameterServerServicer):
-    """Serves one shard. The shard exists once the chief has registered it."""
+    """Serves one shard. The shard exists once the chief has registered it.
+
+    At most ``max_waiting_pulls`` Pulls wait for a version at once (each holds a server thread);
+    one more is answered RESOURCE_EXHAUSTED (``Refusal.BUSY``, retried by clients), so waiting
+    pulls never take the threads that pushes, Info and Leave need. :meth:`close` wakes every
+    waiting pull, which then answers UNAVAILABLE.
+    """
 
     def __init__(
         self,
@@ -45,11 +149,15 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         chunk_bytes: int = 1 << 20,
         checkpoint_dir: Path | None = None,
         restore: Path | None = None,
+        max_waiting_pulls: int = 48,
     ) -> None:
+        if max_waiting_pulls < 1:
+            raise ValueError(f"max_waiting_pulls must be at least 1, got {max_waiting_pulls}")
         self.shard_index = shard_index
         self.rule_factory = rule_factory
         self.chunk_bytes = chunk_bytes
         self.checkpoint_dir = checkpoint_dir
+        self.max_waiting_pulls = max_waiting_pulls
         self.shard: Shard | None = None
         if restore is not None:
             self.shard = Shard.from_bytes(
@@ -63,6 +171,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 "shard %d restored from %s at version %d", shard_index, restore, self.shard.version
             )
         self._stop = threading.Event()
+        self._waiting = threading.BoundedSemaphore(max_waiting_pulls)
         self._ticker = threading.Thread(
             target=self._tick, name=f"ps{shard_index}-tick", daemon=True
         )
@@ -71,9 +180,17 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         """Random per server process; a client seeing another one knows the server restarted."""
         self._register_lock = threading.Lock()
 
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`close` was called (the server is stopping)."""
+        return self._stop.is_set()
+
     def close(self) -> None:
-        """Stop the background ticker."""
+        """Stop the background ticker and wake every waiting Pull (they answer UNAVAILABLE)."""
         self._stop.set()
+        shard = self.shard
+        if shard is not None:
+            shard.close()
 
     def _tick(self) -> None:
         while not self._stop.wait(0.5):
@@ -95,14 +212,19 @@ class ParameterService(pb_grpc.ParameterServerServicer):
             _abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"a task of run {header.run_id} reached shard {self.shard_index} of run "
+                f"a task of run {_clip(header.run_id)} reached shard {self.shard_index} of run "
                 f"{shard.run_id}; stop the old run's tasks or give this run other ports",
             )
-        if shard is not None and not -1 <= header.worker < shard.num_workers:
+        if shard is not None:
+            self._check_worker(header.worker, shard.num_workers, context)
+
+    @staticmethod
+    def _check_worker(worker: int, num_workers: int, context: grpc.ServicerContext) -> None:
+        if not -1 <= worker < num_workers:
             _abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"worker {header.worker} is not in this run of {shard.num_workers} workers; "
+                f"worker {worker} is not in this run of {num_workers} workers; "
                 "give each worker its index 0..N-1 (-1 for tools)",
             )
 
@@ -113,8 +235,18 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"shard {self.shard_index} {NOT_REGISTERED} yet; the chief registers it at start",
+                Refusal.NOT_REGISTERED,
             )
         return shard
+
+    def _unless_closing(self, context: grpc.ServicerContext) -> None:
+        if self.closing:
+            _abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"ps{self.shard_index} is shutting down; retry once it is back",
+                Refusal.CLOSING,
+            )
 
     @staticmethod
     def _first(messages: Iterator[Any], context: grpc.ServicerContext) -> Any:
@@ -127,9 +259,77 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         return first.header
 
     @staticmethod
+    def _check_register_specs(
+        specs: Iterable[pb.TensorSpec], context: grpc.ServicerContext
+    ) -> None:
+        """Every piece of a Register: a key of sane length, a floating-point dtype."""
+        for spec in specs:
+            if not 0 < len(spec.key) <= MAX_KEY_CHARS:
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"piece key {_clip(spec.key)!r} has {len(spec.key)} characters; "
+                    f"use 1 to {MAX_KEY_CHARS}",
+                )
+            if spec.dtype not in PARAM_DTYPES:
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{_clip(spec.key)}: dtype {_clip(spec.dtype)!r} is not a parameter dtype; "
+                    f"register only floating-point tensors ({', '.join(sorted(PARAM_DTYPES))})",
+                )
+
+    @staticmethod
+    def _check_push_specs(
+        shard: Shard, specs: Iterable[pb.TensorSpec], context: grpc.ServicerContext
+    ) -> None:
+        """Every piece of a Push is registered, with its registered dtype and shape."""
+        for spec in specs:
+            have = shard.values.get(spec.key)
+            if have is None:
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{_clip(spec.key)}: no such parameter on shard {shard.index}",
+                )
+            if spec.dtype != have.dtype.name or tuple(spec.shape) != have.shape:
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{_clip(spec.key)}: pushed {_clip(spec.dtype, 16)}{list(spec.shape)[:8]}, "
+                    f"registered {have.dtype.name}{list(have.shape)}",
+                )
+
+    @staticmethod
+    def _lr_scale(value: float, context: grpc.ServicerContext) -> float:
+        """``PushHeader.lr_scale``: 0 means 1.0; else finite in (0, MAX_LR_SCALE]."""
+        if value == 0:
+            return 1.0
+        if not 0 < value <= MAX_LR_SCALE:  # NaN fails too
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lr_scale {value!r} is outside (0, {MAX_LR_SCALE:g}]; send the schedule's "
+                "factor (0 means 1.0)",
+            )
+        return value
+
+    @staticmethod
+    def _wait_seconds(value: float, context: grpc.ServicerContext) -> float:
+        """``PullRequest.wait_seconds``: >= 0 (NaN refused), capped at MAX_WAIT_SECONDS."""
+        if math.isnan(value) or value < 0:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"wait_seconds {value!r} must be 0 or more; the server waits at most "
+                f"{MAX_WAIT_SECONDS:g}s",
+            )
+        return min(value, MAX_WAIT_SECONDS)
+
+    @staticmethod
     def _assemble(
         specs: Iterable[pb.TensorSpec], messages: Iterator[Any], context: grpc.ServicerContext
-    ) -> dict[str, Any]:
+    ) -> dict[str, np.ndarray]:
         try:
             assembler = ChunkAssembler(list(specs), max_bytes=MAX_MESSAGE_BYTES)
             for message in messages:
@@ -137,15 +337,13 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                     raise WireError("a second header in one stream")
                 assembler.add(message.chunk)
             return assembler.finish()
+        except TooLarge as exc:
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), Refusal.TOO_LARGE)
         except WireError as exc:
-            code = (
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-                if "over the limit" in str(exc)
-                else grpc.StatusCode.INVALID_ARGUMENT
-            )
-            _abort(context, code, str(exc))
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, _clip(str(exc), 400))
 
     # -- RPCs -----------------------------------------------------------------------------------
+    @_guarded
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         self._check(request.header, context)
         shard = self.shard
@@ -169,6 +367,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 reply.nonfinite_rejected = shard.nonfinite_rejected
         return reply
 
+    @_guarded
     def Register(
         self, request_iterator: Iterator[pb.RegisterRequest], context: grpc.ServicerContext
     ) -> pb.RegisterResponse:
@@ -182,12 +381,21 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 f"{self.shard_index}; "
                 "check the order of ps addresses in the cluster spec",
             )
-        if head.num_workers < 1:
+        if not 1 <= head.num_workers <= MAX_WORKERS:
             _abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"registration for {head.num_workers} workers; a run has at least one worker",
+                f"registration for {head.num_workers} workers; a run has 1 to {MAX_WORKERS}",
             )
+        self._check_worker(head.header.worker, head.num_workers, context)
+        if not SCHEME_NAME.fullmatch(head.scheme):
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"scheme name {_clip(head.scheme)!r} is not a scheme; "
+                "names are 1-64 of [A-Za-z0-9_.-] (see distsgd schemes)",
+            )
+        self._check_register_specs(head.tensors, context)
         with self._register_lock:
             if self.shard is not None:  # decided before reading any tensor data
                 same = (
@@ -204,13 +412,24 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                         f"({self.shard.scheme}); restart the ps task to train another one",
                     )
                 return pb.RegisterResponse(created=False, version=self.shard.version)
-            values = self._assemble(head.tensors, request_iterator, context)
             try:
-                options = json.loads(head.options_json or "{}")
+                options = parse_options_json(head.options_json)
                 rule = self.rule_factory(head.scheme, options, head.num_workers)
             except (ValueError, TypeError, KeyError) as exc:
-                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"scheme {head.scheme!r}: {exc}")
-            self.shard = Shard(
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    _clip(f"scheme {head.scheme!r}: {exc}", 400),
+                )
+            values = self._assemble(head.tensors, request_iterator, context)
+            for key, value in values.items():
+                if not np.isfinite(value).all():
+                    _abort(
+                        context,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{_clip(key)}: NaN or Inf in the initial values; register a finite model",
+                    )
+            shard = Shard(
                 index=self.shard_index,
                 scheme=head.scheme,
                 options_json=head.options_json,
@@ -219,6 +438,9 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 run_id=head.header.run_id,
                 rule=rule,
             )
+            self.shard = shard
+            if self.closing:  # close() ran while this call assembled: wake its pulls too
+                shard.close()
             nbytes = sum(v.nbytes for v in values.values())
             log.info(
                 "shard %d registered: scheme %s, %d pieces, %d bytes, %d workers",
@@ -230,22 +452,40 @@ class ParameterService(pb_grpc.ParameterServerServicer):
             )
             return pb.RegisterResponse(created=True, version=0)
 
+    @_guarded
     def Pull(
         self, request: pb.PullRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.PullResponse]:
         self._check(request.header, context)
         shard = self._registered(context)
-        shard.see(request.header.worker, request.header.incarnation)
+        wait = self._wait_seconds(request.wait_seconds, context)
         remaining = context.time_remaining()
-        wait = request.wait_seconds if remaining is None else min(request.wait_seconds, remaining)
+        if remaining is not None:
+            wait = min(wait, remaining)
+        self._unless_closing(context)
+        shard.see(request.header.worker, request.header.incarnation)
         restarted = request.server_incarnation not in (0, self.incarnation)
-        if not restarted and not shard.wait_for(request.min_version, wait):
-            _abort(
-                context,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"shard {self.shard_index} still at version {shard.version} after {wait:.1f}s "
-                f"waiting for version {request.min_version}",
-            )
+        if not restarted and shard.version < request.min_version:
+            if not self._waiting.acquire(blocking=False):
+                _abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"ps{self.shard_index} already holds {self.max_waiting_pulls} waiting pulls; "
+                    "retry later, or start the server with more threads",
+                    Refusal.BUSY,
+                )
+            try:
+                reached = shard.wait_for(request.min_version, wait)
+            finally:
+                self._waiting.release()
+            self._unless_closing(context)
+            if not reached:
+                _abort(
+                    context,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"shard {self.shard_index} still at version {shard.version} after {wait:.1f}s "
+                    f"waiting for version {request.min_version}",
+                )
         version, values = shard.snapshot()
         header = pb.PullHeader(
             version=version, tensors=specs_of(values), server_incarnation=self.incarnation
@@ -254,37 +494,31 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         for chunk in iter_chunks(list(values.values()), self.chunk_bytes):
             yield pb.PullResponse(chunk=chunk)
 
+    @_guarded
     def Push(
         self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext
     ) -> pb.PushResponse:
         head = self._first(request_iterator, context)
         self._check(head.header, context)
         shard = self._registered(context)
-        for spec in head.tensors:
-            have = shard.values.get(spec.key)
-            if have is None:
-                _abort(
-                    context,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{spec.key}: no such parameter on shard {self.shard_index}",
-                )
-            if spec.dtype != have.dtype.name or tuple(spec.shape) != have.shape:
-                _abort(
-                    context,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{spec.key}: pushed {spec.dtype}{list(spec.shape)}, "
-                    f"registered {have.dtype.name}{list(have.shape)}",
-                )
+        lr_scale = self._lr_scale(head.lr_scale, context)
+        self._check_push_specs(shard, head.tensors, context)
         payload = self._assemble(head.tensors, request_iterator, context)
         meta = PushMeta(
-            lr_scale=head.lr_scale or 1.0,
+            lr_scale=lr_scale,
             worker=head.header.worker,
             incarnation=head.header.incarnation,
             base_version=head.base_version,
         )
         outcome, version = shard.push(payload, meta)
-        return pb.PushResponse(accepted=outcome.accepted, version=version, reason=outcome.reason)
+        return pb.PushResponse(
+            accepted=outcome.accepted,
+            version=version,
+            reason=outcome.reason,
+            reject=outcome.reject.wire_name,
+        )
 
+    @_guarded
     def Checkpoint(
         self, request: pb.CheckpointRequest, context: grpc.ServicerContext
     ) -> pb.CheckpointResponse:
@@ -304,12 +538,22 @@ class ParameterService(pb_grpc.ParameterServerServicer):
             )
         version, data = shard.to_bytes()
         path = self.checkpoint_dir / request.name / f"ps{self.shard_index}.npz"
-        write_bytes_atomic(path, data)
+        try:
+            write_bytes_atomic(path, data)
+        except OSError as exc:
+            log.error("shard %d: cannot write checkpoint %s: %s", self.shard_index, path, exc)
+            _abort(
+                context,
+                grpc.StatusCode.INTERNAL,
+                f"ps{self.shard_index} cannot write {path} ({exc.strerror}); "
+                "check the checkpoint directory's space and permissions",
+            )
         digest = hashlib.sha256(data).hexdigest()
         return pb.CheckpointResponse(
             version=version, file=str(path), sha256=digest, bytes=len(data)
         )
 
+    @_guarded
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
         self._check(request.header, context)
         shard = self._registered(context)

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from distsgd.ps.rules import PushMeta, PushOutcome, RuleFactory, UpdateRule
+from distsgd.ps.rules import PushMeta, PushOutcome, RuleFactory, UpdateRule, parse_options_json
+from distsgd.transport.errors import PushReject
 
 CHECKPOINT_FORMAT = 1
 
@@ -57,6 +58,8 @@ class Shard:
         self.pushes_rejected = 0
         self.nonfinite_rejected = 0
         self.restored_version = 0
+        self.closing = False
+        """Set by :meth:`close`: the server is stopping, waiting readers give up."""
 
     def bump(self, steps: int = 1) -> int:
         """Advance the version and wake readers waiting for it."""
@@ -66,11 +69,20 @@ class Shard:
             return self.version
 
     def wait_for(self, min_version: int, timeout: float) -> bool:
-        """Block until ``version >= min_version``; False on timeout."""
+        """Block until ``version >= min_version`` or :meth:`close`; False on timeout.
+
+        After it returns, ``closing`` tells whether the shard was closed meanwhile.
+        """
         with self.cond:
             return self.cond.wait_for(
-                lambda: self.version >= min_version, timeout=max(0.0, timeout)
+                lambda: self.closing or self.version >= min_version, timeout=max(0.0, timeout)
             )
+
+    def close(self) -> None:
+        """Wake every reader waiting in :meth:`wait_for`; the server is stopping."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
 
     def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
         """A copy of the pieces and the version they belong to (consistent under locked rules)."""
@@ -88,15 +100,17 @@ class Shard:
     def push(self, payload: dict[str, np.ndarray], meta: PushMeta) -> tuple[PushOutcome, int]:
         """Hand a validated payload to the rule; returns the outcome and the version after it.
 
-        A payload with NaN or Inf anywhere is refused (and counted) before the rule sees it.
+        The caller has checked every key, dtype and shape against :attr:`values`. A payload
+        with NaN or Inf anywhere is refused (and counted) before the rule sees any of it.
         """
         self.see(meta.worker, meta.incarnation)
         for key, array in payload.items():
-            if array.dtype.kind == "f" and not np.isfinite(array).all():
+            if not np.isfinite(array).all():
                 with self.cond:
                     self.nonfinite_rejected += 1
                     self.pushes_rejected += 1
-                    return PushOutcome(False, f"nonfinite: NaN or Inf in {key}"), self.version
+                    refusal = PushOutcome.refused(PushReject.NONFINITE, f"NaN or Inf in {key}")
+                    return refusal, self.version
         if self.rule.locked:
             with self.cond:
                 outcome = self.rule.apply(self, payload, meta)
@@ -177,7 +191,7 @@ class Shard:
                 raise CorruptCheckpoint(f"{name}: unknown shard format {header.get('format')!r}")
             values = {k: arrays[f"values/{k}"] for k in header["keys"]}
             rule = rule_factory(
-                header["scheme"], json.loads(header["options_json"] or "{}"), header["num_workers"]
+                header["scheme"], parse_options_json(header["options_json"]), header["num_workers"]
             )
         except CorruptCheckpoint:
             raise

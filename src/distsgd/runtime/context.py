@@ -17,6 +17,7 @@ from distsgd.runtime.collective import Collective
 from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.faults import FaultInjector
 from distsgd.transport.client import PushResult
+from distsgd.transport.errors import PushReject
 
 
 class WorkerContext:
@@ -152,16 +153,18 @@ class WorkerContext:
         """Send named arrays to the servers' update rule; one result per shard."""
         if self.faults is not None and self.faults.partitioned:
             self.lost_pushes += 1
-            return [PushResult(False, v, "lost: partitioned") for v in self.ps.versions]
+            return [
+                PushResult(False, v, "lost: partitioned", PushReject.LOST) for v in self.ps.versions
+            ]
         bases = list(self.ps.versions) if base_version is None else base_version
         results = self.ps.push(arrays, base_version=bases, lr_scale=self.lr_scale)
         for base, result in zip(self._per_shard(bases), results, strict=True):
             if result.accepted:  # the push made version result.version (or joined its step)
                 self.applied_pushes += 1
                 self.staleness_sum += max(0, result.version - 1 - base)
-        if any(r.reason.startswith("lost") for r in results):
+        if any(r.reject is PushReject.LOST for r in results):
             self.lost_pushes += 1
-        refused = [r.reason for r in results if r.reason.startswith("nonfinite")]
+        refused = [r.reason for r in results if r.reject is PushReject.NONFINITE]
         if refused:
             self.nonfinite_skipped += 1
             if self.config.nonfinite == "stop":

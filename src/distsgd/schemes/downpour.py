@@ -32,7 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, ServerSGD, UpdateRule
+from distsgd.ps.rules import (
+    ACCEPTED,
+    MAX_RATE,
+    PushMeta,
+    PushOutcome,
+    ServerOptions,
+    ServerSGD,
+    UpdateRule,
+    bounded,
+)
 from distsgd.ps.shard import Shard
 from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.context import WorkerContext
@@ -67,10 +76,18 @@ class DownpourOptions:
             )
 
 
+@dataclass(frozen=True, kw_only=True)
+class DownpourServerOptions(ServerOptions):
+    """What ``DownpourWorker.server_options`` sends: the rate on each pushed update."""
+
+    server_lr: float = bounded(low=0.0, low_open=True, high=MAX_RATE, doc="rate on each update")
+
+
 class DownpourServer(UpdateRule):
     def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
-        super().__init__(options=options, num_workers=num_workers)
-        self.sgd = ServerSGD(lr=float(options["server_lr"]))
+        super().__init__(options, num_workers)
+        self.options = DownpourServerOptions.from_json(options)
+        self.sgd = ServerSGD(lr=self.options.server_lr)
 
     def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
         self.sgd.step(shard.values, payload)

@@ -82,5 +82,5 @@ SPEC = SchemeSpec(
     summary="EASGD with Nesterov momentum on each worker (delta), elastic exchange every `tau`",
     options=EamsgdOptions,
     worker=EamsgdWorker,
-    server=lambda options, n: ElasticServer(options=options, num_workers=n),
+    server=ElasticServer,
 )

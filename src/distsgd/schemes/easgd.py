@@ -20,11 +20,13 @@ which is the default here. The chief evaluates the center.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 
-from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, UpdateRule
+from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, ServerOptions, UpdateRule
 from distsgd.ps.shard import Shard
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
@@ -48,8 +50,20 @@ class EasgdOptions:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ElasticServerOptions(ServerOptions):
+    """The center update has no options; the default ``server_options`` sends the run's lr and
+    momentum, which it does not use."""
+
+    ignored: ClassVar[frozenset[str]] = frozenset({"lr", "momentum"})
+
+
 class ElasticServer(UpdateRule):
     """Center update: ``c <- c + diff`` for each pushed elastic difference."""
+
+    def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
+        super().__init__(options, num_workers)
+        self.options = ElasticServerOptions.from_json(options)
 
     def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
         for key, diff in payload.items():
@@ -90,5 +104,5 @@ SPEC = SchemeSpec(
     summary="asynchronous elastic averaging: local SGD, every `tau` steps an elastic exchange",
     options=EasgdOptions,
     worker=EasgdWorker,
-    server=lambda options, n: ElasticServer(options=options, num_workers=n),
+    server=ElasticServer,
 )

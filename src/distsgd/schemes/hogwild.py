@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, ServerSGD, UpdateRule
+from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, SgdServerOptions, UpdateRule
 from distsgd.ps.shard import Shard
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
@@ -41,8 +41,9 @@ class HogwildServer(UpdateRule):
     locked = False
 
     def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
-        super().__init__(options=options, num_workers=num_workers)
-        self.sgd = ServerSGD(lr=float(options["lr"]), momentum=float(options.get("momentum", 0.0)))
+        super().__init__(options, num_workers)
+        self.options = SgdServerOptions.from_json(options)
+        self.sgd = self.options.sgd()
 
     def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
         self.sgd.step(shard.values, payload, scale=meta.lr_scale)

@@ -26,8 +26,10 @@ class SchemeSpec:
     """A keyword-only dataclass; each field has ``metadata["help"]`` and becomes a CLI flag."""
     worker: Callable[[Any, int], WorkerScheme]
     """(options, number of workers) -> the worker half."""
-    server: Callable[[Mapping[str, Any], int], UpdateRule] | None = None
-    """(server options, number of workers) -> the server half; None for collective-only schemes."""
+    server: type[UpdateRule] | None = None
+    """The server half, an :class:`UpdateRule` subclass built as ``server(options, num_workers)``
+    (options: the parsed JSON object; it raises ValueError naming a bad option); None for
+    collective-only schemes."""
 
     @property
     def uses_parameter_servers(self) -> bool:

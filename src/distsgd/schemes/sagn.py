@@ -23,7 +23,6 @@ AGN's normalization without its staleness; the price is waiting for the slowest 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,14 +88,10 @@ class SagnWorker(AgnWorker):
         ctx.pull(min_version=[v + 1 for v in base])  # the round closed: everyone's sum is in
 
 
-def _server(options: Mapping[str, Any], num_workers: int) -> SagnServer:
-    return SagnServer(options, num_workers)
-
-
 SPEC = SchemeSpec(
     name="sagn",
     summary="synchronous AGN: rounds of `window` local steps, normalized updates summed",
     options=SagnOptions,
     worker=SagnWorker,
-    server=_server,
+    server=SagnServer,
 )

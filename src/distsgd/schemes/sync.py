@@ -34,12 +34,21 @@ from typing import Any
 
 import numpy as np
 
-from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, ServerSGD, UpdateRule
+from distsgd.ps.rules import (
+    ACCEPTED,
+    MAX_WORKERS,
+    PushMeta,
+    PushOutcome,
+    SgdServerOptions,
+    UpdateRule,
+    bounded,
+)
 from distsgd.ps.shard import Shard
 from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.schemes.registry import SchemeSpec
+from distsgd.transport.errors import PushReject
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +128,28 @@ class SyncOptions:
         return r
 
 
+@dataclass(frozen=True, kw_only=True)
+class SyncServerOptions(SgdServerOptions):
+    """What ``SyncWorker.server_options`` (and SAGN's) sends: the SGD step, R, the timeout."""
+
+    required: int = bounded(low=1, high=MAX_WORKERS, doc="R: pushes that close a step")
+    step_timeout: float = bounded(
+        60.0, low=0.0, low_open=True, high=86400.0, doc="seconds a step waits for dead workers"
+    )
+
+
 class SyncServer(UpdateRule):
     def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
-        super().__init__(options=options, num_workers=num_workers)
-        self.required = int(options["required"])
-        self.sgd = ServerSGD(lr=float(options["lr"]), momentum=float(options.get("momentum", 0.0)))
-        self.step_timeout = float(options.get("step_timeout", 60.0))
+        super().__init__(options, num_workers)
+        self.options = SyncServerOptions.from_json(options)
+        if self.options.required > num_workers:
+            raise ValueError(
+                f"option 'required' is {self.options.required}, more than the {num_workers} "
+                f"workers; use at most {num_workers}"
+            )
+        self.required = self.options.required
+        self.sgd = self.options.sgd()
+        self.step_timeout = self.options.step_timeout
         self.sums: dict[str, np.ndarray] = {}
         self.contributors: set[int] = set()
         self.opened = time.monotonic()
@@ -132,13 +157,14 @@ class SyncServer(UpdateRule):
 
     def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
         if meta.base_version != shard.version:
-            return PushOutcome(
-                False,
-                f"stale: computed on version {meta.base_version}, step {shard.version} is open",
+            return PushOutcome.refused(
+                PushReject.STALE,
+                f"computed on version {meta.base_version}, step {shard.version} is open",
             )
         if meta.worker in self.contributors:
-            return PushOutcome(
-                False, f"duplicate: worker {meta.worker} already pushed for step {shard.version}"
+            return PushOutcome.refused(
+                PushReject.DUPLICATE,
+                f"worker {meta.worker} already pushed for step {shard.version}",
             )
         for key, grad in payload.items():
             if key in self.sums:

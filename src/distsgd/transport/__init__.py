@@ -9,12 +9,13 @@ from distsgd.transport.client import ShardClient
 from distsgd.transport.codec import (
     CHUNK_BYTES,
     ChunkAssembler,
+    TooLarge,
     WireError,
     iter_chunks,
     spec_of,
     specs_of,
 )
-from distsgd.transport.errors import PROTOCOL_VERSION, RemoteError
+from distsgd.transport.errors import PROTOCOL_VERSION, PushReject, Refusal, RemoteError
 from distsgd.transport.security import (
     METADATA_KEY,
     SECRET_ENV,
@@ -36,9 +37,12 @@ __all__ = [
     "SECRET_ENV",
     "SECRET_FILE_ENV",
     "ChunkAssembler",
+    "PushReject",
+    "Refusal",
     "RemoteError",
     "ShardClient",
     "TlsConfig",
+    "TooLarge",
     "WireError",
     "channel_credentials",
     "exposure_warning",

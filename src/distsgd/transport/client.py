@@ -8,6 +8,7 @@ give up at ``retry_seconds`` with the last error.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -17,7 +18,13 @@ import grpc
 import numpy as np
 
 from distsgd.transport.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks, specs_of
-from distsgd.transport.errors import PROTOCOL_VERSION, RemoteError
+from distsgd.transport.errors import (
+    MAX_WAIT_SECONDS,
+    PROTOCOL_VERSION,
+    PushReject,
+    Refusal,
+    RemoteError,
+)
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
 from distsgd.transport.security import (
@@ -38,11 +45,13 @@ GRPC_OPTIONS = [
 
 @dataclass(frozen=True)
 class PushResult:
-    """What a shard did with a push."""
+    """What a shard did with a push: ``reject`` says why it was not applied (typed; decide on
+    it), ``reason`` in words (for people)."""
 
     accepted: bool
     version: int
     reason: str = ""
+    reject: PushReject = PushReject.NONE
 
 
 class ShardClient:
@@ -102,7 +111,14 @@ class ShardClient:
             try:
                 return fn()
             except grpc.RpcError as exc:
-                err = RemoteError(self.address, method, exc.code(), exc.details() or "")
+                trailing = exc.trailing_metadata() if isinstance(exc, grpc.Call) else None
+                err = RemoteError(
+                    self.address,
+                    method,
+                    exc.code(),
+                    exc.details() or "",
+                    Refusal.from_metadata(trailing),
+                )
                 if not (retry and err.retryable) or time.monotonic() + delay > give_up:
                     raise err from None
                 log.debug("%s; retrying in %.2fs", err, delay)
@@ -155,9 +171,13 @@ class ShardClient:
         """The shard's pieces once its version is at least ``min_version``: (version, arrays).
 
         A server that restarted (from a checkpoint) answers at once whatever ``min_version``:
-        the versions the caller counted belong to the lost process.
+        the versions the caller counted belong to the lost process. ``wait_seconds`` (default:
+        the RPC timeout) is capped at ``MAX_WAIT_SECONDS``, as the server would cap it.
         """
         wait = self.timeout if wait_seconds is None else wait_seconds
+        if math.isnan(wait) or wait < 0:
+            raise ValueError(f"wait_seconds must be 0 or more, got {wait}")
+        wait = min(wait, MAX_WAIT_SECONDS)
 
         def do() -> tuple[int, dict[str, np.ndarray]]:
             request = pb.PullRequest(
@@ -204,7 +224,12 @@ class ShardClient:
             lambda: self._stub.Push(messages(), timeout=self.timeout, metadata=self._metadata),
             retry=False,
         )
-        return PushResult(accepted=reply.accepted, version=reply.version, reason=reply.reason)
+        return PushResult(
+            accepted=reply.accepted,
+            version=reply.version,
+            reason=reply.reason,
+            reject=_push_reject(reply.reject),
+        )
 
     def checkpoint(self, name: str) -> pb.CheckpointResponse:
         """Ask the shard to write its state under checkpoint ``name``."""
@@ -221,3 +246,12 @@ class ShardClient:
             "Leave",
             lambda: self._stub.Leave(request, timeout=self.timeout, metadata=self._metadata),
         ).version
+
+
+def _push_reject(value: int) -> PushReject:
+    """The typed reject reason of a reply; a number this build does not know counts as STALE
+    (not applied, nothing to stop for), never as accepted."""
+    try:
+        return PushReject(value)
+    except ValueError:
+        return PushReject.STALE

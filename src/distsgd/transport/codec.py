@@ -20,10 +20,18 @@ CHUNK_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset(
     {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
 )
+"""Dtypes a tensor may have on the wire. There is no ``bfloat16``: numpy has none."""
+
+FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
+"""The floating-point subset of :data:`ALLOWED_DTYPES` (what a parameter server stores)."""
 
 
 class WireError(ValueError):
     """A malformed tensor stream; the message names the tensor key."""
+
+
+class TooLarge(WireError):
+    """A stream that announces more bytes than the receiver's limit."""
 
 
 def wire_dtype(name: str, key: str = "?") -> np.dtype:
@@ -94,7 +102,10 @@ class ChunkAssembler:
         self._sizes = [nbytes_of(spec) for spec in specs]
         total = sum(self._sizes)
         if max_bytes is not None and total > max_bytes:
-            raise WireError(f"message announces {total} bytes, over the limit of {max_bytes}")
+            raise TooLarge(
+                f"message announces {total} bytes, over the limit of {max_bytes}; "
+                "split the model over more parameter servers"
+            )
         # Grown as data arrives: announcing a huge tensor costs the sender the bytes, not us.
         self._buffers = [bytearray() for _ in self._sizes]
         self._filled = [0] * len(specs)

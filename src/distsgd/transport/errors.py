@@ -1,10 +1,16 @@
-"""Protocol version and the errors a client sees.
+"""Protocol version, the typed outcomes of a call, and the errors a client sees.
 
 The server reports failures as gRPC status codes (documented in ``proto/distsgd.proto``); the
-client turns them into :class:`RemoteError` carrying the code and the server's one-line message.
+client turns them into :class:`RemoteError` carrying the code, the server's one-line message and,
+where the code alone does not say enough, a typed :class:`Refusal` that the server sent as
+trailing metadata under :data:`ERROR_KEY`. Nothing here matches message text.
 """
 
 from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -14,22 +20,91 @@ PROTOCOL_VERSION: int = pb.PROTOCOL_VERSION
 """The wire-protocol version this build speaks (``ProtocolVersion.PROTOCOL_VERSION``)."""
 
 NOT_REGISTERED = "not registered"
-"""Marker in a FAILED_PRECONDITION message meaning: the chief has not registered this shard yet."""
+"""Words in the FAILED_PRECONDITION message for a shard the chief has not registered yet (for
+people; clients look at :attr:`RemoteError.refusal`)."""
+
+MAX_WAIT_SECONDS = 60.0
+"""Longest a Pull waits on the server for its ``min_version``; a longer ``wait_seconds``
+(infinity included) is capped to it, and clients cap what they send the same way."""
+
+ERROR_KEY = "x-distsgd-error"
+"""Trailing-metadata key under which a server names the :class:`Refusal` of a failed call."""
+
+
+class Refusal(enum.Enum):
+    """Why a server refused a call, where the status code alone does not say (typed, on the
+    wire as the value under :data:`ERROR_KEY`)."""
+
+    NOT_REGISTERED = "not-registered"
+    """FAILED_PRECONDITION: the chief has not registered this shard yet; retry."""
+    BUSY = "busy"
+    """RESOURCE_EXHAUSTED: the server holds its maximum of waiting pulls; retry."""
+    TOO_LARGE = "too-large"
+    """RESOURCE_EXHAUSTED: the message announces more bytes than the server's limit."""
+    CLOSING = "closing"
+    """UNAVAILABLE: the server is shutting down."""
+
+    @classmethod
+    def from_metadata(cls, metadata: Sequence[Any] | None) -> Refusal | None:
+        """The refusal named in trailing ``metadata`` (key, value pairs), or None."""
+        for item in metadata or ():
+            if item[0] == ERROR_KEY:
+                try:
+                    return cls(item[1])
+                except ValueError:  # a newer server's reason: treat as none
+                    return None
+        return None
+
+
+class PushReject(enum.IntEnum):
+    """Why a well-formed push was not applied: ``PushRejectReason`` of the .proto, same numbers.
+
+    ``NONE`` (``PUSH_REJECT_REASON_UNSPECIFIED``) means it was accepted.
+    """
+
+    NONE = 0
+    STALE = 1
+    DUPLICATE = 2
+    NONFINITE = 3
+    LOST = 4
+    """Never sent by a server: the client marks a push that did not reach the server."""
+
+    @property
+    def label(self) -> str:
+        """The word that starts the push's ``reason`` text ("stale", "nonfinite", ...)."""
+        return self.name.lower()
+
+    @property
+    def wire_name(self) -> str:
+        """The name of this value in the .proto's ``PushRejectReason``."""
+        return f"PUSH_REJECT_REASON_{'UNSPECIFIED' if self is PushReject.NONE else self.name}"
+
+
+RETRYABLE_REFUSALS = frozenset({Refusal.NOT_REGISTERED, Refusal.BUSY})
 
 
 class RemoteError(RuntimeError):
-    """A parameter-server call failed; ``code`` is the gRPC status code."""
+    """A parameter-server call failed; ``code`` is the gRPC status code, ``refusal`` the typed
+    reason the server gave (None when it gave none)."""
 
-    def __init__(self, address: str, method: str, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        method: str,
+        code: grpc.StatusCode,
+        message: str,
+        refusal: Refusal | None = None,
+    ) -> None:
         super().__init__(f"{method} on parameter server {address} failed ({code.name}): {message}")
         self.address = address
         self.method = method
         self.code = code
         self.message = message
+        self.refusal = refusal
 
     @property
     def retryable(self) -> bool:
-        """Whether trying again later can succeed (server down, or not registered yet)."""
+        """Whether trying again later can succeed (server down or busy, or not registered yet)."""
         if self.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return True
-        return self.code == grpc.StatusCode.FAILED_PRECONDITION and NOT_REGISTERED in self.message
+        return self.refusal in RETRYABLE_REFUSALS

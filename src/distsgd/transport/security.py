@@ -35,6 +35,9 @@ SECRET_FILE_ENV = "DISTSGD_SECRET_FILE"
 METADATA_KEY = "x-distsgd-auth"
 """gRPC call-metadata key under which clients send the run secret."""
 
+MIN_SECRET_CHARS = 32
+"""The shortest run secret accepted (:func:`new_secret` makes 64 hex characters)."""
+
 
 def new_secret() -> str:
     """A fresh random run secret: 64 hex characters (256 bits)."""
@@ -44,13 +47,22 @@ def new_secret() -> str:
 def check_secret(secret: str, source: str = "the run secret") -> str:
     """``secret`` without surrounding whitespace, or ValueError if it cannot be used.
 
-    It must be non-empty printable ASCII, because gRPC metadata values are.
+    It must be printable ASCII (gRPC metadata values are) and at least
+    :data:`MIN_SECRET_CHARS` long, so that it cannot be guessed.
     """
     value = secret.strip()
+    fix = (
+        "make one with distsgd.transport.new_secret() (64 hex characters) or "
+        "write_secret_file(PATH)"
+    )
     if not value:
-        raise ValueError(f"{source} is empty; use a random string such as new_secret() makes")
+        raise ValueError(f"{source} is empty; {fix}")
     if not (value.isascii() and value.isprintable()):
-        raise ValueError(f"{source} must be printable ASCII (a hex string, for example)")
+        raise ValueError(f"{source} must be printable ASCII; {fix}")
+    if len(value) < MIN_SECRET_CHARS:
+        raise ValueError(
+            f"{source} has {len(value)} characters, fewer than {MIN_SECRET_CHARS}; {fix}"
+        )
     return value
 
 
@@ -206,11 +218,25 @@ def is_loopback(host: str) -> bool:
 
 
 def exposure_warning(address: str, *, secret: str | None, tls: TlsConfig | None) -> str | None:
-    """A one-line warning for a server on ``address`` ("host:port") reachable from other
-    machines without TLS, or None when it listens on loopback or uses TLS."""
+    """A one-line warning for a server on ``address`` ("host:port") that others can use: any
+    address without a run secret (on loopback every local user and process can connect), or
+    a non-loopback one without TLS. None with a secret on loopback, or with a secret and TLS."""
     host = address.rpartition(":")[0]
-    if tls is not None or is_loopback(host):
-        return None
+    if is_loopback(host):
+        if secret:
+            return None
+        return (
+            f"listening on {address} without a run secret: every user and process on this "
+            f"machine can read and change the parameters; set {SECRET_FILE_ENV} "
+            "(distsgd run does)"
+        )
+    if tls is not None:
+        if secret:
+            return None
+        return (
+            f"listening on {address} with TLS but without a run secret: any holder of a "
+            f"certificate the CA signed can change the parameters; set {SECRET_FILE_ENV}"
+        )
     if secret:
         return (
             f"listening on non-loopback {address} without TLS: the run secret and the "

@@ -11,8 +11,21 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION: _ClassVar[ProtocolVersion]
+
+class PushRejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUSH_REJECT_REASON_UNSPECIFIED: _ClassVar[PushRejectReason]
+    PUSH_REJECT_REASON_STALE: _ClassVar[PushRejectReason]
+    PUSH_REJECT_REASON_DUPLICATE: _ClassVar[PushRejectReason]
+    PUSH_REJECT_REASON_NONFINITE: _ClassVar[PushRejectReason]
+    PUSH_REJECT_REASON_LOST: _ClassVar[PushRejectReason]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION: ProtocolVersion
+PUSH_REJECT_REASON_UNSPECIFIED: PushRejectReason
+PUSH_REJECT_REASON_STALE: PushRejectReason
+PUSH_REJECT_REASON_DUPLICATE: PushRejectReason
+PUSH_REJECT_REASON_NONFINITE: PushRejectReason
+PUSH_REJECT_REASON_LOST: PushRejectReason
 
 class RequestHeader(_message.Message):
     __slots__ = ("protocol_version", "run_id", "worker", "incarnation")
@@ -129,14 +142,16 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("accepted", "version", "reason")
+    __slots__ = ("accepted", "version", "reason", "reject")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REJECT_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     version: int
     reason: str
-    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    reject: PushRejectReason
+    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., reject: _Optional[_Union[PushRejectReason, str]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ("header",)
