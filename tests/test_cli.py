@@ -30,6 +30,8 @@ def _error_line(done) -> str:  # type: ignore[no-untyped-def]
         (["run", "--scheme", "sync", "--backup-workers", "2", BLOBS], "backup_workers=2"),
         (["run", "--workers", "0", BLOBS], "--workers"),
         (["run", "missing_script.py"], "missing_script.py not found"),
+        (["run", "."], "is a folder"),
+        (["run", "--checkpoint-every", "often", BLOBS], "0 (off)"),
         (["run", "--lr", "-1", BLOBS], "lr must be positive"),
         (["run", "--scheme", "downpour", "--window", "0", BLOBS], "window must be at least 1"),
     ],
@@ -148,3 +150,16 @@ def test_resume_refuses_options_it_would_ignore(tmp_path: Path) -> None:
 def test_resume_of_a_folder_that_is_no_run(tmp_path: Path) -> None:
     line = _error_line(run_distsgd(["run", "--resume", str(tmp_path)]))
     assert "not a distsgd run folder" in line
+
+
+@pytest.mark.slow
+def test_a_failed_task_is_reported_on_stderr(tmp_path: Path) -> None:
+    """Run-time failures go to standard error like argument errors, with the task named."""
+    script = tmp_path / "broken.py"
+    script.write_text("raise SystemExit('no data here')\n")
+    done = run_distsgd(
+        ["run", "--max-restarts", "0", "--quiet", "--run-dir", str(tmp_path / "run"), str(script)]
+    )
+    assert done.returncode == 1
+    assert "distsgd: error: task worker" in done.stderr and "failed" in done.stderr
+    assert "distsgd: error" not in done.stdout

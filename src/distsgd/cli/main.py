@@ -24,7 +24,8 @@ from distsgd.cluster import ClusterSpecError, resolve_cluster
 from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, DEFAULT_MAX_RESTARTS
 
 DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEBUG_ENV = "DISTSGD_DEBUG"
+"""Set to show the traceback of an unexpected error instead of its one-line summary."""
 
 
 def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -446,10 +447,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "schemes":
             return _cmd_schemes()
     except (ValueError, ClusterSpecError, OSError) as exc:
-        print(f"distsgd: error: {exc}", file=sys.stderr)
+        print(f"distsgd: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("distsgd: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug: one line, the traceback only when asked for
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(
+            f"distsgd: internal error: {type(exc).__name__}: {_one_line(exc)} (a bug in "
+            f"distsgd; rerun with {DEBUG_ENV}=1 for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return 1
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error's message as one line (multi-line messages keep their first line's sense)."""
+    text = str(exc).strip()
+    return " ".join(text.split("\n")) if text else type(exc).__name__
 
 
 if __name__ == "__main__":
