@@ -13,9 +13,11 @@ refused. After every example a correct client pulls and compares.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +29,10 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from distsgd.ps import start_server
+from distsgd.ps import UpdateRule, start_server
 from distsgd.ps.rules import MAX_LR_SCALE
 from distsgd.schemes import make_server_rule, names
-from distsgd.transport import METADATA_KEY, PROTOCOL_VERSION, RemoteError, ShardClient
+from distsgd.transport import METADATA_KEY, PROTOCOL_VERSION, PushReject, RemoteError, ShardClient
 from distsgd.transport.codec import ALLOWED_DTYPES, ChunkAssembler, WireError, iter_chunks
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
@@ -667,3 +669,384 @@ def test_fuzz_register_options_on_fresh_server(scheme, options_json, num_workers
     else:
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, scheme, options_json)
         assert not info.registered and service.shard is None
+
+
+# --------------------------------------------------------------------------- every field checked
+# Each case below is a request a peer can send that the server used to accept (or answer
+# UNKNOWN after changing part of its state). Each must now be refused with a documented status
+# code, and leave values, version and counters exactly as they were (seen through Info and Pull).
+
+
+@dataclass(frozen=True)
+class State:
+    """What a client can see of a shard: Info's counters and specs, and Pull's values."""
+
+    registered: bool
+    info: tuple[Any, ...]
+    version: int
+    values: dict[str, np.ndarray]
+
+
+def observe(client: ShardClient) -> State:
+    info = client.info(retry=False)
+    counters = (
+        info.scheme,
+        info.version,
+        info.pushes_accepted,
+        info.pushes_rejected,
+        info.nonfinite_rejected,
+        info.active_workers,
+        tuple((s.key, s.dtype, tuple(s.shape)) for s in info.tensors),
+    )
+    if not info.registered:
+        with pytest.raises(RemoteError) as err:
+            client.pull(wait_seconds=0)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        return State(False, counters, 0, {})
+    version, values = client.pull(wait_seconds=0)
+    return State(True, counters, version, values)
+
+
+def assert_same_state(before: State, after: State) -> None:
+    assert (after.registered, after.info, after.version) == (
+        before.registered,
+        before.info,
+        before.version,
+    )
+    assert list(after.values) == list(before.values)
+    for key, value in before.values.items():
+        assert after.values[key].dtype == value.dtype, key
+        np.testing.assert_array_equal(after.values[key], value, err_msg=key)
+
+
+def refused(fn: Any, code: grpc.StatusCode, needle: str = "") -> RemoteError:
+    """Run ``fn``; it must fail with ``code`` (never UNKNOWN) and a message holding ``needle``."""
+    with pytest.raises(RemoteError) as err:
+        fn()
+    assert err.value.code == code, (err.value.code, err.value.message)
+    assert needle in err.value.message, err.value.message
+    assert "\n" not in err.value.message
+    return err.value
+
+
+SCHEME_OPTIONS: dict[str, dict[str, Any]] = {
+    "hogwild": HOGWILD,
+    "dynsgd": HOGWILD,
+    "sync": {"lr": 0.5, "momentum": 0.0, "required": NUM_WORKERS},
+}
+
+
+@contextlib.contextmanager
+def registered(scheme: str) -> Iterator[tuple[Any, ShardClient]]:
+    """A fresh server holding MODEL under ``scheme``; yields (service, worker 0's client)."""
+    with fresh_server(register=False) as (_, service, client):
+        client.register(
+            shard_index=0,
+            scheme=scheme,
+            options_json=json.dumps(SCHEME_OPTIONS[scheme]),
+            num_workers=NUM_WORKERS,
+            tensors=MODEL,
+        )
+        yield service, client
+
+
+BAD_LR_SCALES = [math.nan, math.inf, -math.inf, 1e308, -1.0, -1e-9, MAX_LR_SCALE * 2]
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEME_OPTIONS))
+@pytest.mark.parametrize("lr_scale", BAD_LR_SCALES, ids=repr)
+def test_push_with_bad_lr_scale_is_refused_and_changes_nothing(scheme, lr_scale) -> None:
+    """A finite payload with a NaN, infinite, huge or negative lr_scale used to turn every
+    parameter NaN or Inf (hogwild, dynsgd; sync at the step's close)."""
+    with registered(scheme) as (service, client):
+        before = observe(client)
+        grads = {k: np.ones_like(v) for k, v in MODEL.items()}
+        refused(
+            lambda: client.push(base_version=0, tensors=grads, lr_scale=lr_scale),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "lr_scale",
+        )
+        assert_same_state(before, observe(client))
+        if scheme == "sync":
+            assert not service.shard.rule.contributors  # the open step saw nothing either
+        # The limit itself is accepted; 0 means 1.0.
+        assert client.push(base_version=0, tensors=grads, lr_scale=MAX_LR_SCALE).accepted
+        assert client.push(base_version=0, tensors=grads, lr_scale=0.0).accepted == (
+            scheme != "sync"  # the same worker twice in one step is a duplicate
+        )
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "int8", "uint8", "bool"])
+def test_register_with_a_non_float_piece_is_refused(dtype) -> None:
+    """An int or bool piece used to register, and a later push then failed UNKNOWN after the
+    float pieces before it were already updated (values changed, version not)."""
+    with fresh_server(register=False) as (_, service, client):
+        before = observe(client)
+        model = {**MODEL, "step#0": np.zeros(2, dtype)}
+        refused(
+            lambda: client.register(
+                shard_index=0,
+                scheme="hogwild",
+                options_json=json.dumps(HOGWILD),
+                num_workers=NUM_WORKERS,
+                tensors=model,
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "step#0",
+        )
+        assert service.shard is None
+        assert_same_state(before, observe(client))
+
+
+BAD_PIECES: dict[str, dict[str, np.ndarray]] = {
+    "wrong dtype": {"b#0": MODEL["b#0"].astype(np.float64)},
+    "wrong shape": {"b#0": np.ones(4, np.float32)},
+    "unknown key": {"nope#0": np.ones(3, np.float32)},
+    "int dtype": {"b#0": np.ones(3, np.int32)},
+    "scalar as vector": {"s#0": np.ones(1, np.float64)},
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_PIECES))
+def test_push_with_one_bad_piece_changes_no_piece(target: Target, bad) -> None:
+    """The good pieces listed before the bad one are not applied either: the push is checked
+    whole before any of it is."""
+    good = {k: np.ones_like(v) for k, v in MODEL.items() if k not in BAD_PIECES[bad]}
+    tensors = {**good, **BAD_PIECES[bad]}  # the bad one last: after every good one
+    before = observe(target.good)
+    refused(
+        lambda: target.good.push(base_version=0, tensors=tensors),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        next(iter(BAD_PIECES[bad])),
+    )
+    assert_same_state(before, observe(target.good))
+    assert_unchanged(target)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_push_with_one_nonfinite_piece_changes_no_piece(target: Target, bad) -> None:
+    """Not an error (PushResponse.accepted is false, reject NONFINITE), and nothing applied."""
+    tensors = {k: np.ones_like(v) for k, v in MODEL.items()}
+    tensors["s#0"] = np.array(bad)  # the last piece
+    before = observe(target.good)
+    result = target.good.push(base_version=0, tensors=tensors)
+    assert not result.accepted and result.reject is PushReject.NONFINITE, result
+    assert result.reason.startswith("nonfinite") and "s#0" in result.reason
+    after = observe(target.good)
+    assert after.info[4] == before.info[4] + 1  # nonfinite_rejected counted the refusal
+    assert after.version == before.version
+    assert_same_state(before, dataclasses.replace(after, info=before.info))  # values as they were
+
+
+def _deep(depth: int) -> str:
+    return '{"lr": 0.5, "x": ' + "[" * depth + "]" * depth + "}"
+
+
+BAD_OPTIONS = [
+    # (scheme, options_json, what the message names)
+    ("hogwild", '{"lr": NaN}', "NaN"),
+    ("hogwild", '{"lr": Infinity}', "Infinity"),
+    ("hogwild", '{"lr": -Infinity}', "Infinity"),
+    ("hogwild", '{"lr": 0.5, "momentum": NaN}', "NaN"),
+    ("hogwild", '{"lr": 1e400}', "overflows"),
+    ("hogwild", '{"lr": -0.5}', "lr"),
+    ("hogwild", '{"lr": 0}', "lr"),
+    ("hogwild", '{"lr": 1e9}', "lr"),
+    ("hogwild", '{"lr": "0.5"}', "lr"),
+    ("hogwild", '{"lr": true}', "lr"),
+    ("hogwild", '{"lr": [0.5]}', "lr"),
+    ("hogwild", '{"lr": 0.5, "momentum": 2}', "momentum"),
+    ("hogwild", '{"momentum": 0.5}', "lr"),
+    ("hogwild", '{"lr": 0.5, "typo": 1}', "typo"),
+    ("hogwild", '{"lr": 1' + "0" * 5000 + "}", "options_json"),
+    ("hogwild", "[]", "object"),
+    ("hogwild", "null", "object"),
+    ("hogwild", '{"lr": 0.5', "JSON"),
+    ("hogwild", _deep(4), "nests"),
+    ("hogwild", _deep(30_000), "nests"),  # 60 KB: within the size limit, past recursion
+    ("hogwild", '{"lr": 0.5, "pad": "' + "x" * (64 << 10) + '"}', "bytes"),
+    ("sync", '{"lr": 0.5, "required": -1}', "required"),
+    ("sync", '{"lr": 0.5, "required": 0}', "required"),
+    ("sync", '{"lr": 0.5, "required": 1e400}', "overflows"),
+    ("sync", '{"lr": 0.5, "required": 1.5}', "required"),
+    ("sync", '{"lr": 0.5, "required": 2.0}', "required"),
+    ("sync", '{"lr": 0.5, "required": 3}', "required"),  # more than the 2 workers
+    ("sync", '{"lr": 0.5, "required": 99999999999999999999999}', "required"),
+    ("sync", '{"lr": 0.5, "required": 2, "step_timeout": 0}', "step_timeout"),
+    ("sync", '{"lr": 0.5, "required": 2, "step_timeout": 1e300}', "step_timeout"),
+    ("sync", '{"lr": 0.5}', "required"),
+    ("sagn", '{"lr": NaN, "required": 2}', "NaN"),
+    ("downpour", '{"server_lr": -1}', "server_lr"),
+    ("downpour", '{"server_lr": 0.5, "lr": 0.1}', "lr"),
+    ("easgd", '{"alpha": 0.5}', "alpha"),
+]
+
+
+@pytest.mark.parametrize(("scheme", "options_json", "needle"), BAD_OPTIONS, ids=lambda v: v[:40])
+def test_register_with_bad_options_is_refused(scheme, options_json, needle) -> None:
+    """NaN, Infinity, overflowing or out-of-range options, deep or huge JSON: INVALID_ARGUMENT
+    with a message naming the option (they used to register, or answer UNKNOWN)."""
+    with fresh_server(register=False) as (_, service, client):
+        before = observe(client)
+        refused(
+            lambda: client.register(
+                shard_index=0,
+                scheme=scheme,
+                options_json=options_json,
+                num_workers=NUM_WORKERS,
+                tensors=MODEL,
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            needle,
+        )
+        assert service.shard is None
+        assert_same_state(before, observe(client))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_register_with_nonfinite_initial_values_is_refused(bad, dtype) -> None:
+    with fresh_server(register=False) as (_, service, client):
+        before = observe(client)
+        model = {**MODEL, "z#0": np.array([0.0, bad, 1.0], dtype)}
+        refused(
+            lambda: client.register(
+                shard_index=0,
+                scheme="hogwild",
+                options_json=json.dumps(HOGWILD),
+                num_workers=NUM_WORKERS,
+                tensors=model,
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "z#0",
+        )
+        assert service.shard is None
+        assert_same_state(before, observe(client))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("num_workers", 0, "workers"),
+        ("num_workers", 2**32 - 1, "workers"),
+        ("scheme", "", "scheme"),
+        ("scheme", "x" * 100_000, "scheme"),
+        ("scheme", "hog wild", "scheme"),
+    ],
+)
+def test_register_header_fields_are_checked(field, value, needle) -> None:
+    with fresh_server(register=False) as (address, service, client):
+        before = observe(client)
+        head = pb.RegisterHeader(
+            header=pb.RequestHeader(protocol_version=PROTOCOL_VERSION, worker=0),
+            scheme="hogwild",
+            options_json=json.dumps(HOGWILD),
+            num_workers=NUM_WORKERS,
+            shard_index=0,
+        )
+        setattr(head, field, value)
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.ParameterServerStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Register(iter([pb.RegisterRequest(header=head)]), timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in (err.value.details() or "")
+        assert service.shard is None
+        assert_same_state(before, observe(client))
+
+
+def raw_pull(t: Target, request: pb.PullRequest, timeout: float) -> grpc.StatusCode:
+    """One Pull through the raw stub (no client-side checks); its status code."""
+    try:
+        list(t.stub.Pull(request, metadata=METADATA, timeout=timeout))
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize(
+    ("wait_seconds", "code"),
+    [
+        (math.nan, grpc.StatusCode.INVALID_ARGUMENT),
+        (-1.0, grpc.StatusCode.INVALID_ARGUMENT),
+        (-math.inf, grpc.StatusCode.INVALID_ARGUMENT),
+        (math.inf, grpc.StatusCode.DEADLINE_EXCEEDED),  # capped, then bounded by the deadline
+        (1e300, grpc.StatusCode.DEADLINE_EXCEEDED),
+    ],
+    ids=["nan", "negative", "-inf", "inf", "huge"],
+)
+def test_pull_wait_seconds_is_checked(target: Target, wait_seconds, code) -> None:
+    """inf used to answer UNKNOWN ("timestamp out of range"); NaN and negative are refused."""
+    before = observe(target.good)
+    request = pb.PullRequest(
+        header=pb.RequestHeader(protocol_version=PROTOCOL_VERSION, worker=0),
+        min_version=target.version + 1,  # never reached: the pull would wait
+        wait_seconds=wait_seconds,
+    )
+    assert raw_pull(target, request, PULL_TIMEOUT) == code
+    # Reached at once: a refused wait_seconds is refused all the same, a valid one answers.
+    request.min_version = 0
+    now = grpc.StatusCode.OK if code != grpc.StatusCode.INVALID_ARGUMENT else code
+    assert raw_pull(target, request, TIMEOUT) == now
+    assert_same_state(before, observe(target.good))
+    assert_unchanged(target)
+
+
+def test_pull_wait_is_capped_on_the_server(target: Target, monkeypatch) -> None:
+    """A pull asking to wait forever (and with no deadline) waits MAX_WAIT_SECONDS, then
+    DEADLINE_EXCEEDED; here the cap is lowered to 0.3 s to see it."""
+    from distsgd.ps import service as service_module
+
+    monkeypatch.setattr(service_module, "MAX_WAIT_SECONDS", 0.3)
+    request = pb.PullRequest(
+        header=pb.RequestHeader(protocol_version=PROTOCOL_VERSION, worker=0),
+        min_version=target.version + 1,
+        wait_seconds=math.inf,
+    )
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(target.stub.Pull(request, metadata=METADATA))  # no client deadline at all
+    elapsed = time.monotonic() - started
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "after 0.3s" in (err.value.details() or "")
+    assert 0.25 < elapsed < 5.0
+    assert_unchanged(target)
+
+
+def test_shard_client_checks_wait_seconds(target: Target) -> None:
+    with pytest.raises(ValueError, match="wait_seconds"):
+        target.good.pull(wait_seconds=math.nan)
+    with pytest.raises(ValueError, match="wait_seconds"):
+        target.good.pull(wait_seconds=-1.0)
+    assert target.good.pull(wait_seconds=math.inf)[0] == target.version  # capped, answered
+    assert_unchanged(target)
+
+
+def test_unexpected_error_is_internal_not_unknown() -> None:
+    """A rule that raises (a bug) answers INTERNAL with a one-line message, never UNKNOWN."""
+
+    class Broken(UpdateRule):
+        def apply(self, shard: Any, payload: Any, meta: Any) -> Any:
+            raise ZeroDivisionError("bug")
+
+    srv, address, service = start_server(
+        address="127.0.0.1:0",
+        shard_index=0,
+        rule_factory=lambda scheme, options, n: Broken(options, n),
+        max_threads=4,
+    )
+    try:
+        with ShardClient(address, worker=0, timeout=TIMEOUT, retry_seconds=0.0) as client:
+            client.register(
+                shard_index=0, scheme="broken", options_json="{}", num_workers=1, tensors=MODEL
+            )
+            err = refused(
+                lambda: client.push(base_version=0, tensors={"b#0": np.ones(3, np.float32)}),
+                grpc.StatusCode.INTERNAL,
+                "ZeroDivisionError",
+            )
+            assert not err.retryable
+            assert client.info().version == 0  # and the server goes on answering
+    finally:
+        srv.stop(grace=None).wait(timeout=5)
+        service.close()
