@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+from conftest import run_distsgd, wait_for
 
-from distsgd.ps import ParameterClient, PartitionPlan, start_server
+from distsgd.ps import ParameterClient, PartitionPlan, serve, start_server, stop_server
 from distsgd.schemes import make_server_rule
-from distsgd.transport import PROTOCOL_VERSION, RemoteError, ShardClient
+from distsgd.transport import PROTOCOL_VERSION, Refusal, RemoteError, ShardClient
 from distsgd.transport.codec import iter_chunks, spec_of, specs_of
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
@@ -160,6 +164,7 @@ def test_pull_before_register_fails_precondition(server) -> None:
         assert time.monotonic() - started < 5
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "not registered" in info.value.message
+    assert info.value.refusal is Refusal.NOT_REGISTERED  # typed: trailing metadata, not text
     assert info.value.retryable
 
 
@@ -173,6 +178,7 @@ def test_push_and_leave_before_register_fail_precondition(server) -> None:
     for err in (push_err.value, leave_err.value):
         assert err.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "not registered" in err.message
+        assert err.refusal is Refusal.NOT_REGISTERED
 
 
 def test_protocol_version_mismatch(server) -> None:
@@ -436,3 +442,190 @@ def test_parameter_client_detects_different_model(two_servers) -> None:
 def test_specs_of_preserves_order() -> None:
     arrays = _arrays()
     assert [s.key for s in specs_of(arrays)] == list(arrays)
+
+
+def test_other_failed_preconditions_are_not_retried(server) -> None:
+    """A run-id or protocol mismatch is FAILED_PRECONDITION without a refusal: not retried,
+    whatever its message says."""
+    address, _ = server
+    with _client(address, worker=0, run_id="run-a") as client:
+        _register(client)
+    other = _client(address, worker=0, run_id="run-b (not registered)")
+    with other, pytest.raises(RemoteError) as err:
+        other.info()
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.refusal is None and not err.value.retryable
+
+
+# --------------------------------------------------------------------------- waiting pulls
+
+
+def _waiting_pulls(address: str, count: int, results: list[object]) -> list[threading.Thread]:
+    """``count`` pulls for a version that is not there yet, each in its own thread."""
+
+    def pull() -> None:
+        with _client(address, worker=0, retry_seconds=0.0) as client:
+            try:
+                results.append(client.pull(min_version=1, wait_seconds=20.0)[0])
+            except RemoteError as exc:
+                results.append(exc)
+
+    threads = [threading.Thread(target=pull) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def test_waiting_pulls_cannot_starve_other_calls() -> None:
+    """With 8 threads at most 6 pulls wait; a 7th is RESOURCE_EXHAUSTED (busy, retried), and
+    Info and Push still answer at once, so the push that the waiting pulls wait for arrives."""
+    srv, address, service = start_server(
+        address="127.0.0.1:0", shard_index=0, rule_factory=make_server_rule, max_threads=8
+    )
+    results: list[object] = []
+    try:
+        assert service.max_waiting_pulls == 6
+        with _client(address, worker=1) as client:
+            _register(client)
+            threads = _waiting_pulls(address, 6, results)
+            deadline = time.monotonic() + 10
+            while service.waiting_pulls < 6 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert service.waiting_pulls == 6, "the six pulls did not start waiting"
+            with pytest.raises(RemoteError) as err:
+                client.pull(min_version=1, wait_seconds=20.0)
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.value.refusal is Refusal.BUSY and err.value.retryable
+            started = time.monotonic()
+            assert client.info().version == 0
+            grad = {"b#0": np.ones(3, np.float32)}
+            assert client.push(base_version=0, tensors=grad).accepted
+            assert time.monotonic() - started < 2.0
+            for thread in threads:
+                thread.join(timeout=10)
+        assert results == [1] * 6  # every waiting pull got version 1
+        assert service.waiting_pulls == 0
+    finally:
+        srv.stop(grace=None).wait(timeout=5)
+        service.close()
+
+
+def test_stop_server_wakes_waiting_pulls_with_unavailable() -> None:
+    srv, address, service = start_server(
+        address="127.0.0.1:0", shard_index=0, rule_factory=make_server_rule, max_threads=8
+    )
+    results: list[object] = []
+    with _client(address, worker=0) as client:
+        _register(client)
+    threads = _waiting_pulls(address, 3, results)
+    time.sleep(0.3)
+    started = time.monotonic()
+    stop_server(srv, service)
+    for thread in threads:
+        thread.join(timeout=5)
+    assert time.monotonic() - started < 1.5
+    assert len(results) == 3
+    for result in results:
+        assert isinstance(result, RemoteError), result
+        assert result.code == grpc.StatusCode.UNAVAILABLE
+        assert result.refusal is Refusal.CLOSING
+
+
+def test_serve_with_a_waiting_pull_stops_within_a_second(tmp_path) -> None:
+    """serve() used to take about 40 s to return with a pull waiting (the pull held a server
+    thread for its whole wait_seconds); now it wakes the pull and returns within a second."""
+    stop = threading.Event()
+    address_file = tmp_path / "ps0.address"
+    kw = {"address": "127.0.0.1:0", "shard_index": 0, "rule_factory": make_server_rule}
+    # In a thread: on the main thread serve would take over SIGINT for the whole session.
+    runner = threading.Thread(
+        target=serve, kwargs={**kw, "stop": stop, "address_file": address_file}
+    )
+    runner.start()
+    results: list[object] = []
+    try:
+        deadline = time.monotonic() + 10
+        while not address_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        address = address_file.read_text().strip()
+        with _client(address, worker=0) as client:
+            _register(client)
+        threads = _waiting_pulls(address, 1, results)
+        time.sleep(0.3)
+        assert not results  # it waits
+    finally:
+        started = time.monotonic()
+        stop.set()
+        runner.join(timeout=10)
+    elapsed = time.monotonic() - started
+    threads[0].join(timeout=5)
+    assert not runner.is_alive()
+    assert elapsed < 1.5, f"serve took {elapsed:.2f}s to stop"
+    assert isinstance(results[0], RemoteError) and results[0].code == grpc.StatusCode.UNAVAILABLE
+
+
+# --------------------------------------------------------------------------- ports
+
+
+def test_second_server_on_the_same_port_fails(server, monkeypatch) -> None:
+    """No SO_REUSEPORT: a second server cannot share a port (it used to, silently)."""
+    address, _ = server
+    with pytest.raises(OSError, match="in use") as err:
+        start_server(address=address, shard_index=0, rule_factory=make_server_rule)
+    assert "\n" not in str(err.value) and "port" in str(err.value)
+    # Without the plain-socket check first, gRPC's own bind fails too (SO_REUSEPORT is off).
+    from distsgd.ps import server as server_module
+
+    monkeypatch.setattr(server_module, "_port_in_use", lambda host, port: False)
+    with pytest.raises(OSError, match="cannot listen"):
+        start_server(address=address, shard_index=0, rule_factory=make_server_rule)
+    with _client(address) as client:  # the first server is unharmed
+        assert not client.info().registered
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _server_args(port: int, address_file: Path | None = None) -> list[str]:
+    args = ["server", "--task", "0", "--ps-hosts", f"127.0.0.1:{port}"]
+    args += ["--worker-hosts", "127.0.0.1:0"]
+    return args + (["--address-file", str(address_file)] if address_file else [])
+
+
+def test_distsgd_server_on_a_busy_port_is_one_line(spawn, tmp_path: Path) -> None:
+    """`distsgd server` on a port another server holds: exit 2 and exactly one line on stderr
+    (distsgd's own; no gRPC C-core log line before it)."""
+    address_file = tmp_path / "ps0.address"
+    port = _free_port()
+    first = spawn(_server_args(port, address_file))
+    assert wait_for(address_file.exists, 60), "the first server did not start"
+    done = run_distsgd(_server_args(port), timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("distsgd: error: cannot listen on") and "in use" in lines[0]
+    assert first.poll() is None  # the first one is still serving
+
+
+def test_distsgd_server_exits_within_a_second_of_sigterm(spawn, tmp_path: Path) -> None:
+    """A ps process with a waiting pull used to need about 40 s to exit after SIGTERM."""
+    address_file = tmp_path / "ps0.address"
+    proc = spawn(_server_args(0, address_file))
+    assert wait_for(address_file.exists, 60), "the server did not start"
+    address = address_file.read_text().strip()
+    with _client(address, worker=0) as client:
+        _register(client)
+    results: list[object] = []
+    threads = _waiting_pulls(address, 1, results)
+    time.sleep(0.3)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    elapsed = time.monotonic() - started
+    threads[0].join(timeout=5)
+    assert proc.returncode == 0
+    assert elapsed < 1.5, f"the ps took {elapsed:.2f}s to exit"
+    assert isinstance(results[0], RemoteError) and results[0].code == grpc.StatusCode.UNAVAILABLE

@@ -171,7 +171,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 "shard %d restored from %s at version %d", shard_index, restore, self.shard.version
             )
         self._stop = threading.Event()
-        self._waiting = threading.BoundedSemaphore(max_waiting_pulls)
+        self._waiting = 0
+        self._waiting_lock = threading.Lock()
         self._ticker = threading.Thread(
             target=self._tick, name=f"ps{shard_index}-tick", daemon=True
         )
@@ -179,6 +180,23 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         self.incarnation = secrets.randbits(63) | 1
         """Random per server process; a client seeing another one knows the server restarted."""
         self._register_lock = threading.Lock()
+
+    @property
+    def waiting_pulls(self) -> int:
+        """How many Pulls are waiting for a version now."""
+        return self._waiting
+
+    def _start_waiting(self) -> bool:
+        """Take one of the ``max_waiting_pulls`` places; False when all are taken."""
+        with self._waiting_lock:
+            if self._waiting >= self.max_waiting_pulls:
+                return False
+            self._waiting += 1
+            return True
+
+    def _stop_waiting(self) -> None:
+        with self._waiting_lock:
+            self._waiting -= 1
 
     @property
     def closing(self) -> bool:
@@ -466,7 +484,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         shard.see(request.header.worker, request.header.incarnation)
         restarted = request.server_incarnation not in (0, self.incarnation)
         if not restarted and shard.version < request.min_version:
-            if not self._waiting.acquire(blocking=False):
+            if not self._start_waiting():
                 _abort(
                     context,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -477,7 +495,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
             try:
                 reached = shard.wait_for(request.min_version, wait)
             finally:
-                self._waiting.release()
+                self._stop_waiting()
             self._unless_closing(context)
             if not reached:
                 _abort(
