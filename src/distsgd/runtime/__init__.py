@@ -1,10 +1,13 @@
-"""Worker runtime: the model replica, its data shard, and the one training loop (PyTorch)."""
+"""Worker runtime: the model replica, its data shard, and the one training loop (PyTorch).
 
-from distsgd.runtime.config import TrainConfig
-from distsgd.runtime.context import WorkerContext
-from distsgd.runtime.loop import TrainResult, run_worker
-from distsgd.runtime.scheme import WorkerScheme
-from distsgd.runtime.task import ENV_VAR, TaskEnv
+Names are imported on first use, so that a module below (``runtime.config``, ``runtime.scheme``)
+can be imported without the whole loop, and a parameter-server process without PyTorch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "ENV_VAR",
@@ -15,3 +18,33 @@ __all__ = [
     "WorkerScheme",
     "run_worker",
 ]
+
+_EXPORTS = {
+    "ENV_VAR": "distsgd.runtime.task",
+    "TaskEnv": "distsgd.runtime.task",
+    "TrainConfig": "distsgd.runtime.config",
+    "TrainResult": "distsgd.runtime.loop",
+    "WorkerContext": "distsgd.runtime.context",
+    "WorkerScheme": "distsgd.runtime.scheme",
+    "run_worker": "distsgd.runtime.loop",
+}
+
+if TYPE_CHECKING:
+    from distsgd.runtime.config import TrainConfig
+    from distsgd.runtime.context import WorkerContext
+    from distsgd.runtime.loop import TrainResult, run_worker
+    from distsgd.runtime.scheme import WorkerScheme
+    from distsgd.runtime.task import ENV_VAR, TaskEnv
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'distsgd.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
