@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -20,13 +22,25 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from distsgd import schemes
-from distsgd.ps import ACCEPTED, ParameterClient, PartitionPlan, PushMeta, Shard, start_server
+from distsgd.ps import (
+    ACCEPTED,
+    ParameterClient,
+    PartitionPlan,
+    PushMeta,
+    ServerOptions,
+    Shard,
+    UpdateRule,
+    bounded,
+    start_server,
+)
+from distsgd.ps.rules import MAX_OPTIONS_BYTES, parse_options_json
 from distsgd.runtime import TaskEnv, TrainConfig, WorkerContext, run_worker
 from distsgd.runtime.data import ShardedBatches
 from distsgd.schemes import make_server_rule
 from distsgd.schemes.downpour import DownpourOptions, DownpourWorker
 from distsgd.schemes.easgd import EasgdOptions, EasgdWorker, ElasticServer
 from distsgd.schemes.sync import SyncOptions, SyncWorker
+from distsgd.transport import PushReject
 
 ATOL = 1e-5
 
@@ -243,6 +257,112 @@ def test_sync_options_negative_and_unknown() -> None:
         "required": 2,
         "step_timeout": 60.0,
     }
+
+
+# --------------------------------------------------------------------------- server options
+
+
+def test_every_server_half_is_its_rule_class() -> None:
+    """One factory convention: SchemeSpec.server is the UpdateRule subclass itself, built as
+    ``Rule(options, num_workers)`` (no lambdas, no wrapper functions)."""
+    for name in schemes.names():
+        spec = schemes.get(name)
+        if spec.server is None:
+            continue
+        assert isinstance(spec.server, type) and issubclass(spec.server, UpdateRule), name
+        worker = spec.worker(spec.parse_options({}), 2)
+        options = json.loads(json.dumps(worker.server_options(TrainConfig())))
+        rule = make_server_rule(name, options, 2)
+        assert type(rule) is spec.server, name
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Opts(ServerOptions):
+    rate: float = bounded(low=0.0, low_open=True, high=10.0)
+    steps: int = bounded(3, low=1, high=100)
+    flag: bool = False
+    mode: str = "a"
+    ignored: ClassVar[frozenset[str]] = frozenset({"legacy"})
+
+
+def test_server_options_from_json_checks_type_finiteness_and_range() -> None:
+    opts = _Opts.from_json({"rate": 2, "legacy": "dropped"})
+    assert opts == _Opts(rate=2.0, steps=3) and isinstance(opts.rate, float)
+    assert _Opts.from_json({"rate": 10.0, "steps": 100, "flag": True, "mode": "b"}).steps == 100
+    bad = [
+        ({}, "'rate' is missing"),
+        ({"rate": 0.0}, "'rate' must be in (0, 10]"),
+        ({"rate": 10.5}, "'rate' must be in (0, 10]"),
+        ({"rate": float("nan")}, "'rate' must be a finite number"),
+        ({"rate": float("inf")}, "'rate' must be a finite number"),
+        ({"rate": 10**400}, "'rate' must be a finite number"),
+        ({"rate": True}, "'rate' must be a number"),
+        ({"rate": "1"}, "'rate' must be a number"),
+        ({"rate": None}, "'rate' must be a number"),
+        ({"rate": 1, "steps": 2.0}, "'steps' must be an integer"),
+        ({"rate": 1, "steps": 0}, "'steps' must be in [1, 100]"),
+        ({"rate": 1, "steps": False}, "'steps' must be an integer"),
+        ({"rate": 1, "flag": 1}, "'flag' must be true or false"),
+        ({"rate": 1, "mode": 3}, "'mode' must be a string"),
+        ({"rate": 1, "speed": 3}, "unknown option 'speed'"),
+    ]
+    for mapping, needle in bad:
+        with pytest.raises(ValueError) as err:
+            _Opts.from_json(mapping)
+        assert needle in str(err.value), (mapping, str(err.value))
+        assert "\n" not in str(err.value)
+
+
+def test_parse_options_json_limits() -> None:
+    assert parse_options_json("") == {} and parse_options_json("  ") == {}
+    assert parse_options_json('{"lr": 0.5, "s": "[[[[[[["}') == {"lr": 0.5, "s": "[[[[[[["}
+    assert parse_options_json('{"a": [[[1]]]}') == {"a": [[[1]]]}  # depth 4 is the limit
+    for text, needle in [
+        ('{"a": [[[[1]]]]}', "nests deeper"),
+        ("[" * 100_000 + "]" * 100_000, "bytes"),
+        ('{"lr": NaN}', "NaN"),
+        ('{"lr": -Infinity}', "Infinity"),
+        ('{"lr": 1e309}', "overflows"),
+        ("[1]", "JSON object"),
+        ("{", "not JSON"),
+        ('{"x": "' + "a" * MAX_OPTIONS_BYTES + '"}', "over the limit"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            parse_options_json(text)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "options", "needle"),
+    [
+        ("hogwild", {"lr": 0.1, "momentum": -0.1}, "momentum"),
+        ("dynsgd", {"lr": 2e4}, "lr"),
+        ("sync", {"lr": 0.1, "required": 5}, "required"),
+        ("sagn", {"lr": 1.0, "required": 2, "step_timeout": -1.0}, "step_timeout"),
+        ("downpour", {"server_lr": 0.0}, "server_lr"),
+        ("agn", {}, "server_lr"),
+        ("eamsgd", {"tau": 4}, "tau"),
+    ],
+)
+def test_rules_refuse_bad_options_naming_them(scheme, options, needle) -> None:
+    with pytest.raises(ValueError, match=needle):
+        make_server_rule(scheme, options, 2)
+
+
+def test_elastic_rule_ignores_the_default_lr_and_momentum() -> None:
+    rule = make_server_rule("easgd", {"lr": 0.1, "momentum": 0.9}, 2)
+    assert isinstance(rule, ElasticServer)
+
+
+def test_refusals_are_typed() -> None:
+    shard = _sync(2)
+    outcome, _ = _push(shard, _grads(1)[0], worker=0, base=5)
+    assert outcome.reject is PushReject.STALE and outcome.reason.startswith("stale: ")
+    assert _push(shard, _grads(1)[0], worker=0, base=0)[0] is ACCEPTED
+    outcome, _ = _push(shard, _grads(1)[0], worker=0, base=0)
+    assert outcome.reject is PushReject.DUPLICATE and outcome.reason.startswith("duplicate: ")
+    nan = {k: np.full_like(v, np.nan) for k, v in _w0().items()}
+    outcome, _ = _push(shard, nan, worker=1, base=0)
+    assert outcome.reject is PushReject.NONFINITE and not outcome.accepted
 
 
 # --------------------------------------------------------------------------- hogwild / downpour

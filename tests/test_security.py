@@ -35,6 +35,7 @@ from distsgd.transport import (
 from distsgd.transport.codec import iter_chunks, specs_of
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
+from distsgd.transport.security import MIN_SECRET_CHARS, check_secret
 
 SECRET = "s3cret-" + "ab" * 20
 OTHER_SECRET = "wrong-" + "cd" * 20
@@ -234,6 +235,25 @@ def test_empty_server_secret_is_a_mistake() -> None:
         start_server(address="127.0.0.1:0", shard_index=0, rule_factory=make_server_rule, secret="")
 
 
+@pytest.mark.parametrize("short", ["x", "s3cret", "a" * (MIN_SECRET_CHARS - 1)])
+def test_short_secret_is_refused_everywhere(short: str) -> None:
+    """Fewer than 32 characters can be guessed: refused by the server, the client and
+    load_secret, with a one-line message naming the fix."""
+    for make in (
+        lambda: start_server(
+            address="127.0.0.1:0", shard_index=0, rule_factory=make_server_rule, secret=short
+        ),
+        lambda: ShardClient("127.0.0.1:1", secret=short),
+        lambda: load_secret({SECRET_ENV: short}),
+        lambda: check_secret(f"  {short}  "),
+    ):
+        with pytest.raises(ValueError, match="new_secret") as err:
+            make()
+        assert "\n" not in str(err.value) and str(MIN_SECRET_CHARS) in str(err.value)
+    assert check_secret("a" * MIN_SECRET_CHARS) == "a" * MIN_SECRET_CHARS
+    assert len(check_secret(new_secret())) == 64
+
+
 # ------------------------------------------------------------------------- loading the secret
 
 
@@ -332,6 +352,28 @@ def test_serve_warns_on_non_loopback_without_tls(
         thread.join(timeout=10)
     assert not thread.is_alive()
     assert any("without TLS" in r.getMessage() for r in caplog.records)
+
+
+def test_serve_without_secret_warns_on_loopback(caplog: pytest.LogCaptureFixture) -> None:
+    """Every local user can reach a loopback port: no secret warns there too."""
+    import threading
+
+    from distsgd.ps import serve
+
+    stop = threading.Event()
+    stop.set()  # bind, log, stop at once
+    kw = {"address": "127.0.0.1:0", "shard_index": 0, "rule_factory": make_server_rule}
+    for secret, warns in ((None, True), (SECRET, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="distsgd"):
+            thread = threading.Thread(target=serve, kwargs={**kw, "stop": stop, "secret": secret})
+            thread.start()
+            thread.join(timeout=10)
+        assert not thread.is_alive()
+        warned = [r for r in caplog.records if "without a run secret" in r.getMessage()]
+        assert bool(warned) == warns, [r.getMessage() for r in caplog.records]
+        if warns:
+            assert warned[0].levelno == logging.WARNING and "127.0.0.1:" in warned[0].getMessage()
 
 
 # ------------------------------------------------------------------------- mutual TLS

@@ -11,8 +11,25 @@ import numpy as np
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
-from distsgd.transport import PROTOCOL_VERSION, ChunkAssembler, WireError, iter_chunks, specs_of
-from distsgd.transport.codec import CHUNK_BYTES, nbytes_of, spec_of, to_wire_bytes
+from distsgd.transport import (
+    PROTOCOL_VERSION,
+    ChunkAssembler,
+    PushReject,
+    Refusal,
+    TooLarge,
+    WireError,
+    iter_chunks,
+    specs_of,
+)
+from distsgd.transport.codec import (
+    ALLOWED_DTYPES,
+    CHUNK_BYTES,
+    FLOAT_DTYPES,
+    nbytes_of,
+    spec_of,
+    to_wire_bytes,
+)
+from distsgd.transport.errors import ERROR_KEY
 from distsgd.transport.proto import distsgd_pb2 as pb
 
 PROTO_DIR = Path(pb.__file__).resolve().parent
@@ -174,8 +191,9 @@ def test_bad_specs_refused() -> None:
         ChunkAssembler([pb.TensorSpec(key="c#0", dtype="complex64", shape=[2])])
     with pytest.raises(WireError, match=r"n#0: negative dimension"):
         ChunkAssembler([pb.TensorSpec(key="n#0", dtype="float32", shape=[2, -1])])
-    with pytest.raises(WireError, match="over the limit"):
+    with pytest.raises(TooLarge, match="over the limit"):  # typed: the server picks its code
         ChunkAssembler([pb.TensorSpec(key="h#0", dtype="float64", shape=[100])], max_bytes=799)
+    assert issubclass(TooLarge, WireError)
     assert nbytes_of(pb.TensorSpec(key="h#0", dtype="float64", shape=[100])) == 800
     assert issubclass(WireError, ValueError)
 
@@ -252,3 +270,43 @@ def test_no_message_carries_repeated_numbers_except_shape() -> None:
 def test_protocol_version_constant() -> None:
     assert PROTOCOL_VERSION == pb.PROTOCOL_VERSION == 1
     assert re.search(r"PROTOCOL_VERSION\s*=\s*1\s*;", _proto_without_comments())
+
+
+def test_push_reject_mirrors_the_proto_enum() -> None:
+    """PushReject (Python) and PushRejectReason (.proto) name the same reasons by the same
+    numbers; the text of PushResponse.reason starts with the reject's label."""
+    wire = dict(pb.PushRejectReason.items())
+    assert {r.wire_name: int(r) for r in PushReject} == wire
+    assert PushReject.NONE.wire_name == "PUSH_REJECT_REASON_UNSPECIFIED" and PushReject.NONE == 0
+    assert PushReject.NONFINITE.label == "nonfinite" and PushReject.LOST.label == "lost"
+    reply = pb.PushResponse(accepted=False, reject=PushReject.STALE.wire_name)
+    assert PushReject(reply.reject) is PushReject.STALE
+    assert (
+        pb.PushResponse.DESCRIPTOR.fields_by_name["reject"].number == 4
+    )  # a new field: compatible
+
+
+def test_refusal_from_trailing_metadata() -> None:
+    assert Refusal.from_metadata(((ERROR_KEY, "not-registered"),)) is Refusal.NOT_REGISTERED
+    assert Refusal.from_metadata((("other", "x"), (ERROR_KEY, "busy"))) is Refusal.BUSY
+    assert Refusal.from_metadata(((ERROR_KEY, "from-a-newer-server"),)) is None
+    assert Refusal.from_metadata(None) is None and Refusal.from_metadata(()) is None
+
+
+def test_float_dtypes_are_allowed_dtypes() -> None:
+    assert FLOAT_DTYPES <= ALLOWED_DTYPES
+    assert {np.dtype(d).kind for d in FLOAT_DTYPES} == {"f"}
+    assert {d for d in ALLOWED_DTYPES if np.dtype(d).kind == "f"} == FLOAT_DTYPES
+
+
+def test_proto_documents_every_status_code_the_server_uses() -> None:
+    """Every grpc.StatusCode named in ps/service.py appears in the .proto's error list, and the
+    server never answers UNKNOWN on purpose."""
+    service = (SRC_DIR / "distsgd" / "ps" / "service.py").read_text(encoding="utf-8")
+    used = set(re.findall(r"grpc\.StatusCode\.([A-Z_]+)", service))
+    proto = PROTO_FILE.read_text(encoding="utf-8")
+    documented = set(re.findall(r"^//\s{2,}([A-Z_]{5,})\s{2,}", proto, flags=re.MULTILINE))
+    assert used and used <= documented, used - documented
+    assert "UNKNOWN" not in used
+    for refusal in Refusal:
+        assert f"x-distsgd-error: {refusal.value}" in " ".join(proto.split()), refusal
