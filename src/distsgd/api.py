@@ -18,7 +18,7 @@ from torch import nn
 
 from distsgd import schemes
 from distsgd.runtime import TaskEnv, TrainConfig, TrainResult, run_worker
-from distsgd.runtime.data import as_dataset
+from distsgd.runtime.data import BatchFn, as_dataset, check_data
 from distsgd.runtime.evaluate import LossFn
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ def train(
     train_data: Any,
     test_data: Any = None,
     config: TrainConfig | None = None,
+    batch_fn: BatchFn | None = None,
 ) -> TrainResult:
     """Train ``model`` on ``train_data`` under the scheme the command line chose.
 
@@ -48,9 +49,19 @@ def train(
         model: an ordinary ``torch.nn.Module``; every worker must build the same architecture.
         loss_fn: ``loss_fn(model(inputs), targets)`` -> scalar tensor.
         train_data: a ``torch.utils.data.Dataset`` or an ``(inputs, targets)`` pair; each worker
-            trains on its own disjoint shard of it.
+            trains on its own disjoint shard of it. An item is ``(inputs, target)``,
+            ``(x1, ..., target)`` (``model(x1, ...)``) or a dict with a ``"target"`` key (also
+            ``"targets"``, ``"label"``, ``"labels"`` or ``"y"``) whose other keys are the
+            model's keyword arguments (:mod:`distsgd.runtime.data`).
         test_data: held-out data the chief evaluates (loss, and accuracy for class labels).
         config: the script's defaults; flags given to ``distsgd run`` override them.
+        batch_fn: reads any other batch: ``batch_fn(batch) -> (inputs, target)``, the batch
+            as ``torch.utils.data.default_collate`` made it, ``inputs`` a tuple of positional
+            arguments, a dict of keyword arguments, or one input.
+
+    Raises:
+        ValueError: before training, when the first item of ``train_data`` or ``test_data``
+            is of a shape distsgd cannot read, or its inputs do not fit ``model.forward``.
 
     Returns:
         This worker's :class:`TrainResult`; on the chief it carries the test scores.
@@ -64,6 +75,9 @@ def train(
     scheme = spec.worker(options, env.spec.num_workers)
     train_set = as_dataset(train_data, "train_data")
     test_set = None if test_data is None else as_dataset(test_data, "test_data")
+    check_data(train_set, "train_data", batch_fn=batch_fn, model=model)
+    if test_set is not None:
+        check_data(test_set, "test_data", batch_fn=batch_fn, model=model)
     return run_worker(
         model=model,
         loss_fn=loss_fn,
@@ -72,4 +86,5 @@ def train(
         config=config,
         env=env,
         scheme=scheme,
+        batch_fn=batch_fn,
     )
