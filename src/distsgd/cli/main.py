@@ -390,7 +390,12 @@ def _cmd_server(args: argparse.Namespace) -> int:
         secret=secret,
         tls=tls,
     )
-    return 0
+    from distsgd.launcher.bootstrap import exit_now
+
+    # serve has stopped (within a second of SIGTERM) and written all it owns; skip interpreter
+    # finalization, which takes seconds once torch is imported.
+    exit_now(0)
+    return 0  # not reached
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:

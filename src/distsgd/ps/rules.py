@@ -173,7 +173,9 @@ def _check_option(name: str, value: Any, kind: Any, meta: Mapping[str, Any]) -> 
         return value
     if kind is str:
         if not isinstance(value, str) or len(value) > 256:
-            raise ValueError(f"option {name!r} must be a string (at most 256), got {_short(value)}")
+            raise ValueError(
+                f"option {name!r} must be a string of at most 256 characters, got {_short(value)}"
+            )
         return value
     low, high, low_open = meta.get("low"), meta.get("high"), meta.get("low_open", False)
     interval = (
