@@ -18,6 +18,7 @@ import pytest
 from conftest import SCRIPTS, final_accuracy, metrics, run_distsgd
 
 from distsgd import schemes
+from distsgd.launcher.run import EXIT_DIVERGED
 
 pytestmark = pytest.mark.slow
 
@@ -93,11 +94,11 @@ def test_kill_during_checkpoint_writes_then_resume(tmp_path: Path) -> None:
         "--run-dir",
         str(run_dir),
     ]
-    args += ["--inject-fault", "kill:worker:0@step=40", str(SCRIPTS / "blobs.py")]
-    args += ["--steps", "80", "--slow", "0.02"]
+    args += ["--max-restarts", "0", "--inject-fault", "kill:worker:0@step=40"]
+    args += [str(SCRIPTS / "blobs.py"), "--steps", "80", "--slow", "0.02"]
     done = run_distsgd(args)
     assert done.returncode == 1
-    assert "task worker0 failed" in done.stdout and f"distsgd run --resume {run_dir}" in done.stdout
+    assert "task worker0 failed" in done.stderr and f"distsgd run --resume {run_dir}" in done.stderr
     resumed = run_distsgd(["run", "--resume", str(run_dir), "--quiet"])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert resumed.stdout.strip().splitlines()[-1].startswith("test accuracy: ")
@@ -151,9 +152,10 @@ def test_nonfinite_gradient_policy(policy: str, tmp_path: Path) -> None:
         str(run_dir),
     ]
     done = run_distsgd([*args, str(SCRIPTS / "blobs.py"), "--steps", "30", "--poison-step", "10"])
-    if policy == "stop":
-        assert done.returncode == 1
-        assert "task worker" in done.stdout and "nonfinite: NaN or Inf in z#0" in done.stdout
+    if policy == "stop":  # a divergence: the run stops at once, no restart
+        assert done.returncode == EXIT_DIVERGED, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "the run diverged" in done.stderr and "NaN or Inf in z#0" in done.stderr
+        assert not [r for r in metrics(run_dir) if r.get("action") == "restart"]
         return
     assert done.returncode == 0, done.stdout[-2000:]
     last = {r["task"]: r for r in metrics(run_dir) if "nonfinite_skipped" in r}

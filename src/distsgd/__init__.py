@@ -10,8 +10,9 @@ The user-facing API is :func:`train` and :class:`TrainConfig`. They are imported
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from distsgd.util.lazy import lazy_exports
 
 __version__ = "0.1.0"
 __all__ = ["TrainConfig", "TrainResult", "__version__", "seed_everything", "train"]
@@ -29,14 +30,4 @@ if TYPE_CHECKING:
     from distsgd.runtime.loop import TrainResult
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'distsgd' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

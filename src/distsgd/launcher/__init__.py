@@ -1,7 +1,34 @@
 """Launcher: starts a whole cluster on this machine, relays logs, shows progress, and stops
-every process it started (process supervisor)."""
+every process it started (process supervisor). Names are imported on first use."""
 
-from distsgd.launcher.config import LaunchConfig
-from distsgd.launcher.run import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, launch
+from __future__ import annotations
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "LaunchConfig", "launch"]
+from typing import TYPE_CHECKING
+
+from distsgd.util.lazy import lazy_exports
+
+__all__ = [
+    "EXIT_DIVERGED",
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "LaunchConfig",
+    "launch",
+]
+
+_EXPORTS = {name: "distsgd.launcher.run" for name in __all__ if name != "LaunchConfig"}
+_EXPORTS["LaunchConfig"] = "distsgd.launcher.config"
+
+if TYPE_CHECKING:
+    from distsgd.launcher.config import LaunchConfig
+    from distsgd.launcher.run import (
+        EXIT_DIVERGED,
+        EXIT_FAILED,
+        EXIT_INTERRUPTED,
+        EXIT_OK,
+        EXIT_USAGE,
+        launch,
+    )
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -17,7 +17,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from distsgd import api
 from distsgd.launcher.lifeline import limit_threads, tie_to_parent
 from distsgd.runtime.divergence import DIVERGED_EXIT_CODE, Diverged
 
@@ -32,6 +31,8 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 def run_script(script: str, args: Sequence[str]) -> int:
     """Run ``script`` with ``args`` as this task; returns the process exit code."""
+    from distsgd import api  # here: ``distsgd server`` uses this module's logging without torch
+
     path = Path(script)
     if not path.is_file():
         print(

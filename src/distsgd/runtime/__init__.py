@@ -6,8 +6,9 @@ can be imported without the whole loop, and a parameter-server process without P
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from distsgd.util.lazy import lazy_exports
 
 __all__ = [
     "ENV_VAR",
@@ -37,14 +38,4 @@ if TYPE_CHECKING:
     from distsgd.runtime.task import ENV_VAR, TaskEnv
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'distsgd.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -7,17 +7,22 @@ and versions are handled in one place.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import nn
+import torch  # used inside methods only: a parameter server imports this module without it
 
 from distsgd.ps.client import ParameterClient
-from distsgd.runtime.collective import Collective
 from distsgd.runtime.config import TrainConfig
+from distsgd.runtime.divergence import Diverged
 from distsgd.runtime.faults import FaultInjector
 from distsgd.transport.client import PushResult
 from distsgd.transport.errors import PushReject
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from distsgd.runtime.collective import Collective
 
 
 class WorkerContext:
@@ -81,11 +86,11 @@ class WorkerContext:
             )
         return out
 
-    @torch.no_grad()
     def load(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Overwrite the replica's parameters."""
-        for name, p in self.params.items():
-            p.copy_(torch.from_numpy(np.asarray(arrays[name])).to(p.device))
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(torch.from_numpy(np.asarray(arrays[name])).to(p.device))
 
     def make_optimizer(self, kind: str = "sgd", **overrides: float | bool) -> torch.optim.Optimizer:
         """A local optimizer over the replica with the run's lr and momentum (overridable).
@@ -168,9 +173,9 @@ class WorkerContext:
         if refused:
             self.nonfinite_skipped += 1
             if self.config.nonfinite == "stop":
-                raise FloatingPointError(
-                    f"worker {self.rank}: the servers refused a push at step {self.local_step} "
-                    f"({refused[0]}); lower --lr, or pass --nonfinite skip to drop such updates"
+                raise Diverged(
+                    f"worker{self.rank}: the servers refused a non-finite push at step "
+                    f"{self.local_step} ({refused[0]}; --nonfinite skip drops such updates)"
                 )
         self.global_step = max([self.global_step, *(r.version for r in results)])
         return results

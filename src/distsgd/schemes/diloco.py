@@ -106,19 +106,19 @@ class DilocoWorker(WorkerScheme):
         for part in range(len(self.offsets)):
             self.outer_step(ctx, part)
 
-    @torch.no_grad()
     def outer_step(self, ctx: WorkerContext, part: int) -> None:
         params = list(ctx.params.values())
         chosen = [i for i, p in enumerate(self.fragment) if p == part]
-        averaged = [params[i].detach().clone() for i in chosen]
-        ctx.allreduce_mean(averaged)
-        self.outer.zero_grad(set_to_none=True)
-        for i, avg in zip(chosen, averaged, strict=True):
-            self.theta[i].grad = self.theta[i] - avg  # the outer pseudo-gradient
-        self.outer.step()  # steps only the tensors that have a gradient: this fragment
-        for i in chosen:
-            params[i].copy_(self.theta[i])
-        self.outer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            averaged = [params[i].detach().clone() for i in chosen]
+            ctx.allreduce_mean(averaged)
+            self.outer.zero_grad(set_to_none=True)
+            for i, avg in zip(chosen, averaged, strict=True):
+                self.theta[i].grad = self.theta[i] - avg  # the outer pseudo-gradient
+            self.outer.step()  # steps only the tensors that have a gradient: this fragment
+            for i in chosen:
+                params[i].copy_(self.theta[i])
+            self.outer.zero_grad(set_to_none=True)
         self.outer_steps += 1
 
     def stats(self) -> dict[str, float]:

@@ -59,21 +59,21 @@ class EamsgdWorker(EasgdWorker):
         ctx.pull()  # x_i starts at the center, v_i at zero
         self.velocity = [torch.zeros_like(p) for p in ctx.params.values()]
 
-    @torch.no_grad()
     def before_step(self, ctx: WorkerContext) -> None:
-        super().before_step(ctx)  # the elastic exchange, on x_i
-        self.x = [p.detach().clone() for p in ctx.params.values()]
-        for p, v in zip(ctx.params.values(), self.velocity, strict=True):
-            p.add_(v, alpha=self.delta)  # the replica holds the look-ahead point for backward
+        with torch.no_grad():
+            super().before_step(ctx)  # the elastic exchange, on x_i
+            self.x = [p.detach().clone() for p in ctx.params.values()]
+            for p, v in zip(ctx.params.values(), self.velocity, strict=True):
+                p.add_(v, alpha=self.delta)  # the replica holds the look-ahead point for backward
 
-    @torch.no_grad()
     def after_backward(self, ctx: WorkerContext) -> None:
         lr = ctx.config.lr * ctx.lr_scale
-        for p, x, v in zip(ctx.params.values(), self.x, self.velocity, strict=True):
-            v.mul_(self.delta)
-            if p.grad is not None:
-                v.add_(p.grad, alpha=-lr)
-            p.copy_(x + v)
+        with torch.no_grad():
+            for p, x, v in zip(ctx.params.values(), self.x, self.velocity, strict=True):
+                v.mul_(self.delta)
+                if p.grad is not None:
+                    v.add_(p.grad, alpha=-lr)
+                p.copy_(x + v)
         self.x = []
 
 
