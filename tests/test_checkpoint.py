@@ -15,9 +15,12 @@ from distsgd.ps import PushMeta, Shard
 from distsgd.ps.shard import CorruptCheckpoint
 from distsgd.runtime.checkpoint import (
     MANIFEST,
+    SHARDS_PREFIX,
     CheckpointError,
+    IncompleteCheckpoint,
     ManifestWriter,
     latest_checkpoint,
+    prune_shard_dirs,
     save_worker_state,
     verify,
 )
@@ -162,8 +165,22 @@ def test_latest_checkpoint_skips_damaged_and_incomplete(tmp_path: Path) -> None:
     (incomplete / "ps0.npz").write_bytes(b"partial")
     checkpoint, problems = latest_checkpoint(root)
     assert checkpoint is not None and checkpoint.path == good and checkpoint.step == 10
-    assert "no MANIFEST.json" in problems[0] and "ckpt-00000030" in problems[0]
-    assert "damaged" in problems[1] and "ckpt-00000020" in problems[1]
+    assert isinstance(problems[0], IncompleteCheckpoint) and "ckpt-00000030" in str(problems[0])
+    assert not isinstance(problems[1], IncompleteCheckpoint)
+    assert "damaged" in str(problems[1]) and "ckpt-00000020" in str(problems[1])
     with pytest.raises(CheckpointError, match="damaged"):
         verify(damaged)
     assert json.loads((good / MANIFEST).read_text())["workers"][0]["step"] == 10
+
+
+def test_server_only_checkpoints_keep_the_newest_two(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for version in (5, 40, 120, 300):
+        (root / f"{SHARDS_PREFIX}{version:012d}").mkdir(parents=True)
+    (root / "ckpt-00000010").mkdir()  # a manifest checkpoint is never touched here
+    prune_shard_dirs(root)
+    assert sorted(p.name for p in root.iterdir()) == [
+        "ckpt-00000010",
+        f"{SHARDS_PREFIX}000000000120",
+        f"{SHARDS_PREFIX}000000000300",
+    ]

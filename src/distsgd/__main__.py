@@ -2,6 +2,6 @@
 
 import sys
 
-from distsgd.cli.main import main
+from distsgd.cli.entry import main
 
 sys.exit(main())

@@ -11,11 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from distsgd.util.lazy import defer_import
-
-if sys.argv[1:2] == ["server"]:  # a parameter server never runs PyTorch: a second less to start
-    defer_import("torch")
-
 from distsgd import __version__, schemes
 from distsgd.cli.flags import (
     add_help_scheme_flag,

@@ -25,7 +25,7 @@ def load_digits(
     split: float = 0.8, seed: int = 0
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """((train images, labels), (test images, labels)); images (N, 1, 8, 8) scaled to [0, 1]."""
-    with np.load(DATA) as data:
+    with np.load(DATA, allow_pickle=False) as data:
         images = torch.from_numpy(data["images"].astype(np.float32) / 16.0).unsqueeze(1)
         labels = torch.from_numpy(data["labels"].astype(np.int64))
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from distsgd.runtime.loop import METRICS_FILE, RESULT_FILE
+from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
 from distsgd.util import write_atomic
 
 log = logging.getLogger(__name__)

@@ -30,9 +30,9 @@ from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.progress import Console, Progress
 from distsgd.launcher.supervisor import Supervisor, Task
 from distsgd.runtime.checkpoint import (
-    INCOMPLETE,
     Checkpoint,
     CheckpointError,
+    IncompleteCheckpoint,
     latest_checkpoint,
     newest_shard_file,
     newest_worker_state,
@@ -41,8 +41,8 @@ from distsgd.runtime.checkpoint import (
 )
 from distsgd.runtime.divergence import DIVERGED_EXIT_CODE, FIX
 from distsgd.runtime.faults import Fault
-from distsgd.runtime.loop import METRICS_FILE, RESULT_FILE
 from distsgd.runtime.metrics import MetricsWriter
+from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
 from distsgd.runtime.task import ENV_VAR, TaskEnv
 from distsgd.transport.client import ShardClient
 from distsgd.transport.errors import RemoteError
@@ -337,9 +337,9 @@ class LocalRun:
 
     def latest(self) -> Checkpoint | None:
         checkpoint, problems = latest_checkpoint(self.ckpt_root)
-        pending = [p for p in problems if INCOMPLETE in p]
+        pending = [p for p in problems if isinstance(p, IncompleteCheckpoint)]
         for problem in problems:
-            if INCOMPLETE not in problem:
+            if not isinstance(problem, IncompleteCheckpoint):
                 self.console.note(f"[distsgd] unusable checkpoint: {problem}")
         if pending:
             self.console.note(

@@ -57,7 +57,6 @@ SHARDS_PREFIX = "shards-"
 """Folders of server-only checkpoints (``shards-<version>/ps<j>.npz``, no manifest) that the
 chief takes while it waits for the other workers to finish."""
 KEEP = 3
-INCOMPLETE = "incomplete (no"
 FORMAT = 1
 """The manifest's format."""
 WORKER_FORMAT = 2
@@ -72,6 +71,10 @@ WORKER_FILE = re.compile(r"worker(\d+)-(\d+)\.pt")
 
 class CheckpointError(ValueError):
     """No usable checkpoint; the message says which and why."""
+
+
+class IncompleteCheckpoint(CheckpointError):
+    """A checkpoint folder without its manifest: being written now, or its write was cut off."""
 
 
 class UnsafeFileError(CheckpointError):
@@ -357,8 +360,8 @@ def verify(path: Path) -> Checkpoint:
     try:
         manifest = json.loads(manifest_path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(
-            f"{path}: {INCOMPLETE} {MANIFEST}; the write was interrupted)"
+        raise IncompleteCheckpoint(
+            f"{path}: incomplete (no {MANIFEST}; still being written, or interrupted)"
         ) from None
     except ValueError as exc:
         raise CheckpointError(f"{manifest_path}: damaged ({exc})") from None
@@ -394,20 +397,20 @@ def checkpoint_dirs(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("ckpt-*") if p.is_dir())
 
 
-def latest_checkpoint(root: Path) -> tuple[Checkpoint | None, list[str]]:
-    """The newest complete checkpoint, and a line for each newer one that was unusable.
+def latest_checkpoint(root: Path) -> tuple[Checkpoint | None, list[CheckpointError]]:
+    """The newest complete checkpoint, and why each newer one was unusable.
 
     A damaged or incomplete checkpoint is skipped for an older one; one holding a file with
     Python objects raises :class:`UnsafeFileError` (a resume from it must not go on quietly).
     """
-    problems: list[str] = []
+    problems: list[CheckpointError] = []
     for path in reversed(checkpoint_dirs(root)):
         try:
             return verify(path), problems
         except UnsafeFileError:
             raise
         except CheckpointError as exc:
-            problems.append(str(exc))
+            problems.append(exc)
     return None, problems
 
 
@@ -610,6 +613,13 @@ def newest_shard_file(root: Path, index: int) -> Path | None:
             return path
         log.warning("skipping damaged %s", path)
     return None
+
+
+def prune_shard_dirs(root: Path, keep: int = 2) -> None:
+    """Keep the newest ``keep`` server-only checkpoints (:data:`SHARDS_PREFIX` folders)."""
+    folders = sorted(p for p in root.glob(f"{SHARDS_PREFIX}*") if p.is_dir())
+    for old in folders[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def prune_worker_files(root: Path, rank: int) -> None:

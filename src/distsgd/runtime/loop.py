@@ -31,6 +31,7 @@ from distsgd.runtime.checkpoint import (
     Checkpointer,
     CheckpointError,
     load_worker_state,
+    prune_shard_dirs,
 )
 from distsgd.runtime.collective import Collective
 from distsgd.runtime.config import TrainConfig, lr_factor
@@ -40,16 +41,13 @@ from distsgd.runtime.divergence import Diverged, DivergenceMonitor, accuracy_ver
 from distsgd.runtime.evaluate import LossFn, evaluate
 from distsgd.runtime.faults import FaultInjector
 from distsgd.runtime.metrics import MetricsWriter
+from distsgd.runtime.run_folder import FINAL_PARAMS_FILE, METRICS_FILE, RESULT_FILE
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.task import TaskEnv
 from distsgd.transport.security import TlsConfig, load_secret
 from distsgd.util import write_atomic, write_bytes_atomic
 
 log = logging.getLogger(__name__)
-
-RESULT_FILE = "result.json"
-FINAL_PARAMS_FILE = "final_model.pt"
-METRICS_FILE = "metrics.jsonl"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,7 +331,7 @@ def run_worker(
                 ps,
                 world,
                 env.wait_timeout,
-                save=None if ckpt is None else _shard_saver(ps),
+                save=None if ckpt is None else _shard_saver(ps, ckpt.root),
                 every_versions=env.checkpoint_every,
                 every_seconds=env.checkpoint_seconds or 10.0,
             )
@@ -384,15 +382,17 @@ def run_worker(
         metrics.close()
 
 
-def _shard_saver(ps: ParameterClient) -> Callable[[int], None]:
+def _shard_saver(ps: ParameterClient, root: Path) -> Callable[[int], None]:
     """Saves every shard under ``shards-<version>`` (server state only, no manifest): what a
-    restarted server restores from once the chief no longer steps."""
+    restarted server restores from once the chief no longer steps. The newest two are kept."""
 
     def save(version: int) -> None:
         try:
             ps.checkpoint(f"{SHARDS_PREFIX}{version:012d}")
         except Exception as exc:  # a server down right now: the next change tries again
             log.warning("server checkpoint at version %d skipped: %s", version, exc)
+            return
+        prune_shard_dirs(root)
 
     return save
 

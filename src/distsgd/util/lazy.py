@@ -15,6 +15,7 @@ being imported (no ``from torch import nn``, no ``@torch.no_grad()`` decorator, 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.machinery
 import sys
 import threading
@@ -51,12 +52,39 @@ def _load(name: str) -> types.ModuleType:
         return module
 
 
+class _AlreadyLoaded(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import torch.x`` while ``torch`` is deferred: reading the stand-in's ``__path__``
+    imports the real package, which may import ``torch.x`` itself; the import system would
+    then execute ``torch.x`` a second time. This finder, first on ``sys.meta_path``, hands it
+    the module that is already there instead."""
+
+    packages: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        top = fullname.partition(".")[0]
+        if fullname != top and top in self.packages and fullname in sys.modules:
+            return importlib.machinery.ModuleSpec(fullname, self)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return sys.modules[spec.name]
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+_FINDER = _AlreadyLoaded()
+
+
 def defer_import(name: str) -> bool:
     """Make later ``import name`` statements bind a stand-in that imports the real module on
     first use; False (nothing changes) when the module is already imported."""
     with _lock:
         if name in sys.modules:
             return False
+        if _FINDER not in sys.meta_path:
+            sys.meta_path.insert(0, _FINDER)
+        _FINDER.packages.add(name)
         sys.modules[name] = _Deferred(name)
         return True
 
