@@ -51,6 +51,23 @@ def test_server_side_code_runs_without_importing_torch() -> None:
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"torch": False, "torch._C": False}
 
 
+def test_the_launcher_imports_no_torch() -> None:
+    """``distsgd run`` of a parameter-server scheme never needs PyTorch in the launcher."""
+    code = (
+        "import json, sys\n"
+        "from distsgd.util.lazy import defer_import, is_loaded\n"
+        "defer_import('torch')\n"
+        "import distsgd.cli.main, distsgd.launcher.run, distsgd.launcher.compare\n"
+        "import distsgd.cli.inspect\n"
+        "print(json.dumps(is_loaded('torch')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "false"
+
+
 def test_deferred_module_loads_on_first_use() -> None:
     code = (
         "from distsgd.util.lazy import defer_import, is_loaded\n"
