@@ -652,6 +652,11 @@ class Checkpointer:
         self.last_time = time.monotonic()
         self.due_step: int | None = None
         self.writer = ManifestWriter(self.root, num_workers, wait) if rank == 0 else None
+        self.count = 0
+        """Checkpoints this worker took part in (its state saved when due)."""
+        self.seconds = 0.0
+        """Seconds the training loop spent in them: saving the state, and on the chief asking
+        the servers for theirs (what checkpoints cost this worker in training time)."""
 
     def _due(self, local_step: int, start_step: int) -> bool:
         if local_step <= start_step:
@@ -668,20 +673,25 @@ class Checkpointer:
         """``state`` is a callable returning the worker state (built only when due)."""
         self.due_step = None
         if self._due(local_step, start_step):
-            self.last_time = time.monotonic()
+            started = self.last_time = time.monotonic()
             self.save_worker(state(), local_step)
             self.due_step = local_step
+            self.count += 1
+            self.seconds += time.monotonic() - started
 
     def maybe_checkpoint_servers(self, shard_checkpoint: Any, extra: dict[str, Any]) -> None:
         """(Chief, after the step's pull) snapshot every shard and complete the manifest."""
         if self.writer is None or self.due_step is None:
             return
         name = f"ckpt-{self.due_step:08d}"
+        started = time.monotonic()
         try:
             shards = shard_checkpoint(name) if shard_checkpoint is not None else []
         except Exception as exc:  # a server down right now: skip this one, training goes on
             log.warning("checkpoint %s skipped: %s", name, exc)
             return
+        finally:
+            self.seconds += time.monotonic() - started
         (self.root / name).mkdir(parents=True, exist_ok=True)
         self.writer.complete(name, self.due_step, shards, extra)
 

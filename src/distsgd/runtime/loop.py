@@ -325,7 +325,14 @@ def run_worker(
             ckpt.save_worker(worker_state(), ctx.local_step)
         if ps is not None:
             ps.leave()  # before waiting on checkpoints: a sync step may wait for this leave
-        metrics.log(step=ctx.global_step, local_step=ctx.local_step, event="finished_steps")
+        metrics.log(
+            step=ctx.global_step,
+            local_step=ctx.local_step,
+            event="finished_steps",
+            seconds=round(seconds, 3),
+            checkpoints=0 if ckpt is None else ckpt.count,
+            checkpoint_seconds=0.0 if ckpt is None else round(ckpt.seconds, 4),
+        )
         if ps is not None and chief:
             _wait_all_finished(
                 ps,
