@@ -364,3 +364,11 @@ def test_worker_lrs_need_one_rate_per_worker() -> None:
     spec = schemes.get("sync")
     with pytest.raises(ValueError, match="2 rates for 3 workers"):
         spec.worker(spec.options(worker_lrs="0.1,0.2"), 3)
+
+
+def test_each_scheme_names_what_to_lower_when_it_diverges() -> None:
+    fixes = {name: schemes.get(name).divergence_fix() for name in schemes.names()}
+    assert fixes["hogwild"] == "lower --lr"
+    assert fixes["downpour"] == "lower --lr or --server-lr"
+    assert fixes["diloco"] == "lower --inner-lr or --outer-lr"
+    assert all(fix.startswith("lower --") for fix in fixes.values())

@@ -49,7 +49,7 @@ def test_divergence_is_named_and_exits_nonzero(tmp_path: Path) -> None:
     done = run_distsgd([*args, "--run-dir", str(run_dir)])
     assert done.returncode == EXIT_DIVERGED, done.stdout[-2000:] + done.stderr[-2000:]
     lines = [line for line in done.stderr.splitlines() if "diverged" in line]
-    assert len(lines) == 1 and "--lr" in lines[0], done.stderr
+    assert len(lines) == 1 and lines[0].endswith("; lower --lr"), done.stderr
     result = json.loads((run_dir / "result.json").read_text())
     assert result["diverged"] is True and result["divergence"] in lines[0]
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from distsgd import schemes
 from distsgd.cluster import ClusterSpec, TaskId
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.lifeline import PARENT_ENV
@@ -39,7 +40,7 @@ from distsgd.runtime.checkpoint import (
     read_shard_header,
     worker_state_step,
 )
-from distsgd.runtime.divergence import DIVERGED_EXIT_CODE, FIX
+from distsgd.runtime.divergence import DIVERGED_EXIT_CODE
 from distsgd.runtime.faults import Fault
 from distsgd.runtime.metrics import MetricsWriter
 from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
@@ -112,7 +113,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         console.error(f"distsgd: error: {exc}")
         return EXIT_FAILED
     except Diverged as exc:
-        console.error(f"{DIVERGED_PREFIX}{exc}; {FIX}")
+        console.error(f"{DIVERGED_PREFIX}{exc}; {schemes.get(config.scheme).divergence_fix()}")
         return EXIT_DIVERGED
     finally:
         supervisor.stop()

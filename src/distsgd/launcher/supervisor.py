@@ -81,14 +81,6 @@ class Supervisor:
                 self.echo(f"[{task.name}] {line}")
         stream.close()
 
-    def failed(self) -> Task | None:
-        """The first task that exited with a nonzero code, if any."""
-        for task in self.tasks.values():
-            code = task.poll()
-            if code is not None and code != 0:
-                return task
-        return None
-
     def stop(self, names: Sequence[str] | None = None, *, grace: float = 2.0) -> None:
         """End the named tasks (default: all): SIGTERM to each group, SIGKILL after ``grace``."""
         tasks = [self.tasks[n] for n in names] if names is not None else list(self.tasks.values())

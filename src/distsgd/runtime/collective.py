@@ -252,9 +252,6 @@ class Collective:
             t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
 
-    def barrier(self) -> None:
-        dist.barrier()
-
     def leave(self) -> None:
         """The normal end: wait until every rank is done, then leave the group as it is.
 

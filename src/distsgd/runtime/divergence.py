@@ -35,9 +35,6 @@ CHANCE_MARGIN = 0.02
 DIVERGED_EXIT_CODE = 86
 """Exit code of a worker task whose training diverged (the launcher does not restart it)."""
 
-FIX = "lower --lr, or the scheme's own step size (e.g. --server-lr, --alpha, --outer-lr)"
-"""What to try: the line the launcher prints after the reason."""
-
 
 class Diverged(FloatingPointError):
     """Training diverged; the message says where and how."""

@@ -63,4 +63,8 @@ SPEC = SchemeSpec(
     options=AgnOptions,
     worker=AgnWorker,
     server=DownpourServer,
+    step_size=(
+        "lr",
+        "server_lr",
+    ),
 )

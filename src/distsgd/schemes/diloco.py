@@ -142,4 +142,5 @@ SPEC = SchemeSpec(
     summary="DiLoCo: H inner AdamW steps, then an outer Nesterov step on the averaged change",
     options=DilocoOptions,
     worker=DilocoWorker,
+    step_size=("inner_lr", "outer_lr"),
 )

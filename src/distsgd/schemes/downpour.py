@@ -141,4 +141,8 @@ SPEC = SchemeSpec(
     options=DownpourOptions,
     worker=DownpourWorker,
     server=DownpourServer,
+    step_size=(
+        "lr",
+        "server_lr",
+    ),
 )

@@ -83,4 +83,5 @@ SPEC = SchemeSpec(
     options=EamsgdOptions,
     worker=EamsgdWorker,
     server=ElasticServer,
+    step_size=("lr", "alpha", "delta"),
 )

@@ -105,4 +105,8 @@ SPEC = SchemeSpec(
     options=EasgdOptions,
     worker=EasgdWorker,
     server=ElasticServer,
+    step_size=(
+        "lr",
+        "alpha",
+    ),
 )

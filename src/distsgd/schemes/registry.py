@@ -30,6 +30,13 @@ class SchemeSpec:
     """The server half, an :class:`UpdateRule` subclass built as ``server(options, num_workers)``
     (options: the parsed JSON object; it raises ValueError naming a bad option); None for
     collective-only schemes."""
+    step_size: tuple[str, ...] = ("lr",)
+    """The settings (``TrainConfig`` fields or the scheme's options) that set how far an update
+    moves the parameters: what a diverged run of this scheme is told to lower."""
+
+    def divergence_fix(self) -> str:
+        """What to lower when a run of this scheme diverged, as flags."""
+        return "lower " + " or ".join(f"--{name.replace('_', '-')}" for name in self.step_size)
 
     @property
     def uses_parameter_servers(self) -> bool:
@@ -59,6 +66,8 @@ def register(spec: SchemeSpec) -> SchemeSpec:
         f"scheme {spec.name}: the worker half's uses_parameter_servers disagrees with having a "
         "server half"
     )
+    known = {f.name for f in dataclasses.fields(spec.options)}
+    assert set(spec.step_size) <= known | _TRAIN_FIELDS, f"{spec.name}: unknown step_size names"
     clash = {f.name for f in dataclasses.fields(spec.options)} & _TRAIN_FIELDS
     assert not clash, f"scheme {spec.name}: options {sorted(clash)} clash with TrainConfig fields"
     _SCHEMES[spec.name] = spec

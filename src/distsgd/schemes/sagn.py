@@ -94,4 +94,8 @@ SPEC = SchemeSpec(
     options=SagnOptions,
     worker=SagnWorker,
     server=SagnServer,
+    step_size=(
+        "lr",
+        "server_lr",
+    ),
 )
