@@ -39,6 +39,12 @@ def test_faults_are_survived_without_flags(fault: str, tmp_path: Path) -> None:
     target = fault.split(":")[1] + fault.split(":")[2].split("@")[0]
     assert [e["target"] for e in events] == [target], events
     assert events[0]["action"].startswith("restart")
+    if target == "worker1":  # it goes on where it died: no step is done twice, none skipped
+        records = metrics(run_dir)
+        continued = [r for r in records if r.get("event") == "continued"]
+        assert continued and continued[0]["local_step"] == events[0]["continued_at"] > 0
+        ends = {r["task"]: r["local_step"] for r in records if r.get("event") == "finished_steps"}
+        assert ends["worker1"] == ends["worker0"], ends
 
 
 @pytest.mark.xdist_group("demo-runs")

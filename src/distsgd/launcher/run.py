@@ -277,7 +277,7 @@ class LocalRun:
         self.started_at[name] = time.monotonic()
         return self.supervisor.start(name, argv, env)
 
-    def start_worker(self, index: int, *, resume: Path | None) -> Task:
+    def start_worker(self, index: int, *, resume: Path | None, continue_at: int = 0) -> Task:
         c = self.config
         task_env = TaskEnv(
             cluster=self.spec.to_dict(),
@@ -293,6 +293,7 @@ class LocalRun:
             checkpoint_every=c.checkpoint_every,
             checkpoint_seconds=c.checkpoint_seconds,
             resume="" if resume is None else str(resume),
+            continue_at=continue_at,
             tls=[] if c.tls is None else [str(c.tls.cert), str(c.tls.key), str(c.tls.ca)],
             ps_address_files=[str(self.ps_address_file(i)) for i in range(self.num_ps)],
             faults=[
@@ -473,6 +474,9 @@ class LocalRun:
     def _restart_worker(self, index: int, code: int, step: int) -> None:
         name = f"worker{index}"
         resume = newest_worker_state(self.ckpt_root, index) if self.checkpointing else None
+        # Its last metrics line says how far it got: every step up to there was pushed to the
+        # servers, so the restarted worker continues there instead of redoing them (only the
+        # steps after that line, fewer than log_every, are done again).
         reached = self.progress.local_steps.get(name, 0)
         resumed_at = 0 if resume is None else worker_state_step(resume)
         self._fault(
@@ -481,9 +485,10 @@ class LocalRun:
             step,
             "restart",
             resumed_from=None if resume is None else str(resume),
-            lost_steps=max(0, reached - resumed_at),
+            continued_at=max(reached, resumed_at),
+            lost_steps=0,
         )
-        self.start_worker(index, resume=resume)
+        self.start_worker(index, resume=resume, continue_at=reached)
 
     def _restart_ps(self, index: int, code: int, step: int) -> None:
         shard_file = newest_shard_file(self.ckpt_root, index)

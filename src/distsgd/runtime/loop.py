@@ -234,6 +234,18 @@ def run_worker(
             metrics.log(
                 step=ctx.global_step, local_step=start_step, event="resumed", file=env.resume
             )
+        if scheme.uses_parameter_servers and env.continue_at > start_step:
+            # Restarted after a fault: the steps from its saved state up to where it died were
+            # pushed already (the servers hold their updates), so it goes on from there.
+            skipped = min(env.continue_at, steps) - start_step
+            start_step = ctx.local_step = start_step + skipped
+            batches.seek(divmod(start_step, batches.steps_per_epoch))
+            log.info(
+                "%s: continues at local step %d (%d steps pushed before)", name, start_step, skipped
+            )
+            metrics.log(
+                step=ctx.global_step, local_step=start_step, event="continued", skipped=skipped
+            )
         ckpt = None
         if run_dir is not None and (env.checkpoint_every or env.checkpoint_seconds):
             scheme.state_dict()  # a state that cannot be saved fails now, not at a checkpoint

@@ -64,6 +64,13 @@ class TaskEnv:
     resume: str = field(
         default="", metadata={"help": "worker state file to continue from ('' = fresh)"}
     )
+    continue_at: int = field(
+        default=0,
+        metadata={
+            "help": "(a restarted worker of a parameter-server scheme) continue at this local "
+            "step, past its saved state: the steps in between reached the servers already"
+        },
+    )
     faults: list[str] = field(
         default_factory=list, metadata={"help": "faults injected into this task"}
     )
@@ -82,6 +89,8 @@ class TaskEnv:
     def __post_init__(self) -> None:
         spec = self.spec
         spec.task("worker", self.task_index)
+        if self.continue_at < 0:
+            raise ValueError(f"continue_at must be 0 or more, got {self.continue_at}")
         if min(self.rpc_timeout, self.startup_timeout, self.wait_timeout) <= 0:
             raise ValueError("rpc_timeout, startup_timeout and wait_timeout must be positive")
 
