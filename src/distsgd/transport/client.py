@@ -35,6 +35,10 @@ from distsgd.transport.security import (
 )
 
 log = logging.getLogger(__name__)
+
+MAX_RETRY_DELAY = 0.5
+"""Longest wait between two tries of a failed call: a restarted server listens again within a
+second, so a longer wait would be the larger part of a restart's cost."""
 T = TypeVar("T")
 
 GRPC_OPTIONS = [
@@ -123,7 +127,7 @@ class ShardClient:
                     raise err from None
                 log.debug("%s; retrying in %.2fs", err, delay)
                 time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, MAX_RETRY_DELAY)
 
     # -- RPCs -----------------------------------------------------------------------------------
     def info(self, *, retry: bool = True) -> pb.InfoResponse:
