@@ -188,6 +188,8 @@ class LocalRun:
         """Restarts of each task in a row (reset once it runs healthy_seconds)."""
         self.started_at: dict[str, float] = {}
         """When each task was last started (monotonic seconds)."""
+        self.restored_ps: set[int] = set()
+        """Parameter servers restored from a file in this cluster's life (told who finished)."""
         self.done: set[str] = set()
         self.faults = [Fault.parse(f) for f in config.faults]
         self.kills_pending = [f for f in self.faults if f.kind == "kill"]
@@ -394,6 +396,10 @@ class LocalRun:
                     continue  # replaced by a restart in this pass
                 if code == 0 and task.name.startswith("worker"):
                     self.done.add(task.name)
+                    for index in sorted(self.restored_ps):  # it may have left a dead process
+                        server = self.supervisor.tasks.get(f"ps{index}")
+                        if server is not None and server.poll() is None:  # else: told on restart
+                            self._tell_finished(index, [TaskId.parse(task.name).index])
                     continue
                 self._handle_failure(task, code)
                 break  # a restart may have replaced other tasks: look again
@@ -511,12 +517,14 @@ class LocalRun:
         except RunFailed as exc:  # e.g. its old port was taken meanwhile
             self._restart_all(f"ps{index}", code, step, f"ps{index} could not come back: {exc}")
             return
-        self._tell_finished(index)
+        self.restored_ps.add(index)
+        self._tell_finished(index, sorted(TaskId.parse(name).index for name in self.done))
 
-    def _tell_finished(self, index: int) -> None:
-        """A restored shard remembers the workers that had left when it was saved; tell it
-        about those that have finished since (their processes are gone and cannot)."""
-        finished = sorted(int(name.removeprefix("worker")) for name in self.done)
+    def _tell_finished(self, index: int, finished: list[int]) -> None:
+        """A restored shard remembers the workers that had left when its file was saved; tell
+        it about those that have finished since (their processes are gone and cannot): the
+        ones done now, and each one that exits later (it may have left the dead process just
+        before the kill, or the restored one while the launcher was restarting it)."""
         address = self.spec.address(self.spec.task("ps", index))
         for worker in finished:
             try:
@@ -544,6 +552,7 @@ class LocalRun:
         self.supervisor.stop()
         self.supervisor.tasks.clear()
         self.done.clear()
+        self.restored_ps.clear()
         at = 0 if checkpoint is None else checkpoint.step
         self._fault(
             name,
