@@ -67,6 +67,22 @@ def _rows(markdown: str) -> dict[str, list[str]]:
     return rows
 
 
+def _context(*, command: str, label: str, workers: int, eval_every: int = 4) -> Context:
+    """A report context for report tests (seed 0, no target, a 2-core machine)."""
+    return Context(
+        command=command,
+        label=label,
+        workers=workers,
+        ps=None,
+        seed=0,
+        target=None,
+        target_source="",
+        eval_every=eval_every,
+        threads_per_worker=1,
+        machine={"cores": 2},
+    )
+
+
 def _no_process_left(run_dir: Path) -> None:
     pids = list(task_pids(run_dir).values())
     assert wait_for(lambda: alive(pids) == [], 10), f"left behind: {alive(pids)}"
@@ -517,18 +533,7 @@ def test_reports_of_a_script_without_accuracy(tmp_path: Path) -> None:
     curves = build_curves(records)
     run = SchemeRun(scheme="hogwild", status="ok", parameter_servers=1, curves=curves)
     failed = SchemeRun(scheme="allreduce", status="failed", reason="task worker1 | died")
-    context = Context(
-        command="distsgd compare",
-        label="reg.py",
-        workers=2,
-        ps=None,
-        seed=0,
-        target=None,
-        target_source="",
-        eval_every=5,
-        threads_per_worker=1,
-        machine={"cores": 2},
-    )
+    context = _context(command="distsgd compare", label="reg.py", workers=2, eval_every=5)
     write_figure(tmp_path / "c.png", context, [run, failed])
     assert (tmp_path / "c.png").read_bytes()[:8] == PNG_MAGIC
     text = markdown(context, [run, failed])
@@ -557,8 +562,9 @@ def test_failure_reason_is_the_error_and_the_tasks_last_log_line(tmp_path: Path)
 
 
 def test_a_diverged_run_is_marked_in_table_and_legend(tmp_path: Path) -> None:
-    """A run the launcher named diverged keeps its numbers but says so in the table, the
-    figure's legend and compare.json; the capture finds the reason in its line."""
+    """A run the launcher named diverged keeps its numbers but says so in the table and in
+    compare.json (the figure's legend labels it like any run not ok); the capture finds the
+    reason in the launcher's line."""
     capture = _Capture(tmp_path / "launcher.log")
     capture.write("[distsgd] done in 9s\ntest accuracy: 0.0944\n")
     capture.write(
@@ -572,18 +578,7 @@ def test_a_diverged_run_is_marked_in_table_and_legend(tmp_path: Path) -> None:
         SchemeRun(scheme="sync", status="ok", final_accuracy=0.97),
         SchemeRun(scheme="hogwild", status="diverged", reason=reason, final_accuracy=0.0944),
     ]
-    context = Context(
-        command="distsgd compare --schemes sync,hogwild",
-        label="demo",
-        workers=4,
-        ps=None,
-        seed=0,
-        target=None,
-        target_source="",
-        eval_every=4,
-        threads_per_worker=1,
-        machine={"cores": 2},
-    )
+    context = _context(command="distsgd compare --schemes sync,hogwild", label="demo", workers=4)
     rows = _rows(markdown(context, runs))
     assert rows["sync"][0] == "ok"
     assert rows["hogwild"][0].startswith("**diverged**") and rows["hogwild"][1] == "0.0944"
