@@ -783,19 +783,7 @@ def test_register_with_a_non_float_piece_is_refused(dtype) -> None:
     with fresh_server(register=False) as (_, service, client):
         before = observe(client)
         model = {**MODEL, "step#0": np.zeros(2, dtype)}
-        refused(
-            lambda: client.register(
-                shard_index=0,
-                scheme="hogwild",
-                options_json=json.dumps(HOGWILD),
-                num_workers=NUM_WORKERS,
-                tensors=model,
-            ),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "step#0",
-        )
-        assert service.shard is None
-        assert_same_state(before, observe(client))
+        _register_refused(service, client, before, model, "step#0")
 
 
 BAD_PIECES: dict[str, dict[str, np.ndarray]] = {
@@ -903,25 +891,30 @@ def test_register_with_bad_options_is_refused(scheme, options_json, needle) -> N
         assert_same_state(before, observe(client))
 
 
+def _register_refused(service, client, before, model, key: str) -> None:  # type: ignore[no-untyped-def]
+    """Registering ``model`` is refused INVALID_ARGUMENT naming ``key``, and nothing changes."""
+    refused(
+        lambda: client.register(
+            shard_index=0,
+            scheme="hogwild",
+            options_json=json.dumps(HOGWILD),
+            num_workers=NUM_WORKERS,
+            tensors=model,
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        key,
+    )
+    assert service.shard is None
+    assert_same_state(before, observe(client))
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 def test_register_with_nonfinite_initial_values_is_refused(bad, dtype) -> None:
     with fresh_server(register=False) as (_, service, client):
         before = observe(client)
         model = {**MODEL, "z#0": np.array([0.0, bad, 1.0], dtype)}
-        refused(
-            lambda: client.register(
-                shard_index=0,
-                scheme="hogwild",
-                options_json=json.dumps(HOGWILD),
-                num_workers=NUM_WORKERS,
-                tensors=model,
-            ),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "z#0",
-        )
-        assert service.shard is None
-        assert_same_state(before, observe(client))
+        _register_refused(service, client, before, model, "z#0")
 
 
 @pytest.mark.parametrize(
