@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LR_SCHEDULES = ("constant", "cosine")
+WIRE_DTYPES = ("float32", "bf16", "fp16", "int8")
+"""What ``TrainConfig.wire_dtype`` may be: the dtype pushed updates travel in."""
+SHARED_MEMORY = ("auto", "off")
+"""What ``TrainConfig.shared_memory`` may be."""
 
 
 def lr_factor(schedule: str, step: int, total: int, warmup: float = 0.0) -> float:
@@ -62,6 +66,33 @@ class TrainConfig:
             "help": "a gradient with NaN/Inf refused by the servers: skip it, or stop the run"
         },
     )
+    wire_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "dtype of pushed updates on the wire: float32, bf16, fp16 or int8 (a scale "
+            "per piece); servers keep and apply float32. Under allreduce: DDP's fp16 or bf16 hook"
+        },
+    )
+    topk: float = field(
+        default=0.0,
+        metadata={
+            "help": "push only this fraction of each update's largest entries (e.g. 0.01); the "
+            "rest is kept on the worker and added to its next push (error feedback); 0 = off"
+        },
+    )
+    powersgd_rank: int = field(
+        default=0,
+        metadata={
+            "help": "(allreduce) compress gradients with PowerSGD of this rank (DDP's hook); 0 = off"
+        },
+    )
+    shared_memory: str = field(
+        default="auto",
+        metadata={
+            "help": "tensor bytes between a worker and a parameter server on the same host: auto "
+            "(through shared memory; gRPC carries the rest) or off (everything over gRPC)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed for model init, data order and sharding"})
     eval_every: int = field(
         default=0, metadata={"help": "chief evaluates every N local steps (0 = only at the end)"}
@@ -93,6 +124,18 @@ class TrainConfig:
             raise ValueError(f"warmup must be a fraction in [0, 1), got {self.warmup}")
         if self.nonfinite not in ("skip", "stop"):
             raise ValueError(f"nonfinite must be skip or stop, got {self.nonfinite!r}")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(
+                f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}"
+            )
+        if not 0.0 <= self.topk < 1.0:
+            raise ValueError(
+                f"topk must be a fraction in [0, 1) (0 = off, e.g. 0.01), got {self.topk}"
+            )
+        if self.powersgd_rank < 0:
+            raise ValueError(f"powersgd_rank must be 0 (off) or more, got {self.powersgd_rank}")
+        if self.shared_memory not in SHARED_MEMORY:
+            raise ValueError(f"shared_memory must be auto or off, got {self.shared_memory!r}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
 
