@@ -263,13 +263,18 @@ def test_no_message_carries_repeated_numbers_except_shape() -> None:
         for field in message.fields:
             if field.is_repeated and field.type in numeric:
                 found.append(f"{message.name}.{field.name}")
-    assert found == ["TensorSpec.shape"]
+    # Shapes and the shared-memory layout (one offset per piece) are metadata, not tensor values.
+    assert sorted(found) == [
+        "AttachResponse.pull_offsets",
+        "AttachResponse.push_offsets",
+        "TensorSpec.shape",
+    ]
     assert pb.TensorChunk.DESCRIPTOR.fields_by_name["data"].type == FieldDescriptor.TYPE_BYTES
 
 
 def test_protocol_version_constant() -> None:
-    assert PROTOCOL_VERSION == pb.PROTOCOL_VERSION == 1
-    assert re.search(r"PROTOCOL_VERSION\s*=\s*1\s*;", _proto_without_comments())
+    assert PROTOCOL_VERSION == pb.PROTOCOL_VERSION == 2
+    assert re.search(r"PROTOCOL_VERSION\s*=\s*2\s*;", _proto_without_comments())
 
 
 def test_push_reject_mirrors_the_proto_enum() -> None:

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from distsgd.runtime.timing import split_from_metrics, split_line
+
 
 class Console:
     """Serialises task output and one live status line on a terminal (a plain log elsewhere)."""
@@ -87,6 +89,8 @@ class Progress:
         self.loss: float | None = None
         self.accuracy: float | None = None
         self.samples: dict[str, int] = {}
+        self.time_split: dict[str, dict[str, float]] = {}
+        """Per worker, its seconds per phase when it finished its steps."""
         self.local_steps: dict[str, int] = {}
         self.started = time.time()
         self.divergence: str | None = None
@@ -121,8 +125,26 @@ class Progress:
                 self.samples[str(record.get("task"))] = int(record["samples"])
             if "local_step" in record:
                 self.local_steps[str(record.get("task"))] = int(record["local_step"])
+            if record.get("event") == "finished_steps":
+                self.time_split[str(record.get("task"))] = split_from_metrics(record)
             if record.get("event") == "diverged" and self.divergence is None:
                 self.divergence = str(record.get("reason", "training diverged"))
+
+    def total_split(self) -> dict[str, float]:
+        """Seconds per phase summed over the workers that finished."""
+        total: dict[str, float] = {}
+        for split in self.time_split.values():
+            for phase, seconds in split.items():
+                total[phase] = total.get(phase, 0.0) + seconds
+        return total
+
+    def split_summary(self) -> str:
+        """``time split (2 workers): compute 31% · pull 28% · ...``, or "" before any finished."""
+        line = split_line(self.total_split())
+        if not line:
+            return ""
+        n = len(self.time_split)
+        return f"time split ({n} worker{'s' if n != 1 else ''}): {line}"
 
     @property
     def elapsed(self) -> float:

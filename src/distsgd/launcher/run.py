@@ -580,6 +580,11 @@ class LocalRun:
             f"[distsgd] done in {self.progress.elapsed:.0f}s: {result['global_step']} updates, "
             f"{result['local_steps']} steps on worker0{extra}; run folder {self.run_dir}"
         )
+        split = self.progress.split_summary()
+        if split:
+            self.console.final(f"[distsgd] {split}")
+            result["time_split"] = {k: round(v, 4) for k, v in self.progress.total_split().items()}
+            write_atomic(result_path, json.dumps(result, indent=2) + "\n")
         if result.get("test_accuracy") is not None:
             self.console.final(f"test accuracy: {result['test_accuracy']:.4f}")
         elif result.get("test_loss") is not None:

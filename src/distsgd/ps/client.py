@@ -66,6 +66,9 @@ class ParameterClient:
         self.versions = [0] * len(addresses)
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.last_waited = 0.0
+        """Seconds the last pull spent waiting on the servers for a version (the longest
+        shard's wait: the shards are pulled in parallel)."""
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -137,6 +140,7 @@ class ParameterClient:
             [min_version] * len(self.shards) if isinstance(min_version, int) else list(min_version)
         )
         results = self._each(lambda i, s: s.pull(min_version=mins[i], wait_seconds=wait_seconds))
+        self.last_waited = max(shard.last_waited for shard in self.shards)
         if record:
             self.versions = [version for version, _ in results]
         self.bytes_received += sum(sum(a.nbytes for a in arrays.values()) for _, arrays in results)

@@ -18,6 +18,7 @@ import math
 import re
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar, cast
@@ -483,6 +484,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         self._unless_closing(context)
         shard.see(request.header.worker, request.header.incarnation)
         restarted = request.server_incarnation not in (0, self.incarnation)
+        waited = 0.0
         if not restarted and shard.version < request.min_version:
             if not self._start_waiting():
                 _abort(
@@ -492,10 +494,12 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                     "retry later, or start the server with more threads",
                     Refusal.BUSY,
                 )
+            began = time.monotonic()
             try:
                 reached = shard.wait_for(request.min_version, wait)
             finally:
                 self._stop_waiting()
+                waited = time.monotonic() - began
             self._unless_closing(context)
             if not reached:
                 _abort(
@@ -506,7 +510,10 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 )
         version, values = shard.snapshot()
         header = pb.PullHeader(
-            version=version, tensors=specs_of(values), server_incarnation=self.incarnation
+            version=version,
+            tensors=specs_of(values),
+            server_incarnation=self.incarnation,
+            waited_seconds=waited,
         )
         yield pb.PullResponse(header=header)
         for chunk in iter_chunks(list(values.values()), self.chunk_bytes):

@@ -83,7 +83,7 @@ class TrainConfig:
     powersgd_rank: int = field(
         default=0,
         metadata={
-            "help": "(allreduce) compress gradients with PowerSGD of this rank (DDP's hook); 0 = off"
+            "help": "(allreduce) compress gradients by PowerSGD of this rank (DDP's hook); 0 = off"
         },
     )
     shared_memory: str = field(

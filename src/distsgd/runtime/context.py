@@ -6,6 +6,7 @@ and versions are handled in one place.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from distsgd.ps.client import ParameterClient
 from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.divergence import Diverged
 from distsgd.runtime.faults import FaultInjector
+from distsgd.runtime.timing import PhaseClock
 from distsgd.transport.client import PushResult
 from distsgd.transport.errors import PushReject
 
@@ -64,6 +66,8 @@ class WorkerContext:
         """Steps this worker has taken."""
         self.global_step = 0
         """Updates the cluster has applied, as last heard (server version, or local steps)."""
+        self.clock = PhaseClock()
+        """Where this worker's time goes; every exchange below is timed into it."""
 
     # -- replica --------------------------------------------------------------------------------
     @property
@@ -142,7 +146,11 @@ class WorkerContext:
         """The servers' parameters (not loaded into the replica): (version, arrays)."""
         if self.faults is not None:
             self.faults.wait_partition()  # a partitioned worker's pulls retry until it heals
+        began = time.perf_counter()
         version, arrays = self.ps.pull(min_version=min_version)
+        waited = self.ps.last_waited
+        self.clock.add("wait", waited)
+        self.clock.add("pull", time.perf_counter() - began - waited)
         self.global_step = max(self.global_step, version)
         return version, arrays
 
@@ -162,7 +170,8 @@ class WorkerContext:
                 PushResult(False, v, "lost: partitioned", PushReject.LOST) for v in self.ps.versions
             ]
         bases = list(self.ps.versions) if base_version is None else base_version
-        results = self.ps.push(arrays, base_version=bases, lr_scale=self.lr_scale)
+        with self.clock.measure("push"):
+            results = self.ps.push(arrays, base_version=bases, lr_scale=self.lr_scale)
         for base, result in zip(self._per_shard(bases), results, strict=True):
             if result.accepted:  # the push made version result.version (or joined its step)
                 self.applied_pushes += 1
@@ -196,12 +205,14 @@ class WorkerContext:
     def allreduce_mean(self, tensors: list[torch.Tensor]) -> None:
         """Average tensors over all workers in place (no-op with one worker)."""
         if self._collective is not None:
-            self._collective.allreduce_mean(tensors)
+            with self.clock.measure("allreduce"):
+                self._collective.allreduce_mean(tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Copy worker ``src``'s tensors to all (no-op with one worker)."""
         if self._collective is not None:
-            self._collective.broadcast(tensors, src)
+            with self.clock.measure("allreduce"):
+                self._collective.broadcast(tensors, src)
 
     @property
     def bytes_sent(self) -> int:

@@ -67,6 +67,8 @@ class TrainResult:
     """True when training diverged (see :mod:`distsgd.runtime.divergence`)."""
     divergence: str | None = None
     """Why it counts as diverged, or None."""
+    time_split: dict[str, float] = dataclasses.field(default_factory=dict)
+    """This worker's seconds per phase (see :mod:`distsgd.runtime.timing`): compute, pull, ..."""
 
 
 def _wait_all_finished(
@@ -275,20 +277,25 @@ def run_worker(
             copy.deepcopy(model) if chief and test_set is not None and config.eval_every else None
         )
         started = time.monotonic()
+        clock = ctx.clock
+        clock.start_loop()
         batch_iter = iter(batches)
         model.train()
         loss_value = float("nan")
         while ctx.local_step < steps:
             if ckpt is not None:
-                ckpt.maybe_save_worker(ctx.local_step, start_step, worker_state)
+                with clock.measure("checkpoint"):
+                    ckpt.maybe_save_worker(ctx.local_step, start_step, worker_state)
             faults.before_step(ctx.global_step)
             ctx.set_lr_scale(lr_factor(config.lr_schedule, ctx.local_step, steps, config.warmup))
             batch = split_batch(next(batch_iter), batch_fn).to(device)
             scheme.before_step(ctx)
             if ckpt is not None and chief:
-                ckpt.maybe_checkpoint_servers(
-                    None if ps is None else ps.checkpoint, {"scheme": env.scheme, "steps": steps}
-                )
+                with clock.measure("checkpoint"):
+                    ckpt.maybe_checkpoint_servers(
+                        None if ps is None else ps.checkpoint,
+                        {"scheme": env.scheme, "steps": steps},
+                    )
             model.zero_grad(set_to_none=False)
             loss = loss_fn(batch.forward(model), batch.target)
             loss.backward()
@@ -310,21 +317,23 @@ def run_worker(
                     nonfinite_skipped=ctx.nonfinite_skipped,
                     **({"mean_staleness": round(ctx.mean_staleness, 4)} if ps is not None else {}),
                     **scheme.stats(),
+                    **clock.metrics(),
                 )
             if (
                 eval_model is not None
                 and test_set is not None
                 and ctx.local_step % config.eval_every == 0
             ):
-                _load_eval_params(ctx, scheme, eval_model)
-                scores = evaluate(
-                    eval_model,
-                    test_set,
-                    loss_fn,
-                    batch_size=config.eval_batch_size,
-                    device=device,
-                    batch_fn=batch_fn,
-                )
+                with clock.measure("eval"):
+                    _load_eval_params(ctx, scheme, eval_model)
+                    scores = evaluate(
+                        eval_model,
+                        test_set,
+                        loss_fn,
+                        batch_size=config.eval_batch_size,
+                        device=device,
+                        batch_fn=batch_fn,
+                    )
                 metrics.log(
                     step=ctx.global_step,
                     local_step=ctx.local_step,
@@ -332,6 +341,7 @@ def run_worker(
                     accuracy=scores.get("accuracy"),
                 )
         scheme.finish(ctx)
+        clock.stop_loop()
         seconds = time.monotonic() - started
         if ckpt is not None:
             ckpt.save_worker(worker_state(), ctx.local_step)
@@ -344,6 +354,7 @@ def run_worker(
             seconds=round(seconds, 3),
             checkpoints=0 if ckpt is None else ckpt.count,
             checkpoint_seconds=0.0 if ckpt is None else round(ckpt.seconds, 4),
+            **clock.metrics(),
         )
         if ps is not None and chief:
             _wait_all_finished(
@@ -364,6 +375,7 @@ def run_worker(
             seconds=seconds,
             samples=ctx.local_step * config.batch_size,
             bytes_sent=ctx.bytes_sent,
+            time_split={k: round(v, 4) for k, v in clock.totals().items()},
         )
         verdict = watch.loss_verdict()
         if verdict is not None:

@@ -88,6 +88,9 @@ class ShardClient:
         )
         self.server_incarnation = 0
         """The server process last seen (0 = none yet); it changes when the server restarts."""
+        self.last_waited = 0.0
+        """Seconds the server spent waiting for ``min_version`` in the last pull (its report,
+        clamped to the pull's own duration)."""
         self._metadata: tuple[tuple[str, str], ...] | None = (
             ((METADATA_KEY, check_secret(secret)),) if secret else None
         )
@@ -184,6 +187,7 @@ class ShardClient:
         wait = min(wait, MAX_WAIT_SECONDS)
 
         def do() -> tuple[int, dict[str, np.ndarray]]:
+            began = time.monotonic()
             request = pb.PullRequest(
                 header=self._header,
                 min_version=min_version,
@@ -199,6 +203,7 @@ class ShardClient:
                 assembler.add(message.chunk)
             arrays = assembler.finish()
             self.server_incarnation = first.header.server_incarnation
+            self.last_waited = _waited(first.header.waited_seconds, time.monotonic() - began)
             return first.header.version, arrays
 
         return self._call("Pull", do)
@@ -250,6 +255,13 @@ class ShardClient:
             "Leave",
             lambda: self._stub.Leave(request, timeout=self.timeout, metadata=self._metadata),
         ).version
+
+
+def _waited(reported: float, elapsed: float) -> float:
+    """The server's ``waited_seconds``, trusted only within [0, the call's own duration]."""
+    if not math.isfinite(reported) or reported <= 0:
+        return 0.0
+    return min(reported, elapsed)
 
 
 def _push_reject(value: int) -> PushReject:

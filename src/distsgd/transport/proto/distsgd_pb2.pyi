@@ -12,6 +12,13 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION: _ClassVar[ProtocolVersion]
 
+class TensorEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TENSOR_ENCODING_RAW: _ClassVar[TensorEncoding]
+    TENSOR_ENCODING_FP16: _ClassVar[TensorEncoding]
+    TENSOR_ENCODING_BF16: _ClassVar[TensorEncoding]
+    TENSOR_ENCODING_INT8: _ClassVar[TensorEncoding]
+
 class PushRejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PUSH_REJECT_REASON_UNSPECIFIED: _ClassVar[PushRejectReason]
@@ -21,6 +28,10 @@ class PushRejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_REJECT_REASON_LOST: _ClassVar[PushRejectReason]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION: ProtocolVersion
+TENSOR_ENCODING_RAW: TensorEncoding
+TENSOR_ENCODING_FP16: TensorEncoding
+TENSOR_ENCODING_BF16: TensorEncoding
+TENSOR_ENCODING_INT8: TensorEncoding
 PUSH_REJECT_REASON_UNSPECIFIED: PushRejectReason
 PUSH_REJECT_REASON_STALE: PushRejectReason
 PUSH_REJECT_REASON_DUPLICATE: PushRejectReason
@@ -40,14 +51,20 @@ class RequestHeader(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., worker: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("key", "dtype", "shape")
+    __slots__ = ("key", "dtype", "shape", "encoding", "scale", "nnz")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    NNZ_FIELD_NUMBER: _ClassVar[int]
     key: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    encoding: TensorEncoding
+    scale: float
+    nnz: int
+    def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., encoding: _Optional[_Union[TensorEncoding, str]] = ..., scale: _Optional[float] = ..., nnz: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("index", "offset", "data")
@@ -92,26 +109,32 @@ class RegisterResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("header", "min_version", "wait_seconds", "server_incarnation")
+    __slots__ = ("header", "min_version", "wait_seconds", "server_incarnation", "segment")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     min_version: int
     wait_seconds: float
     server_incarnation: int
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., min_version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., server_incarnation: _Optional[int] = ...) -> None: ...
+    segment: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., min_version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., server_incarnation: _Optional[int] = ..., segment: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "tensors", "server_incarnation")
+    __slots__ = ("version", "tensors", "server_incarnation", "waited_seconds", "in_segment")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SERVER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IN_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     server_incarnation: int
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., server_incarnation: _Optional[int] = ...) -> None: ...
+    waited_seconds: float
+    in_segment: bool
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., server_incarnation: _Optional[int] = ..., waited_seconds: _Optional[float] = ..., in_segment: _Optional[bool] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("header", "chunk")
@@ -122,16 +145,18 @@ class PullResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("header", "base_version", "tensors", "lr_scale")
+    __slots__ = ("header", "base_version", "tensors", "lr_scale", "segment")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     LR_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     base_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     lr_scale: float
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., lr_scale: _Optional[float] = ...) -> None: ...
+    segment: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., lr_scale: _Optional[float] = ..., segment: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -210,6 +235,36 @@ class CheckpointResponse(_message.Message):
     sha256: str
     bytes: int
     def __init__(self, version: _Optional[int] = ..., file: _Optional[str] = ..., sha256: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("header", "confirm", "nonce", "cancel")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CONFIRM_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    confirm: int
+    nonce: bytes
+    cancel: bool
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., confirm: _Optional[int] = ..., nonce: _Optional[bytes] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("segment", "name", "size", "tensors", "pull_offsets", "push_offsets", "confirmed")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PULL_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    segment: int
+    name: str
+    size: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    pull_offsets: _containers.RepeatedScalarFieldContainer[int]
+    push_offsets: _containers.RepeatedScalarFieldContainer[int]
+    confirmed: bool
+    def __init__(self, segment: _Optional[int] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., pull_offsets: _Optional[_Iterable[int]] = ..., push_offsets: _Optional[_Iterable[int]] = ..., confirmed: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("header",)

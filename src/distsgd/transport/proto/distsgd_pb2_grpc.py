@@ -64,6 +64,21 @@ class ParameterServerStub:
                 request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/distsgd.v1.ParameterServer/Attach',
+                request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.AttachRequest.SerializeToString,
+                response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.AttachResponse.FromString,
+                _registered_method=True)
+        self.PullShared = channel.unary_unary(
+                '/distsgd.v1.ParameterServer/PullShared',
+                request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PullRequest.SerializeToString,
+                response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PullHeader.FromString,
+                _registered_method=True)
+        self.PushShared = channel.unary_unary(
+                '/distsgd.v1.ParameterServer/PushShared',
+                request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PushHeader.SerializeToString,
+                response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PushResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -105,6 +120,24 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullShared(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushShared(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +170,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.CheckpointRequest.FromString,
                     response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.AttachRequest.FromString,
+                    response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.AttachResponse.SerializeToString,
+            ),
+            'PullShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullShared,
+                    request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PullRequest.FromString,
+                    response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PullHeader.SerializeToString,
+            ),
+            'PushShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushShared,
+                    request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PushHeader.FromString,
+                    response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +349,87 @@ class ParameterServer:
             '/distsgd.v1.ParameterServer/Checkpoint',
             distsgd_dot_transport_dot_proto_dot_distsgd__pb2.CheckpointRequest.SerializeToString,
             distsgd_dot_transport_dot_proto_dot_distsgd__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/distsgd.v1.ParameterServer/Attach',
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.AttachRequest.SerializeToString,
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/distsgd.v1.ParameterServer/PullShared',
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PullRequest.SerializeToString,
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PullHeader.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/distsgd.v1.ParameterServer/PushShared',
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PushHeader.SerializeToString,
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,
