@@ -45,6 +45,7 @@ from distsgd.runtime.faults import Fault
 from distsgd.runtime.metrics import MetricsWriter
 from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
 from distsgd.runtime.task import ENV_VAR, TaskEnv
+from distsgd.transport import shm
 from distsgd.transport.client import ShardClient
 from distsgd.transport.errors import RemoteError
 from distsgd.transport.security import (
@@ -117,6 +118,9 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         return EXIT_DIVERGED
     finally:
         supervisor.stop()
+        # Segments are unlinked once a worker maps them; a server killed before that leaves a
+        # name behind, which carries this run's prefix.
+        shm.remove_leftovers(shm.run_prefix(local.run_id))
         local.store = None
         local.events.close()
         for sig, handler in previous.items():

@@ -40,7 +40,10 @@ class ParameterClient:
         retry_seconds: float = 60.0,
         secret: str | None = None,
         tls: TlsConfig | None = None,
+        shared_memory: bool = False,
     ) -> None:
+        """``shared_memory``: tensors to and from servers on this host go through shared memory
+        (see :class:`~distsgd.transport.client.ShardClient`)."""
         if len(addresses) != plan.num_shards:
             raise ValueError(
                 f"{len(addresses)} ps addresses for a plan of {plan.num_shards} shards"
@@ -57,6 +60,7 @@ class ParameterClient:
                 retry_seconds=retry_seconds,
                 secret=secret,
                 tls=tls,
+                shared_memory=shared_memory,
             )
             for a in addresses
         ]
@@ -69,6 +73,11 @@ class ParameterClient:
         self.last_waited = 0.0
         """Seconds the last pull spent waiting on the servers for a version (the longest
         shard's wait: the shards are pulled in parallel)."""
+
+    @property
+    def shared_memory_shards(self) -> int:
+        """How many shards this client reaches through shared memory now."""
+        return sum(shard.uses_shared_memory for shard in self.shards)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -130,11 +139,14 @@ class ParameterClient:
         min_version: int | Sequence[int] = 0,
         wait_seconds: float | None = None,
         record: bool = True,
+        into: Mapping[str, np.ndarray] | None = None,
     ) -> tuple[int, dict[str, np.ndarray]]:
         """Named full arrays once each shard reaches its ``min_version``: (min version, arrays).
 
         ``record`` keeps the shards' versions as the base of the next push (off for a look that
-        must not disturb the worker's own bookkeeping, such as a mid-run evaluation).
+        must not disturb the worker's own bookkeeping, such as a mid-run evaluation). ``into``:
+        write the values into these arrays (every parameter, its shape and dtype; e.g. numpy
+        views of a model's parameters) and return them, saving a copy.
         """
         mins = (
             [min_version] * len(self.shards) if isinstance(min_version, int) else list(min_version)
@@ -144,9 +156,9 @@ class ParameterClient:
         if record:
             self.versions = [version for version, _ in results]
         self.bytes_received += sum(sum(a.nbytes for a in arrays.values()) for _, arrays in results)
-        return min(version for version, _ in results), self.plan.join(
-            [arrays for _, arrays in results]
-        )
+        pieces = [arrays for _, arrays in results]
+        joined = self.plan.join(pieces) if into is None else self.plan.join_into(pieces, into)
+        return min(version for version, _ in results), joined
 
     def push(
         self,

@@ -120,6 +120,25 @@ class PartitionPlan:
             )
         return out
 
+    def join_into(
+        self, shards: Sequence[Mapping[str, np.ndarray]], out: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """Per-shard piece arrays written into ``out`` (every parameter, of its shape)."""
+        for p in self.params:
+            have = out[p.name]
+            if tuple(have.shape) != p.shape or not have.flags.c_contiguous:
+                raise ValueError(
+                    f"{p.name}: need a contiguous array of shape {p.shape}, got {tuple(have.shape)}"
+                )
+        for piece in self.pieces:
+            target = out[piece.param.name]
+            source = shards[piece.shard][piece.key]
+            if piece.whole:
+                np.copyto(target, source.reshape(target.shape))
+            else:
+                target.reshape(-1)[piece.start : piece.stop] = source.reshape(-1)
+        return {p.name: out[p.name] for p in self.params}
+
     def join(self, shards: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """Per-shard piece arrays -> named full arrays."""
         out: dict[str, np.ndarray] = {}

@@ -33,7 +33,9 @@ from distsgd.ps.rules import (
     RuleFactory,
     parse_options_json,
 )
+from distsgd.ps.segments import Attached, Layout, SegmentTable
 from distsgd.ps.shard import CorruptCheckpoint, Shard
+from distsgd.transport import shm
 from distsgd.transport.codec import (
     FLOAT_DTYPES,
     ChunkAssembler,
@@ -181,6 +183,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         self.incarnation = secrets.randbits(63) | 1
         """Random per server process; a client seeing another one knows the server restarted."""
         self._register_lock = threading.Lock()
+        self._segments = SegmentTable()
 
     @property
     def waiting_pulls(self) -> int:
@@ -210,12 +213,14 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         shard = self.shard
         if shard is not None:
             shard.close()
+        self._segments.close()
 
     def _tick(self) -> None:
         while not self._stop.wait(0.5):
             shard = self.shard
             if shard is not None:
                 shard.tick()
+            self._segments.purge()
 
     # -- checks ---------------------------------------------------------------------------------
     def _check(self, header: pb.RequestHeader, context: grpc.ServicerContext) -> None:
@@ -471,10 +476,10 @@ class ParameterService(pb_grpc.ParameterServerServicer):
             )
             return pb.RegisterResponse(created=True, version=0)
 
-    @_guarded
-    def Pull(
+    def _await_version(
         self, request: pb.PullRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.PullResponse]:
+    ) -> tuple[Shard, float]:
+        """The checks of a pull, then its wait for ``min_version``: (shard, seconds waited)."""
         self._check(request.header, context)
         shard = self._registered(context)
         wait = self._wait_seconds(request.wait_seconds, context)
@@ -508,6 +513,13 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                     f"shard {self.shard_index} still at version {shard.version} after {wait:.1f}s "
                     f"waiting for version {request.min_version}",
                 )
+        return shard, waited
+
+    @_guarded
+    def Pull(
+        self, request: pb.PullRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.PullResponse]:
+        shard, waited = self._await_version(request, context)
         version, values = shard.snapshot()
         header = pb.PullHeader(
             version=version,
@@ -529,6 +541,11 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         lr_scale = self._lr_scale(head.lr_scale, context)
         self._check_push_specs(shard, head.tensors, context)
         payload = self._assemble(head.tensors, request_iterator, context)
+        return self._apply_push(shard, head, lr_scale, payload)
+
+    def _apply_push(
+        self, shard: Shard, head: pb.PushHeader, lr_scale: float, payload: dict[str, np.ndarray]
+    ) -> pb.PushResponse:
         meta = PushMeta(
             lr_scale=lr_scale,
             worker=head.header.worker,
@@ -585,3 +602,107 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         version = shard.leave(request.header.worker)
         log.info("shard %d: worker %d finished", self.shard_index, request.header.worker)
         return pb.LeaveResponse(version=version)
+
+    # -- shared memory (protocol 2; see "Shared memory" in the .proto) ---------------------------
+    def _attached(
+        self, segment_id: int, header: pb.RequestHeader, context: grpc.ServicerContext
+    ) -> Attached:
+        entry = self._segments.get(segment_id, header.worker)
+        if entry is None or not entry.confirmed:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ps{self.shard_index} holds no confirmed segment {segment_id} of worker "
+                f"{header.worker}; attach again (or send over the stream)",
+                Refusal.NO_SEGMENT,
+            )
+        return entry
+
+    @_guarded
+    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
+        self._check(request.header, context)
+        shard = self._registered(context)
+        self._unless_closing(context)
+        worker = request.header.worker
+        if request.confirm:
+            entry = self._segments.get(request.confirm, worker)
+            if entry is None:
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"ps{self.shard_index} holds no segment {request.confirm} of worker {worker}"
+                    "; attach again",
+                    Refusal.NO_SEGMENT,
+                )
+            if request.cancel:
+                self._segments.remove(entry)
+                return pb.AttachResponse(segment=entry.id, confirmed=False)
+            if not self._segments.confirm(entry, request.nonce):
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"wrong nonce for segment {entry.id}: the worker does not see this server's "
+                    "memory; send over the stream",
+                    Refusal.NO_SEGMENT,
+                )
+            return pb.AttachResponse(segment=entry.id, name=entry.segment.name, confirmed=True)
+        if not shm.available():
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"ps{self.shard_index} has no shared memory ({shm.SHM_DIR}); use the stream",
+                Refusal.NO_SHARED_MEMORY,
+            )
+        with shard.cond:
+            layout = Layout.of(shard.values)
+        try:
+            segment = shm.Segment.create(shm.run_prefix(shard.run_id), layout.size)
+        except shm.SegmentError as exc:
+            _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"ps{self.shard_index}: {exc.strerror or exc}; using the stream instead",
+                Refusal.TOO_LARGE,
+            )
+        entry = self._segments.add(worker, segment, layout)
+        return pb.AttachResponse(
+            segment=entry.id,
+            name=segment.name,
+            size=segment.size,
+            tensors=list(layout.specs),
+            pull_offsets=list(layout.pull),
+            push_offsets=list(layout.push),
+        )
+
+    @_guarded
+    def PullShared(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullHeader:
+        shard, waited = self._await_version(request, context)
+        entry = self._attached(request.segment, request.header, context)
+        with entry.lock:
+            version = shard.snapshot_into(entry.pull_views())
+        return pb.PullHeader(
+            version=version,
+            tensors=list(entry.layout.specs),
+            server_incarnation=self.incarnation,
+            waited_seconds=waited,
+            in_segment=True,
+        )
+
+    @_guarded
+    def PushShared(self, request: pb.PushHeader, context: grpc.ServicerContext) -> pb.PushResponse:
+        self._check(request.header, context)
+        shard = self._registered(context)
+        lr_scale = self._lr_scale(request.lr_scale, context)
+        self._check_push_specs(shard, request.tensors, context)
+        entry = self._attached(request.segment, request.header, context)
+        keys = [spec.key for spec in request.tensors]
+        if len(set(keys)) != len(keys):
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a piece listed twice in one push")
+        with entry.lock:
+            payload = {
+                spec.key: entry.segment.array(
+                    entry.push_offset(spec.key), np.dtype(spec.dtype), tuple(spec.shape)
+                )
+                for spec in request.tensors
+            }
+            return self._apply_push(shard, request, lr_scale, payload)

@@ -92,6 +92,20 @@ class Shard:
         version = self.version
         return version, {k: v.copy() for k, v in self.values.items()}
 
+    def snapshot_into(self, out: Mapping[str, np.ndarray]) -> int:
+        """Copy the pieces into ``out`` (arrays of the same keys, dtypes and shapes, such as a
+        shared-memory segment's pull area); returns their version (consistent under locked
+        rules, as :meth:`snapshot`)."""
+        if self.rule.locked:
+            with self.cond:
+                for key, value in self.values.items():
+                    np.copyto(out[key], value)
+                return self.version
+        version = self.version
+        for key, value in self.values.items():
+            np.copyto(out[key], value)
+        return version
+
     def see(self, worker: int, incarnation: int) -> None:
         """Record the worker's incarnation (a restarted worker shows a new one)."""
         if worker >= 0:

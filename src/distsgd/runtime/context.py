@@ -156,9 +156,31 @@ class WorkerContext:
 
     def pull(self, *, min_version: int | Sequence[int] = 0) -> int:
         """Load the servers' parameters into the replica; returns their version."""
-        version, arrays = self.pull_arrays(min_version=min_version)
-        self.load(arrays)
+        views = self._param_views()
+        if views is None:
+            version, arrays = self.pull_arrays(min_version=min_version)
+            self.load(arrays)
+            return version
+        if self.faults is not None:
+            self.faults.wait_partition()
+        began = time.perf_counter()
+        with torch.no_grad():  # written in place: no autograd graph holds the parameters now
+            version, _ = self.ps.pull(min_version=min_version, into=views)
+        waited = self.ps.last_waited
+        self.clock.add("wait", waited)
+        self.clock.add("pull", time.perf_counter() - began - waited)
+        self.global_step = max(self.global_step, version)
         return version
+
+    def _param_views(self) -> dict[str, np.ndarray] | None:
+        """Numpy views of the parameters' memory (CPU, contiguous), for pulls that write the
+        values straight into the replica; None when any parameter is elsewhere."""
+        views = {}
+        for name, p in self.params.items():
+            if p.device.type != "cpu" or not p.data.is_contiguous():
+                return None
+            views[name] = p.data.numpy()
+        return views
 
     def push(
         self, arrays: Mapping[str, np.ndarray], *, base_version: int | Sequence[int] | None = None

@@ -7,8 +7,11 @@ give up at ``retry_seconds`` with the last error.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import math
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -17,7 +20,8 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from distsgd.transport.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks, specs_of
+from distsgd.transport import shm
+from distsgd.transport.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks, specs_of, wire_dtype
 from distsgd.transport.errors import (
     MAX_WAIT_SECONDS,
     PROTOCOL_VERSION,
@@ -45,6 +49,40 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 8 * CHUNK_BYTES),
     ("grpc.max_receive_message_length", 8 * CHUNK_BYTES),
 ]
+
+
+SHM_GIVE_UP = 3
+"""Failed shared-memory calls after which a client sends everything over the stream."""
+
+
+def is_local_address(address: str) -> bool:
+    """Whether ``host:port`` names this machine: a loopback address, or one a local socket can
+    bind to (so it belongs to one of this host's interfaces)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", socket.gethostname()):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        ip = str(sockaddr[0])
+        if ipaddress.ip_address(ip).is_loopback:
+            return True
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((ip, 0))
+            return True
+    return False
+
+
+@dataclass
+class _SharedChannel:
+    """A confirmed segment on the server: where each piece's pull and push bytes live."""
+
+    id: int
+    segment: shm.Segment
+    pull: dict[str, np.ndarray]
+    push: dict[str, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -78,7 +116,10 @@ class ShardClient:
         chunk_bytes: int = CHUNK_BYTES,
         secret: str | None = None,
         tls: TlsConfig | None = None,
+        shared_memory: bool = False,
     ) -> None:
+        """``shared_memory``: move tensor bytes through a shared-memory segment when the server
+        is on this host (tried at the first pull or push; falls back to the stream)."""
         self.address = address
         self.timeout = timeout
         self.retry_seconds = retry_seconds
@@ -100,9 +141,114 @@ class ShardClient:
             else grpc.insecure_channel(address, options=GRPC_OPTIONS)
         )
         self._stub = pb_grpc.ParameterServerStub(self._channel)
+        self._shared: _SharedChannel | None = None
+        self._shm_failures = 0 if shared_memory and shm.available() else SHM_GIVE_UP
+        if self._shm_failures < SHM_GIVE_UP and not is_local_address(address):
+            self._shm_failures = SHM_GIVE_UP
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether tensors currently move through a shared-memory segment."""
+        return self._shared is not None
 
     def close(self) -> None:
+        self._drop_shared()
         self._channel.close()
+
+    # -- shared memory --------------------------------------------------------------------------
+    def _drop_shared(self) -> None:
+        """Abandon the segment (after a failed call the server may still be using it)."""
+        channel, self._shared = self._shared, None
+        if channel is not None:
+            channel.segment.close()
+
+    def _shm_failed(self, why: object) -> None:
+        self._drop_shared()
+        self._shm_failures += 1
+        if self._shm_failures >= SHM_GIVE_UP:
+            log.info("%s: tensors go over the stream from now on (%s)", self.address, why)
+
+    def _shared_channel(self) -> _SharedChannel | None:
+        """The confirmed segment, attaching one first if none; None when shared memory is off,
+        unavailable, or just failed (the call then goes over the stream)."""
+        if self._shared is not None or self._shm_failures >= SHM_GIVE_UP:
+            return self._shared
+        header = self._header
+        try:
+            reply = self._stub.Attach(
+                pb.AttachRequest(header=header), timeout=self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            self._shm_failed(_remote_error(self.address, "Attach", exc))
+            return None
+        try:
+            segment = shm.Segment.open(reply.name, reply.size)
+        except shm.SegmentError as exc:  # another host, or another /dev/shm (containers)
+            with contextlib.suppress(grpc.RpcError):
+                self._stub.Attach(
+                    pb.AttachRequest(header=header, confirm=reply.segment, cancel=True),
+                    timeout=self.timeout,
+                    metadata=self._metadata,
+                )
+            self._shm_failures = SHM_GIVE_UP
+            log.info("%s: shared memory not reachable, using the stream (%s)", self.address, exc)
+            return None
+        try:
+            if not (len(reply.tensors) == len(reply.pull_offsets) == len(reply.push_offsets)):
+                raise shm.SegmentError(0, "the layout lists different numbers of offsets")
+            views: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] = ({}, {})
+            for spec, pull_at, push_at in zip(
+                reply.tensors, reply.pull_offsets, reply.push_offsets, strict=True
+            ):
+                dtype, shape = wire_dtype(spec.dtype, spec.key), tuple(spec.shape)
+                views[0][spec.key] = segment.array(pull_at, dtype, shape)
+                views[1][spec.key] = segment.array(push_at, dtype, shape)
+            done = self._stub.Attach(
+                pb.AttachRequest(header=header, confirm=reply.segment, nonce=segment.nonce),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
+            if not done.confirmed:
+                raise shm.SegmentError(0, "the server did not confirm the segment")
+        except (shm.SegmentError, ValueError, grpc.RpcError) as exc:
+            segment.close()
+            self._shm_failed(exc)
+            return None
+        self._shared = _SharedChannel(reply.segment, segment, *views)
+        log.debug("%s: tensors through shared memory (%d bytes)", self.address, reply.size)
+        return self._shared
+
+    def _pull_shared(
+        self, channel: _SharedChannel, min_version: int, wait: float
+    ) -> tuple[int, dict[str, np.ndarray]] | None:
+        """A pull through the segment: (version, views of the pull area), or None after a
+        failure that the stream should retry."""
+        began = time.monotonic()
+        request = pb.PullRequest(
+            header=self._header,
+            min_version=min_version,
+            wait_seconds=wait,
+            server_incarnation=self.server_incarnation,
+            segment=channel.id,
+        )
+        try:
+            reply = self._stub.PullShared(
+                request, timeout=wait + self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            err = _remote_error(self.address, "PullShared", exc)
+            if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and err.refusal is None:
+                self._drop_shared()  # the server may write it later: never read it again
+                raise err from None
+            self._shm_failed(err)
+            return None
+        if not reply.in_segment or [t.key for t in reply.tensors] != list(channel.pull):
+            self._shm_failed("the server answered a pull outside the segment")
+            return None
+        self.server_incarnation = reply.server_incarnation
+        self.last_waited = _waited(reply.waited_seconds, time.monotonic() - began)
+        self._shm_failures = 0
+        return reply.version, channel.pull
 
     def __enter__(self) -> ShardClient:
         return self
@@ -118,14 +264,7 @@ class ShardClient:
             try:
                 return fn()
             except grpc.RpcError as exc:
-                trailing = exc.trailing_metadata() if isinstance(exc, grpc.Call) else None
-                err = RemoteError(
-                    self.address,
-                    method,
-                    exc.code(),
-                    exc.details() or "",
-                    Refusal.from_metadata(trailing),
-                )
+                err = _remote_error(self.address, method, exc)
                 if not (retry and err.retryable) or time.monotonic() + delay > give_up:
                     raise err from None
                 log.debug("%s; retrying in %.2fs", err, delay)
@@ -177,6 +316,9 @@ class ShardClient:
     ) -> tuple[int, dict[str, np.ndarray]]:
         """The shard's pieces once its version is at least ``min_version``: (version, arrays).
 
+        Through shared memory the arrays are views of the segment, valid until this client's
+        next call: copy what you keep.
+
         A server that restarted (from a checkpoint) answers at once whatever ``min_version``:
         the versions the caller counted belong to the lost process. ``wait_seconds`` (default:
         the RPC timeout) is capped at ``MAX_WAIT_SECONDS``, as the server would cap it.
@@ -185,6 +327,11 @@ class ShardClient:
         if math.isnan(wait) or wait < 0:
             raise ValueError(f"wait_seconds must be 0 or more, got {wait}")
         wait = min(wait, MAX_WAIT_SECONDS)
+        channel = self._shared_channel()
+        if channel is not None:
+            shared = self._pull_shared(channel, min_version, wait)
+            if shared is not None:
+                return shared
 
         def do() -> tuple[int, dict[str, np.ndarray]]:
             began = time.monotonic()
@@ -215,6 +362,14 @@ class ShardClient:
 
         Not retried on a lost connection: the server may have applied it already.
         """
+        channel = self._shared_channel()
+        if channel is not None and all(
+            key in channel.push
+            and channel.push[key].shape == np.shape(array)
+            and channel.push[key].dtype == np.asarray(array).dtype
+            for key, array in tensors.items()
+        ):
+            return self._push_shared(channel, base_version, tensors, lr_scale)
         header = pb.PushHeader(
             header=self._header,
             base_version=base_version,
@@ -240,6 +395,41 @@ class ShardClient:
             reject=_push_reject(reply.reject),
         )
 
+    def _push_shared(
+        self,
+        channel: _SharedChannel,
+        base_version: int,
+        tensors: Mapping[str, np.ndarray],
+        lr_scale: float,
+    ) -> PushResult:
+        for key, array in tensors.items():
+            np.copyto(channel.push[key], array, casting="no")
+        header = pb.PushHeader(
+            header=self._header,
+            base_version=base_version,
+            tensors=[
+                pb.TensorSpec(key=k, dtype=channel.push[k].dtype.name, shape=list(a.shape))
+                for k, a in tensors.items()
+            ],
+            lr_scale=lr_scale,
+            segment=channel.id,
+        )
+        try:
+            reply = self._stub.PushShared(header, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            err = _remote_error(self.address, "PushShared", exc)
+            self._shm_failed(err)
+            if err.refusal is Refusal.NO_SEGMENT:  # the server restarted: the push never landed
+                return self.push(base_version=base_version, tensors=tensors, lr_scale=lr_scale)
+            raise err from None
+        self._shm_failures = 0
+        return PushResult(
+            accepted=reply.accepted,
+            version=reply.version,
+            reason=reply.reason,
+            reject=_push_reject(reply.reject),
+        )
+
     def checkpoint(self, name: str) -> pb.CheckpointResponse:
         """Ask the shard to write its state under checkpoint ``name``."""
         request = pb.CheckpointRequest(header=self._header, name=name)
@@ -255,6 +445,14 @@ class ShardClient:
             "Leave",
             lambda: self._stub.Leave(request, timeout=self.timeout, metadata=self._metadata),
         ).version
+
+
+def _remote_error(address: str, method: str, exc: grpc.RpcError) -> RemoteError:
+    """The typed error of a failed gRPC call."""
+    trailing = exc.trailing_metadata() if isinstance(exc, grpc.Call) else None
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if isinstance(exc, grpc.Call) else str(exc)) or ""
+    return RemoteError(address, method, code, details, Refusal.from_metadata(trailing))
 
 
 def _waited(reported: float, elapsed: float) -> float:

@@ -43,6 +43,11 @@ class Refusal(enum.Enum):
     """RESOURCE_EXHAUSTED: the message announces more bytes than the server's limit."""
     CLOSING = "closing"
     """UNAVAILABLE: the server is shutting down."""
+    NO_SEGMENT = "no-segment"
+    """INVALID_ARGUMENT: a shared-memory segment this server does not hold (it restarted, or
+    dropped it); attach again, or send over the stream."""
+    NO_SHARED_MEMORY = "no-shared-memory"
+    """FAILED_PRECONDITION (Attach): shared memory cannot be used on this server's host."""
 
     @classmethod
     def from_metadata(cls, metadata: Sequence[Any] | None) -> Refusal | None:

@@ -1,0 +1,148 @@
+"""The shared-memory segments a parameter server holds for the workers on its host.
+
+One segment per attached worker (see ``Attach`` in ``transport/proto/distsgd.proto``): a pull
+area the server writes the shard's values into, and a push area the worker writes its payload
+into, each piece at a fixed, 64-byte aligned offset. A segment is usable once the worker has
+confirmed it with the nonce it read there; the server then removes its name. Each worker holds
+at most one segment per shard (attaching again replaces it), tools (worker -1) at most
+:data:`MAX_TOOL_SEGMENTS`, and a segment never confirmed is dropped after
+:data:`CONFIRM_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from distsgd.transport.proto import distsgd_pb2 as pb
+from distsgd.transport.shm import HEADER_BYTES, Segment, align
+
+CONFIRM_SECONDS = 10.0
+"""How long a created segment waits for the worker's confirmation."""
+MAX_TOOL_SEGMENTS = 4
+"""Segments that tools (worker -1) may hold at once on one shard."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each piece lives in a segment: pull offsets, then push offsets, in piece order."""
+
+    specs: tuple[pb.TensorSpec, ...]
+    pull: tuple[int, ...]
+    push: tuple[int, ...]
+    size: int
+
+    @classmethod
+    def of(cls, values: dict[str, np.ndarray]) -> Layout:
+        offset = HEADER_BYTES
+        pull: list[int] = []
+        push: list[int] = []
+        for area in (pull, push):
+            for array in values.values():
+                area.append(offset)
+                offset = align(offset + array.nbytes)
+        specs = tuple(
+            pb.TensorSpec(key=k, dtype=a.dtype.name, shape=list(a.shape)) for k, a in values.items()
+        )
+        return cls(specs, tuple(pull), tuple(push), max(offset, HEADER_BYTES))
+
+
+@dataclass
+class Attached:
+    """One worker's segment on this shard."""
+
+    id: int
+    worker: int
+    segment: Segment
+    layout: Layout
+    created: float
+    confirmed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while the server reads or writes the segment (one request at a time)."""
+
+    def pull_views(self) -> dict[str, np.ndarray]:
+        return {
+            spec.key: self.segment.array(offset, np.dtype(spec.dtype), tuple(spec.shape))
+            for spec, offset in zip(self.layout.specs, self.layout.pull, strict=True)
+        }
+
+    def push_offset(self, key: str) -> int:
+        for spec, offset in zip(self.layout.specs, self.layout.push, strict=True):
+            if spec.key == key:
+                return offset
+        raise KeyError(key)
+
+
+class SegmentTable:
+    """The segments of one shard, by id."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, Attached] = {}
+        self._lock = threading.Lock()
+        self._next = int.from_bytes(np.random.default_rng().bytes(6), "little") | 1
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def add(self, worker: int, segment: Segment, layout: Layout) -> Attached:
+        """Hold ``segment`` for ``worker``; replaces the worker's previous one (a tool's oldest
+        beyond :data:`MAX_TOOL_SEGMENTS`)."""
+        with self._lock:
+            self._next += 1
+            entry = Attached(self._next, worker, segment, layout, time.monotonic())
+            mine = sorted(
+                (a for a in self._by_id.values() if a.worker == worker), key=lambda a: a.id
+            )
+            keep = MAX_TOOL_SEGMENTS - 1 if worker < 0 else 0
+            for old in mine[: max(0, len(mine) - keep)]:
+                self._drop(old)
+            self._by_id[entry.id] = entry
+            return entry
+
+    def get(self, segment_id: int, worker: int) -> Attached | None:
+        entry = self._by_id.get(segment_id)
+        return entry if entry is not None and entry.worker == worker else None
+
+    def confirm(self, entry: Attached, nonce: bytes) -> bool:
+        """Mark ``entry`` confirmed if ``nonce`` is the one written in it (then unlink its name);
+        a wrong nonce drops it."""
+        if not hmac.compare_digest(nonce, entry.segment.nonce):
+            self.remove(entry)
+            return False
+        entry.segment.unlink()
+        entry.confirmed = True
+        return True
+
+    def remove(self, entry: Attached) -> None:
+        with self._lock:
+            self._drop(entry)
+
+    def _drop(self, entry: Attached) -> None:
+        self._by_id.pop(entry.id, None)
+        with entry.lock:  # never unmap while a request reads or writes it
+            entry.segment.close()
+
+    def purge(self, now: float | None = None) -> None:
+        """Drop segments created more than :data:`CONFIRM_SECONDS` ago and never confirmed."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale = [
+                a
+                for a in self._by_id.values()
+                if not a.confirmed and now - a.created > CONFIRM_SECONDS
+            ]
+            for entry in stale:
+                self._drop(entry)
+
+    def close(self) -> None:
+        with self._lock:
+            for entry in list(self._by_id.values()):
+                self._drop(entry)
+
+    def entries(self) -> Iterable[Attached]:
+        return list(self._by_id.values())

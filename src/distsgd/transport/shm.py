@@ -1,0 +1,173 @@
+"""Shared-memory segments: tensor bytes between processes of one host without a socket.
+
+A parameter server creates one segment per attached worker (see ``Attach`` in
+``transport/proto/distsgd.proto``): a file under ``/dev/shm`` made with ``O_EXCL`` and mode
+0600 (readable by the server's user only), its space reserved up front with
+``posix_fallocate`` (a full ``/dev/shm`` fails here, with ENOSPC, instead of killing a process
+with SIGBUS at its first write), and a random nonce in its first 16 bytes. The worker maps it
+by name, reads the nonce back to the server, and the server then unlinks the name: from then on
+the memory has no name, and the kernel frees it when the last process mapping it exits, however
+it exits (SIGKILL included). A segment whose name was never removed (a server killed between
+creating it and the worker's confirmation) carries the run's prefix, and the launcher removes
+what is left under that prefix when the run ends (:func:`remove_leftovers`).
+
+Linux only (``/dev/shm``); elsewhere :func:`available` is False and tensors go over gRPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+NONCE_BYTES = 16
+HEADER_BYTES = 64
+"""Bytes before the first tensor: the nonce, padded to a cache line."""
+ALIGN = 64
+"""Every tensor starts on a 64-byte boundary."""
+NAME_PREFIX = "distsgd-"
+NAME = re.compile(r"distsgd-[A-Za-z0-9_.-]{1,200}")
+"""The names :func:`open_segment` accepts: a server can name only its own kind of file."""
+
+
+class SegmentError(OSError):
+    """A segment that cannot be created, opened or used; the message says why."""
+
+
+def available() -> bool:
+    """Whether this host has POSIX shared memory under ``/dev/shm``."""
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+def align(offset: int) -> int:
+    """``offset`` rounded up to :data:`ALIGN`."""
+    return (offset + ALIGN - 1) // ALIGN * ALIGN
+
+
+def run_prefix(run_id: str) -> str:
+    """The name prefix of a run's segments (letters, digits and '-' of the run id)."""
+    safe = re.sub(r"[^A-Za-z0-9-]", "", run_id)[:32] or "norun"
+    return f"{NAME_PREFIX}{safe}-"
+
+
+class Segment:
+    """One mapped segment; :meth:`array` gives numpy views of it."""
+
+    def __init__(self, name: str, size: int, fd: int, *, owner: bool) -> None:
+        self.name = name
+        self.size = size
+        self.owner = owner
+        self._linked = owner
+        try:
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)  # the mapping keeps the memory; no descriptor is left open
+        self._buffer = np.frombuffer(self._map, dtype=np.uint8)
+
+    @classmethod
+    def create(cls, prefix: str, size: int) -> Segment:
+        """A new segment of ``size`` bytes named ``<prefix><random>``, with a fresh nonce.
+
+        :class:`SegmentError` when shared memory has no room (ENOSPC) or cannot be used.
+        """
+        if not prefix.startswith(NAME_PREFIX):
+            raise ValueError(f"segment prefix must start with {NAME_PREFIX!r}, got {prefix!r}")
+        size = max(size, HEADER_BYTES)
+        name = f"{prefix}{secrets.token_hex(8)}"
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise SegmentError(exc.errno, f"cannot create {path}: {exc.strerror}") from None
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise SegmentError(
+                exc.errno, f"no room for {size} bytes in {SHM_DIR}: {exc.strerror}"
+            ) from None
+        segment = cls(name, size, fd, owner=True)
+        segment._buffer[:NONCE_BYTES] = np.frombuffer(secrets.token_bytes(NONCE_BYTES), np.uint8)
+        return segment
+
+    @classmethod
+    def open(cls, name: str, size: int) -> Segment:
+        """Map the segment a server created (same host); :class:`SegmentError` if it cannot."""
+        if not NAME.fullmatch(name):
+            raise SegmentError(0, f"refusing segment name {name[:80]!r}")
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise SegmentError(exc.errno, f"cannot open {path}: {exc.strerror}") from None
+        try:
+            have = os.fstat(fd).st_size
+        except OSError:
+            have = -1
+        if have != size or size < HEADER_BYTES:
+            os.close(fd)
+            raise SegmentError(0, f"{path} has {have} bytes, the server announced {size}")
+        return cls(name, size, fd, owner=False)
+
+    @property
+    def nonce(self) -> bytes:
+        """The first :data:`NONCE_BYTES` bytes (written by the server at creation)."""
+        return bytes(self._buffer[:NONCE_BYTES])
+
+    def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A writable view of ``shape`` elements of ``dtype`` at byte ``offset``."""
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        end = offset + count * dtype.itemsize
+        if offset < HEADER_BYTES or offset % ALIGN or end > self.size:
+            raise SegmentError(0, f"bytes {offset}..{end} are not inside segment {self.name}")
+        return self._buffer[offset:end].view(dtype).reshape(shape)
+
+    def raw(self, offset: int, nbytes: int) -> np.ndarray:
+        """A writable uint8 view of ``nbytes`` bytes at ``offset``."""
+        if offset < HEADER_BYTES or nbytes < 0 or offset + nbytes > self.size:
+            raise SegmentError(0, f"bytes {offset}..{offset + nbytes} are not inside {self.name}")
+        return self._buffer[offset : offset + nbytes]
+
+    def unlink(self) -> None:
+        """Remove the name (the memory stays until every mapping is gone)."""
+        if self._linked:
+            self._linked = False
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / self.name).unlink()
+
+    def close(self) -> None:
+        """Unmap (and, for the creator, remove the name if still there).
+
+        Views handed out earlier must not be used afterwards; numpy arrays still referencing the
+        buffer keep the mapping alive until they are collected.
+        """
+        self.unlink()
+        self._buffer = np.empty(0, np.uint8)
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+
+def remove_leftovers(prefix: str) -> list[str]:
+    """Remove every segment name under ``prefix`` (a run's, see :func:`run_prefix`); the names
+    removed. Memory still mapped by a live process stays theirs until they exit."""
+    if not prefix.startswith(NAME_PREFIX) or len(prefix) <= len(NAME_PREFIX) or not available():
+        return []
+    removed = []
+    for path in SHM_DIR.glob(f"{prefix}*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path.name)
+    if removed:
+        log.info("removed %d leftover shared-memory segments of this run", len(removed))
+    return removed

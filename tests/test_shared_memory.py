@@ -1,0 +1,262 @@
+"""Tensor bytes through shared memory between a worker and a server of the same host.
+
+The contract (``Shared memory`` in the .proto): the server creates a segment only its user can
+read, the worker proves with the nonce that it maps the same memory, the name is then removed
+(so no file outlives the processes, whatever kills them), results equal the stream's bit for
+bit, and every failure falls back to the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from conftest import wait_for
+
+from distsgd.ps import ParameterClient, PartitionPlan, start_server, stop_server
+from distsgd.ps import segments as ps_segments
+from distsgd.ps.service import ParameterService
+from distsgd.schemes import make_server_rule
+from distsgd.transport import PROTOCOL_VERSION, Refusal, ShardClient, shm
+from distsgd.transport.client import is_local_address
+from distsgd.transport.proto import distsgd_pb2 as pb
+from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm on this host")
+
+RUN = "shmtest" + os.urandom(4).hex()
+
+
+def _model() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "fc.weight": rng.standard_normal((64, 33)).astype(np.float32),
+        "fc.bias": rng.standard_normal(64).astype(np.float32),
+        "scale": np.array([2.0], dtype=np.float64),
+    }
+
+
+def _leftovers() -> list[str]:
+    return sorted(p.name for p in shm.SHM_DIR.glob(f"{shm.run_prefix(RUN)}*"))
+
+
+@pytest.fixture
+def servers() -> Iterator[list[tuple[str, ParameterService]]]:
+    """Two in-process shards."""
+    started = [
+        start_server(address="127.0.0.1:0", shard_index=i, rule_factory=make_server_rule)
+        for i in range(2)
+    ]
+    try:
+        yield [(address, service) for _, address, service in started]
+    finally:
+        for srv, _, service in started:
+            stop_server(srv, service, grace=0.1)
+
+
+def _clients(
+    addresses: list[str], shared: bool, worker: int = 0
+) -> tuple[ParameterClient, dict[str, np.ndarray]]:
+    model = _model()
+    plan = PartitionPlan.from_arrays(model, len(addresses))
+    client = ParameterClient(
+        addresses, plan, worker=worker, run_id=RUN, timeout=10.0, shared_memory=shared
+    )
+    return client, model
+
+
+def test_pull_and_push_through_shared_memory_equal_the_stream_bit_for_bit(servers) -> None:
+    addresses = [a for a, _ in servers]
+    shared, model = _clients(addresses, shared=True)
+    stream, _ = _clients(addresses, shared=False, worker=1)
+    try:
+        shared.register(model, scheme="hogwild", options={"lr": 0.1}, num_workers=2)
+        shared.wait_registered(5)
+        rng = np.random.default_rng(1)
+        for step in range(5):
+            grads = {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in model.items()}
+            via = shared if step % 2 == 0 else stream
+            via.push(grads)
+            _, a = shared.pull(record=False)
+            _, b = stream.pull(record=False)
+            for key in model:
+                assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
+        assert shared.shared_memory_shards == 2 and stream.shared_memory_shards == 0
+        # The values: the initial model minus 0.1 * every gradient, as the stream path says.
+        into = {k: np.empty_like(v) for k, v in model.items()}
+        version, out = shared.pull(into=into)
+        assert version == 5 and all(out[k] is into[k] for k in model)
+        assert np.array_equal(out["fc.bias"], b["fc.bias"])
+        assert _leftovers() == []  # every confirmed segment has no name any more
+    finally:
+        shared.close()
+        stream.close()
+
+
+def test_a_segment_is_private_to_the_servers_user_and_loses_its_name_once_confirmed(
+    servers,
+) -> None:
+    address, _ = servers[0]
+    client = ShardClient(address, worker=0, run_id=RUN, timeout=10.0)
+    try:
+        client.register(
+            shard_index=0,
+            scheme="hogwild",
+            options_json=json.dumps({"lr": 0.1}),
+            num_workers=1,
+            tensors={"w#0": np.ones(10, np.float32)},
+        )
+        stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
+        header = pb.RequestHeader(protocol_version=PROTOCOL_VERSION, run_id=RUN, worker=0)
+        reply = stub.Attach(pb.AttachRequest(header=header), timeout=5)
+        path = shm.SHM_DIR / reply.name
+        assert reply.name.startswith(shm.run_prefix(RUN)) and path.exists()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert reply.size >= shm.HEADER_BYTES + 2 * 40
+        # A wrong nonce: refused as no-segment, and the segment is gone.
+        with pytest.raises(grpc.RpcError) as wrong:
+            stub.Attach(
+                pb.AttachRequest(header=header, confirm=reply.segment, nonce=b"x" * 16),
+                timeout=5,
+            )
+        assert wrong.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert Refusal.from_metadata(wrong.value.trailing_metadata()) is Refusal.NO_SEGMENT
+        assert not path.exists()
+        # The right nonce: confirmed, and the name is removed.
+        again = stub.Attach(pb.AttachRequest(header=header), timeout=5)
+        segment = shm.Segment.open(again.name, again.size)
+        done = stub.Attach(
+            pb.AttachRequest(header=header, confirm=again.segment, nonce=segment.nonce), timeout=5
+        )
+        assert done.confirmed and not (shm.SHM_DIR / again.name).exists()
+        # Another worker cannot use (or confirm) this worker's segment.
+        other = pb.RequestHeader(protocol_version=PROTOCOL_VERSION, run_id=RUN, worker=-1)
+        with pytest.raises(grpc.RpcError) as foreign:
+            stub.PullShared(pb.PullRequest(header=other, segment=again.segment), timeout=5)
+        assert Refusal.from_metadata(foreign.value.trailing_metadata()) is Refusal.NO_SEGMENT
+        segment.close()
+    finally:
+        client.close()
+
+
+def test_an_unconfirmed_segment_is_removed_after_the_confirm_timeout(servers) -> None:
+    address, service = servers[0]
+    client = ShardClient(address, worker=0, run_id=RUN, timeout=10.0)
+    try:
+        client.register(
+            shard_index=0,
+            scheme="hogwild",
+            options_json=json.dumps({"lr": 0.1}),
+            num_workers=1,
+            tensors={"w#0": np.ones(10, np.float32)},
+        )
+        stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
+        header = pb.RequestHeader(protocol_version=PROTOCOL_VERSION, run_id=RUN, worker=0)
+        reply = stub.Attach(pb.AttachRequest(header=header), timeout=5)
+        assert (shm.SHM_DIR / reply.name).exists()
+        service._segments.purge(time.monotonic() + ps_segments.CONFIRM_SECONDS / 2)
+        assert (shm.SHM_DIR / reply.name).exists()
+        service._segments.purge(time.monotonic() + ps_segments.CONFIRM_SECONDS + 1)
+        assert not (shm.SHM_DIR / reply.name).exists() and len(service._segments) == 0
+    finally:
+        client.close()
+
+
+def test_a_restarted_server_is_reattached_and_a_push_to_it_is_not_lost(servers) -> None:
+    """The server forgets the segment (as a restarted process would): the push that finds no
+    segment is sent again over a new one, and training goes on through shared memory."""
+    address, service = servers[0]
+    client, model = _clients([address], shared=True)
+    try:
+        client.register(model, scheme="hogwild", options={"lr": 1.0}, num_workers=1)
+        client.wait_registered(5)
+        client.pull()
+        assert client.shared_memory_shards == 1
+        service._segments.close()  # every segment forgotten
+        ones = {k: np.ones_like(v) for k, v in model.items()}
+        (result,) = client.push(ones)
+        assert result.accepted and result.version == 1
+        _, values = client.pull()
+        assert np.allclose(values["fc.bias"], model["fc.bias"] - 1.0)
+        assert client.shared_memory_shards == 1 and len(service._segments) == 1
+    finally:
+        client.close()
+
+
+def test_shared_memory_off_or_another_host_uses_the_stream(servers) -> None:
+    address, service = servers[0]
+    client, model = _clients([address], shared=False)
+    try:
+        client.register(model, scheme="hogwild", options={"lr": 1.0}, num_workers=1)
+        client.pull()
+        client.push({k: np.ones_like(v) for k, v in model.items()})
+        assert client.shared_memory_shards == 0 and len(service._segments) == 0
+    finally:
+        client.close()
+    assert is_local_address("127.0.0.1:5") and is_local_address("localhost:5")
+    assert not is_local_address("192.0.2.1:5")  # TEST-NET-1: never this machine's address
+
+
+def test_sigkill_of_server_and_worker_leaves_no_segment(tmp_path: Path) -> None:
+    """A real server process and a real worker process, both SIGKILLed mid-run: nothing of
+    theirs is left under /dev/shm (the names were removed at confirmation)."""
+    address_file = tmp_path / "address"
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distsgd",
+            "server",
+            "--job",
+            "ps",
+            "--task",
+            "0",
+            "--ps-hosts",
+            "127.0.0.1:0",
+            "--worker-hosts",
+            "127.0.0.1:0",
+            "--address-file",
+            str(address_file),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    worker = None
+    try:
+        wait_for(lambda: address_file.exists() and address_file.read_text().strip(), timeout=30)
+        address = address_file.read_text().strip()
+        ready = tmp_path / "ready"
+        code = f"""
+import time, numpy as np
+from distsgd.ps import ParameterClient, PartitionPlan
+m = {{"w": np.ones(1000, np.float32)}}
+c = ParameterClient([{address!r}], PartitionPlan.from_arrays(m, 1), worker=0, run_id={RUN!r},
+                    shared_memory=True)
+c.register(m, scheme="hogwild", options={{"lr": 0.1}}, num_workers=1)
+c.pull()
+assert c.shared_memory_shards == 1
+open({str(ready)!r}, "w").close()
+while True:
+    c.push({{"w": np.ones(1000, np.float32)}}); c.pull()
+"""
+        worker = subprocess.Popen([sys.executable, "-c", code])
+        wait_for(ready.exists, timeout=60)
+        for proc in (worker, server):
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        assert _leftovers() == []
+    finally:
+        for proc in (worker, server):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
