@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import threading
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -306,6 +307,41 @@ class UpdateRule(ABC):
                 }
 
 
+BLOCK = 1 << 18
+"""Elements per block of :func:`axpy` (1 MiB of float32: stays in cache; measured fastest of
+2^14..2^20 on a 100 MB update)."""
+
+_scratch = threading.local()
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether every value is finite, without allocating: min and max are NaN if any value is,
+    and infinite if any value is."""
+    if array.size == 0:
+        return True
+    return math.isfinite(float(array.min())) and math.isfinite(float(array.max()))
+
+
+def axpy(values: np.ndarray, alpha: float, x: np.ndarray) -> None:
+    """``values += alpha * x`` in place, block by block through a small per-thread scratch
+    buffer: no temporary the size of the piece (a 100 MB update allocates nothing)."""
+    if values.size <= BLOCK:
+        values += alpha * x
+        return
+    if not values.flags.c_contiguous:
+        values += alpha * x  # a reshape would copy: numpy's own way
+        return
+    flat, src = values.reshape(-1), x.reshape(-1)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.dtype != flat.dtype:
+        buf = _scratch.buf = np.empty(BLOCK, dtype=flat.dtype)
+    for start in range(0, flat.size, BLOCK):
+        stop = min(start + BLOCK, flat.size)
+        tmp = buf[: stop - start]
+        np.multiply(src[start:stop], alpha, out=tmp, casting="unsafe")
+        flat[start:stop] += tmp
+
+
 RuleFactory = Callable[[str, Mapping[str, Any], int], UpdateRule]
 """(scheme name, options, number of workers) -> the scheme's rule; ValueError (one line, naming
 the option) for an unknown scheme or a bad option."""
@@ -335,4 +371,4 @@ class ServerSGD:
                     buf *= self.momentum
                     buf += grad
                 direction = buf
-            values[key] -= (self.lr * scale) * direction
+            axpy(values[key], -(self.lr * scale), direction)

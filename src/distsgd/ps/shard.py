@@ -15,7 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from distsgd.ps.rules import PushMeta, PushOutcome, RuleFactory, UpdateRule, parse_options_json
+from distsgd.ps.rules import (
+    PushMeta,
+    PushOutcome,
+    RuleFactory,
+    UpdateRule,
+    all_finite,
+    parse_options_json,
+)
 from distsgd.transport.errors import PushReject
 
 CHECKPOINT_FORMAT = 1
@@ -119,7 +126,7 @@ class Shard:
         """
         self.see(meta.worker, meta.incarnation)
         for key, array in payload.items():
-            if not np.isfinite(array).all():
+            if not all_finite(array):
                 with self.cond:
                     self.nonfinite_rejected += 1
                     self.pushes_rejected += 1
