@@ -17,7 +17,7 @@ from conftest import run_distsgd, wait_for
 from distsgd.ps import ParameterClient, PartitionPlan, serve, start_server, stop_server
 from distsgd.schemes import make_server_rule
 from distsgd.transport import PROTOCOL_VERSION, Refusal, RemoteError, ShardClient
-from distsgd.transport.codec import iter_chunks, spec_of, specs_of
+from distsgd.transport.codec import CHUNK_BYTES, iter_chunks, spec_of, specs_of
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
 
@@ -152,7 +152,8 @@ def test_ten_megabyte_tensor_travels(server, chunk_bytes) -> None:
         np.testing.assert_allclose(values["embedding#0"], big - 1.0, rtol=0, atol=1e-6)
     headers, chunks = _count_pull_chunks(address)
     assert headers == 1
-    assert chunks >= 10  # the server streamed the pull in chunks of at most 1 MiB
+    # the server streamed the pull in chunks of at most CHUNK_BYTES (4 MiB - 64 KiB)
+    assert chunks == -(-big.nbytes // CHUNK_BYTES) + 1 and chunks >= 4  # + the bias
 
 
 def test_pull_before_register_fails_precondition(server) -> None:

@@ -110,10 +110,13 @@ def test_chunk_size_respected_and_offsets_contiguous() -> None:
         list(iter_chunks([array], chunk_bytes=0))
 
 
-def test_default_chunk_size_is_one_mib() -> None:
+def test_default_chunk_size_is_four_mib_and_a_message_holds_eight() -> None:
+    from distsgd.transport.client import GRPC_OPTIONS
+
     array = np.zeros(3 * CHUNK_BYTES // 4 + 10, dtype=np.float32)
     chunks = list(iter_chunks([array]))
-    assert CHUNK_BYTES == 1 << 20
+    assert (4 << 20) - CHUNK_BYTES == 64 << 10  # a message fits gRPC's default 4 MiB limit
+    assert dict(GRPC_OPTIONS)["grpc.max_receive_message_length"] == 8 * CHUNK_BYTES
     assert len(chunks) == 4
     assert all(len(c.data) <= CHUNK_BYTES for c in chunks)
 

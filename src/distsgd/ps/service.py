@@ -37,6 +37,7 @@ from distsgd.ps.segments import Attached, Layout, SegmentTable
 from distsgd.ps.shard import CorruptCheckpoint, Shard
 from distsgd.transport import shm
 from distsgd.transport.codec import (
+    CHUNK_BYTES,
     FLOAT_DTYPES,
     ChunkAssembler,
     TooLarge,
@@ -149,7 +150,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         *,
         shard_index: int,
         rule_factory: RuleFactory,
-        chunk_bytes: int = 1 << 20,
+        chunk_bytes: int = CHUNK_BYTES,
         checkpoint_dir: Path | None = None,
         restore: Path | None = None,
         max_waiting_pulls: int = 48,

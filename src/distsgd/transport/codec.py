@@ -14,8 +14,15 @@ import numpy as np
 
 from distsgd.transport.proto import distsgd_pb2 as pb
 
-CHUNK_BYTES = 1 << 20
-"""Default chunk size: 1 MiB, well under gRPC's default 4 MiB message limit."""
+CHUNK_BYTES = (4 << 20) - (64 << 10)
+"""Default chunk size: 4 MiB less 64 KiB, so a chunk message fits gRPC's default 4 MiB limit
+of any client (distsgd's own allow 8 chunks). Measured on loopback with 100 MB: 1 MiB chunks
+move about half the bytes per second of 4 MiB ones; 16 MiB ones are no faster."""
+
+PREALLOCATE_BYTES = 64 << 20
+"""A receiver reserves a tensor's whole buffer up front up to this size (one copy per chunk,
+no regrowth); a larger announced tensor grows as its bytes arrive, so announcing a huge
+tensor costs the sender the bytes, not the receiver's memory."""
 
 ALLOWED_DTYPES = frozenset(
     {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
@@ -63,7 +70,14 @@ def nbytes_of(spec: pb.TensorSpec) -> int:
 
 def to_wire_bytes(array: np.ndarray) -> bytes:
     """An array's raw little-endian bytes (C order)."""
-    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+    return wire_view(array).tobytes()
+
+
+def wire_view(array: np.ndarray) -> memoryview:
+    """The array's raw little-endian bytes (C order) as a memoryview: no copy when the array is
+    already contiguous and little-endian (every array on x86 and ARM)."""
+    wire = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return memoryview(wire.reshape(-1).view(np.uint8))
 
 
 def iter_chunks(
@@ -76,7 +90,7 @@ def iter_chunks(
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     for index, array in enumerate(arrays):
-        raw = memoryview(to_wire_bytes(array))
+        raw = wire_view(array)
         if len(raw) == 0:
             yield pb.TensorChunk(index=index, offset=0, data=b"")
             continue
@@ -106,8 +120,10 @@ class ChunkAssembler:
                 f"message announces {total} bytes, over the limit of {max_bytes}; "
                 "split the model over more parameter servers"
             )
-        # Grown as data arrives: announcing a huge tensor costs the sender the bytes, not us.
-        self._buffers = [bytearray() for _ in self._sizes]
+        # Reserved up to PREALLOCATE_BYTES; beyond, grown as data arrives.
+        self._buffers = [
+            bytearray(n) if n <= PREALLOCATE_BYTES else bytearray() for n in self._sizes
+        ]
         self._filled = [0] * len(specs)
 
     def add(self, chunk: pb.TensorChunk) -> None:
@@ -126,7 +142,11 @@ class ChunkAssembler:
         end = filled + len(chunk.data)
         if end > size:
             raise WireError(f"{key}: chunk ends at byte {end}, past the tensor's {size} bytes")
-        self._buffers[chunk.index] += chunk.data
+        buf = self._buffers[chunk.index]
+        if len(buf) == size:
+            buf[filled:end] = chunk.data
+        else:
+            buf += chunk.data
         self._filled[chunk.index] = end
 
     def finish(self) -> dict[str, np.ndarray]:
