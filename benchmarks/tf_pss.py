@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -69,7 +70,7 @@ def _chief(args: argparse.Namespace) -> dict[str, float]:
     with strategy.scope():
         init = tf.keras.initializers.GlorotUniform(seed=0)
         variables = []
-        for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
+        for i, (a, b) in enumerate(itertools.pairwise(widths)):
             variables.append(tf.Variable(init((a, b)), name=f"w{i}"))
             variables.append(tf.Variable(tf.zeros((b,)), name=f"b{i}"))
     params = sum(int(v.shape.num_elements()) for v in variables)

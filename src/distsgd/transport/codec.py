@@ -77,7 +77,7 @@ def wire_view(array: np.ndarray) -> memoryview:
     """The array's raw little-endian bytes (C order) as a memoryview: no copy when the array is
     already contiguous and little-endian (every array on x86 and ARM)."""
     wire = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-    return memoryview(wire.reshape(-1).view(np.uint8))
+    return wire.reshape(-1).view(np.uint8).data
 
 
 def iter_chunks(
