@@ -567,6 +567,9 @@ RAW_METHODS = {
     "Pull": ("unary_stream", pb.PullRequest),
     "Register": ("stream_unary", pb.RegisterRequest),
     "Push": ("stream_unary", pb.PushRequest),
+    "Attach": ("unary_unary", pb.AttachRequest),
+    "PullShared": ("unary_unary", pb.PullRequest),
+    "PushShared": ("unary_unary", pb.PushHeader),
 }
 
 
@@ -619,6 +622,38 @@ def test_fuzz_raw_bytes(target: Target, method, messages) -> None:
             code, _ = call(target.channel.unary_stream(path), request, timeout=PULL_TIMEOUT)
         if first is None or not header_ok(first.header):
             assert code != grpc.StatusCode.OK, method
+    assert_unchanged(target)
+
+
+@FUZZ
+@given(
+    header=headers,
+    segment=U64,
+    confirm=U64,
+    nonce=st.binary(max_size=20),
+    cancel=st.booleans(),
+    tensors=st.lists(specs, max_size=3),
+    lr_scale=st.floats(allow_nan=True, allow_infinity=True),
+)
+def test_fuzz_shared_memory_rpcs(
+    target: Target, header, segment, confirm, nonce, cancel, tensors, lr_scale
+) -> None:
+    """Attach, PullShared and PushShared with random ids, nonces and specs: a segment nobody
+    confirmed is never usable (no-segment), nothing is answered UNKNOWN or INTERNAL, and the
+    parameters never change."""
+    attach = pb.AttachRequest(header=header, confirm=confirm, nonce=nonce, cancel=cancel)
+    code, reply = call(target.stub.Attach, attach, timeout=TIMEOUT)
+    assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), code
+    if code == grpc.StatusCode.OK:
+        assert header_ok(header)
+        # creating is allowed; confirming needs the nonce in the segment (16 random bytes)
+        assert confirm == 0 or cancel or not reply.confirmed
+    pull = pb.PullRequest(header=header, segment=segment, wait_seconds=0.0)
+    code, _ = call(target.stub.PullShared, pull, timeout=TIMEOUT)
+    assert code in (*REFUSED_HEADER, grpc.StatusCode.INVALID_ARGUMENT), code
+    push = pb.PushHeader(header=header, segment=segment, tensors=tensors, lr_scale=lr_scale)
+    code, _ = call(target.stub.PushShared, push, timeout=TIMEOUT)
+    assert code in (*REFUSED_HEADER, grpc.StatusCode.INVALID_ARGUMENT), code
     assert_unchanged(target)
 
 
