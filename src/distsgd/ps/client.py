@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from distsgd.ps import compression
 from distsgd.ps.partition import PartitionPlan
 from distsgd.transport.client import PushResult, ShardClient
 from distsgd.transport.errors import PushReject, RemoteError
@@ -41,9 +42,14 @@ class ParameterClient:
         secret: str | None = None,
         tls: TlsConfig | None = None,
         shared_memory: bool = False,
+        wire_dtype: str = "float32",
+        topk: float = 0.0,
     ) -> None:
         """``shared_memory``: tensors to and from servers on this host go through shared memory
-        (see :class:`~distsgd.transport.client.ShardClient`)."""
+        (see :class:`~distsgd.transport.client.ShardClient`). ``wire_dtype`` (float32, bf16,
+        fp16, int8) and ``topk`` (a fraction, 0 = off) compress pushes (:mod:`distsgd.ps.
+        compression`); the residual of int8 and top-k stays here and joins the next push (error
+        feedback)."""
         if len(addresses) != plan.num_shards:
             raise ValueError(
                 f"{len(addresses)} ps addresses for a plan of {plan.num_shards} shards"
@@ -67,6 +73,13 @@ class ParameterClient:
         self._pool = ThreadPoolExecutor(
             max_workers=max(1, len(addresses)), thread_name_prefix="ps-client"
         )
+        encoding = compression.encoding_for(wire_dtype)
+        self.feedback: compression.ErrorFeedback | None = (
+            compression.ErrorFeedback(encoding, topk)
+            if encoding is not compression.Encoding.RAW or topk > 0
+            else None
+        )
+        """The pushes' encoder (None: raw float32 pushes)."""
         self.versions = [0] * len(addresses)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -178,11 +191,31 @@ class ParameterClient:
             )
         )
         parts = self.plan.split(arrays)
-        self.bytes_sent += sum(a.nbytes for a in arrays.values())
+        sent = [0] * len(self.shards)
+
+        def send(i: int, shard: ShardClient) -> PushResult:
+            feedback = self.feedback
+            if feedback is None:
+                sent[i] = sum(a.nbytes for a in parts[i].values())
+                return shard.push(base_version=bases[i], tensors=parts[i], lr_scale=lr_scale)
+            pieces = {}
+            for key, array in parts[i].items():
+                encoded = feedback.encode(key, array)
+                spec = pb.TensorSpec(
+                    key=key,
+                    dtype=array.dtype.name,
+                    shape=list(array.shape),
+                    encoding=f"TENSOR_ENCODING_{encoded.encoding.name}",
+                    scale=encoded.scale,
+                    nnz=encoded.nnz,
+                )
+                pieces[key] = (spec, encoded.parts)
+                sent[i] += encoded.nbytes
+            return shard.push_encoded(base_version=bases[i], pieces=pieces, lr_scale=lr_scale)
 
         def one(i: int, shard: ShardClient) -> PushResult:
             try:
-                return shard.push(base_version=bases[i], tensors=parts[i], lr_scale=lr_scale)
+                return send(i, shard)
             except RemoteError as exc:
                 if exc.code != grpc.StatusCode.UNAVAILABLE:
                     raise
@@ -193,6 +226,7 @@ class ParameterClient:
                 return PushResult(False, self.versions[i], f"{lost.label}: {exc.message}", lost)
 
         results = self._each(one)
+        self.bytes_sent += sum(sent)
         return results
 
     def checkpoint(self, name: str) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ from typing import Any, NoReturn, TypeVar, cast
 import grpc
 import numpy as np
 
+from distsgd.ps import compression
 from distsgd.ps.rules import (
     MAX_LR_SCALE,
     MAX_WORKERS,
@@ -42,7 +43,9 @@ from distsgd.transport.codec import (
     ChunkAssembler,
     TooLarge,
     WireError,
+    is_encoded,
     iter_chunks,
+    nbytes_of,
     specs_of,
 )
 from distsgd.transport.errors import (
@@ -68,6 +71,18 @@ MAX_KEY_CHARS = 1024
 """Longest piece key."""
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def push_nbytes(spec: pb.TensorSpec) -> int:
+    """The bytes a pushed piece's spec announces, encoded or raw; WireError if it cannot say."""
+    if not is_encoded(spec):
+        return nbytes_of(spec)
+    count = nbytes_of(pb.TensorSpec(key=spec.key, dtype="uint8", shape=spec.shape))
+    try:
+        encoding = compression.Encoding(spec.encoding)
+        return compression.wire_nbytes(encoding, spec.dtype, count, spec.nnz)
+    except ValueError as exc:
+        raise WireError(f"{_clip(spec.key)}: {exc}") from None
 
 
 def _clip(text: str, limit: int = 80) -> str:
@@ -289,6 +304,13 @@ class ParameterService(pb_grpc.ParameterServerServicer):
     ) -> None:
         """Every piece of a Register: a key of sane length, a floating-point dtype."""
         for spec in specs:
+            if is_encoded(spec):
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{_clip(spec.key)}: Register carries raw values only (encoding "
+                    f"{spec.encoding}, nnz {spec.nnz}); compress pushes, not initial values",
+                )
             if not 0 < len(spec.key) <= MAX_KEY_CHARS:
                 _abort(
                     context,
@@ -352,11 +374,43 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         return min(value, MAX_WAIT_SECONDS)
 
     @staticmethod
+    def _decode(
+        specs: Iterable[pb.TensorSpec],
+        payload: dict[str, np.ndarray],
+        context: grpc.ServicerContext,
+    ) -> dict[str, np.ndarray]:
+        """The encoded pieces of a push decoded to their registered dtype and shape (checked
+        before); raw pieces as they are. INVALID_ARGUMENT naming the piece if one does not
+        decode."""
+        for spec in specs:
+            if not is_encoded(spec):
+                continue
+            try:
+                payload[spec.key] = compression.decode(
+                    payload[spec.key],
+                    encoding=spec.encoding,
+                    scale=spec.scale,
+                    nnz=spec.nnz,
+                    shape=tuple(spec.shape),
+                    dtype=spec.dtype,
+                )
+            except ValueError as exc:
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    _clip(f"{spec.key}: {exc}", 400),
+                )
+        return payload
+
+    @staticmethod
     def _assemble(
-        specs: Iterable[pb.TensorSpec], messages: Iterator[Any], context: grpc.ServicerContext
+        specs: Iterable[pb.TensorSpec],
+        messages: Iterator[Any],
+        context: grpc.ServicerContext,
+        nbytes: Callable[[pb.TensorSpec], int] = nbytes_of,
     ) -> dict[str, np.ndarray]:
         try:
-            assembler = ChunkAssembler(list(specs), max_bytes=MAX_MESSAGE_BYTES)
+            assembler = ChunkAssembler(list(specs), max_bytes=MAX_MESSAGE_BYTES, nbytes=nbytes)
             for message in messages:
                 if message.WhichOneof("part") != "chunk":
                     raise WireError("a second header in one stream")
@@ -541,7 +595,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         shard = self._registered(context)
         lr_scale = self._lr_scale(head.lr_scale, context)
         self._check_push_specs(shard, head.tensors, context)
-        payload = self._assemble(head.tensors, request_iterator, context)
+        payload = self._assemble(head.tensors, request_iterator, context, push_nbytes)
+        payload = self._decode(head.tensors, payload, context)
         return self._apply_push(shard, head, lr_scale, payload)
 
     def _apply_push(
@@ -700,10 +755,25 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         if len(set(keys)) != len(keys):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a piece listed twice in one push")
         with entry.lock:
-            payload = {
-                spec.key: entry.segment.array(
-                    entry.push_offset(spec.key), np.dtype(spec.dtype), tuple(spec.shape)
-                )
-                for spec in request.tensors
-            }
+            payload: dict[str, np.ndarray] = {}
+            for spec in request.tensors:
+                offset = entry.push_offset(spec.key)
+                if not is_encoded(spec):
+                    payload[spec.key] = entry.segment.array(
+                        offset, np.dtype(spec.dtype), tuple(spec.shape)
+                    )
+                    continue
+                try:
+                    size = push_nbytes(spec)
+                except WireError as exc:
+                    _abort(context, grpc.StatusCode.INVALID_ARGUMENT, _clip(str(exc), 400))
+                if size > shard.values[spec.key].nbytes:
+                    _abort(
+                        context,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{_clip(spec.key)}: {size} encoded bytes do not fit its "
+                        f"{shard.values[spec.key].nbytes}-byte place in the segment",
+                    )
+                payload[spec.key] = entry.segment.raw(offset, size)
+            payload = self._decode(request.tensors, payload, context)
             return self._apply_push(shard, request, lr_scale, payload)

@@ -168,6 +168,8 @@ def run_worker(
                 retry_seconds=env.wait_timeout,
                 secret=load_secret(),
                 shared_memory=config.shared_memory == "auto",
+                wire_dtype=config.wire_dtype,
+                topk=config.topk,
                 tls=TlsConfig(cert=Path(env.tls[0]), key=Path(env.tls[1]), ca=Path(env.tls[2]))
                 if env.tls
                 else None,

@@ -13,7 +13,7 @@ import logging
 import math
 import socket
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -376,8 +376,42 @@ class ShardClient:
             tensors=specs_of(tensors),
             lr_scale=lr_scale,
         )
-        arrays = list(tensors.values())
+        return self._send_stream(header, list(tensors.values()))
 
+    def push_encoded(
+        self,
+        *,
+        base_version: int,
+        pieces: Mapping[str, tuple[pb.TensorSpec, Sequence[np.ndarray]]],
+        lr_scale: float = 1.0,
+    ) -> PushResult:
+        """Push pieces already encoded (see "Encodings" in the .proto): each key maps to its
+        spec (registered dtype and shape, ``encoding``, ``scale``, ``nnz``) and the 1-D arrays
+        whose bytes, back to back, are its payload. Not retried on a lost connection."""
+        specs = [spec for spec, _ in pieces.values()]
+        payloads = [_as_bytes(parts) for _, parts in pieces.values()]
+        channel = self._shared_channel()
+        if channel is not None and all(
+            key in channel.push and payload.size <= channel.push[key].nbytes
+            for key, payload in zip(pieces, payloads, strict=True)
+        ):
+            for key, payload in zip(pieces, payloads, strict=True):
+                area = channel.push[key].reshape(-1).view(np.uint8)
+                area[: payload.size] = payload
+            header = pb.PushHeader(
+                header=self._header,
+                base_version=base_version,
+                tensors=specs,
+                lr_scale=lr_scale,
+                segment=channel.id,
+            )
+            return self._send_shared(channel, header, base_version, pieces, lr_scale)
+        header = pb.PushHeader(
+            header=self._header, base_version=base_version, tensors=specs, lr_scale=lr_scale
+        )
+        return self._send_stream(header, payloads)
+
+    def _send_stream(self, header: pb.PushHeader, arrays: Sequence[np.ndarray]) -> PushResult:
         def messages() -> Iterator[pb.PushRequest]:
             yield pb.PushRequest(header=header)
             for chunk in iter_chunks(arrays, self.chunk_bytes):
@@ -388,12 +422,38 @@ class ShardClient:
             lambda: self._stub.Push(messages(), timeout=self.timeout, metadata=self._metadata),
             retry=False,
         )
-        return PushResult(
-            accepted=reply.accepted,
-            version=reply.version,
-            reason=reply.reason,
-            reject=_push_reject(reply.reject),
-        )
+        return _push_result(reply)
+
+    def _send_shared(
+        self,
+        channel: _SharedChannel,
+        header: pb.PushHeader,
+        base_version: int,
+        again: Mapping[str, tuple[pb.TensorSpec, Sequence[np.ndarray]]] | Mapping[str, np.ndarray],
+        lr_scale: float,
+    ) -> PushResult:
+        """Send a PushShared whose payload is in place; a server that lost the segment (it
+        restarted) gets the push again, over a new segment or the stream."""
+        try:
+            reply = self._stub.PushShared(header, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            err = _remote_error(self.address, "PushShared", exc)
+            self._shm_failed(err)
+            if err.refusal is Refusal.NO_SEGMENT:  # the push never landed: send it again
+                if any(isinstance(v, tuple) for v in again.values()):
+                    return self.push_encoded(
+                        base_version=base_version,
+                        pieces=again,  # type: ignore[arg-type]
+                        lr_scale=lr_scale,
+                    )
+                return self.push(
+                    base_version=base_version,
+                    tensors=again,  # type: ignore[arg-type]
+                    lr_scale=lr_scale,
+                )
+            raise err from None
+        self._shm_failures = 0
+        return _push_result(reply)
 
     def _push_shared(
         self,
@@ -414,21 +474,7 @@ class ShardClient:
             lr_scale=lr_scale,
             segment=channel.id,
         )
-        try:
-            reply = self._stub.PushShared(header, timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            err = _remote_error(self.address, "PushShared", exc)
-            self._shm_failed(err)
-            if err.refusal is Refusal.NO_SEGMENT:  # the server restarted: the push never landed
-                return self.push(base_version=base_version, tensors=tensors, lr_scale=lr_scale)
-            raise err from None
-        self._shm_failures = 0
-        return PushResult(
-            accepted=reply.accepted,
-            version=reply.version,
-            reason=reply.reason,
-            reject=_push_reject(reply.reject),
-        )
+        return self._send_shared(channel, header, base_version, tensors, lr_scale)
 
     def checkpoint(self, name: str) -> pb.CheckpointResponse:
         """Ask the shard to write its state under checkpoint ``name``."""
@@ -445,6 +491,21 @@ class ShardClient:
             "Leave",
             lambda: self._stub.Leave(request, timeout=self.timeout, metadata=self._metadata),
         ).version
+
+
+def _as_bytes(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """The parts' bytes back to back, as one uint8 array (no copy for a single contiguous part)."""
+    views = [np.ascontiguousarray(part).reshape(-1).view(np.uint8) for part in parts]
+    return views[0] if len(views) == 1 else np.concatenate(views)
+
+
+def _push_result(reply: pb.PushResponse) -> PushResult:
+    return PushResult(
+        accepted=reply.accepted,
+        version=reply.version,
+        reason=reply.reason,
+        reject=_push_reject(reply.reject),
+    )
 
 
 def _remote_error(address: str, method: str, exc: grpc.RpcError) -> RemoteError:

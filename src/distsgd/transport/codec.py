@@ -8,7 +8,7 @@ anything out of range, out of order, or incomplete.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -68,6 +68,11 @@ def nbytes_of(spec: pb.TensorSpec) -> int:
     return count * wire_dtype(spec.dtype, spec.key).itemsize
 
 
+def is_encoded(spec: pb.TensorSpec) -> bool:
+    """Whether a spec's bytes are an encoding (compressed or sparse) rather than raw values."""
+    return spec.encoding != pb.TENSOR_ENCODING_RAW or spec.nnz != 0
+
+
 def to_wire_bytes(array: np.ndarray) -> bytes:
     """An array's raw little-endian bytes (C order)."""
     return wire_view(array).tobytes()
@@ -107,13 +112,22 @@ class ChunkAssembler:
     tensors may interleave. ``finish`` fails if any tensor is incomplete.
     """
 
-    def __init__(self, specs: Sequence[pb.TensorSpec], *, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        specs: Sequence[pb.TensorSpec],
+        *,
+        max_bytes: int | None = None,
+        nbytes: Callable[[pb.TensorSpec], int] = nbytes_of,
+    ) -> None:
+        """``nbytes``: the byte count a spec announces (the default knows raw tensors only; a
+        receiver that accepts encoded pieces passes one that knows their sizes, and
+        :meth:`finish` then returns their bytes as uint8 arrays for it to decode)."""
         keys = [spec.key for spec in specs]
         if len(set(keys)) != len(keys):
             dup = next(k for k in keys if keys.count(k) > 1)
             raise WireError(f"{dup}: tensor listed twice in one message header")
         self._specs = list(specs)
-        self._sizes = [nbytes_of(spec) for spec in specs]
+        self._sizes = [nbytes(spec) for spec in specs]
         total = sum(self._sizes)
         if max_bytes is not None and total > max_bytes:
             raise TooLarge(
@@ -157,6 +171,9 @@ class ChunkAssembler:
         ):
             if filled != size:
                 raise WireError(f"{spec.key}: truncated, got {filled} of {size} bytes")
+            if is_encoded(spec):
+                out[spec.key] = np.frombuffer(buf, dtype=np.uint8)
+                continue
             dtype = wire_dtype(spec.dtype, spec.key)
             out[spec.key] = (
                 np.frombuffer(buf, dtype=dtype)
