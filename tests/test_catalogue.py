@@ -233,6 +233,105 @@ def test_window_schemes_in_a_forced_order_equal_the_reference(
     _assert_close(server, expected)
 
 
+class _SettledTurns(_Turns):
+    """:class:`_Turns` that also waits, before passing the turn on, for the exchange a scheme
+    runs in the background (DOWNPOUR's ``--overlap``): the order stays deterministic."""
+
+    def _settle(self) -> None:
+        inflight = getattr(self.inner, "inflight", None)
+        if inflight is not None:
+            inflight[0].result(timeout=20)
+
+    def after_backward(self, ctx: WorkerContext) -> None:
+        self.inner.after_backward(ctx)
+        self._settle()
+        self._advance()
+
+
+def _reference_overlap(
+    model: nn.Module,
+    data: TensorDataset,
+    config: TrainConfig,
+    *,
+    world: int,
+    window: int,
+    server_lr: float,
+) -> dict[str, np.ndarray]:
+    """DOWNPOUR with the exchange overlapped (the module docstring's math), in turns."""
+    reps = _Replicas(model, data, world, config)
+    opts = [torch.optim.SGD(m.parameters(), lr=config.lr) for m in reps.models]
+    center = reps.get(0)
+    starts = [dict(center) for _ in range(world)]
+    pending = [0] * world
+    inflight: list[tuple[dict, dict] | None] = [None] * world  # (fetched P, params when sent)
+
+    def land(r: int, keep_progress: bool) -> None:
+        if inflight[r] is None:
+            return
+        fetched, sent_at = inflight[r]
+        now = reps.get(r)
+        reps.set(
+            r,
+            {
+                k: fetched[k] + (now[k] - sent_at[k]) if keep_progress else fetched[k]
+                for k in fetched
+            },
+        )
+        inflight[r] = None
+
+    def exchange(r: int) -> None:
+        now = reps.get(r)
+        delta = {k: starts[r][k] - now[k] for k in now}
+        land(r, keep_progress=True)
+        sent_at = reps.get(r)
+        for k in center:
+            center[k] = center[k] - server_lr * delta[k]
+        inflight[r] = (dict(center), sent_at)
+        starts[r], pending[r] = reps.get(r), 0
+
+    for _ in range(config.steps):
+        for r in range(world):
+            reps.backward(r)
+            opts[r].step()
+            pending[r] += 1
+            if pending[r] == window:
+                exchange(r)
+    for r in range(world):
+        if pending[r]:
+            exchange(r)
+        land(r, keep_progress=False)
+    return _numpy(center)
+
+
+def test_downpour_overlap_in_a_forced_order_equals_the_reference(ps_server) -> None:  # noqa: F811
+    """--overlap: each window's update is sent in the background and the worker continues
+    from the fetched parameters plus its progress since; exact against the math."""
+    address, _ = ps_server
+    config = TrainConfig(batch_size=4, steps=5, lr=0.1, log_every=1)
+    options = schemes.get("downpour").options(window=2, server_lr=0.5, overlap=True)
+    model, data = _problem()
+    board = {"cond": threading.Condition(), "turn": 0}
+    _run_workers(
+        address=address,
+        scheme_name="downpour",
+        make_scheme=lambda rank: _SettledTurns(
+            schemes.get("downpour").worker(options, 2), rank, 2, board
+        ),
+        model=model,
+        data=data,
+        config=config,
+        world=2,
+    )
+    version, server = _server_params(address, model)
+    assert version == 2 * 3
+    expected = _reference_overlap(model, data, config, world=2, window=2, server_lr=0.5)
+    _assert_close(server, expected)
+    plain = _reference_window(
+        model, data, config, world=2, window=2, server_lr=0.5, normalize=False
+    )
+    assert any(not np.allclose(server[k], plain[k]) for k in plain)  # it is another schedule
+
+
 @pytest.mark.parametrize(("name", "delta"), [("eamsgd", 0.9), ("easgd", 0.0)])
 def test_elastic_averaging_in_a_forced_order_equals_the_reference(
     ps_server,  # noqa: F811

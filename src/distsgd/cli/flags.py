@@ -100,6 +100,15 @@ def add_scheme_option_flags(parser: argparse.ArgumentParser) -> None:
         else:
             where = group("", "options of several schemes (each scheme has its own default)")
             text = f"{', '.join(s for s, _ in owned)}: {_shared_help(owned)}"
+        if all(str(f.type) == "bool" for _, f in owned):  # a switch: --overlap
+            where.add_argument(
+                _flag(option),
+                dest="scheme." + option,
+                action="store_true",
+                default=argparse.SUPPRESS,
+                help=text,
+            )
+            continue
         where.add_argument(
             _flag(option),
             dest="scheme." + option,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +82,9 @@ class ParameterClient:
         )
         """The pushes' encoder (None: raw float32 pushes)."""
         self.versions = [0] * len(addresses)
+        self._lock = threading.RLock()
+        """One exchange at a time: a background exchange and the chief's evaluation pull share
+        the shards' shared-memory segments."""
         self.bytes_sent = 0
         self.bytes_received = 0
         self.last_waited = 0.0
@@ -146,7 +150,7 @@ class ParameterClient:
                     "every task must build the same model"
                 )
 
-    def pull(
+    def _pull(
         self,
         *,
         min_version: int | Sequence[int] = 0,
@@ -154,13 +158,7 @@ class ParameterClient:
         record: bool = True,
         into: Mapping[str, np.ndarray] | None = None,
     ) -> tuple[int, dict[str, np.ndarray]]:
-        """Named full arrays once each shard reaches its ``min_version``: (min version, arrays).
-
-        ``record`` keeps the shards' versions as the base of the next push (off for a look that
-        must not disturb the worker's own bookkeeping, such as a mid-run evaluation). ``into``:
-        write the values into these arrays (every parameter, its shape and dtype; e.g. numpy
-        views of a model's parameters) and return them, saving a copy.
-        """
+        """:meth:`pull`, under the lock."""
         mins = (
             [min_version] * len(self.shards) if isinstance(min_version, int) else list(min_version)
         )
@@ -173,14 +171,14 @@ class ParameterClient:
         joined = self.plan.join(pieces) if into is None else self.plan.join_into(pieces, into)
         return min(version for version, _ in results), joined
 
-    def push(
+    def _push(
         self,
         arrays: Mapping[str, np.ndarray],
         *,
         base_version: int | Sequence[int] | None = None,
         lr_scale: float = 1.0,
     ) -> list[PushResult]:
-        """Send named arrays (gradients, updates); ``base_version`` defaults to the last pulled."""
+        """:meth:`push`, under the lock."""
         bases = (
             self.versions
             if base_version is None
@@ -228,6 +226,37 @@ class ParameterClient:
         results = self._each(one)
         self.bytes_sent += sum(sent)
         return results
+
+    def pull(
+        self,
+        *,
+        min_version: int | Sequence[int] = 0,
+        wait_seconds: float | None = None,
+        record: bool = True,
+        into: Mapping[str, np.ndarray] | None = None,
+    ) -> tuple[int, dict[str, np.ndarray]]:
+        """Named full arrays once each shard reaches its ``min_version``: (min version, arrays).
+
+        ``record`` keeps the shards' versions as the base of the next push (off for a look that
+        must not disturb the worker's own bookkeeping, such as a mid-run evaluation). ``into``:
+        write the values into these arrays (every parameter, its shape and dtype; e.g. numpy
+        views of a model's parameters) and return them, saving a copy.
+        """
+        with self._lock:
+            return self._pull(
+                min_version=min_version, wait_seconds=wait_seconds, record=record, into=into
+            )
+
+    def push(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        *,
+        base_version: int | Sequence[int] | None = None,
+        lr_scale: float = 1.0,
+    ) -> list[PushResult]:
+        """Send named arrays (gradients, updates); ``base_version`` defaults to the last pulled."""
+        with self._lock:
+            return self._push(arrays, base_version=base_version, lr_scale=lr_scale)
 
     def checkpoint(self, name: str) -> list[dict[str, Any]]:
         """Every shard writes its state under checkpoint ``name``: file, sha256, bytes, version."""

@@ -6,9 +6,11 @@ and versions are handled in one place.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch  # used inside methods only: a parameter server imports this module without it
@@ -20,6 +22,8 @@ from distsgd.runtime.faults import FaultInjector
 from distsgd.runtime.timing import PhaseClock
 from distsgd.transport.client import PushResult
 from distsgd.transport.errors import PushReject
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from torch import nn
@@ -210,6 +214,27 @@ class WorkerContext:
                 )
         self.global_step = max([self.global_step, *(r.version for r in results)])
         return results
+
+    def background(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` (an exchange) in a background thread while training goes on; wait for it
+        with :meth:`wait_for`. Its pulls and pushes are not counted in the time split; the
+        loop's wait for it is. The parameter client runs one exchange at a time."""
+        future: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the loop's thread by wait_for
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name=f"worker{self.rank}-exchange", daemon=True).start()
+        return future
+
+    def wait_for(self, future: Future[T]) -> T:
+        """The result of a :meth:`background` exchange (its error, raised here); the time the
+        loop waits counts as ``push``."""
+        with self.clock.measure("push"):
+            return future.result()
 
     @property
     def mean_staleness(self) -> float:

@@ -15,6 +15,7 @@ Metrics lines carry the cumulative seconds of each phase as ``<phase>_s`` (``com
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -27,16 +28,24 @@ COMM_PHASES = ("pull", "push", "wait", "allreduce")
 
 
 class PhaseClock:
-    """Cumulative seconds per phase; ``compute`` is derived from the loop's wall time."""
+    """Cumulative seconds per phase; ``compute`` is derived from the loop's wall time.
+
+    Only the thread that made the clock (the training loop's) counts: an exchange a scheme runs
+    in the background (``WorkerContext.background``) overlaps compute, and what it costs the
+    loop is the time the loop then waits for it.
+    """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self._owner = threading.get_ident()
         self._loop_started: float | None = None
         self._loop_seconds = 0.0
 
     def add(self, phase: str, seconds: float) -> None:
         """Count ``seconds`` (clamped at 0) to ``phase``."""
         assert phase in PHASES and phase != "compute", phase
+        if threading.get_ident() != self._owner:
+            return
         self.seconds[phase] = self.seconds.get(phase, 0.0) + max(0.0, seconds)
 
     @contextmanager

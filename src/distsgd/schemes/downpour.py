@@ -22,6 +22,18 @@ Server, on each push, at once::
 server by their mean, as model averaging would; 1.0 adds them up as in the paper's sum of
 accumulated gradients (try it: it overshoots sooner with more workers). A remainder window
 shorter than ``window`` is pushed when the worker finishes.
+
+``--overlap`` (off by default: the paper's Downpour fetches before it computes on) sends a
+window's update and fetches the servers' parameters in the background while the next window
+computes. At the next exchange the worker continues from those parameters plus its own progress
+since it sent (which it now sends)::
+
+    P_k   <- push(delta_k), then pull()                  # in the background during window k+1
+    w_i   <- P_k + (w_i - w_start)                       # at the end of window k+1
+    delta_{k+1} <- w_start - w_i_before;  w_start <- w_i
+
+The parameters a window starts from are then one window staler (the other workers' updates
+arrive a window later); the exchange's time hides behind a window of compute.
 """
 
 from __future__ import annotations
@@ -61,6 +73,13 @@ class DownpourOptions:
 
     local_optimizer: str = field(
         default="sgd", metadata={"help": "the worker's optimizer between pushes: sgd or adagrad"}
+    )
+    overlap: bool = field(
+        default=False,
+        metadata={
+            "help": "exchange each window in the background while the next one computes "
+            "(parameters one window staler; see the guide)"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -118,6 +137,15 @@ class DownpourWorker(WorkerScheme):
     def finish(self, ctx: WorkerContext) -> None:
         if self.pending:
             self._exchange(ctx)
+        self._land(ctx, keep_progress=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        inflight = self.__dict__.pop("inflight", None)  # a background exchange is not state
+        try:
+            return super().state_dict()
+        finally:
+            if inflight is not None:
+                self.inflight = inflight
 
     def accumulated_update(self, start: np.ndarray, now: np.ndarray) -> np.ndarray:
         """What one parameter's window pushes: DOWNPOUR sends the whole accumulated update."""
@@ -130,9 +158,33 @@ class DownpourWorker(WorkerScheme):
 
     def _exchange(self, ctx: WorkerContext) -> None:
         now = ctx.arrays()
-        self.send(ctx, {k: self.accumulated_update(self.window_start[k], now[k]) for k in now})
+        update = {k: self.accumulated_update(self.window_start[k], now[k]) for k in now}
+        if getattr(self.options, "overlap", False):
+            self._land(ctx, keep_progress=True)
+            sent_at = ctx.arrays()
+
+            def exchange() -> dict[str, np.ndarray]:
+                ctx.push(update)
+                return ctx.pull_arrays()[1]
+
+            self.inflight = (ctx.background(exchange), sent_at)
+        else:
+            self.send(ctx, update)
         self.window_start = ctx.arrays()
         self.pending = 0
+
+    def _land(self, ctx: WorkerContext, *, keep_progress: bool) -> None:
+        """(Overlap) take the parameters the background exchange fetched, plus the progress made
+        since it was sent (``keep_progress``), or exactly them (at the end)."""
+        inflight = self.__dict__.pop("inflight", None)
+        if inflight is None:
+            return
+        future, sent_at = inflight
+        pulled = ctx.wait_for(future)
+        if keep_progress:
+            now = ctx.arrays()
+            pulled = {k: pulled[k] + (now[k] - sent_at[k]) for k in pulled}
+        ctx.load(pulled)
 
 
 SPEC = SchemeSpec(
