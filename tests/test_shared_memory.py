@@ -27,7 +27,7 @@ from distsgd.ps import ParameterClient, PartitionPlan, start_server, stop_server
 from distsgd.ps import segments as ps_segments
 from distsgd.ps.service import ParameterService
 from distsgd.schemes import make_server_rule
-from distsgd.transport import PROTOCOL_VERSION, Refusal, ShardClient, shm
+from distsgd.transport import PROTOCOL_VERSION, Refusal, ShardClient, bulk, shm
 from distsgd.transport.client import is_local_address
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
@@ -260,3 +260,103 @@ while True:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+# --------------------------------------------------------------------------- tensor sockets
+
+
+def _socket_client(address: str, worker: int = 0, **kw) -> tuple[ParameterClient, dict]:
+    model = _model()
+    client = ParameterClient(
+        [address],
+        PartitionPlan.from_arrays(model, 1),
+        worker=worker,
+        run_id=RUN,
+        timeout=10.0,
+        tensor_socket=True,
+        **kw,
+    )
+    return client, model
+
+
+@pytest.mark.parametrize("wire_dtype", ["float32", "bf16"])
+def test_a_tensor_socket_carries_pulls_and_pushes_bit_for_bit(servers, wire_dtype) -> None:
+    address, _ = servers[0]
+    via_socket, model = _socket_client(address, wire_dtype=wire_dtype)
+    stream = ParameterClient(
+        [address],
+        PartitionPlan.from_arrays(model, 1),
+        worker=1,
+        run_id=RUN,
+        timeout=10.0,
+        wire_dtype=wire_dtype,
+    )
+    try:
+        via_socket.register(model, scheme="hogwild", options={"lr": 0.1}, num_workers=2)
+        rng = np.random.default_rng(3)
+        for step in range(4):
+            grads = {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in model.items()}
+            (via_socket if step % 2 == 0 else stream).push(grads)
+            _, a = via_socket.pull(record=False)
+            _, b = stream.pull(record=False)
+            for key in model:
+                assert np.array_equal(a[key], b[key]), key
+        assert via_socket.tensor_socket_shards == 1 and stream.tensor_socket_shards == 0
+        assert via_socket.shared_memory_shards == 0
+        version, _ = via_socket.pull()
+        assert version == 4
+    finally:
+        via_socket.close()
+        stream.close()
+
+
+def test_a_tensor_socket_needs_its_token_and_a_refused_push_closes_it(servers) -> None:
+    address, _ = servers[0]
+    client, model = _socket_client(address)
+    try:
+        client.register(model, scheme="hogwild", options={"lr": 0.1}, num_workers=1)
+        stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
+        header = pb.RequestHeader(protocol_version=PROTOCOL_VERSION, run_id=RUN, worker=0)
+        reply = stub.Attach(pb.AttachRequest(header=header, socket=True), timeout=5)
+        assert reply.port and len(reply.token) == bulk.TOKEN_BYTES
+        host = address.rsplit(":", 1)[0]
+        with pytest.raises(bulk.SocketClosed):  # a wrong token: closed without the ack
+            bulk.connect(host, reply.port, reply.segment, b"\0" * bulk.TOKEN_BYTES, 5.0)
+        sock = bulk.connect(host, reply.port, reply.segment, reply.token, 5.0)
+        with pytest.raises(bulk.SocketClosed):  # a token serves once
+            bulk.connect(host, reply.port, reply.segment, reply.token, 5.0)
+        # A push whose header is refused (NaN lr_scale): refused, and the socket is closed.
+        bad = pb.PushHeader(header=header, segment=reply.segment, lr_scale=float("nan"))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.PushShared(bad, timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        sock.settimeout(5)
+        assert sock.recv(1) == b""  # closed by the server
+        sock.close()
+        # The client that trains through its own socket is untouched by all this.
+        client.push({k: np.ones_like(v) for k, v in model.items()})
+        assert client.pull()[0] == 1
+    finally:
+        client.close()
+
+
+def test_a_tls_server_offers_no_tensor_socket_and_its_workers_use_the_stream(servers) -> None:
+    """A server whose calls are encrypted (``tls``) refuses Attach(socket), typed, and its
+    clients push and pull over the stream instead."""
+    address, service = servers[0]
+    service.tls = True  # what start_server(tls=...) sets; certificates are tested elsewhere
+    client, model = _socket_client(address)
+    try:
+        client.register(model, scheme="hogwild", options={"lr": 1.0}, num_workers=1)
+        stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
+        header = pb.RequestHeader(protocol_version=PROTOCOL_VERSION, run_id=RUN, worker=0)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Attach(pb.AttachRequest(header=header, socket=True), timeout=5)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert Refusal.from_metadata(info.value.trailing_metadata()) is Refusal.NO_SHARED_MEMORY
+        client.push({k: np.ones_like(v) for k, v in model.items()})
+        version, values = client.pull()
+        assert version == 1 and np.allclose(values["fc.bias"], model["fc.bias"] - 1)
+        assert client.tensor_socket_shards == 0 and service._bulk is None
+    finally:
+        client.close()

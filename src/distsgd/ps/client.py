@@ -43,14 +43,16 @@ class ParameterClient:
         secret: str | None = None,
         tls: TlsConfig | None = None,
         shared_memory: bool = False,
+        tensor_socket: bool = False,
         wire_dtype: str = "float32",
         topk: float = 0.0,
     ) -> None:
         """``shared_memory``: tensors to and from servers on this host go through shared memory
-        (see :class:`~distsgd.transport.client.ShardClient`). ``wire_dtype`` (float32, bf16,
-        fp16, int8) and ``topk`` (a fraction, 0 = off) compress pushes (:mod:`distsgd.ps.
-        compression`); the residual of int8 and top-k stays here and joins the next push (error
-        feedback)."""
+        (see :class:`~distsgd.transport.client.ShardClient`), ``tensor_socket``: to other
+        servers (or with shared memory off) through a plain TCP connection. ``wire_dtype``
+        (float32, bf16, fp16, int8) and ``topk`` (a fraction, 0 = off) compress pushes
+        (:mod:`distsgd.ps.compression`); the residual of int8 and top-k stays here and joins
+        the next push (error feedback)."""
         if len(addresses) != plan.num_shards:
             raise ValueError(
                 f"{len(addresses)} ps addresses for a plan of {plan.num_shards} shards"
@@ -68,6 +70,7 @@ class ParameterClient:
                 secret=secret,
                 tls=tls,
                 shared_memory=shared_memory,
+                tensor_socket=tensor_socket,
             )
             for a in addresses
         ]
@@ -90,6 +93,11 @@ class ParameterClient:
         self.last_waited = 0.0
         """Seconds the last pull spent waiting on the servers for a version (the longest
         shard's wait: the shards are pulled in parallel)."""
+
+    @property
+    def tensor_socket_shards(self) -> int:
+        """How many shards this client reaches through a tensor socket now."""
+        return sum(shard.uses_tensor_socket for shard in self.shards)
 
     @property
     def shared_memory_shards(self) -> int:

@@ -1,4 +1,4 @@
-"""The shared-memory segments a parameter server holds for the workers on its host.
+"""The shared-memory segments (and tensor sockets) a parameter server holds for its workers.
 
 One segment per attached worker (see ``Attach`` in ``transport/proto/distsgd.proto``): a pull
 area the server writes the shard's values into, and a push area the worker writes its payload
@@ -11,7 +11,9 @@ at most one segment per shard (attaching again replaces it), tools (worker -1) a
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from distsgd.transport import bulk
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.shm import HEADER_BYTES, Segment, align
 
@@ -54,18 +57,32 @@ class Layout:
 
 @dataclass
 class Attached:
-    """One worker's segment on this shard."""
+    """One worker's segment on this shard, or its tensor socket (``segment`` None)."""
 
     id: int
     worker: int
-    segment: Segment
+    segment: Segment | None
     layout: Layout
     created: float
     confirmed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held while the server reads or writes the segment (one request at a time)."""
+    token: bytes = b""
+    """(Tensor socket) the one-time token the connection must present."""
+    sock: socket.socket | None = None
+    """(Tensor socket) the connection, once presented."""
+    scratch: np.ndarray | None = None
+    """(Tensor socket) where pushed bytes land, as big as the push area."""
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
 
     def pull_views(self) -> dict[str, np.ndarray]:
+        assert self.segment is not None, "a tensor socket has no pull area"
         return {
             spec.key: self.segment.array(offset, np.dtype(spec.dtype), tuple(spec.shape))
             for spec, offset in zip(self.layout.specs, self.layout.pull, strict=True)
@@ -89,12 +106,14 @@ class SegmentTable:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def add(self, worker: int, segment: Segment, layout: Layout) -> Attached:
+    def add(
+        self, worker: int, segment: Segment | None, layout: Layout, token: bytes = b""
+    ) -> Attached:
         """Hold ``segment`` for ``worker``; replaces the worker's previous one (a tool's oldest
         beyond :data:`MAX_TOOL_SEGMENTS`)."""
         with self._lock:
             self._next += 1
-            entry = Attached(self._next, worker, segment, layout, time.monotonic())
+            entry = Attached(self._next, worker, segment, layout, time.monotonic(), token=token)
             mine = sorted(
                 (a for a in self._by_id.values() if a.worker == worker), key=lambda a: a.id
             )
@@ -111,12 +130,42 @@ class SegmentTable:
     def confirm(self, entry: Attached, nonce: bytes) -> bool:
         """Mark ``entry`` confirmed if ``nonce`` is the one written in it (then unlink its name);
         a wrong nonce drops it."""
+        assert entry.segment is not None, "tensor sockets are confirmed by their token"
         if not hmac.compare_digest(nonce, entry.segment.nonce):
             self.remove(entry)
             return False
         entry.segment.unlink()
         entry.confirmed = True
         return True
+
+    def bind_socket(self, segment_id: int, token: bytes, sock: socket.socket) -> bool:
+        """A tensor socket presented ``token`` for ``segment_id``: bind and confirm it (once)."""
+        with self._lock:
+            entry = self._by_id.get(segment_id)
+            if (
+                entry is None
+                or entry.segment is not None
+                or entry.sock is not None
+                or not bulk.same_token(token, entry.token)
+            ):
+                return False
+            entry.sock, entry.confirmed, entry.token = sock, True, b""
+            return True
+
+    def remove_later(self, entry: Attached) -> None:
+        """Drop ``entry`` from a thread that holds its lock (a failed request on it): closing
+        its socket now wakes the peer; the table forgets it at once."""
+        with self._lock:
+            self._by_id.pop(entry.id, None)
+        if entry.sock is not None:
+            with contextlib.suppress(OSError):
+                entry.sock.shutdown(socket.SHUT_RDWR)
+        threading.Thread(target=lambda: self._close_when_free(entry), daemon=True).start()
+
+    @staticmethod
+    def _close_when_free(entry: Attached) -> None:
+        with entry.lock:
+            entry.close()
 
     def remove(self, entry: Attached) -> None:
         with self._lock:
@@ -125,7 +174,7 @@ class SegmentTable:
     def _drop(self, entry: Attached) -> None:
         self._by_id.pop(entry.id, None)
         with entry.lock:  # never unmap while a request reads or writes it
-            entry.segment.close()
+            entry.close()
 
     def purge(self, now: float | None = None) -> None:
         """Drop segments created more than :data:`CONFIRM_SECONDS` ago and never confirmed."""

@@ -106,6 +106,8 @@ def start_server(
         checkpoint_dir=checkpoint_dir,
         restore=restore,
         max_waiting_pulls=max(1, max_threads * 3 // 4),
+        host=host.strip("[]"),
+        tls=tls is not None,
     )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix=f"ps{shard_index}"),

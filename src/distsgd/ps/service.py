@@ -36,7 +36,7 @@ from distsgd.ps.rules import (
 )
 from distsgd.ps.segments import Attached, Layout, SegmentTable
 from distsgd.ps.shard import CorruptCheckpoint, Shard
-from distsgd.transport import shm
+from distsgd.transport import bulk, shm
 from distsgd.transport.codec import (
     CHUNK_BYTES,
     FLOAT_DTYPES,
@@ -69,6 +69,8 @@ PARAM_DTYPES = FLOAT_DTYPES
 """Dtypes a registered piece may have: parameters are floating point (float16/32/64)."""
 MAX_KEY_CHARS = 1024
 """Longest piece key."""
+RPC_BYTES_SECONDS = 120.0
+"""How long a tensor socket may take to carry one request's bytes."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -169,7 +171,11 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         checkpoint_dir: Path | None = None,
         restore: Path | None = None,
         max_waiting_pulls: int = 48,
+        host: str = "",
+        tls: bool = False,
     ) -> None:
+        """``host``: the address the server listens on, where it offers tensor sockets ("" =
+        none); ``tls``: the server encrypts its calls, so it offers no tensor sockets."""
         if max_waiting_pulls < 1:
             raise ValueError(f"max_waiting_pulls must be at least 1, got {max_waiting_pulls}")
         self.shard_index = shard_index
@@ -200,6 +206,9 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         """Random per server process; a client seeing another one knows the server restarted."""
         self._register_lock = threading.Lock()
         self._segments = SegmentTable()
+        self.host = host
+        self.tls = tls
+        self._bulk: bulk.Listener | None = None
 
     @property
     def waiting_pulls(self) -> int:
@@ -230,6 +239,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         if shard is not None:
             shard.close()
         self._segments.close()
+        if self._bulk is not None:
+            self._bulk.close()
 
     def _tick(self) -> None:
         while not self._stop.wait(0.5):
@@ -659,7 +670,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         log.info("shard %d: worker %d finished", self.shard_index, request.header.worker)
         return pb.LeaveResponse(version=version)
 
-    # -- shared memory (protocol 2; see "Shared memory" in the .proto) ---------------------------
+    # -- shared memory and tensor sockets (protocol 2; see the .proto) ---------------------------
     def _attached(
         self, segment_id: int, header: pb.RequestHeader, context: grpc.ServicerContext
     ) -> Attached:
@@ -674,6 +685,12 @@ class ParameterService(pb_grpc.ParameterServerServicer):
             )
         return entry
 
+    def _listener(self) -> bulk.Listener:
+        with self._register_lock:
+            if self._bulk is None:
+                self._bulk = bulk.Listener(self.host, self._segments.bind_socket)
+            return self._bulk
+
     @_guarded
     def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
         self._check(request.header, context)
@@ -682,7 +699,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         worker = request.header.worker
         if request.confirm:
             entry = self._segments.get(request.confirm, worker)
-            if entry is None:
+            if entry is None or entry.segment is None:
                 _abort(
                     context,
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -702,6 +719,30 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                     Refusal.NO_SEGMENT,
                 )
             return pb.AttachResponse(segment=entry.id, name=entry.segment.name, confirmed=True)
+        with shard.cond:
+            layout = Layout.of(shard.values)
+        if request.socket:
+            if self.tls or not self.host:
+                _abort(
+                    context,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"ps{self.shard_index} offers no tensor socket "
+                    f"({'its data is encrypted by TLS' if self.tls else 'no address'}); "
+                    "use the stream",
+                    Refusal.NO_SHARED_MEMORY,
+                )
+            listener = self._listener()
+            token = bulk.new_token()
+            entry = self._segments.add(worker, None, layout, token)
+            return pb.AttachResponse(
+                segment=entry.id,
+                size=layout.size,
+                tensors=list(layout.specs),
+                pull_offsets=list(layout.pull),
+                push_offsets=list(layout.push),
+                port=listener.port,
+                token=token,
+            )
         if not shm.available():
             _abort(
                 context,
@@ -709,8 +750,6 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 f"ps{self.shard_index} has no shared memory ({shm.SHM_DIR}); use the stream",
                 Refusal.NO_SHARED_MEMORY,
             )
-        with shard.cond:
-            layout = Layout.of(shard.values)
         try:
             segment = shm.Segment.create(shm.run_prefix(shard.run_id), layout.size)
         except shm.SegmentError as exc:
@@ -735,7 +774,20 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         shard, waited = self._await_version(request, context)
         entry = self._attached(request.segment, request.header, context)
         with entry.lock:
-            version = shard.snapshot_into(entry.pull_views())
+            if entry.sock is None:
+                version = shard.snapshot_into(entry.pull_views())
+            else:
+                version, values = shard.snapshot() if shard.rule.locked else shard.live()
+                try:
+                    bulk.send_arrays(entry.sock, list(values.values()), RPC_BYTES_SECONDS)
+                except OSError as exc:
+                    self._segments.remove_later(entry)
+                    _abort(
+                        context,
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"tensor socket of worker {request.header.worker} failed: {exc}",
+                        Refusal.NO_SEGMENT,
+                    )
         return pb.PullHeader(
             version=version,
             tensors=list(entry.layout.specs),
@@ -748,9 +800,25 @@ class ParameterService(pb_grpc.ParameterServerServicer):
     def PushShared(self, request: pb.PushHeader, context: grpc.ServicerContext) -> pb.PushResponse:
         self._check(request.header, context)
         shard = self._registered(context)
+        entry = self._attached(request.segment, request.header, context)
+        if entry.sock is None:
+            return self._push_from_segment(shard, entry, request, context)
+        try:  # any refusal closes the socket: its bytes may be half read
+            return self._push_from_socket(shard, entry, request, context)
+        except _Aborted:
+            self._segments.remove_later(entry)
+            raise
+
+    def _push_from_segment(
+        self,
+        shard: Shard,
+        entry: Attached,
+        request: pb.PushHeader,
+        context: grpc.ServicerContext,
+    ) -> pb.PushResponse:
+        assert entry.segment is not None
         lr_scale = self._lr_scale(request.lr_scale, context)
         self._check_push_specs(shard, request.tensors, context)
-        entry = self._attached(request.segment, request.header, context)
         keys = [spec.key for spec in request.tensors]
         if len(set(keys)) != len(keys):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a piece listed twice in one push")
@@ -763,17 +831,67 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                         offset, np.dtype(spec.dtype), tuple(spec.shape)
                     )
                     continue
-                try:
-                    size = push_nbytes(spec)
-                except WireError as exc:
-                    _abort(context, grpc.StatusCode.INVALID_ARGUMENT, _clip(str(exc), 400))
-                if size > shard.values[spec.key].nbytes:
-                    _abort(
-                        context,
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{_clip(spec.key)}: {size} encoded bytes do not fit its "
-                        f"{shard.values[spec.key].nbytes}-byte place in the segment",
-                    )
+                size = self._encoded_size(shard, spec, context)
                 payload[spec.key] = entry.segment.raw(offset, size)
+            payload = self._decode(request.tensors, payload, context)
+            return self._apply_push(shard, request, lr_scale, payload)
+
+    def _encoded_size(
+        self, shard: Shard, spec: pb.TensorSpec, context: grpc.ServicerContext
+    ) -> int:
+        """Bytes of an encoded piece, at most the raw piece's (its place in a segment)."""
+        try:
+            size = push_nbytes(spec)
+        except WireError as exc:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, _clip(str(exc), 400))
+        if size > shard.values[spec.key].nbytes:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{_clip(spec.key)}: {size} encoded bytes do not fit its "
+                f"{shard.values[spec.key].nbytes}-byte place in the segment",
+            )
+        return size
+
+    def _push_from_socket(
+        self,
+        shard: Shard,
+        entry: Attached,
+        request: pb.PushHeader,
+        context: grpc.ServicerContext,
+    ) -> pb.PushResponse:
+        assert entry.sock is not None
+        lr_scale = self._lr_scale(request.lr_scale, context)
+        self._check_push_specs(shard, request.tensors, context)
+        keys = [spec.key for spec in request.tensors]
+        if len(set(keys)) != len(keys):
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a piece listed twice in one push")
+        sizes = [
+            self._encoded_size(shard, spec, context) if is_encoded(spec) else nbytes_of(spec)
+            for spec in request.tensors
+        ]
+        with entry.lock:
+            if entry.scratch is None:
+                entry.scratch = np.empty(sum(v.nbytes for v in shard.values.values()), np.uint8)
+            raw = entry.scratch[: sum(sizes)]
+            try:
+                bulk.recv_into(entry.sock, raw, deadline=time.monotonic() + RPC_BYTES_SECONDS)
+            except bulk.SocketClosed as exc:
+                _abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"tensor socket of worker {request.header.worker}: {exc}",
+                    Refusal.NO_SEGMENT,
+                )
+            payload: dict[str, np.ndarray] = {}
+            start = 0
+            for spec, size in zip(request.tensors, sizes, strict=True):
+                part = raw[start : start + size]
+                start += size
+                payload[spec.key] = (
+                    part
+                    if is_encoded(spec)
+                    else part.view(np.dtype(spec.dtype)).reshape(tuple(spec.shape))
+                )
             payload = self._decode(request.tensors, payload, context)
             return self._apply_push(shard, request, lr_scale, payload)

@@ -99,6 +99,11 @@ class Shard:
         version = self.version
         return version, {k: v.copy() for k, v in self.values.items()}
 
+    def live(self) -> tuple[int, dict[str, np.ndarray]]:
+        """The version and the pieces themselves, not copies (for an unlocked rule, whose
+        readers see updates as they land anyway): read them at once, never write them."""
+        return self.version, self.values
+
     def snapshot_into(self, out: Mapping[str, np.ndarray]) -> int:
         """Copy the pieces into ``out`` (arrays of the same keys, dtypes and shapes, such as a
         shared-memory segment's pull area); returns their version (consistent under locked

@@ -93,6 +93,13 @@ class TrainConfig:
             "(through shared memory; gRPC carries the rest) or off (everything over gRPC)"
         },
     )
+    tensor_socket: str = field(
+        default="auto",
+        metadata={
+            "help": "tensor bytes to a parameter server without shared memory: auto (a plain "
+            "TCP connection beside gRPC, not with TLS) or off (in gRPC streams)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed for model init, data order and sharding"})
     eval_every: int = field(
         default=0, metadata={"help": "chief evaluates every N local steps (0 = only at the end)"}
@@ -134,6 +141,8 @@ class TrainConfig:
             )
         if self.powersgd_rank < 0:
             raise ValueError(f"powersgd_rank must be 0 (off) or more, got {self.powersgd_rank}")
+        if self.tensor_socket not in SHARED_MEMORY:
+            raise ValueError(f"tensor_socket must be auto or off, got {self.tensor_socket!r}")
         if self.shared_memory not in SHARED_MEMORY:
             raise ValueError(f"shared_memory must be auto or off, got {self.shared_memory!r}")
         if not 0.0 <= self.momentum < 1.0:

@@ -168,6 +168,7 @@ def run_worker(
                 retry_seconds=env.wait_timeout,
                 secret=load_secret(),
                 shared_memory=config.shared_memory == "auto",
+                tensor_socket=config.tensor_socket == "auto",
                 wire_dtype=config.wire_dtype,
                 topk=config.topk,
                 tls=TlsConfig(cert=Path(env.tls[0]), key=Path(env.tls[1]), ca=Path(env.tls[2]))
@@ -357,7 +358,14 @@ def run_worker(
             seconds=round(seconds, 3),
             checkpoints=0 if ckpt is None else ckpt.count,
             checkpoint_seconds=0.0 if ckpt is None else round(ckpt.seconds, 4),
-            **({"shared_memory_shards": ps.shared_memory_shards} if ps is not None else {}),
+            **(
+                {
+                    "shared_memory_shards": ps.shared_memory_shards,
+                    "tensor_socket_shards": ps.tensor_socket_shards,
+                }
+                if ps is not None
+                else {}
+            ),
             **clock.metrics(),
         )
         if ps is not None and chief:

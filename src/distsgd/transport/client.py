@@ -20,7 +20,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from distsgd.transport import shm
+from distsgd.transport import bulk, shm
 from distsgd.transport.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks, specs_of, wire_dtype
 from distsgd.transport.errors import (
     MAX_WAIT_SECONDS,
@@ -77,12 +77,22 @@ def is_local_address(address: str) -> bool:
 
 @dataclass
 class _SharedChannel:
-    """A confirmed segment on the server: where each piece's pull and push bytes live."""
+    """A confirmed segment on the server (where each piece's pull and push bytes live), or a
+    tensor socket (``sock``; ``pull`` then holds this client's own buffers, ``push`` the
+    pieces' shapes and dtypes)."""
 
     id: int
-    segment: shm.Segment
+    segment: shm.Segment | None
     pull: dict[str, np.ndarray]
     push: dict[str, np.ndarray]
+    sock: socket.socket | None = None
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
 
 
 @dataclass(frozen=True)
@@ -117,9 +127,11 @@ class ShardClient:
         secret: str | None = None,
         tls: TlsConfig | None = None,
         shared_memory: bool = False,
+        tensor_socket: bool = False,
     ) -> None:
         """``shared_memory``: move tensor bytes through a shared-memory segment when the server
-        is on this host (tried at the first pull or push; falls back to the stream)."""
+        is on this host; ``tensor_socket``: otherwise through a plain TCP connection (never with
+        TLS). Each is tried at the first pull or push and falls back to the stream."""
         self.address = address
         self.timeout = timeout
         self.retry_seconds = retry_seconds
@@ -142,14 +154,20 @@ class ShardClient:
         )
         self._stub = pb_grpc.ParameterServerStub(self._channel)
         self._shared: _SharedChannel | None = None
-        self._shm_failures = 0 if shared_memory and shm.available() else SHM_GIVE_UP
-        if self._shm_failures < SHM_GIVE_UP and not is_local_address(address):
-            self._shm_failures = SHM_GIVE_UP
+        self._host = address.rsplit(":", 1)[0].strip("[]")
+        self._socket_ok = tensor_socket and tls is None
+        self._use_shm = shared_memory and shm.available() and is_local_address(address)
+        self._shm_failures = 0 if self._use_shm or self._socket_ok else SHM_GIVE_UP
 
     @property
     def uses_shared_memory(self) -> bool:
         """Whether tensors currently move through a shared-memory segment."""
-        return self._shared is not None
+        return self._shared is not None and self._shared.segment is not None
+
+    @property
+    def uses_tensor_socket(self) -> bool:
+        """Whether tensors currently move through a tensor socket."""
+        return self._shared is not None and self._shared.sock is not None
 
     def close(self) -> None:
         self._drop_shared()
@@ -160,7 +178,7 @@ class ShardClient:
         """Abandon the segment (after a failed call the server may still be using it)."""
         channel, self._shared = self._shared, None
         if channel is not None:
-            channel.segment.close()
+            channel.close()
 
     def _shm_failed(self, why: object) -> None:
         self._drop_shared()
@@ -173,6 +191,8 @@ class ShardClient:
         unavailable, or just failed (the call then goes over the stream)."""
         if self._shared is not None or self._shm_failures >= SHM_GIVE_UP:
             return self._shared
+        if not self._use_shm:
+            return self._attach_socket()
         header = self._header
         try:
             reply = self._stub.Attach(
@@ -190,9 +210,11 @@ class ShardClient:
                     timeout=self.timeout,
                     metadata=self._metadata,
                 )
-            self._shm_failures = SHM_GIVE_UP
-            log.info("%s: shared memory not reachable, using the stream (%s)", self.address, exc)
-            return None
+            self._use_shm = False
+            if not self._socket_ok:
+                self._shm_failures = SHM_GIVE_UP
+            log.info("%s: shared memory not reachable (%s)", self.address, exc)
+            return self._attach_socket()
         try:
             if not (len(reply.tensors) == len(reply.pull_offsets) == len(reply.push_offsets)):
                 raise shm.SegmentError(0, "the layout lists different numbers of offsets")
@@ -218,6 +240,43 @@ class ShardClient:
         log.debug("%s: tensors through shared memory (%d bytes)", self.address, reply.size)
         return self._shared
 
+    def _attach_socket(self) -> _SharedChannel | None:
+        """A tensor socket to the server, or None (not offered, or failed: the stream then)."""
+        if not self._socket_ok:
+            return None
+        try:
+            reply = self._stub.Attach(
+                pb.AttachRequest(header=self._header, socket=True),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as exc:
+            self._shm_failed(_remote_error(self.address, "Attach", exc))
+            return None
+        try:
+            if not 0 < reply.port < 65536 or len(reply.token) != bulk.TOKEN_BYTES:
+                raise ValueError("the server's tensor socket answer is malformed")
+            pull: dict[str, np.ndarray] = {}
+            push: dict[str, np.ndarray] = {}
+            total = 0
+            for spec in reply.tensors:
+                dtype = wire_dtype(spec.dtype, spec.key)
+                shape = tuple(spec.shape)
+                if any(d < 0 for d in shape):
+                    raise ValueError(f"{spec.key}: negative dimension")
+                total += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                if total > 64 << 30:
+                    raise ValueError("the server announces more than 64 GiB of pieces")
+                pull[spec.key] = np.empty(shape, dtype)
+                push[spec.key] = pull[spec.key]
+            sock = bulk.connect(self._host, reply.port, reply.segment, reply.token, self.timeout)
+        except (OSError, ValueError, bulk.SocketClosed) as exc:
+            self._shm_failed(exc)
+            return None
+        self._shared = _SharedChannel(reply.segment, None, pull, push, sock)
+        log.debug("%s: tensors through a tensor socket (port %d)", self.address, reply.port)
+        return self._shared
+
     def _pull_shared(
         self, channel: _SharedChannel, min_version: int, wait: float
     ) -> tuple[int, dict[str, np.ndarray]] | None:
@@ -232,9 +291,15 @@ class ShardClient:
             segment=channel.id,
         )
         try:
-            reply = self._stub.PullShared(
-                request, timeout=wait + self.timeout, metadata=self._metadata
-            )
+            if channel.sock is None:
+                reply = self._stub.PullShared(
+                    request, timeout=wait + self.timeout, metadata=self._metadata
+                )
+            else:
+                reply = self._pull_socket(channel, request, wait)
+        except bulk.SocketClosed as exc:
+            self._shm_failed(exc)
+            return None
         except grpc.RpcError as exc:
             err = _remote_error(self.address, "PullShared", exc)
             if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and err.refusal is None:
@@ -249,6 +314,33 @@ class ShardClient:
         self.last_waited = _waited(reply.waited_seconds, time.monotonic() - began)
         self._shm_failures = 0
         return reply.version, channel.pull
+
+    def _pull_socket(
+        self, channel: _SharedChannel, request: pb.PullRequest, wait: float
+    ) -> pb.PullHeader:
+        """PullShared over a tensor socket: the bytes arrive while the answer is awaited."""
+        assert channel.sock is not None
+        future = self._stub.PullShared.future(
+            request, timeout=wait + self.timeout, metadata=self._metadata
+        )
+
+        def failed() -> bool:
+            return future.done() and future.exception() is not None
+
+        deadline = time.monotonic() + wait + self.timeout
+        try:
+            for array in channel.pull.values():
+                bulk.recv_into(
+                    channel.sock,
+                    array.reshape(-1).view(np.uint8),
+                    deadline=deadline,
+                    give_up=failed,
+                )
+        except bulk.SocketClosed:
+            if failed():
+                future.result()  # raises the call's error
+            raise
+        return future.result()
 
     def __enter__(self) -> ShardClient:
         return self
@@ -369,6 +461,15 @@ class ShardClient:
             and channel.push[key].dtype == np.asarray(array).dtype
             for key, array in tensors.items()
         ):
+            if channel.sock is not None:
+                return self._push_socket(
+                    channel,
+                    base_version,
+                    specs_of(tensors),
+                    list(tensors.values()),
+                    lr_scale,
+                    again=tensors,
+                )
             return self._push_shared(channel, base_version, tensors, lr_scale)
         header = pb.PushHeader(
             header=self._header,
@@ -391,6 +492,12 @@ class ShardClient:
         specs = [spec for spec, _ in pieces.values()]
         payloads = [_as_bytes(parts) for _, parts in pieces.values()]
         channel = self._shared_channel()
+        if (
+            channel is not None
+            and channel.sock is not None
+            and all(key in channel.push for key in pieces)
+        ):
+            return self._push_socket(channel, base_version, specs, payloads, lr_scale, again=pieces)
         if channel is not None and all(
             key in channel.push and payload.size <= channel.push[key].nbytes
             for key, payload in zip(pieces, payloads, strict=True)
@@ -434,8 +541,24 @@ class ShardClient:
     ) -> PushResult:
         """Send a PushShared whose payload is in place; a server that lost the segment (it
         restarted) gets the push again, over a new segment or the stream."""
+        return self._settle_shared(
+            lambda: self._stub.PushShared(header, timeout=self.timeout, metadata=self._metadata),
+            base_version,
+            again,
+            lr_scale,
+        )
+
+    def _settle_shared(
+        self,
+        call: Callable[[], pb.PushResponse],
+        base_version: int,
+        again: Mapping[str, tuple[pb.TensorSpec, Sequence[np.ndarray]]] | Mapping[str, np.ndarray],
+        lr_scale: float,
+    ) -> PushResult:
+        """The answer of a PushShared; a failure abandons the channel, and a server that lost
+        it (``no-segment``: it restarted, or closed the socket) gets the push again."""
         try:
-            reply = self._stub.PushShared(header, timeout=self.timeout, metadata=self._metadata)
+            reply = call()
         except grpc.RpcError as exc:
             err = _remote_error(self.address, "PushShared", exc)
             self._shm_failed(err)
@@ -454,6 +577,30 @@ class ShardClient:
             raise err from None
         self._shm_failures = 0
         return _push_result(reply)
+
+    def _push_socket(
+        self,
+        channel: _SharedChannel,
+        base_version: int,
+        specs: Sequence[pb.TensorSpec],
+        arrays: Sequence[np.ndarray],
+        lr_scale: float,
+        *,
+        again: Mapping[str, tuple[pb.TensorSpec, Sequence[np.ndarray]]] | Mapping[str, np.ndarray],
+    ) -> PushResult:
+        """PushShared over a tensor socket: the header by gRPC, then the bytes."""
+        assert channel.sock is not None
+        header = pb.PushHeader(
+            header=self._header,
+            base_version=base_version,
+            tensors=list(specs),
+            lr_scale=lr_scale,
+            segment=channel.id,
+        )
+        future = self._stub.PushShared.future(header, timeout=self.timeout, metadata=self._metadata)
+        with contextlib.suppress(OSError):  # the server closed it: its answer says why
+            bulk.send_arrays(channel.sock, arrays, self.timeout)
+        return self._settle_shared(future.result, base_version, again, lr_scale)
 
     def _push_shared(
         self,

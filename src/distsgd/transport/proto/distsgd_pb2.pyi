@@ -237,19 +237,21 @@ class CheckpointResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., file: _Optional[str] = ..., sha256: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("header", "confirm", "nonce", "cancel")
+    __slots__ = ("header", "confirm", "nonce", "cancel", "socket")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CONFIRM_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     confirm: int
     nonce: bytes
     cancel: bool
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., confirm: _Optional[int] = ..., nonce: _Optional[bytes] = ..., cancel: _Optional[bool] = ...) -> None: ...
+    socket: bool
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., confirm: _Optional[int] = ..., nonce: _Optional[bytes] = ..., cancel: _Optional[bool] = ..., socket: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("segment", "name", "size", "tensors", "pull_offsets", "push_offsets", "confirmed")
+    __slots__ = ("segment", "name", "size", "tensors", "pull_offsets", "push_offsets", "confirmed", "port", "token")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +259,8 @@ class AttachResponse(_message.Message):
     PULL_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     PUSH_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     segment: int
     name: str
     size: int
@@ -264,7 +268,9 @@ class AttachResponse(_message.Message):
     pull_offsets: _containers.RepeatedScalarFieldContainer[int]
     push_offsets: _containers.RepeatedScalarFieldContainer[int]
     confirmed: bool
-    def __init__(self, segment: _Optional[int] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., pull_offsets: _Optional[_Iterable[int]] = ..., push_offsets: _Optional[_Iterable[int]] = ..., confirmed: _Optional[bool] = ...) -> None: ...
+    port: int
+    token: bytes
+    def __init__(self, segment: _Optional[int] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., pull_offsets: _Optional[_Iterable[int]] = ..., push_offsets: _Optional[_Iterable[int]] = ..., confirmed: _Optional[bool] = ..., port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("header",)
