@@ -316,8 +316,13 @@ class _FakeServers:
         self.arrays = arrays
         self.versions = [0]
         self.bytes_sent = 0
+        self.last_waited = 0.0
 
-    def pull(self, *, min_version: Any = 0) -> tuple[int, dict[str, np.ndarray]]:
+    def pull(self, *, min_version: Any = 0, into: Any = None) -> tuple[int, dict[str, np.ndarray]]:
+        if into is not None:
+            for k, v in self.arrays.items():
+                np.copyto(into[k], v)
+            return 0, into
         return 0, {k: v.copy() for k, v in self.arrays.items()}
 
     def push(self, arrays: Any, *, base_version: Any, lr_scale: float) -> list[PushResult]:
