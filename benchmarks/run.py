@@ -15,8 +15,8 @@ the medians:
 3. all-reduce, 2 workers, against PyTorch DDP (gloo, 2 processes on 127.0.0.1).
 4. DOWNPOUR with window 10, 2 workers + 1 ps, against 2 independent PyTorch processes with no
    communication (the bound); and plain PyTorch in one process.
-5. Pull and push throughput (GB/s) against model size through one ``distsgd server``, over gRPC
-   and over shared memory (``transport.py``).
+5. Pull and push throughput (GB/s) against model size through one ``distsgd server``, over gRPC,
+   the tensor socket and shared memory (``transport.py``).
 6. Hogwild's step time (1 worker + 1 ps) against model size, beside plain PyTorch's.
 
 distsgd figures come from ``distsgd run ... benchmarks/mlp_script.py`` (checkpoints off, one
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -452,6 +453,13 @@ def _ratio_text(ratio: float | None) -> str:
     return "—" if ratio is None else f"{ratio:.2f}"
 
 
+def _transport_paths(t: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    """name: (label, measured) of each data path of a transport result."""
+    if "paths" in t:
+        return {n: (p["label"], p["available"]) for n, p in t["paths"].items()}
+    return {"grpc": ("gRPC", True), "shm": ("shared memory", t["shared_memory_available"])}
+
+
 def _rounds(repeats: int) -> str:
     return "1 round" if repeats == 1 else f"{repeats} rounds A B A B"
 
@@ -499,7 +507,13 @@ def markdown(report: dict[str, Any], level: int = 1) -> str:
     h = "#" * (level + 1)
     lines = [
         *(["# distsgd benchmark results", ""] if level == 1 else []),
-        f"{m['date']}, distsgd {m['distsgd_commit']}; {m['cpu']}, {m['cores']} cores; "
+        f"{m['date']}, distsgd {m['distsgd_commit']}"
+        + (
+            f" (source changed during the run; at the end: {m['distsgd_commit_after']})"
+            if m.get("distsgd_commit_after")
+            else ""
+        )
+        + f"; {m['cpu']}, {m['cores']} cores; "
         f"Python {m['python']}, torch {m['torch']}, numpy {m['numpy']}, grpcio {m['grpcio']}"
         + (f", TensorFlow {m['tensorflow']}" if m.get("tensorflow") else "")
         + f"; load average {m['load_before']} before, {m['load_after']} after.",
@@ -529,24 +543,28 @@ def markdown(report: dict[str, Any], level: int = 1) -> str:
     if isinstance(t, str):
         lines.append(t)
     else:
-        shm = t["shared_memory_available"]
+        paths = _transport_paths(t)
         lines += [
-            "| model size | gRPC pull | gRPC push | shared memory pull | shared memory push |",
-            "| --- | --- | --- | --- | --- |",
+            "| model size | "
+            + " | ".join(f"{label} (pull / push)" for label, _ in paths.values())
+            + " |",
+            "| --- |" + " --- |" * len(paths),
         ]
         for s in t["sizes"]:
-            cells = [f"{s[f'grpc_{k}_gbps']:.2f}" for k in ("pull", "push")]
-            cells += (
-                [f"{s[f'shm_{k}_gbps']:.2f}" for k in ("pull", "push")]
-                if shm
-                else ["not available in this build"] * 2
-            )
+            cells = [
+                f"{s[f'{name}_pull_gbps']:.2f} / {s[f'{name}_push_gbps']:.2f}"
+                if available
+                else "not available in this build"
+                for name, (_, available) in paths.items()
+            ]
             lines.append(f"| {s['megabytes']:.0f} MB | " + " | ".join(cells) + " |")
         lines += [
             "",
             "Medians of repeated `ParameterClient.pull()` and `push()` of the whole model (4 "
-            "float32 pieces), gRPC and shared memory alternating; a push includes the server's "
-            "SGD update.",
+            "float32 pieces), one client per data path, the paths alternating; a push includes "
+            "the server's SGD update. gRPC: the stream (every other path off); tensor socket: "
+            "tensor bytes on a plain TCP connection beside gRPC; shared memory: through a "
+            "segment the server shares with the client.",
         ]
     lines += [
         "",
@@ -660,12 +678,13 @@ def plots(report: dict[str, Any], out: Path) -> None:
     t = report["transport"]
     if not isinstance(t, str):
         mbs = [s["megabytes"] for s in t["sizes"]]
-        styles = {"grpc": "-", "shm": "--"}
-        names = {"grpc": "gRPC", "shm": "shared memory"}
-        for path in ("grpc", "shm") if t["shared_memory_available"] else ("grpc",):
+        styles = {"grpc": "-", "socket": ":", "shm": "--"}
+        for path, (label, available) in _transport_paths(t).items():
+            if not available:
+                continue
             for kind, marker in (("pull", "o"), ("push", "s")):
                 ys = [s[f"{path}_{kind}_gbps"] for s in t["sizes"]]
-                ax.plot(mbs, ys, marker + styles[path], label=f"{names[path]} {kind}")
+                ax.plot(mbs, ys, marker + styles.get(path, "-."), label=f"{label} {kind}")
         _log_axis(ax.xaxis, mbs)
         ax.legend()
     else:
@@ -685,6 +704,27 @@ def _version(name: str) -> str:
         return "not installed"
 
 
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def distsgd_source() -> tuple[str, str]:
+    """(the commit, with a word on uncommitted changes under src/; a fingerprint of the
+    source as it is now: the commit, the diff under src/ and its untracked files)."""
+    commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
+    changed = [line for line in _git("status", "--porcelain", "--", "src").splitlines() if line]
+    text = commit
+    if changed:
+        text += f" + uncommitted changes in {len(changed)} files under src/"
+    untracked = _git("ls-files", "--others", "--exclude-standard", "--", "src").split()
+    digest = hashlib.sha1(_git("diff", "HEAD", "--", "src").encode())
+    for name in sorted(untracked):
+        with contextlib.suppress(OSError):
+            digest.update(name.encode() + (ROOT / name).read_bytes())
+    return text, f"{commit}:{digest.hexdigest()[:12]}"
+
+
 def machine() -> dict[str, Any]:
     cpu = "unknown"
     with contextlib.suppress(OSError):
@@ -693,14 +733,7 @@ def machine() -> dict[str, Any]:
                 cpu = line.split(":", 1)[1].strip()
                 break
 
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
-
-    commit = git("rev-parse", "--short=12", "HEAD") or "unknown"
-    changed = [line for line in git("status", "--porcelain", "--", "src").splitlines() if line]
-    if changed:
-        commit += f" + uncommitted changes in {len(changed)} files under src/"
+    commit, source = distsgd_source()
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu,
@@ -711,6 +744,7 @@ def machine() -> dict[str, Any]:
         "numpy": _version("numpy"),
         "grpcio": _version("grpcio"),
         "distsgd_commit": commit,
+        "distsgd_source": source,
         "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
 
@@ -884,6 +918,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         procs.stop_all()
     report["machine"]["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    commit, source = distsgd_source()
+    if source != report["machine"]["distsgd_source"]:
+        report["machine"]["distsgd_commit_after"] = commit
+        print(f"distsgd's source changed during the run (now {commit})", file=sys.stderr)
     tf_versions = [
         s.note.split()[-1]
         for block in blocks.values()

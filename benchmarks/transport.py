@@ -6,14 +6,16 @@ For each size it starts a fresh ``distsgd server`` on 127.0.0.1 port 0 (it write
 it bound to ``--address-file``), with a run secret as ``distsgd run`` gives one, registers a
 model of ``--pieces`` equal float32 pieces as the chief does (``PartitionPlan.from_arrays``,
 ``ParameterClient.register``, scheme hogwild, lr 0.01), then times ``ParameterClient.pull()``
-and ``push()`` of the whole model, alternating the data paths (gRPC, then shared memory, then
-gRPC, ...; two clients, worker 0 and worker 1). A push is a gradient the server applies
-(Hogwild's SGD), so its time includes that update. It reports the median seconds of each and
-GB/s (10**9 bytes per second) as JSON.
+and ``push()`` of the whole model, alternating the data paths (A B C A B C ...; one client
+each, workers 0, 1, 2). A push is a gradient the server applies (Hogwild's SGD), so its time
+includes that update. It reports the median seconds of each and GB/s (10**9 bytes per second)
+as JSON.
 
-The shared-memory path is ``ParameterClient(..., shared_memory=True)``; a build whose
-ParameterClient has no ``shared_memory`` keyword reports that path as not available. The server
-it started is stopped by PID in any case.
+The data paths (``PATHS``): gRPC (the stream: every other path off), the tensor socket
+(``ParameterClient(..., tensor_socket=True)``: tensor bytes on a plain TCP connection beside
+gRPC) and shared memory (``shared_memory=True``). A build whose ParameterClient lacks a path's
+keyword reports that path as not available in this build. The server it started is stopped by
+PID in any case.
 """
 
 from __future__ import annotations
@@ -40,8 +42,24 @@ from distsgd.transport.security import SECRET_FILE_ENV, write_secret_file
 MB = 1_000_000
 
 
-def shared_memory_supported() -> bool:
-    return "shared_memory" in inspect.signature(ParameterClient).parameters
+PATHS = {
+    "grpc": ("gRPC", None),
+    "socket": ("tensor socket", "tensor_socket"),
+    "shm": ("shared memory", "shared_memory"),
+}
+"""name: (label, the ParameterClient keyword that turns the path on; None: the stream)."""
+SWITCHES = ("shared_memory", "tensor_socket")
+
+
+def available_paths() -> dict[str, dict[str, bool]]:
+    """The paths this build's ParameterClient offers, each with the keywords that select it."""
+    keywords = inspect.signature(ParameterClient).parameters
+    switches = [k for k in SWITCHES if k in keywords]
+    out = {}
+    for name, (_, keyword) in PATHS.items():
+        if keyword is None or keyword in switches:
+            out[name] = {k: k == keyword for k in switches}
+    return out
 
 
 def _start_server(folder: Path, secret_file: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -83,9 +101,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def _client(address: str, plan: PartitionPlan, worker: int, secret: str, shm: bool | None) -> Any:
-    kw: dict[str, Any] = {} if shm is None else {"shared_memory": shm}
-    return ParameterClient([address], plan, worker=worker, secret=secret, **kw)
+def _client(
+    address: str, plan: PartitionPlan, worker: int, secret: str, switches: dict[str, bool]
+) -> Any:
+    return ParameterClient([address], plan, worker=worker, secret=secret, **switches)
 
 
 def measure_size(
@@ -98,19 +117,20 @@ def measure_size(
     grads = {k: np.full_like(v, 1e-6) for k, v in arrays.items()}
     nbytes = sum(a.nbytes for a in arrays.values())
     plan = PartitionPlan.from_arrays(arrays, 1)
-    paths: dict[str, bool | None] = {"grpc": False if shared_memory_supported() else None}
-    if shared_memory_supported():
-        paths["shm"] = True
+    paths = available_paths()
     proc, address = _start_server(folder, secret_file)
     clients: dict[str, Any] = {}
     try:
         chief = _client(address, plan, 0, secret, paths["grpc"])
         chief.register(
-            arrays, scheme="hogwild", options={"lr": 0.01, "momentum": 0.0}, num_workers=2
+            arrays,
+            scheme="hogwild",
+            options={"lr": 0.01, "momentum": 0.0},
+            num_workers=len(paths),
         )
         chief.close()
-        for worker, (name, shm) in enumerate(paths.items()):
-            clients[name] = _client(address, plan, worker, secret, shm)
+        for worker, (name, switches) in enumerate(paths.items()):
+            clients[name] = _client(address, plan, worker, secret, switches)
             clients[name].wait_registered(30)
         times: dict[str, dict[str, list[float]]] = {n: {"pull": [], "push": []} for n in paths}
         for round_ in range(repeats + 1):  # round 0 warms the channels up, untimed
@@ -123,12 +143,22 @@ def measure_size(
                 if round_:
                     times[name]["pull"].append(pulled - started)
                     times[name]["push"].append(pushed - pulled)
+        # which path each client really used (a failed attach falls back to the stream)
+        used = {
+            name: {
+                k: getattr(client, f"{k}_shards")
+                for k in SWITCHES
+                if hasattr(client, f"{k}_shards")
+            }
+            for name, client in clients.items()
+        }
     finally:
         for client in clients.values():
             with contextlib.suppress(Exception):
                 client.close()
         _stop(proc)
     out: dict[str, Any] = {"megabytes": nbytes / MB, "bytes": nbytes, "pieces": pieces}
+    out["shards_on_path"] = used
     for name, kinds in times.items():
         for kind, seconds in kinds.items():
             median = statistics.median(seconds)
@@ -165,7 +195,13 @@ def main() -> None:
             rows.append(row)
             shown = ", ".join(f"{k[:-5]} {row[k]:.2f} GB/s" for k in row if k.endswith("_gbps"))
             print(f"{row['megabytes']:.0f} MB: {shown}", flush=True)
-    result = {"shared_memory_available": shared_memory_supported(), "sizes": rows}
+    paths = available_paths()
+    result = {
+        "paths": {
+            name: {"label": label, "available": name in paths} for name, (label, _) in PATHS.items()
+        },
+        "sizes": rows,
+    }
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -87,8 +87,11 @@ def test_quick_suite_writes_every_row_and_cleans_up(tmp_path: Path) -> None:
     sizes = report["transport"]["sizes"]
     assert [round(s["megabytes"]) for s in sizes] == [1, 4]
     assert all(s["grpc_pull_gbps"] > 0 and s["grpc_push_gbps"] > 0 for s in sizes)
-    if report["transport"]["shared_memory_available"]:
-        assert all(s["shm_pull_gbps"] > 0 and s["shm_push_gbps"] > 0 for s in sizes)
+    paths = report["transport"]["paths"]
+    assert paths["grpc"]["available"]
+    for name, path in paths.items():
+        if path["available"]:
+            assert all(s[f"{name}_pull_gbps"] > 0 and s[f"{name}_push_gbps"] > 0 for s in sizes)
     (step_row,) = report["step_sizes"]
     assert round(step_row["megabytes"]) == 1 and step_row["distsgd_ms"] > 0
 
