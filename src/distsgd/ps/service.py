@@ -586,7 +586,9 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         self, request: pb.PullRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.PullResponse]:
         shard, waited = self._await_version(request, context)
-        version, values = shard.snapshot()
+        # A locked rule's values are copied under its lock (one version); an unlocked rule's
+        # are streamed as they are, each chunk copied as it goes, as its readers expect.
+        version, values = shard.snapshot() if shard.rule.locked else shard.live()
         header = pb.PullHeader(
             version=version,
             tensors=specs_of(values),
