@@ -273,7 +273,10 @@ class UpdateRule(ABC):
 
     @abstractmethod
     def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
-        """Apply one push of piece arrays to ``shard.values``."""
+        """Apply one push of piece arrays to ``shard.values``, in place.
+
+        The payload's arrays may be views of a shared-memory segment or a receive buffer that
+        the next push overwrites: copy whatever the rule keeps after it returns."""
 
     def on_leave(self, shard: Shard, worker: int) -> None:  # noqa: B027 - optional hook
         """A worker finished or left; synchronous rules adjust how many pushes close a step."""
