@@ -246,6 +246,8 @@ class Suite:
                         "start": record["time"] - record["seconds"],
                         "end": record["time"],
                         "split": split,
+                        # shards this worker reached through each data path
+                        **{k: v for k, v in record.items() if k.endswith("_shards")},
                     }
                 )
         if len(done) != workers:
@@ -376,6 +378,12 @@ ROWS = (
 )  # fmt: skip
 
 
+def _paired_ratio(a: list[Sample], b: list[Sample]) -> float:
+    """The median over rounds of distsgd's rate ÷ the reference's in the same round: the two
+    ran next to each other, so the machine's drift between rounds cancels."""
+    return statistics.median(x.rate / y.rate for x, y in zip(a, b, strict=False))
+
+
 def _median(samples: list[Sample], attr: str = "rate") -> float:
     return statistics.median(getattr(s, attr) for s in samples)
 
@@ -422,7 +430,8 @@ def row_report(row: Row, blocks: dict[str, dict[str, list[Sample] | str]]) -> di
         if isinstance(samples, list):
             out[name] = [s.__dict__ for s in samples]
     if isinstance(a, list) and isinstance(b, list) and a and b:
-        out["ratio"] = _median(a) / _median(b)
+        out["ratio"] = _paired_ratio(a, b)
+        out["ratio_of_medians"] = _median(a) / _median(b)
     if row.key == "2c":
         out["reference"] = "—"
         if isinstance(a, list) and a and {"pull", "push"} <= set(a[0].split_ms):
@@ -524,7 +533,8 @@ def markdown(report: dict[str, Any], level: int = 1) -> str:
         f"SGD lr {LR}, random inputs, one thread per process; {report['steps']} steps per "
         f"worker, {_rounds(report['repeats'])}; medians (min-max of the rounds). Rates "
         "are worker-steps per second summed over workers, from each loop's own time "
-        "(start-up excluded). Ratio: distsgd ÷ reference (above 1: distsgd is faster).",
+        "(start-up excluded). Ratio: distsgd ÷ reference within each round, the median over the "
+        "rounds (above 1: distsgd is faster).",
         "",
         "| # | figure | distsgd (worker-steps/s) | reference (worker-steps/s) | ratio "
         "| distsgd step split (ms per step) | notes |",
@@ -579,7 +589,11 @@ def markdown(report: dict[str, Any], level: int = 1) -> str:
             f"| {s['megabytes']:.1f} MB | {s['hidden']} | {s['distsgd']} | {s['reference']} "
             f"| {_ratio_text(s.get('ratio'))} | {s.get('split', '')} |"
         )
-    lines += ["", "Ratio: plain PyTorch's step time ÷ distsgd's (above 1: distsgd is faster)."]
+    lines += [
+        "",
+        "Ratio: plain PyTorch's step time ÷ distsgd's within each round, the median over the "
+        "rounds (above 1: distsgd is faster).",
+    ]
     split = _split_rows(report)
     if split:
         lines += [
@@ -678,13 +692,13 @@ def plots(report: dict[str, Any], out: Path) -> None:
     t = report["transport"]
     if not isinstance(t, str):
         mbs = [s["megabytes"] for s in t["sizes"]]
-        styles = {"grpc": "-", "socket": ":", "shm": "--"}
+        colors = {"grpc": "tab:blue", "socket": "tab:green", "shm": "tab:red"}
         for path, (label, available) in _transport_paths(t).items():
             if not available:
                 continue
-            for kind, marker in (("pull", "o"), ("push", "s")):
+            for kind, style in (("pull", "o-"), ("push", "s--")):
                 ys = [s[f"{path}_{kind}_gbps"] for s in t["sizes"]]
-                ax.plot(mbs, ys, marker + styles.get(path, "-."), label=f"{label} {kind}")
+                ax.plot(mbs, ys, style, color=colors.get(path), label=f"{label} {kind}")
         _log_axis(ax.xaxis, mbs)
         ax.legend()
     else:
@@ -977,7 +991,8 @@ def step_size_rows(suite: Suite, sizes: list[float], repeats: int) -> list[dict[
             row["reference_ms"] = _median(b, "ms_per_step")
             row["reference_samples"] = [s.__dict__ for s in b]
         if row.get("distsgd_ms") and row.get("reference_ms"):
-            row["ratio"] = row["reference_ms"] / row["distsgd_ms"]
+            row["ratio"] = _paired_ratio(a, b)
+            row["ratio_of_medians"] = row["reference_ms"] / row["distsgd_ms"]
         rows.append(row)
     return rows
 
