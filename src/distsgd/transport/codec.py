@@ -134,9 +134,10 @@ class ChunkAssembler:
                 f"message announces {total} bytes, over the limit of {max_bytes}; "
                 "split the model over more parameter servers"
             )
-        # Reserved up to PREALLOCATE_BYTES; beyond, grown as data arrives.
-        self._buffers = [
-            bytearray(n) if n <= PREALLOCATE_BYTES else bytearray() for n in self._sizes
+        # Reserved up to PREALLOCATE_BYTES (uninitialised: only filled bytes are ever read);
+        # beyond, grown as data arrives.
+        self._buffers: list[np.ndarray | bytearray] = [
+            np.empty(n, np.uint8) if n <= PREALLOCATE_BYTES else bytearray() for n in self._sizes
         ]
         self._filled = [0] * len(specs)
 
@@ -157,8 +158,8 @@ class ChunkAssembler:
         if end > size:
             raise WireError(f"{key}: chunk ends at byte {end}, past the tensor's {size} bytes")
         buf = self._buffers[chunk.index]
-        if len(buf) == size:
-            buf[filled:end] = chunk.data
+        if isinstance(buf, np.ndarray):
+            buf[filled:end] = np.frombuffer(chunk.data, np.uint8)
         else:
             buf += chunk.data
         self._filled[chunk.index] = end
