@@ -239,8 +239,8 @@ class _SettledTurns(_Turns):
 
     def _settle(self) -> None:
         inflight = getattr(self.inner, "inflight", None)
-        if inflight is not None:
-            inflight[0].result(timeout=20)
+        if inflight is not None:  # DOWNPOUR keeps (future, params when sent); Hogwild the future
+            (inflight[0] if isinstance(inflight, tuple) else inflight).result(timeout=20)
 
     def after_backward(self, ctx: WorkerContext) -> None:
         self.inner.after_backward(ctx)
@@ -330,6 +330,53 @@ def test_downpour_overlap_in_a_forced_order_equals_the_reference(ps_server) -> N
         model, data, config, world=2, window=2, server_lr=0.5, normalize=False
     )
     assert any(not np.allclose(server[k], plain[k]) for k in plain)  # it is another schedule
+
+
+def _reference_hogwild_overlap(
+    model: nn.Module, data: TensorDataset, config: TrainConfig, *, world: int
+) -> dict[str, np.ndarray]:
+    """Hogwild with --overlap in turns: step k computes on what the exchange of step k-2
+    fetched (the first two on the parameters pulled at the start)."""
+    reps = _Replicas(model, data, world, config)
+    center = reps.get(0)
+    fetched: list[dict | None] = [None] * world
+    inflight: list[dict | None] = [None] * world
+    for step in range(config.steps):
+        for r in range(world):
+            if step == 0:
+                reps.set(r, center)
+            elif fetched[r] is not None:
+                reps.set(r, fetched[r])
+                fetched[r] = None
+            m = reps.backward(r)
+            grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+            if inflight[r] is not None:
+                fetched[r] = inflight[r]
+            center = {k: center[k] - config.lr * grads[k] for k in center}
+            inflight[r] = dict(center)
+    return _numpy(center)
+
+
+def test_hogwild_overlap_in_a_forced_order_equals_the_reference(ps_server) -> None:  # noqa: F811
+    address, _ = ps_server
+    config = TrainConfig(batch_size=4, steps=5, lr=0.1, log_every=1)
+    options = schemes.get("hogwild").options(overlap=True)
+    model, data = _problem()
+    board = {"cond": threading.Condition(), "turn": 0}
+    _run_workers(
+        address=address,
+        scheme_name="hogwild",
+        make_scheme=lambda rank: _SettledTurns(
+            schemes.get("hogwild").worker(options, 2), rank, 2, board
+        ),
+        model=model,
+        data=data,
+        config=config,
+        world=2,
+    )
+    version, server = _server_params(address, model)
+    assert version == 2 * 5
+    _assert_close(server, _reference_hogwild_overlap(model, data, config, world=2))
 
 
 @pytest.mark.parametrize(("name", "delta"), [("eamsgd", 0.9), ("easgd", 0.0)])
