@@ -95,7 +95,7 @@ class LaunchConfig:
             raise ValueError(f"script {self.script} not found; give the path of a Python file")
         spec = schemes.get(self.scheme)
         options = spec.parse_options(self.scheme_options)
-        spec.worker(options, self.workers)  # validates options against the worker count
+        worker = spec.worker(options, self.workers)  # validates options against the workers
         if self.ps is not None and self.ps < 0:
             raise ValueError(f"--ps must be 0 or more, got {self.ps}")
         if spec.uses_parameter_servers and self.ps == 0:
@@ -104,7 +104,7 @@ class LaunchConfig:
             raise ValueError(
                 f"scheme {self.scheme!r} uses no parameter servers; drop --ps or use --ps 0"
             )
-        TrainConfig().replace(**self.overrides)  # each override valid on its own
+        worker.check_config(TrainConfig().replace(**self.overrides))  # each valid, and here
         if self.checkpoint_every < 0 or self.checkpoint_seconds < 0:
             raise ValueError("--checkpoint-every must be 0 or more steps (N) or seconds (Ns)")
         if self.max_restarts < 0:

@@ -151,6 +151,7 @@ def run_worker(
     ps: ParameterClient | None = None
     collective: Collective | None = None
     try:
+        scheme.check_config(config)
         if scheme.uses_parameter_servers:
             if spec.num_ps == 0:
                 raise ValueError(
@@ -240,6 +241,7 @@ def run_worker(
             metrics.log(
                 step=ctx.global_step, local_step=start_step, event="resumed", file=env.resume
             )
+        forward_model = scheme.wrap_model(ctx, model)  # e.g. DDP around it; same parameters
         if scheme.uses_parameter_servers and env.continue_at > start_step:
             # Restarted after a fault: the steps from its saved state up to where it died were
             # pushed already (the servers hold their updates), so it goes on from there.
@@ -301,7 +303,7 @@ def run_worker(
                         {"scheme": env.scheme, "steps": steps},
                     )
             model.zero_grad(set_to_none=False)
-            loss = loss_fn(batch.forward(model), batch.target)
+            loss = loss_fn(batch.forward(forward_model), batch.target)
             loss.backward()
             loss_value = float(loss.detach())
             watch.observe(loss_value, ctx.local_step)

@@ -4,7 +4,10 @@ The runtime owns the loop (data, forward, backward, metrics, evaluation) and all
 a scheme only decides *what* to exchange and *when*, through the :class:`WorkerContext` it is
 given. Hooks, in the order the runtime calls them::
 
+    check_config(config)         before anything starts: refuse settings it cannot honour
     start(ctx)                   once, after the parameters are registered / broadcast
+    wrap_model(ctx, model)       once, after start (and a resume): the module forward runs
+                                 through (e.g. DistributedDataParallel; default the model)
     for each local step:
         before_step(ctx)         e.g. pull fresh parameters, or an elastic exchange
         forward, loss, backward  (runtime)
@@ -22,6 +25,8 @@ import torch
 from distsgd.runtime.checkpoint import plain_state
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from distsgd.runtime.config import TrainConfig
     from distsgd.runtime.context import WorkerContext
 
@@ -77,8 +82,31 @@ class WorkerScheme(ABC):
             else:
                 setattr(self, name, value)
 
+    def check_config(self, config: TrainConfig) -> None:
+        """Refuse, with a one-line ValueError (cause and fix), training settings this scheme
+        cannot honour. The launcher calls it with the command line's settings before it starts
+        any task, and every worker with its whole config before :meth:`start`.
+
+        The default refuses ``powersgd_rank``: PowerSGD is a hook of PyTorch's DDP, which only
+        the ``allreduce`` scheme trains through.
+        """
+        if config.powersgd_rank:
+            raise ValueError(
+                "--powersgd-rank is a gradient compression hook of PyTorch's DDP, which only "
+                "the allreduce scheme trains through; use --scheme allreduce or drop "
+                "--powersgd-rank"
+            )
+
     def start(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook
         """Called once before the first step."""
+
+    def wrap_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        """The module the runtime runs forward through, made once after :meth:`start` (and
+        after a resume has loaded the replica). It must train ``model``'s own parameters
+        (``ctx.params``): checkpoints, evaluation and the final parameters read ``model``. The
+        default is ``model`` itself; the allreduce scheme returns PyTorch's
+        ``DistributedDataParallel`` around it."""
+        return model
 
     def before_step(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook
         """Called before each forward pass."""
