@@ -261,6 +261,23 @@ class WorkerContext:
             with self.clock.measure("allreduce"):
                 self._collective.broadcast(tensors, src)
 
+    def data_parallel(self, model: nn.Module, *, powersgd_start: int = 0) -> nn.Module:
+        """``model`` in PyTorch's DistributedDataParallel with the config's communication hook
+        (``wire_dtype``, ``powersgd_rank``; see :mod:`distsgd.runtime.ddp`), its bytes counted
+        in :attr:`bytes_sent`; ``model`` itself with one worker (nothing to all-reduce).
+        ``powersgd_start``: plain steps before PowerSGD starts (0: ``ddp.POWERSGD_START``)."""
+        if self._collective is None:
+            return model
+        from distsgd.runtime.ddp import POWERSGD_START, data_parallel
+
+        return data_parallel(
+            model,
+            self._collective,
+            wire_dtype=self.config.wire_dtype,
+            powersgd_rank=self.config.powersgd_rank,
+            powersgd_start=powersgd_start or POWERSGD_START,
+        )
+
     @property
     def bytes_sent(self) -> int:
         sent = 0 if self._ps is None else self._ps.bytes_sent

@@ -10,20 +10,48 @@ Every worker, every step::
     w   <- w - lr * g                   # same update on every replica (momentum if set)
 
 Replicas start equal (broadcast from worker 0) and stay equal.
+
+The worker trains through PyTorch's ``DistributedDataParallel``, which all-reduces buckets of
+gradients while backward still runs. ``--wire-dtype fp16`` or ``bf16`` sends them in 16 bits
+(DDP's ``fp16_compress_hook`` / ``bf16_compress_hook``); ``--powersgd-rank R`` sends each
+gradient matrix as two rank-R factors after ``powersgd_start`` plain steps (Vogels, Karimireddy,
+Jaggi. *PowerSGD: Practical Low-Rank Gradient Compression for Distributed Optimization.*
+NeurIPS 2019), with error feedback: what the factors miss is added to the next step's gradient.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.schemes.registry import SchemeSpec
 
+if TYPE_CHECKING:
+    from torch import nn
+
 
 @dataclass(frozen=True, kw_only=True)
 class AllreduceOptions:
-    """All-reduce SGD has no options of its own; --lr and --momentum set the local optimizer."""
+    """--lr and --momentum set the local optimizer; --wire-dtype and --powersgd-rank the hook."""
+
+    powersgd_start: int = field(
+        default=10,
+        metadata={
+            "help": "with --powersgd-rank: steps of plain float32 all-reduce before PowerSGD "
+            "starts (torch's start_powerSGD_iter, at least 2; torch suggests a tenth of the "
+            "run, and no fewer than the warmup's steps)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.powersgd_start < 2:
+            raise ValueError(
+                f"powersgd_start must be at least 2 (DDP rebuilds its buckets after the first "
+                f"step), got {self.powersgd_start}"
+            )
 
 
 class AllreduceWorker(WorkerScheme):
@@ -32,13 +60,36 @@ class AllreduceWorker(WorkerScheme):
 
     def __init__(self, options: AllreduceOptions, num_workers: int) -> None:
         self.options = options
+        self.alone = num_workers == 1
+
+    def check_config(self, config: TrainConfig) -> None:
+        if self.alone:  # nothing travels: a script run alone (python train.py) keeps its config
+            return
+        if config.wire_dtype == "int8":
+            raise ValueError(
+                "--wire-dtype int8 under allreduce: int8 is for parameter-server schemes; "
+                "use fp16, bf16 or --powersgd-rank"
+            )
+        if config.topk:
+            raise ValueError(
+                "--topk under allreduce: top-k is for parameter-server schemes; drop --topk, "
+                "or use --wire-dtype fp16/bf16 or --powersgd-rank"
+            )
+        if config.powersgd_rank and config.wire_dtype != "float32":
+            raise ValueError(
+                f"--powersgd-rank with --wire-dtype {config.wire_dtype}: one compression at a "
+                "time under allreduce; drop one of them"
+            )
 
     def start(self, ctx: WorkerContext) -> None:
         self.optimizer = ctx.make_optimizer("sgd")
-        ctx.broadcast(list(ctx.params.values()))
+        # No broadcast here: DistributedDataParallel broadcasts worker 0's replica as it is built.
+
+    def wrap_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
+        return ctx.data_parallel(model, powersgd_start=self.options.powersgd_start)
 
     def after_backward(self, ctx: WorkerContext) -> None:
-        ctx.allreduce_mean([p.grad for p in ctx.params.values() if p.grad is not None])
+        # DDP's hooks left the mean over the workers in every param.grad during backward.
         self.optimizer.step()
 
 
