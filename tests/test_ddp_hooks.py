@@ -1,0 +1,119 @@
+"""The allreduce scheme through PyTorch's DDP: its fp16, bf16 and PowerSGD hooks train, the
+bytes they report are what they all-reduce, and settings no hook can honour are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import SCRIPTS, metrics, run_distsgd
+from torch.utils.data import TensorDataset
+
+from distsgd import schemes
+from distsgd.runtime import TaskEnv, TrainConfig, run_worker
+
+BLOBS = str(SCRIPTS / "blobs.py")
+STEPS = 40
+PARAMS = 8 * 32 + 32 + 32 * 4 + 4 + 1  # blobs.py: Linear(8, 32), Linear(32, 4), the unused z
+
+
+def _powersgd_numel(rank: int) -> int:
+    """Elements PowerSGD all-reduces per step for blobs.py's model: an n x m weight travels as
+    n x r and m x r factors when (n + m) r * 2 < n m (min_compression_rate 2), else whole."""
+    numel = 32 + 4 + 1  # the biases and z: vectors are never compressed
+    for n, m in ((32, 8), (4, 32)):
+        r = min(n, m, rank)
+        numel += (n + m) * r if (n + m) * r * 2 < n * m else n * m
+    return numel
+
+
+def _run(tmp_path: Path, name: str, *flags: str) -> tuple[dict, list[int]]:
+    """A 2-worker allreduce run of blobs.py: result.json and each worker's final bytes_sent."""
+    run_dir = tmp_path / name
+    args = ["run", "--workers", "2", "--scheme", "allreduce", "--quiet", "--run-dir", str(run_dir)]
+    done = run_distsgd([*args, *flags, BLOBS, "--steps", str(STEPS)])
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    last = {r["task"]: r["bytes_sent"] for r in metrics(run_dir) if "bytes_sent" in r}
+    return json.loads((run_dir / "result.json").read_text()), [last[t] for t in sorted(last)]
+
+
+@pytest.mark.slow
+def test_hooks_train_and_count_what_they_all_reduce(tmp_path: Path) -> None:
+    plain, plain_bytes = _run(tmp_path, "float32")
+    assert plain["test_accuracy"] > 0.9, plain
+    assert plain_bytes == [STEPS * PARAMS * 4] * 2  # every bucket, every step, once
+    for dtype in ("fp16", "bf16"):
+        result, sent = _run(tmp_path, dtype, "--wire-dtype", dtype)
+        assert result["test_accuracy"] > 0.9, (dtype, result)
+        assert sent == [b // 2 for b in plain_bytes], dtype  # 2 bytes an element, not 4
+    start, rank = 10, 2
+    result, sent = _run(
+        tmp_path, "powersgd", "--powersgd-rank", str(rank), "--powersgd-start", str(start)
+    )
+    assert result["test_accuracy"] > 0.9, result
+    # float32 for the first `start` steps, then the factors and the uncompressed vectors
+    expected = (start * PARAMS + (STEPS - start) * _powersgd_numel(rank)) * 4
+    assert sent == [expected] * 2
+    assert expected < plain_bytes[0] * 0.7
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--scheme", "allreduce", "--wire-dtype", "int8"], "use fp16, bf16 or --powersgd-rank"),
+        (["--scheme", "allreduce", "--topk", "0.01"], "top-k is for parameter-server schemes"),
+        (["--scheme", "sync", "--powersgd-rank", "2"], "use --scheme allreduce"),
+        (["--scheme", "diloco", "--powersgd-rank", "2"], "use --scheme allreduce"),
+        (
+            ["--scheme", "allreduce", "--powersgd-rank", "2", "--wire-dtype", "bf16"],
+            "drop one of them",
+        ),
+        (["--scheme", "allreduce", "--powersgd-start", "1"], "at least 2"),
+    ],
+)
+def test_refusals_are_one_line(flags: list[str], needle: str, tmp_path: Path) -> None:
+    done = run_distsgd(["run", *flags, BLOBS], cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("distsgd: error: "), done.stderr
+    assert needle in lines[0]
+
+
+@pytest.mark.parametrize("name", schemes.names())
+def test_every_scheme_but_allreduce_refuses_powersgd(name: str) -> None:
+    worker = schemes.get(name).worker(schemes.get(name).options(), 2)
+    config = TrainConfig(powersgd_rank=2)
+    if name == "allreduce":
+        worker.check_config(config)
+    else:
+        with pytest.raises(ValueError, match="use --scheme allreduce or drop --powersgd-rank"):
+            worker.check_config(config)
+
+
+def test_allreduce_alone_keeps_any_compression_setting() -> None:
+    """A script run alone (one worker, nothing travels) keeps the config it was written with
+    for a parameter-server run; with two workers the same config is refused."""
+    spec = schemes.get("allreduce")
+    config = TrainConfig(wire_dtype="int8", topk=0.01)
+    spec.worker(spec.options(), 1).check_config(config)
+    with pytest.raises(ValueError, match="int8 is for parameter-server schemes"):
+        spec.worker(spec.options(), 2).check_config(config)
+
+
+def test_worker_refuses_before_it_connects() -> None:
+    """A script's own config meets the scheme when the worker starts: refused before it
+    looks for parameter servers (there are none here)."""
+    spec = schemes.get("sync")
+    with pytest.raises(ValueError, match="--powersgd-rank"):
+        run_worker(
+            model=torch.nn.Linear(2, 1),
+            loss_fn=F.mse_loss,
+            train_set=TensorDataset(torch.zeros(4, 2), torch.zeros(4, 1)),
+            test_set=None,
+            config=TrainConfig(powersgd_rank=1, steps=1, batch_size=2),
+            env=TaskEnv.standalone("sync"),
+            scheme=spec.worker(spec.options(), 1),
+        )
