@@ -261,11 +261,14 @@ class WorkerContext:
             with self.clock.measure("allreduce"):
                 self._collective.broadcast(tensors, src)
 
-    def data_parallel(self, model: nn.Module, *, powersgd_start: int = 0) -> nn.Module:
+    def data_parallel(
+        self, model: nn.Module, *, powersgd_start: int = 0, static_graph: bool = False
+    ) -> nn.Module:
         """``model`` in PyTorch's DistributedDataParallel with the config's communication hook
         (``wire_dtype``, ``powersgd_rank``; see :mod:`distsgd.runtime.ddp`), its bytes counted
         in :attr:`bytes_sent`; ``model`` itself with one worker (nothing to all-reduce).
-        ``powersgd_start``: plain steps before PowerSGD starts (0: ``ddp.POWERSGD_START``)."""
+        ``powersgd_start``: plain steps before PowerSGD starts (0: ``ddp.POWERSGD_START``);
+        ``static_graph``: forward uses the same parameters at every step."""
         if self._collective is None:
             return model
         from distsgd.runtime.ddp import POWERSGD_START, data_parallel
@@ -276,6 +279,7 @@ class WorkerContext:
             wire_dtype=self.config.wire_dtype,
             powersgd_rank=self.config.powersgd_rank,
             powersgd_start=powersgd_start or POWERSGD_START,
+            static_graph=static_graph,
         )
 
     @property

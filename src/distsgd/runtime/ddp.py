@@ -64,6 +64,7 @@ def data_parallel(
     wire_dtype: str = "float32",
     powersgd_rank: int = 0,
     powersgd_start: int = POWERSGD_START,
+    static_graph: bool = False,
 ) -> DistributedDataParallel:
     """``model`` in DistributedDataParallel on the default process group, with the hook that
     ``wire_dtype`` or ``powersgd_rank`` chooses, counting its bytes into ``collective``.
@@ -71,18 +72,28 @@ def data_parallel(
     DDP broadcasts worker 0's parameters and buffers as it is built, so the replicas start
     equal. Buffers are not broadcast again before each forward (``forward_sync_buffers=False``):
     as with the hand-written all-reduce, each worker keeps its own (BatchNorm statistics; the
-    chief evaluates its own). ``find_unused_parameters=True``: a parameter that forward does not
-    use (at some steps or at all) keeps ``grad`` None on every worker instead of hanging the
-    next step; it costs one walk of the autograd graph per step.
+    chief evaluates its own). Unused parameters: by default ``find_unused_parameters=True``,
+    so a parameter that forward does not use (at some steps or at all) keeps ``grad`` None on
+    every worker instead of hanging the next step, as with the hand-written all-reduce; it costs
+    a walk of the autograd graph and one small all-reduce (the map of used parameters) per step,
+    and torch warns once when it found none unused (expected: the log says so first).
+    ``static_graph=True`` (the scheme's ``--static-graph``) searches at the first step only: a
+    model whose set of used parameters then changes fails with torch's error.
     """
     if wire_dtype not in HOOKS:
         raise ValueError(
             f"wire_dtype {wire_dtype!r} cannot be all-reduced by DDP; use one of {', '.join(HOOKS)}"
         )
+    if not static_graph:
+        log.info(
+            "DDP looks for unused parameters at each step (--static-graph: at the first only); "
+            "torch may warn once that it found none: expected"
+        )
     ddp = DistributedDataParallel(
         model,
         device_ids=None,  # the runtime puts each batch on the model's device itself
-        find_unused_parameters=True,
+        find_unused_parameters=not static_graph,
+        static_graph=static_graph,
         forward_sync_buffers=False,
         gradient_as_bucket_view=True,  # param.grad are views of the buckets: no copy back
     )

@@ -46,6 +46,15 @@ class AllreduceOptions:
         },
     )
 
+    static_graph: bool = field(
+        default=False,
+        metadata={
+            "help": "forward uses the same parameters at every step: DDP's static_graph looks "
+            "for unused ones at the first step only (otherwise at every step: a walk of the "
+            "graph and one small all-reduce more); a model whose used parameters change fails"
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.powersgd_start < 2:
             raise ValueError(
@@ -86,7 +95,11 @@ class AllreduceWorker(WorkerScheme):
         # No broadcast here: DistributedDataParallel broadcasts worker 0's replica as it is built.
 
     def wrap_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        return ctx.data_parallel(model, powersgd_start=self.options.powersgd_start)
+        return ctx.data_parallel(
+            model,
+            powersgd_start=self.options.powersgd_start,
+            static_graph=self.options.static_graph,
+        )
 
     def after_backward(self, ctx: WorkerContext) -> None:
         # DDP's hooks left the mean over the workers in every param.grad during backward.
