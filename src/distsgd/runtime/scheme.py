@@ -97,6 +97,16 @@ class WorkerScheme(ABC):
                 "--powersgd-rank"
             )
 
+    def refuse_compression(self, config: TrainConfig, scheme: str) -> None:
+        """(For schemes that average with plain collectives) refuse ``--wire-dtype`` and
+        ``--topk``, which only parameter-server pushes and DDP's hooks apply."""
+        if config.wire_dtype != "float32" or config.topk:
+            flag = "--topk" if config.topk else f"--wire-dtype {config.wire_dtype}"
+            raise ValueError(
+                f"{flag} under {scheme}: its averages travel uncompressed (compression applies "
+                "to parameter-server pushes, and to allreduce through DDP); drop the flag"
+            )
+
     def start(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook
         """Called once before the first step."""
 

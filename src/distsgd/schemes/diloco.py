@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.schemes.registry import SchemeSpec
@@ -78,6 +79,10 @@ def fragment_of(num_tensors: int, fragments: int) -> list[int]:
 class DilocoWorker(WorkerScheme):
     uses_parameter_servers = False
     evaluate_on = "local"
+
+    def check_config(self, config: TrainConfig) -> None:
+        super().check_config(config)
+        self.refuse_compression(config, "diloco")
 
     def __init__(self, options: DilocoOptions, num_workers: int) -> None:
         self.options = options

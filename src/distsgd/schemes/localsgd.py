@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.schemes.registry import SchemeSpec
@@ -43,6 +44,10 @@ class LocalsgdOptions:
 class LocalsgdWorker(WorkerScheme):
     uses_parameter_servers = False
     evaluate_on = "local"
+
+    def check_config(self, config: TrainConfig) -> None:
+        super().check_config(config)
+        self.refuse_compression(config, "localsgd")
 
     def __init__(self, options: LocalsgdOptions, num_workers: int) -> None:
         self.options = options
