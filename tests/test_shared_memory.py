@@ -8,6 +8,7 @@ bit, and every failure falls back to the stream.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -103,12 +104,13 @@ def test_pull_and_push_through_shared_memory_equal_the_stream_bit_for_bit(server
         stream.close()
 
 
-def test_a_segment_is_private_to_the_servers_user_and_loses_its_name_once_confirmed(
-    servers,
-) -> None:
-    address, _ = servers[0]
-    client = ShardClient(address, worker=0, run_id=RUN, timeout=10.0)
-    try:
+@contextlib.contextmanager
+def _one_piece_shard(
+    address: str,
+) -> Iterator[tuple[pb_grpc.ParameterServerStub, pb.RequestHeader]]:
+    """Register a one-piece Hogwild shard at ``address``; yield a raw stub and worker 0's
+    request header for hand-made calls."""
+    with ShardClient(address, worker=0, run_id=RUN, timeout=10.0) as client:
         client.register(
             shard_index=0,
             scheme="hogwild",
@@ -116,8 +118,16 @@ def test_a_segment_is_private_to_the_servers_user_and_loses_its_name_once_confir
             num_workers=1,
             tensors={"w#0": np.ones(10, np.float32)},
         )
-        stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
-        header = pb.RequestHeader(protocol_version=PROTOCOL_VERSION, run_id=RUN, worker=0)
+        with grpc.insecure_channel(address) as channel:
+            header = pb.RequestHeader(protocol_version=PROTOCOL_VERSION, run_id=RUN, worker=0)
+            yield pb_grpc.ParameterServerStub(channel), header
+
+
+def test_a_segment_is_private_to_the_servers_user_and_loses_its_name_once_confirmed(
+    servers,
+) -> None:
+    address, _ = servers[0]
+    with _one_piece_shard(address) as (stub, header):
         reply = stub.Attach(pb.AttachRequest(header=header), timeout=5)
         path = shm.SHM_DIR / reply.name
         assert reply.name.startswith(shm.run_prefix(RUN)) and path.exists()
@@ -145,31 +155,17 @@ def test_a_segment_is_private_to_the_servers_user_and_loses_its_name_once_confir
             stub.PullShared(pb.PullRequest(header=other, segment=again.segment), timeout=5)
         assert Refusal.from_metadata(foreign.value.trailing_metadata()) is Refusal.NO_SEGMENT
         segment.close()
-    finally:
-        client.close()
 
 
 def test_an_unconfirmed_segment_is_removed_after_the_confirm_timeout(servers) -> None:
     address, service = servers[0]
-    client = ShardClient(address, worker=0, run_id=RUN, timeout=10.0)
-    try:
-        client.register(
-            shard_index=0,
-            scheme="hogwild",
-            options_json=json.dumps({"lr": 0.1}),
-            num_workers=1,
-            tensors={"w#0": np.ones(10, np.float32)},
-        )
-        stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
-        header = pb.RequestHeader(protocol_version=PROTOCOL_VERSION, run_id=RUN, worker=0)
+    with _one_piece_shard(address) as (stub, header):
         reply = stub.Attach(pb.AttachRequest(header=header), timeout=5)
         assert (shm.SHM_DIR / reply.name).exists()
         service._segments.purge(time.monotonic() + ps_segments.CONFIRM_SECONDS / 2)
         assert (shm.SHM_DIR / reply.name).exists()
         service._segments.purge(time.monotonic() + ps_segments.CONFIRM_SECONDS + 1)
         assert not (shm.SHM_DIR / reply.name).exists() and len(service._segments) == 0
-    finally:
-        client.close()
 
 
 def test_a_restarted_server_is_reattached_and_a_push_to_it_is_not_lost(servers) -> None:

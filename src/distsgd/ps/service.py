@@ -819,11 +819,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         context: grpc.ServicerContext,
     ) -> pb.PushResponse:
         assert entry.segment is not None
-        lr_scale = self._lr_scale(request.lr_scale, context)
-        self._check_push_specs(shard, request.tensors, context)
-        keys = [spec.key for spec in request.tensors]
-        if len(set(keys)) != len(keys):
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a piece listed twice in one push")
+        lr_scale = self._check_shared_push(shard, request, context)
         with entry.lock:
             payload: dict[str, np.ndarray] = {}
             for spec in request.tensors:
@@ -837,6 +833,18 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 payload[spec.key] = entry.segment.raw(offset, size)
             payload = self._decode(request.tensors, payload, context)
             return self._apply_push(shard, request, lr_scale, payload)
+
+    def _check_shared_push(
+        self, shard: Shard, request: pb.PushHeader, context: grpc.ServicerContext
+    ) -> float:
+        """The checks of a PushShared's header (a stream push's assembler does the last one):
+        lr_scale, every piece registered as announced, no piece twice. Returns the lr_scale."""
+        lr_scale = self._lr_scale(request.lr_scale, context)
+        self._check_push_specs(shard, request.tensors, context)
+        keys = [spec.key for spec in request.tensors]
+        if len(set(keys)) != len(keys):
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a piece listed twice in one push")
+        return lr_scale
 
     def _encoded_size(
         self, shard: Shard, spec: pb.TensorSpec, context: grpc.ServicerContext
@@ -863,11 +871,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         context: grpc.ServicerContext,
     ) -> pb.PushResponse:
         assert entry.sock is not None
-        lr_scale = self._lr_scale(request.lr_scale, context)
-        self._check_push_specs(shard, request.tensors, context)
-        keys = [spec.key for spec in request.tensors]
-        if len(set(keys)) != len(keys):
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a piece listed twice in one push")
+        lr_scale = self._check_shared_push(shard, request, context)
         sizes = [
             self._encoded_size(shard, spec, context) if is_encoded(spec) else nbytes_of(spec)
             for spec in request.tensors
