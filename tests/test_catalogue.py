@@ -113,14 +113,21 @@ class _Turns(WorkerScheme):
         self._advance()
 
 
-def _run_in_turns(address: str, name: str, options: Any, config: TrainConfig, world: int):
+def _run_in_turns(
+    address: str,
+    name: str,
+    options: Any,
+    config: TrainConfig,
+    world: int,
+    turns: type[_Turns] = _Turns,
+):
     model, data = _problem()
     spec = schemes.get(name)
     board = {"cond": threading.Condition(), "turn": 0}
     _run_workers(
         address=address,
         scheme_name=name,
-        make_scheme=lambda rank: _Turns(spec.worker(options, world), rank, world, board),
+        make_scheme=lambda rank: turns(spec.worker(options, world), rank, world, board),
         model=model,
         data=data,
         config=config,
@@ -309,20 +316,9 @@ def test_downpour_overlap_in_a_forced_order_equals_the_reference(ps_server) -> N
     address, _ = ps_server
     config = TrainConfig(batch_size=4, steps=5, lr=0.1, log_every=1)
     options = schemes.get("downpour").options(window=2, server_lr=0.5, overlap=True)
-    model, data = _problem()
-    board = {"cond": threading.Condition(), "turn": 0}
-    _run_workers(
-        address=address,
-        scheme_name="downpour",
-        make_scheme=lambda rank: _SettledTurns(
-            schemes.get("downpour").worker(options, 2), rank, 2, board
-        ),
-        model=model,
-        data=data,
-        config=config,
-        world=2,
+    model, data, (version, server) = _run_in_turns(
+        address, "downpour", options, config, 2, turns=_SettledTurns
     )
-    version, server = _server_params(address, model)
     assert version == 2 * 3
     expected = _reference_overlap(model, data, config, world=2, window=2, server_lr=0.5)
     _assert_close(server, expected)
@@ -361,20 +357,9 @@ def test_hogwild_overlap_in_a_forced_order_equals_the_reference(ps_server) -> No
     address, _ = ps_server
     config = TrainConfig(batch_size=4, steps=5, lr=0.1, log_every=1)
     options = schemes.get("hogwild").options(overlap=True)
-    model, data = _problem()
-    board = {"cond": threading.Condition(), "turn": 0}
-    _run_workers(
-        address=address,
-        scheme_name="hogwild",
-        make_scheme=lambda rank: _SettledTurns(
-            schemes.get("hogwild").worker(options, 2), rank, 2, board
-        ),
-        model=model,
-        data=data,
-        config=config,
-        world=2,
+    model, data, (version, server) = _run_in_turns(
+        address, "hogwild", options, config, 2, turns=_SettledTurns
     )
-    version, server = _server_params(address, model)
     assert version == 2 * 5
     _assert_close(server, _reference_hogwild_overlap(model, data, config, world=2))
 
