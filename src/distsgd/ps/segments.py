@@ -39,6 +39,13 @@ class Layout:
     pull: tuple[int, ...]
     push: tuple[int, ...]
     size: int
+    push_at: dict[str, int] = field(default_factory=dict, compare=False)
+    """Each piece's push offset by key (derived from ``specs`` and ``push``)."""
+
+    def __post_init__(self) -> None:
+        self.push_at.update(
+            (spec.key, offset) for spec, offset in zip(self.specs, self.push, strict=True)
+        )
 
     @classmethod
     def of(cls, values: dict[str, np.ndarray]) -> Layout:
@@ -73,8 +80,10 @@ class Attached:
     """(Tensor socket) the connection, once presented."""
     scratch: np.ndarray | None = None
     """(Tensor socket) where pushed bytes land, as big as the push area."""
+    _pull_views: dict[str, np.ndarray] | None = None
 
     def close(self) -> None:
+        self._pull_views = None  # views would keep the mapping alive
         if self.segment is not None:
             self.segment.close()
         if self.sock is not None:
@@ -82,17 +91,17 @@ class Attached:
                 self.sock.close()
 
     def pull_views(self) -> dict[str, np.ndarray]:
+        """Views of the pull area, one per piece (made once: every pull writes the same)."""
         assert self.segment is not None, "a tensor socket has no pull area"
-        return {
-            spec.key: self.segment.array(offset, np.dtype(spec.dtype), tuple(spec.shape))
-            for spec, offset in zip(self.layout.specs, self.layout.pull, strict=True)
-        }
+        if self._pull_views is None:
+            self._pull_views = {
+                spec.key: self.segment.array(offset, np.dtype(spec.dtype), tuple(spec.shape))
+                for spec, offset in zip(self.layout.specs, self.layout.pull, strict=True)
+            }
+        return self._pull_views
 
     def push_offset(self, key: str) -> int:
-        for spec, offset in zip(self.layout.specs, self.layout.push, strict=True):
-            if spec.key == key:
-                return offset
-        raise KeyError(key)
+        return self.layout.push_at[key]
 
 
 class SegmentTable:
