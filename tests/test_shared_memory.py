@@ -321,17 +321,90 @@ def test_a_tensor_socket_needs_its_token_and_a_refused_push_closes_it(servers) -
         sock = bulk.connect(host, reply.port, reply.segment, reply.token, 5.0)
         with pytest.raises(bulk.SocketClosed):  # a token serves once
             bulk.connect(host, reply.port, reply.segment, reply.token, 5.0)
-        # A push whose header is refused (NaN lr_scale): refused, and the socket is closed.
+        # A tensor socket's requests travel on it, never by gRPC.
         bad = pb.PushHeader(header=header, segment=reply.segment, lr_scale=float("nan"))
         with pytest.raises(grpc.RpcError) as info:
             stub.PushShared(bad, timeout=5)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert Refusal.from_metadata(info.value.trailing_metadata()) is Refusal.NO_SEGMENT
+        # On the socket, a push whose header is refused (NaN lr_scale) is answered with the
+        # code gRPC would have given, and the socket is closed.
+        bulk.send_frame(sock, pb.CHANNEL_FRAME_PUSH, bad.SerializeToString(), 5.0)
+        kind, body = bulk.recv_frame(sock, deadline=time.monotonic() + 5)
+        error = pb.ChannelError.FromString(body)
+        assert kind == pb.CHANNEL_FRAME_ERROR
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "lr_scale" in error.message
         sock.settimeout(5)
         assert sock.recv(1) == b""  # closed by the server
         sock.close()
         # The client that trains through its own socket is untouched by all this.
         client.push({k: np.ones_like(v) for k, v in model.items()})
         assert client.pull()[0] == 1
+    finally:
+        client.close()
+
+
+def test_a_segment_requests_on_its_data_channel_except_under_tls() -> None:
+    """A server without TLS offers a segment's worker a data channel, and the worker's pulls
+    and pushes travel on it (no PullShared or PushShared call by gRPC); a TLS server offers
+    none, and the same requests go by gRPC, with the same results."""
+    results = []
+    for tls in (False, True):
+        srv, address, service = start_server(
+            address="127.0.0.1:0", shard_index=0, rule_factory=make_server_rule
+        )
+        service.tls = tls  # what start_server(tls=...) sets; certificates are tested elsewhere
+        client, model = _clients([address], shared=True)
+        try:
+            client.register(model, scheme="hogwild", options={"lr": 1.0}, num_workers=1)
+            client.wait_registered(5)
+            client.pull()
+            (shard,) = client.shards
+            assert shard.uses_shared_memory
+            assert (shard._shared.sock is None) is tls
+            client.push({k: np.ones_like(v) for k, v in model.items()})
+            results.append(client.pull())
+        finally:
+            client.close()
+            stop_server(srv, service, grace=0.1)
+    (v0, a0), (v1, a1) = results
+    assert v0 == v1 == 1
+    assert all(np.array_equal(a0[k], a1[k]) for k in a0)
+
+
+def test_a_data_channel_refuses_malformed_frames_and_another_segment(servers) -> None:
+    """Garbage where a PullRequest should be, an unknown frame kind and a request for another
+    worker's segment are each answered INVALID_ARGUMENT and close the channel; the segment of a
+    closed channel is dropped."""
+    address, service = servers[0]
+    client, model = _socket_client(address)
+    try:
+        client.register(model, scheme="hogwild", options={"lr": 0.1}, num_workers=2)
+        stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(address))
+        host = address.rsplit(":", 1)[0]
+        header = pb.RequestHeader(protocol_version=PROTOCOL_VERSION, run_id=RUN, worker=0)
+        worker1 = pb.RequestHeader(protocol_version=PROTOCOL_VERSION, run_id=RUN, worker=1)
+        other = stub.Attach(pb.AttachRequest(header=worker1, socket=True), timeout=5)
+        wrong_segment = pb.PullRequest(header=header, segment=other.segment)
+        frames = [
+            (pb.CHANNEL_FRAME_PULL, b"\xff\xff\xff"),
+            (7, b""),
+            (pb.CHANNEL_FRAME_PULL, wrong_segment.SerializeToString()),
+        ]
+        for kind, body in frames:
+            reply = stub.Attach(pb.AttachRequest(header=header, socket=True), timeout=5)
+            sock = bulk.connect(host, reply.port, reply.segment, reply.token, 5.0)
+            bulk.send_frame(sock, kind, body, 5.0)
+            got, answer = bulk.recv_frame(sock, deadline=time.monotonic() + 5)
+            assert got == pb.CHANNEL_FRAME_ERROR
+            assert (
+                pb.ChannelError.FromString(answer).code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            )
+            sock.settimeout(5)
+            assert sock.recv(1) == b""
+            sock.close()
+            assert wait_for(lambda r=reply: service._segments.get(r.segment, 0) is None, 5)
     finally:
         client.close()
 

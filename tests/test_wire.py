@@ -276,8 +276,8 @@ def test_no_message_carries_repeated_numbers_except_shape() -> None:
 
 
 def test_protocol_version_constant() -> None:
-    assert PROTOCOL_VERSION == pb.PROTOCOL_VERSION == 2
-    assert re.search(r"PROTOCOL_VERSION\s*=\s*2\s*;", _proto_without_comments())
+    assert PROTOCOL_VERSION == pb.PROTOCOL_VERSION == 3
+    assert re.search(r"PROTOCOL_VERSION\s*=\s*3\s*;", _proto_without_comments())
 
 
 def test_push_reject_mirrors_the_proto_enum() -> None:

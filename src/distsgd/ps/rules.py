@@ -317,12 +317,27 @@ BLOCK = 1 << 18
 _scratch = threading.local()
 
 
+FINITE_BLOCK = 1 << 20
+"""Elements per block of :func:`all_finite` (a 1 MiB flag buffer, in cache)."""
+
+
 def all_finite(array: np.ndarray) -> bool:
-    """Whether every value is finite, without allocating: min and max are NaN if any value is,
-    and infinite if any value is."""
+    """Whether every value is finite, in one pass and without allocating: ``isfinite`` block by
+    block into a small per-thread flag buffer (a non-contiguous array: its min and max, which
+    are NaN if any value is, and infinite if any value is)."""
     if array.size == 0:
         return True
-    return math.isfinite(float(array.min())) and math.isfinite(float(array.max()))
+    if not array.flags.c_contiguous:
+        return math.isfinite(float(array.min())) and math.isfinite(float(array.max()))
+    flat = array.reshape(-1)
+    flags = getattr(_scratch, "flags", None)
+    if flags is None:
+        flags = _scratch.flags = np.empty(FINITE_BLOCK, dtype=bool)
+    for start in range(0, flat.size, FINITE_BLOCK):
+        block = flat[start : start + FINITE_BLOCK]
+        if not np.isfinite(block, out=flags[: block.size]).all():
+            return False
+    return True
 
 
 def axpy(values: np.ndarray, alpha: float, x: np.ndarray) -> None:

@@ -1,4 +1,5 @@
-"""The shared-memory segments (and tensor sockets) a parameter server holds for its workers.
+"""The shared-memory segments (and tensor sockets, and data channels) a parameter server holds
+for its workers.
 
 One segment per attached worker (see ``Attach`` in ``transport/proto/distsgd.proto``): a pull
 area the server writes the shard's values into, and a push area the worker writes its payload
@@ -6,7 +7,8 @@ into, each piece at a fixed, 64-byte aligned offset. A segment is usable once th
 confirmed it with the nonce it read there; the server then removes its name. Each worker holds
 at most one segment per shard (attaching again replaces it), tools (worker -1) at most
 :data:`MAX_TOOL_SEGMENTS`, and a segment never confirmed is dropped after
-:data:`CONFIRM_SECONDS`.
+:data:`CONFIRM_SECONDS`. A worker's data channel (a connection presenting the entry's token)
+belongs to its entry: a tensor socket's bytes travel on it, a segment's requests may.
 """
 
 from __future__ import annotations
@@ -75,9 +77,9 @@ class Attached:
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held while the server reads or writes the segment (one request at a time)."""
     token: bytes = b""
-    """(Tensor socket) the one-time token the connection must present."""
+    """The one-time token its data channel must present (b"": none offered, or presented)."""
     sock: socket.socket | None = None
-    """(Tensor socket) the connection, once presented."""
+    """Its data channel, once presented (a tensor socket's is its only way in)."""
     scratch: np.ndarray | None = None
     """(Tensor socket) where pushed bytes land, as big as the push area."""
     _pull_views: dict[str, np.ndarray] | None = None
@@ -86,7 +88,9 @@ class Attached:
         self._pull_views = None  # views would keep the mapping alive
         if self.segment is not None:
             self.segment.close()
-        if self.sock is not None:
+        if self.sock is not None:  # shut down first: that wakes the thread serving it at once
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 self.sock.close()
 
@@ -147,34 +151,20 @@ class SegmentTable:
         entry.confirmed = True
         return True
 
-    def bind_socket(self, segment_id: int, token: bytes, sock: socket.socket) -> bool:
-        """A tensor socket presented ``token`` for ``segment_id``: bind and confirm it (once)."""
+    def bind_socket(self, segment_id: int, token: bytes, sock: socket.socket) -> Attached | None:
+        """A connection presented ``token`` for ``segment_id``: bind it as the entry's data
+        channel (once; a segment's only after its nonce confirmed it) and return the entry."""
         with self._lock:
             entry = self._by_id.get(segment_id)
             if (
                 entry is None
-                or entry.segment is not None
                 or entry.sock is not None
+                or (entry.segment is not None and not entry.confirmed)
                 or not bulk.same_token(token, entry.token)
             ):
-                return False
+                return None
             entry.sock, entry.confirmed, entry.token = sock, True, b""
-            return True
-
-    def remove_later(self, entry: Attached) -> None:
-        """Drop ``entry`` from a thread that holds its lock (a failed request on it): closing
-        its socket now wakes the peer; the table forgets it at once."""
-        with self._lock:
-            self._by_id.pop(entry.id, None)
-        if entry.sock is not None:
-            with contextlib.suppress(OSError):
-                entry.sock.shutdown(socket.SHUT_RDWR)
-        threading.Thread(target=lambda: self._close_when_free(entry), daemon=True).start()
-
-    @staticmethod
-    def _close_when_free(entry: Attached) -> None:
-        with entry.lock:
-            entry.close()
+            return entry
 
     def remove(self, entry: Attached) -> None:
         with self._lock:

@@ -17,6 +17,7 @@ import logging
 import math
 import re
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -26,7 +27,8 @@ from typing import Any, NoReturn, TypeVar, cast
 import grpc
 import numpy as np
 
-from distsgd.ps import compression
+from distsgd.ps import channel, compression
+from distsgd.ps.channel import Aborted as _Aborted
 from distsgd.ps.rules import (
     MAX_LR_SCALE,
     MAX_WORKERS,
@@ -70,7 +72,7 @@ PARAM_DTYPES = FLOAT_DTYPES
 MAX_KEY_CHARS = 1024
 """Longest piece key."""
 RPC_BYTES_SECONDS = 120.0
-"""How long a tensor socket may take to carry one request's bytes."""
+"""How long a data-channel request may take (its wait for a version and its bytes)."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -90,10 +92,6 @@ def push_nbytes(spec: pb.TensorSpec) -> int:
 def _clip(text: str, limit: int = 80) -> str:
     """``text`` for a status message: a peer's string may be megabytes long."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class _Aborted(Exception):
-    """Raised once a call has been answered with an error status (by :func:`_abort`)."""
 
 
 def _abort(
@@ -690,8 +688,42 @@ class ParameterService(pb_grpc.ParameterServerServicer):
     def _listener(self) -> bulk.Listener:
         with self._register_lock:
             if self._bulk is None:
-                self._bulk = bulk.Listener(self.host, self._segments.bind_socket)
+                self._bulk = bulk.Listener(self.host, self._accept_channel)
             return self._bulk
+
+    @property
+    def offers_channels(self) -> bool:
+        """Whether this server offers data channels (tensor sockets among them): not with TLS
+        (they are unencrypted), and only where it has an address to offer them on."""
+        return not self.tls and bool(self.host)
+
+    def _accept_channel(
+        self, segment_id: int, token: bytes, sock: socket.socket
+    ) -> bulk.Serve | None:
+        entry = self._segments.bind_socket(segment_id, token, sock)
+        if entry is None:
+            return None
+
+        def handle(
+            kind: int, body: bytes, context: channel.ChannelContext
+        ) -> tuple[Any, list[np.ndarray]]:
+            ctx = cast(grpc.ServicerContext, context)
+            if kind == pb.CHANNEL_FRAME_PULL:
+                return self._pull_shared(channel.parse(pb.PullRequest, body, context), ctx, entry)
+            if kind == pb.CHANNEL_FRAME_PUSH:
+                request = channel.parse(pb.PushHeader, body, context)
+                return self._push_shared(request, ctx, entry), []
+            _abort(ctx, grpc.StatusCode.INVALID_ARGUMENT, f"unknown data-channel frame {kind}")
+
+        return functools.partial(
+            channel.serve,
+            sock,
+            handle=handle,
+            closing=lambda: self.closing,
+            seconds=RPC_BYTES_SECONDS,
+            on_close=lambda: self._segments.remove(entry),
+            name=f"ps{self.shard_index} data channel of worker {entry.worker}",
+        )
 
     @_guarded
     def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
@@ -724,7 +756,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         with shard.cond:
             layout = Layout.of(shard.values)
         if request.socket:
-            if self.tls or not self.host:
+            if not self.offers_channels:
                 _abort(
                     context,
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -761,7 +793,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 f"ps{self.shard_index}: {exc.strerror or exc}; using the stream instead",
                 Refusal.TOO_LARGE,
             )
-        entry = self._segments.add(worker, segment, layout)
+        token = bulk.new_token() if self.offers_channels else b""
+        entry = self._segments.add(worker, segment, layout, token)
         return pb.AttachResponse(
             segment=entry.id,
             name=segment.name,
@@ -769,47 +802,75 @@ class ParameterService(pb_grpc.ParameterServerServicer):
             tensors=list(layout.specs),
             pull_offsets=list(layout.pull),
             push_offsets=list(layout.push),
+            port=self._listener().port if token else 0,
+            token=token,
         )
 
-    @_guarded
-    def PullShared(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullHeader:
+    def _own_entry(
+        self,
+        request_segment: int,
+        header: pb.RequestHeader,
+        context: grpc.ServicerContext,
+        via: Attached | None,
+    ) -> Attached:
+        """The request's attached entry: on a data channel (``via``) the channel's own, over
+        gRPC a segment (a tensor socket's requests travel on it)."""
+        entry = self._attached(request_segment, header, context)
+        if via is not None and entry is not via:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"segment {request_segment} is not this data channel's; attach again",
+                Refusal.NO_SEGMENT,
+            )
+        if via is None and entry.segment is None:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"segment {request_segment} is a tensor socket: its requests travel on it",
+                Refusal.NO_SEGMENT,
+            )
+        return entry
+
+    def _pull_shared(
+        self, request: pb.PullRequest, context: grpc.ServicerContext, via: Attached | None
+    ) -> tuple[pb.PullHeader, list[np.ndarray]]:
+        """A PullShared: its answer, and (tensor socket) the values to send after it."""
         shard, waited = self._await_version(request, context)
-        entry = self._attached(request.segment, request.header, context)
+        entry = self._own_entry(request.segment, request.header, context, via)
+        arrays: list[np.ndarray] = []
         with entry.lock:
-            if entry.sock is None:
+            if entry.segment is not None:
                 version = shard.snapshot_into(entry.pull_views())
-            else:
+            else:  # a locked rule's values copied under its lock, an unlocked rule's as they are
                 version, values = shard.snapshot() if shard.rule.locked else shard.live()
-                try:
-                    bulk.send_arrays(entry.sock, list(values.values()), RPC_BYTES_SECONDS)
-                except OSError as exc:
-                    self._segments.remove_later(entry)
-                    _abort(
-                        context,
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"tensor socket of worker {request.header.worker} failed: {exc}",
-                        Refusal.NO_SEGMENT,
-                    )
-        return pb.PullHeader(
+                arrays = list(values.values())
+        header = pb.PullHeader(
             version=version,
             tensors=list(entry.layout.specs),
             server_incarnation=self.incarnation,
             waited_seconds=waited,
             in_segment=True,
         )
+        return header, arrays
+
+    @_guarded
+    def PullShared(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullHeader:
+        return self._pull_shared(request, context, None)[0]
 
     @_guarded
     def PushShared(self, request: pb.PushHeader, context: grpc.ServicerContext) -> pb.PushResponse:
+        return self._push_shared(request, context, None)
+
+    def _push_shared(
+        self, request: pb.PushHeader, context: grpc.ServicerContext, via: Attached | None
+    ) -> pb.PushResponse:
         self._check(request.header, context)
         shard = self._registered(context)
-        entry = self._attached(request.segment, request.header, context)
-        if entry.sock is None:
-            return self._push_from_segment(shard, entry, request, context)
-        try:  # any refusal closes the socket: its bytes may be half read
+        entry = self._own_entry(request.segment, request.header, context, via)
+        if entry.segment is None:
             return self._push_from_socket(shard, entry, request, context)
-        except _Aborted:
-            self._segments.remove_later(entry)
-            raise
+        return self._push_from_segment(shard, entry, request, context)
 
     def _push_from_segment(
         self,

@@ -1,12 +1,14 @@
-"""Tensor sockets: plain TCP connections that carry only tensor bytes (see "Tensor socket" in
-``proto/distsgd.proto``).
+"""Tensor sockets and data channels: plain TCP connections beside gRPC (see "Tensor socket"
+and "Data channel" in ``proto/distsgd.proto``).
 
 gRPC moves about 1 GB/s through one stream in Python (measured on loopback: every message is a
 protobuf copy, a gRPC copy and a Python object); a socket moves raw bytes straight between
 numpy arrays and the kernel (``sendall`` from and ``recv_into`` into the arrays' memory), with
 the GIL released while it does. gRPC keeps every request, its secret and its answer; a tensor
 socket is bound to one worker's segment id by a one-time token that the worker received
-through gRPC, so only a peer that holds the run secret can use one.
+through gRPC, so only a peer that holds the run secret can use one. On the connection the
+requests and answers travel as frames (:func:`send_frame`, :func:`recv_frame`): a Python gRPC
+call costs about 0.9 ms on loopback, a frame's round trip 0.1 ms.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import hmac
 import logging
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -32,10 +35,27 @@ HANDSHAKE_SECONDS = 5.0
 """How long a new connection has to present its id and token."""
 SOCKET_BUFFER = 4 << 20
 """Send and receive buffers asked for on every tensor socket."""
+FRAME = struct.Struct("<BI")
+"""A frame's head: its kind (``ChannelFrame``) and the length of the message that follows."""
+MAX_FRAME_BYTES = 64 << 20
+"""Longest message a frame may announce."""
 
 
 class SocketClosed(ConnectionError):
     """The peer closed a tensor socket, or it stalled past its deadline."""
+
+
+class ClosedBefore(SocketClosed):
+    """The peer had closed the data channel before a request was sent: it never got it."""
+
+
+def check_open(sock: socket.socket) -> None:
+    """:class:`ClosedBefore` if the peer closed ``sock`` (or sent what nobody asked for)
+    while it was idle: between requests a server sends nothing, so a readable channel is one
+    the peer closed."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    if readable:
+        raise ClosedBefore("the server closed the data channel (it restarted, or dropped it)")
 
 
 def _tune(sock: socket.socket) -> None:
@@ -89,6 +109,30 @@ def recv_into(
         got += n
 
 
+def send_frame(sock: socket.socket, kind: int, body: bytes, timeout: float) -> None:
+    """Send one frame: its head, then ``body`` (a serialized message)."""
+    if len(body) > MAX_FRAME_BYTES:
+        raise ValueError(f"a {len(body)}-byte message exceeds a frame's {MAX_FRAME_BYTES} bytes")
+    sock.settimeout(timeout)
+    sock.sendall(FRAME.pack(kind, len(body)) + body)
+
+
+def recv_frame(
+    sock: socket.socket, *, deadline: float, give_up: Callable[[], bool] | None = None
+) -> tuple[int, bytes]:
+    """One frame: (kind, message bytes). :class:`SocketClosed` as :func:`recv_into`, and for a
+    frame announcing more than :data:`MAX_FRAME_BYTES`."""
+    head = np.empty(FRAME.size, np.uint8)
+    recv_into(sock, head, deadline=deadline, give_up=give_up)
+    kind, length = FRAME.unpack(head.tobytes())
+    if length > MAX_FRAME_BYTES:
+        raise SocketClosed(f"a frame announces {length} bytes (at most {MAX_FRAME_BYTES})")
+    body = np.empty(length, np.uint8)
+    if length:
+        recv_into(sock, body, deadline=deadline)
+    return kind, body.tobytes()
+
+
 def connect(host: str, port: int, segment: int, token: bytes, timeout: float) -> socket.socket:
     """Open a tensor socket to ``host:port`` and bind it to ``segment`` with ``token``."""
     sock = socket.create_connection((host, port), timeout=timeout)
@@ -104,11 +148,18 @@ def connect(host: str, port: int, segment: int, token: bytes, timeout: float) ->
     return sock
 
 
+Serve = Callable[[], None]
+"""Serves an accepted connection until it closes (in the connection's own thread)."""
+
+
 class Listener:
     """Accepts tensor sockets on ``host`` (port 0: any free port) and hands each one, with the
-    segment id and token it presented, to ``accept(segment, token, sock) -> bool``."""
+    segment id and token it presented, to ``accept(segment, token, sock)``, which answers how
+    to serve it (None: refused, the connection is closed)."""
 
-    def __init__(self, host: str, accept: Callable[[int, bytes, socket.socket], bool]) -> None:
+    def __init__(
+        self, host: str, accept: Callable[[int, bytes, socket.socket], Serve | None]
+    ) -> None:
         self._accept = accept
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -137,8 +188,10 @@ class Listener:
                 deadline=time.monotonic() + HANDSHAKE_SECONDS,
             )
             (segment,) = HELLO.unpack_from(hello)
-            if self._accept(segment, bytes(hello[HELLO.size :]), sock):
+            serve = self._accept(segment, bytes(hello[HELLO.size :]), sock)
+            if serve is not None:
                 sock.sendall(b"\x01")
+                serve()
                 return
         except (OSError, SocketClosed):
             pass

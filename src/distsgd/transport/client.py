@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 
 from distsgd.transport import bulk, shm
 from distsgd.transport.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks, specs_of, wire_dtype
@@ -44,6 +45,7 @@ MAX_RETRY_DELAY = 0.5
 """Longest wait between two tries of a failed call: a restarted server listens again within a
 second, so a longer wait would be the larger part of a restart's cost."""
 T = TypeVar("T")
+M = TypeVar("M", bound=Message)
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 8 * CHUNK_BYTES),
@@ -78,8 +80,9 @@ def is_local_address(address: str) -> bool:
 @dataclass
 class _SharedChannel:
     """A confirmed segment on the server (where each piece's pull and push bytes live), or a
-    tensor socket (``sock``; ``pull`` then holds this client's own buffers, ``push`` the
-    pieces' shapes and dtypes)."""
+    tensor socket (``segment`` None; ``pull`` then holds this client's own buffers, ``push``
+    the pieces' shapes and dtypes). ``sock``: the data channel its requests travel on (a
+    segment's is optional: without one they are gRPC calls)."""
 
     id: int
     segment: shm.Segment | None
@@ -167,7 +170,7 @@ class ShardClient:
     @property
     def uses_tensor_socket(self) -> bool:
         """Whether tensors currently move through a tensor socket."""
-        return self._shared is not None and self._shared.sock is not None
+        return self._shared is not None and self._shared.segment is None
 
     def close(self) -> None:
         self._drop_shared()
@@ -237,8 +240,19 @@ class ShardClient:
             self._shm_failed(exc)
             return None
         self._shared = _SharedChannel(reply.segment, segment, *views)
+        if reply.port:  # the requests on a data channel, or by gRPC if it cannot be opened
+            try:
+                self._shared.sock = self._connect(reply)
+            except (OSError, ValueError, bulk.SocketClosed) as exc:
+                log.debug("%s: no data channel (%s); requests by gRPC", self.address, exc)
         log.debug("%s: tensors through shared memory (%d bytes)", self.address, reply.size)
         return self._shared
+
+    def _connect(self, reply: pb.AttachResponse) -> socket.socket:
+        """The data channel an Attach answer offers."""
+        if not 0 < reply.port < 65536 or len(reply.token) != bulk.TOKEN_BYTES:
+            raise ValueError("the server's data channel answer is malformed")
+        return bulk.connect(self._host, reply.port, reply.segment, reply.token, self.timeout)
 
     def _attach_socket(self) -> _SharedChannel | None:
         """A tensor socket to the server, or None (not offered, or failed: the stream then)."""
@@ -254,8 +268,6 @@ class ShardClient:
             self._shm_failed(_remote_error(self.address, "Attach", exc))
             return None
         try:
-            if not 0 < reply.port < 65536 or len(reply.token) != bulk.TOKEN_BYTES:
-                raise ValueError("the server's tensor socket answer is malformed")
             pull: dict[str, np.ndarray] = {}
             push: dict[str, np.ndarray] = {}
             total = 0
@@ -269,7 +281,7 @@ class ShardClient:
                     raise ValueError("the server announces more than 64 GiB of pieces")
                 pull[spec.key] = np.empty(shape, dtype)
                 push[spec.key] = pull[spec.key]
-            sock = bulk.connect(self._host, reply.port, reply.segment, reply.token, self.timeout)
+            sock = self._connect(reply)
         except (OSError, ValueError, bulk.SocketClosed) as exc:
             self._shm_failed(exc)
             return None
@@ -296,12 +308,12 @@ class ShardClient:
                     request, timeout=wait + self.timeout, metadata=self._metadata
                 )
             else:
-                reply = self._pull_socket(channel, request, wait)
+                reply = self._pull_channel(channel, request, wait)
         except bulk.SocketClosed as exc:
             self._shm_failed(exc)
             return None
-        except grpc.RpcError as exc:
-            err = _remote_error(self.address, "PullShared", exc)
+        except (grpc.RpcError, RemoteError) as exc:
+            err = _as_remote_error(self.address, "PullShared", exc)
             if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and err.refusal is None:
                 self._drop_shared()  # the server may write it later: never read it again
                 raise err from None
@@ -315,32 +327,50 @@ class ShardClient:
         self._shm_failures = 0
         return reply.version, channel.pull
 
-    def _pull_socket(
+    def _channel_call(
+        self,
+        channel: _SharedChannel,
+        kind: int,
+        request: Message,
+        deadline: float,
+        payload: Sequence[np.ndarray] = (),
+    ) -> bytes:
+        """Send a request frame (and ``payload``'s bytes) on the data channel and read the
+        answer frame of the same kind: its bytes. :class:`RemoteError` for an error frame,
+        :class:`~distsgd.transport.bulk.SocketClosed` for anything else."""
+        assert channel.sock is not None
+        bulk.check_open(channel.sock)
+        left = max(0.001, deadline - time.monotonic())
+        try:
+            bulk.send_frame(channel.sock, kind, request.SerializeToString(), left)
+            if payload:
+                bulk.send_arrays(channel.sock, payload, left)
+        except OSError as exc:  # the server closed it: its error frame may say why
+            log.debug("%s: data channel send failed: %s", self.address, exc)
+        got, body = bulk.recv_frame(channel.sock, deadline=deadline)
+        if got == pb.CHANNEL_FRAME_ERROR:
+            error = _parse(pb.ChannelError, body)
+            method = "PullShared" if kind == pb.CHANNEL_FRAME_PULL else "PushShared"
+            code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+            raise RemoteError(
+                self.address, method, code, error.message, Refusal.named(error.refusal)
+            )
+        if got != kind:
+            raise bulk.SocketClosed(f"a frame of kind {got} answered a request of kind {kind}")
+        return body
+
+    def _pull_channel(
         self, channel: _SharedChannel, request: pb.PullRequest, wait: float
     ) -> pb.PullHeader:
-        """PullShared over a tensor socket: the bytes arrive while the answer is awaited."""
+        """PullShared on the data channel; a tensor socket's bytes follow the answer."""
         assert channel.sock is not None
-        future = self._stub.PullShared.future(
-            request, timeout=wait + self.timeout, metadata=self._metadata
-        )
-
-        def failed() -> bool:
-            return future.done() and future.exception() is not None
-
         deadline = time.monotonic() + wait + self.timeout
-        try:
+        body = self._channel_call(channel, pb.CHANNEL_FRAME_PULL, request, deadline)
+        reply = _parse(pb.PullHeader, body)
+        if channel.segment is None:
             for array in channel.pull.values():
-                bulk.recv_into(
-                    channel.sock,
-                    array.reshape(-1).view(np.uint8),
-                    deadline=deadline,
-                    give_up=failed,
-                )
-        except bulk.SocketClosed:
-            if failed():
-                future.result()  # raises the call's error
-            raise
-        return future.result()
+                bulk.recv_into(channel.sock, array.reshape(-1).view(np.uint8), deadline=deadline)
+        return reply
 
     def __enter__(self) -> ShardClient:
         return self
@@ -461,7 +491,7 @@ class ShardClient:
             and channel.push[key].dtype == np.asarray(array).dtype
             for key, array in tensors.items()
         ):
-            if channel.sock is not None:
+            if channel.segment is None:
                 return self._push_socket(
                     channel,
                     base_version,
@@ -494,7 +524,7 @@ class ShardClient:
         channel = self._shared_channel()
         if (
             channel is not None
-            and channel.sock is not None
+            and channel.segment is None
             and all(key in channel.push for key in pieces)
         ):
             return self._push_socket(channel, base_version, specs, payloads, lr_scale, again=pieces)
@@ -539,8 +569,17 @@ class ShardClient:
         again: Mapping[str, tuple[pb.TensorSpec, Sequence[np.ndarray]]] | Mapping[str, np.ndarray],
         lr_scale: float,
     ) -> PushResult:
-        """Send a PushShared whose payload is in place; a server that lost the segment (it
-        restarted) gets the push again, over a new segment or the stream."""
+        """Send a PushShared whose payload is in place (on the data channel, or by gRPC); a
+        server that lost the segment (it restarted) gets the push again, over a new segment or
+        the stream."""
+        if channel.sock is not None:
+            deadline = time.monotonic() + self.timeout
+
+            def call() -> pb.PushResponse:
+                body = self._channel_call(channel, pb.CHANNEL_FRAME_PUSH, header, deadline)
+                return _parse(pb.PushResponse, body)
+
+            return self._settle_shared(call, base_version, again, lr_scale)
         return self._settle_shared(
             lambda: self._stub.PushShared(header, timeout=self.timeout, metadata=self._metadata),
             base_version,
@@ -556,27 +595,45 @@ class ShardClient:
         lr_scale: float,
     ) -> PushResult:
         """The answer of a PushShared; a failure abandons the channel, and a server that lost
-        it (``no-segment``: it restarted, or closed the socket) gets the push again."""
+        it (``no-segment``: it restarted, or closed the socket) gets the push again. A channel
+        that breaks before the answer loses the push (UNAVAILABLE: it may have been applied)."""
         try:
             reply = call()
-        except grpc.RpcError as exc:
-            err = _remote_error(self.address, "PushShared", exc)
+        except bulk.ClosedBefore as exc:  # the push never left: send it again
+            self._shm_failed(exc)
+            return self._push_again(base_version, again, lr_scale)
+        except bulk.SocketClosed as exc:
+            self._shm_failed(exc)
+            raise RemoteError(
+                self.address, "PushShared", grpc.StatusCode.UNAVAILABLE, f"data channel: {exc}"
+            ) from None
+        except (grpc.RpcError, RemoteError) as exc:
+            err = _as_remote_error(self.address, "PushShared", exc)
             self._shm_failed(err)
             if err.refusal is Refusal.NO_SEGMENT:  # the push never landed: send it again
-                if any(isinstance(v, tuple) for v in again.values()):
-                    return self.push_encoded(
-                        base_version=base_version,
-                        pieces=again,  # type: ignore[arg-type]
-                        lr_scale=lr_scale,
-                    )
-                return self.push(
-                    base_version=base_version,
-                    tensors=again,  # type: ignore[arg-type]
-                    lr_scale=lr_scale,
-                )
+                return self._push_again(base_version, again, lr_scale)
             raise err from None
         self._shm_failures = 0
         return _push_result(reply)
+
+    def _push_again(
+        self,
+        base_version: int,
+        again: Mapping[str, tuple[pb.TensorSpec, Sequence[np.ndarray]]] | Mapping[str, np.ndarray],
+        lr_scale: float,
+    ) -> PushResult:
+        """A push that never landed, sent again (over a new segment, socket, or the stream)."""
+        if any(isinstance(v, tuple) for v in again.values()):
+            return self.push_encoded(
+                base_version=base_version,
+                pieces=again,  # type: ignore[arg-type]
+                lr_scale=lr_scale,
+            )
+        return self.push(
+            base_version=base_version,
+            tensors=again,  # type: ignore[arg-type]
+            lr_scale=lr_scale,
+        )
 
     def _push_socket(
         self,
@@ -588,8 +645,7 @@ class ShardClient:
         *,
         again: Mapping[str, tuple[pb.TensorSpec, Sequence[np.ndarray]]] | Mapping[str, np.ndarray],
     ) -> PushResult:
-        """PushShared over a tensor socket: the header by gRPC, then the bytes."""
-        assert channel.sock is not None
+        """PushShared over a tensor socket: the header frame, then the bytes, on the socket."""
         header = pb.PushHeader(
             header=self._header,
             base_version=base_version,
@@ -597,10 +653,13 @@ class ShardClient:
             lr_scale=lr_scale,
             segment=channel.id,
         )
-        future = self._stub.PushShared.future(header, timeout=self.timeout, metadata=self._metadata)
-        with contextlib.suppress(OSError):  # the server closed it: its answer says why
-            bulk.send_arrays(channel.sock, arrays, self.timeout)
-        return self._settle_shared(future.result, base_version, again, lr_scale)
+        deadline = time.monotonic() + self.timeout
+
+        def call() -> pb.PushResponse:
+            body = self._channel_call(channel, pb.CHANNEL_FRAME_PUSH, header, deadline, arrays)
+            return _parse(pb.PushResponse, body)
+
+        return self._settle_shared(call, base_version, again, lr_scale)
 
     def _push_shared(
         self,
@@ -653,6 +712,22 @@ def _push_result(reply: pb.PushResponse) -> PushResult:
         reason=reply.reason,
         reject=_push_reject(reply.reject),
     )
+
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+"""gRPC status codes by number (a data channel's error frame carries the number)."""
+
+
+def _parse(message: type[M], body: bytes) -> M:
+    """A data channel's answer as ``message``; SocketClosed if it is not one."""
+    try:
+        return message.FromString(body)
+    except Exception:  # protobuf's DecodeError
+        raise bulk.SocketClosed(f"a malformed {message.__name__} on the data channel") from None
+
+
+def _as_remote_error(address: str, method: str, exc: grpc.RpcError | RemoteError) -> RemoteError:
+    return exc if isinstance(exc, RemoteError) else _remote_error(address, method, exc)
 
 
 def _remote_error(address: str, method: str, exc: grpc.RpcError) -> RemoteError:

@@ -50,14 +50,19 @@ class Refusal(enum.Enum):
     """FAILED_PRECONDITION (Attach): shared memory cannot be used on this server's host."""
 
     @classmethod
+    def named(cls, value: str) -> Refusal | None:
+        """The refusal ``value`` names ("" or a newer server's reason: None)."""
+        try:
+            return cls(value)
+        except ValueError:
+            return None
+
+    @classmethod
     def from_metadata(cls, metadata: Sequence[Any] | None) -> Refusal | None:
         """The refusal named in trailing ``metadata`` (key, value pairs), or None."""
         for item in metadata or ():
             if item[0] == ERROR_KEY:
-                try:
-                    return cls(item[1])
-                except ValueError:  # a newer server's reason: treat as none
-                    return None
+                return cls.named(item[1])
         return None
 
 

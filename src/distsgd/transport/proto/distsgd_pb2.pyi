@@ -26,6 +26,13 @@ class PushRejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_REJECT_REASON_DUPLICATE: _ClassVar[PushRejectReason]
     PUSH_REJECT_REASON_NONFINITE: _ClassVar[PushRejectReason]
     PUSH_REJECT_REASON_LOST: _ClassVar[PushRejectReason]
+
+class ChannelFrame(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHANNEL_FRAME_UNSPECIFIED: _ClassVar[ChannelFrame]
+    CHANNEL_FRAME_PULL: _ClassVar[ChannelFrame]
+    CHANNEL_FRAME_PUSH: _ClassVar[ChannelFrame]
+    CHANNEL_FRAME_ERROR: _ClassVar[ChannelFrame]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION: ProtocolVersion
 TENSOR_ENCODING_RAW: TensorEncoding
@@ -37,6 +44,10 @@ PUSH_REJECT_REASON_STALE: PushRejectReason
 PUSH_REJECT_REASON_DUPLICATE: PushRejectReason
 PUSH_REJECT_REASON_NONFINITE: PushRejectReason
 PUSH_REJECT_REASON_LOST: PushRejectReason
+CHANNEL_FRAME_UNSPECIFIED: ChannelFrame
+CHANNEL_FRAME_PULL: ChannelFrame
+CHANNEL_FRAME_PUSH: ChannelFrame
+CHANNEL_FRAME_ERROR: ChannelFrame
 
 class RequestHeader(_message.Message):
     __slots__ = ("protocol_version", "run_id", "worker", "incarnation")
@@ -271,6 +282,16 @@ class AttachResponse(_message.Message):
     port: int
     token: bytes
     def __init__(self, segment: _Optional[int] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., pull_offsets: _Optional[_Iterable[int]] = ..., push_offsets: _Optional[_Iterable[int]] = ..., confirmed: _Optional[bool] = ..., port: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class ChannelError(_message.Message):
+    __slots__ = ("code", "message", "refusal")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    refusal: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., refusal: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("header",)
