@@ -45,9 +45,9 @@ def test_hooks_train_and_count_what_they_all_reduce(tmp_path: Path) -> None:
     plain, plain_bytes = _run(tmp_path, "float32")
     assert plain["test_accuracy"] > 0.9, plain
     assert plain_bytes == [STEPS * PARAMS * 4] * 2  # every bucket, every step, once
-    # fp16 with --static-graph too: DDP's search for unused parameters at the first step only
-    # (blobs.py's z is never used) changes nothing of what travels
-    for dtype, *more in (("fp16", "--static-graph"), ("bf16",)):
+    # fp16 with --dynamic-graph too: DDP's search for unused parameters at every step, not the
+    # first only (blobs.py's z is never used), changes nothing of what travels
+    for dtype, *more in (("fp16", "--dynamic-graph"), ("bf16",)):
         result, sent = _run(tmp_path, dtype, "--wire-dtype", dtype, *more)
         assert result["test_accuracy"] > 0.9, (dtype, result)
         assert sent == [b // 2 for b in plain_bytes], dtype  # 2 bytes an element, not 4
@@ -119,3 +119,50 @@ def test_worker_refuses_before_it_connects() -> None:
             env=TaskEnv.standalone("sync"),
             scheme=spec.worker(spec.options(), 1),
         )
+
+
+BRANCHY = '''
+import torch, torch.nn.functional as F
+from torch import nn
+import distsgd
+
+
+class Branchy(nn.Module):
+    """Uses its extra layer at the first forward passes only: the used parameters change."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 4)
+        self.extra = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.body(x)
+        return self.extra(out) if self.calls <= 2 else out
+
+
+g = torch.Generator().manual_seed(0)
+x, y = torch.randn(512, 8, generator=g), torch.randint(0, 4, (512,), generator=g)
+distsgd.train(
+    model=Branchy(), loss_fn=F.cross_entropy, train_data=(x, y),
+    config=distsgd.TrainConfig(batch_size=16, steps=12, lr=0.05, eval_every=0),
+)
+'''
+
+
+@pytest.mark.slow
+def test_a_model_whose_used_parameters_change_is_told_to_run_with_dynamic_graph(
+    tmp_path: Path,
+) -> None:
+    """allreduce assumes a static graph (DDP's static_graph); a model that breaks it fails with
+    torch's error and the flag that fixes it, and trains with that flag."""
+    script = tmp_path / "branchy.py"
+    script.write_text(BRANCHY)
+    args = ["run", "--workers", "2", "--scheme", "allreduce", "--quiet", "--checkpoint-every", "0"]
+    failed = run_distsgd([*args, "--run-dir", str(tmp_path / "static"), str(script)])
+    assert failed.returncode != 0
+    logs = "".join(p.read_text() for p in (tmp_path / "static").rglob("*.log"))
+    assert "--dynamic-graph" in failed.stderr + logs, failed.stderr[-2000:]
+    ok = run_distsgd([*args, "--dynamic-graph", "--run-dir", str(tmp_path / "dyn"), str(script)])
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]

@@ -262,13 +262,13 @@ class WorkerContext:
                 self._collective.broadcast(tensors, src)
 
     def data_parallel(
-        self, model: nn.Module, *, powersgd_start: int = 0, static_graph: bool = False
+        self, model: nn.Module, *, powersgd_start: int = 0, static_graph: bool = True
     ) -> nn.Module:
         """``model`` in PyTorch's DistributedDataParallel with the config's communication hook
         (``wire_dtype``, ``powersgd_rank``; see :mod:`distsgd.runtime.ddp`), its bytes counted
         in :attr:`bytes_sent`; ``model`` itself with one worker (nothing to all-reduce).
         ``powersgd_start``: plain steps before PowerSGD starts (0: ``ddp.POWERSGD_START``);
-        ``static_graph``: forward uses the same parameters at every step."""
+        ``static_graph``: forward uses the same parameters at every step (False: they change)."""
         if self._collective is None:
             return model
         from distsgd.runtime.ddp import POWERSGD_START, data_parallel

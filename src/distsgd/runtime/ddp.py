@@ -64,7 +64,7 @@ def data_parallel(
     wire_dtype: str = "float32",
     powersgd_rank: int = 0,
     powersgd_start: int = POWERSGD_START,
-    static_graph: bool = False,
+    static_graph: bool = True,
 ) -> DistributedDataParallel:
     """``model`` in DistributedDataParallel on the default process group, with the hook that
     ``wire_dtype`` or ``powersgd_rank`` chooses, counting its bytes into ``collective``.
@@ -72,13 +72,13 @@ def data_parallel(
     DDP broadcasts worker 0's parameters and buffers as it is built, so the replicas start
     equal. Buffers are not broadcast again before each forward (``forward_sync_buffers=False``):
     as with the hand-written all-reduce, each worker keeps its own (BatchNorm statistics; the
-    chief evaluates its own). Unused parameters: by default ``find_unused_parameters=True``,
-    so a parameter that forward does not use (at some steps or at all) keeps ``grad`` None on
-    every worker instead of hanging the next step, as with the hand-written all-reduce; it costs
-    a walk of the autograd graph and one small all-reduce (the map of used parameters) per step,
+    chief evaluates its own). Unused parameters: by default ``static_graph=True``, DDP finds
+    the parameters forward does not use at the first step and expects the same ones at every
+    step (a parameter never used keeps ``grad`` None); a model whose set then changes fails at
+    the next step with torch's error (the scheme adds the hint). ``static_graph=False`` (the
+    scheme's ``--dynamic-graph``) is ``find_unused_parameters=True``: the search at every step,
+    a walk of the autograd graph and one small all-reduce (the map of used parameters) more,
     and torch warns once when it found none unused (expected: the log says so first).
-    ``static_graph=True`` (the scheme's ``--static-graph``) searches at the first step only: a
-    model whose set of used parameters then changes fails with torch's error.
     """
     if wire_dtype not in HOOKS:
         raise ValueError(
@@ -86,7 +86,7 @@ def data_parallel(
         )
     if not static_graph:
         log.info(
-            "DDP looks for unused parameters at each step (--static-graph: at the first only); "
+            "DDP looks for unused parameters at each step (--dynamic-graph); "
             "torch may warn once that it found none: expected"
         )
     ddp = DistributedDataParallel(

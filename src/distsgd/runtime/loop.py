@@ -303,8 +303,14 @@ def run_worker(
                         {"scheme": env.scheme, "steps": steps},
                     )
             model.zero_grad(set_to_none=False)
-            loss = loss_fn(batch.forward(forward_model), batch.target)
-            loss.backward()
+            try:
+                loss = loss_fn(batch.forward(forward_model), batch.target)
+                loss.backward()
+            except RuntimeError as exc:
+                hint = scheme.explain(exc)
+                if hint is None:
+                    raise
+                raise RuntimeError(f"{exc}; {hint}") from exc
             loss_value = float(loss.detach())
             watch.observe(loss_value, ctx.local_step)
             scheme.after_backward(ctx)

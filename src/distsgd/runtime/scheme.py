@@ -121,6 +121,12 @@ class WorkerScheme(ABC):
     def before_step(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook
         """Called before each forward pass."""
 
+    def explain(self, exc: Exception) -> str | None:
+        """A hint for an error that forward or backward raised under this scheme (e.g. a
+        choice of :meth:`wrap_model` that a model may break), added to its message; None:
+        nothing to add."""
+        return None
+
     @abstractmethod
     def after_backward(self, ctx: WorkerContext) -> None:
         """Called after each backward pass, with gradients in ``param.grad``."""

@@ -46,12 +46,12 @@ class AllreduceOptions:
         },
     )
 
-    static_graph: bool = field(
+    dynamic_graph: bool = field(
         default=False,
         metadata={
-            "help": "forward uses the same parameters at every step: DDP's static_graph looks "
-            "for unused ones at the first step only (otherwise at every step: a walk of the "
-            "graph and one small all-reduce more); a model whose used parameters change fails"
+            "help": "the parameters forward uses change from step to step: DDP then looks for "
+            "unused ones at every step (a walk of the graph and one small all-reduce more per "
+            "step) instead of at the first step only (static_graph)"
         },
     )
 
@@ -98,7 +98,15 @@ class AllreduceWorker(WorkerScheme):
         return ctx.data_parallel(
             model,
             powersgd_start=self.options.powersgd_start,
-            static_graph=self.options.static_graph,
+            static_graph=not self.options.dynamic_graph,
+        )
+
+    def explain(self, exc: Exception) -> str | None:
+        if self.alone or self.options.dynamic_graph:
+            return None
+        return (
+            "if the parameters forward uses change from step to step, run allreduce with "
+            "--dynamic-graph (DDP assumed the same ones at every step)"
         )
 
     def after_backward(self, ctx: WorkerContext) -> None:
