@@ -574,7 +574,9 @@ def markdown(report: dict[str, Any], level: int = 1) -> str:
             "float32 pieces), one client per data path, the paths alternating; a push includes "
             "the server's SGD update. gRPC: the stream (every other path off); tensor socket: "
             "tensor bytes on a plain TCP connection beside gRPC; shared memory: through a "
-            "segment the server shares with the client.",
+            "segment the server shares with the client; gradient in place: a push of a gradient "
+            "already in the segment's push area (`ParameterClient.push_buffers()`), where "
+            "Hogwild's and DynSGD's backward writes it, so the push copies nothing.",
         ]
     lines += [
         "",
@@ -693,6 +695,7 @@ def plots(report: dict[str, Any], out: Path) -> None:
     if not isinstance(t, str):
         mbs = [s["megabytes"] for s in t["sizes"]]
         colors = {"grpc": "tab:blue", "socket": "tab:green", "shm": "tab:red"}
+        colors["inplace"] = "tab:purple"
         for path, (label, available) in _transport_paths(t).items():
             if not available:
                 continue

@@ -7,13 +7,16 @@ it bound to ``--address-file``), with a run secret as ``distsgd run`` gives one,
 model of ``--pieces`` equal float32 pieces as the chief does (``PartitionPlan.from_arrays``,
 ``ParameterClient.register``, scheme hogwild, lr 0.01), then times ``ParameterClient.pull()``
 and ``push()`` of the whole model, alternating the data paths (A B C A B C ...; one client
-each, workers 0, 1, 2). A push is a gradient the server applies (Hogwild's SGD), so its time
-includes that update. It reports the median seconds of each and GB/s (10**9 bytes per second)
-as JSON.
+each, workers 0, 1, 2). A pull writes into arrays of the model's shapes (``pull(into=...)``),
+as a worker's pull writes into its model's parameters. A push is a gradient the server applies
+(Hogwild's SGD), so its time includes that update. It reports the median seconds of each and
+GB/s (10**9 bytes per second) as JSON.
 
 The data paths (``PATHS``): gRPC (the stream: every other path off), the tensor socket
 (``ParameterClient(..., tensor_socket=True)``: tensor bytes on a plain TCP connection beside
-gRPC) and shared memory (``shared_memory=True``). A build whose ParameterClient lacks a path's
+gRPC) and shared memory (``shared_memory=True``), twice: a push of the client's own arrays
+(copied into the segment), and a push of a gradient already in the segment's push area
+(``ParameterClient.push_buffers()``, written there untimed, as Hogwild's backward writes it). A build whose ParameterClient lacks a path's
 keyword reports that path as not available in this build. The server it started is stopped by
 PID in any case.
 """
@@ -46,6 +49,7 @@ PATHS = {
     "grpc": ("gRPC", None),
     "socket": ("tensor socket", "tensor_socket"),
     "shm": ("shared memory", "shared_memory"),
+    "inplace": ("shared memory, gradient in place", "shared_memory"),
 }
 """name: (label, the ParameterClient keyword that turns the path on; None: the stream)."""
 SWITCHES = ("shared_memory", "tensor_socket")
@@ -133,12 +137,21 @@ def measure_size(
             clients[name] = _client(address, plan, worker, secret, switches)
             clients[name].wait_registered(30)
         times: dict[str, dict[str, list[float]]] = {n: {"pull": [], "push": []} for n in paths}
+        into = {k: np.empty_like(v) for k, v in arrays.items()}  # the worker's parameters
         for round_ in range(repeats + 1):  # round 0 warms the channels up, untimed
             for name, client in clients.items():  # A B A B
+                payload = grads
+                if name == "inplace":  # the gradient where backward would have written it
+                    buffers = client.push_buffers()
+                    if buffers is None:
+                        raise RuntimeError("no push buffers in shared memory")
+                    for key, array in grads.items():
+                        np.copyto(buffers[key], array)
+                    payload = buffers
                 started = time.perf_counter()
-                client.pull()
+                client.pull(into=into)
                 pulled = time.perf_counter()
-                client.push(grads)
+                client.push(payload)
                 pushed = time.perf_counter()
                 if round_:
                     times[name]["pull"].append(pulled - started)

@@ -12,6 +12,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -672,10 +673,27 @@ def test_sync_equals_large_batch_sgd_when_a_worker_is_slow_on_the_last_step(ps_s
     _assert_close(server, expected)
 
 
-def test_hogwild_one_worker_equals_plain_sgd(ps_server) -> None:
+def _in_shared_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory lies in a distsgd shared-memory segment (a mapping of a
+    ``/dev/shm/distsgd-...`` file, in this process's ``/proc/self/maps``)."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        start, stop = (int(x, 16) for x in span.split("-"))
+        if start <= address < stop:
+            return "/dev/shm/distsgd-" in line
+    return False
+
+
+@pytest.mark.parametrize("shared_memory", ["auto", "off"])
+def test_hogwild_one_worker_equals_plain_sgd(ps_server, shared_memory: str) -> None:
+    """Exact through the stream and through shared memory, where backward writes the
+    gradients straight into the push area from the second step on."""
     address, _ = ps_server
     model, data = _problem()
-    config = TrainConfig(batch_size=4, steps=5, lr=0.1, momentum=0.9, log_every=1)
+    config = TrainConfig(
+        batch_size=4, steps=5, lr=0.1, momentum=0.9, log_every=1, shared_memory=shared_memory
+    )
     spec = schemes.get("hogwild")
     models = _run_workers(
         address=address,
@@ -691,6 +709,8 @@ def test_hogwild_one_worker_equals_plain_sgd(ps_server) -> None:
     assert version == config.steps
     _assert_close(server, expected)
     _assert_close(_params(models[0]), expected)
+    grads = [p.grad for p in models[0].parameters()]
+    assert all(g is not None and _in_shared_memory(g) for g in grads) is (shared_memory == "auto")
 
 
 def test_downpour_one_worker_equals_plain_sgd_including_remainder_window(ps_server) -> None:

@@ -266,6 +266,30 @@ class ParameterClient:
         with self._lock:
             return self._push(arrays, base_version=base_version, lr_scale=lr_scale)
 
+    def push_buffers(self) -> dict[str, np.ndarray] | None:
+        """Where to write a whole push so that :meth:`push` copies nothing: one array per
+        parameter (of its shape), views of the servers' shared-memory push areas, or None
+        unless every parameter is a whole piece on a server reached through shared memory and
+        pushes travel uncompressed.
+
+        Write them only between calls (never while a pull or push runs). A failure that
+        abandons a segment leaves them valid memory that later pushes copy from as from any
+        array; call this again to get the new segment's."""
+        if self.feedback is not None:
+            return None
+        with self._lock:
+            areas = [shard.push_area() for shard in self.shards]
+        out: dict[str, np.ndarray] = {}
+        for piece in self.plan.pieces:
+            area = areas[piece.shard]
+            if not piece.whole or area is None or piece.key not in area:
+                return None
+            view = area[piece.key]
+            if view.dtype != piece.param.dtype or tuple(view.shape) != piece.param.shape:
+                return None
+            out[piece.param.name] = view
+        return out
+
     def checkpoint(self, name: str) -> list[dict[str, Any]]:
         """Every shard writes its state under checkpoint ``name``: file, sha256, bytes, version."""
         replies = self._each(lambda i, s: s.checkpoint(name))

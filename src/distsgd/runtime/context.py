@@ -244,9 +244,37 @@ class WorkerContext:
     def _per_shard(self, version: int | Sequence[int]) -> list[int]:
         return [version] * len(self.ps.versions) if isinstance(version, int) else list(version)
 
-    def push_grads(self, *, base_version: int | Sequence[int] | None = None) -> list[PushResult]:
-        """Send the replica's gradients."""
-        return self.push(self.grads(), base_version=base_version)
+    def push_grads(
+        self, *, base_version: int | Sequence[int] | None = None, in_place: bool = False
+    ) -> list[PushResult]:
+        """Send the replica's gradients.
+
+        ``in_place``: from the next step on, backward writes the gradients straight into the
+        servers' shared-memory push areas (``param.grad`` become views of them), so a push
+        copies nothing. Only for a scheme that pushes ``param.grad`` as they are and does not
+        touch them until the next backward (never while a push of its runs in the background).
+        Without shared memory (or with compression) it changes nothing."""
+        results = self.push(self.grads(), base_version=base_version)
+        if in_place:
+            self._grads_in_push_area()
+        return results
+
+    def _grads_in_push_area(self) -> None:
+        """Point every ``param.grad`` at its place in the push areas (again after a new
+        segment); leave them where they are when there is no such place."""
+        if self._ps is None:
+            return
+        buffers = self._ps.push_buffers()
+        if buffers is None:
+            return
+        for name, p in self.params.items():
+            area = buffers[name]
+            if p.device.type != "cpu" or str(p.dtype).removeprefix("torch.") != area.dtype.name:
+                return
+        for name, p in self.params.items():
+            area = buffers[name]
+            if p.grad is None or p.grad.data_ptr() != area.__array_interface__["data"][0]:
+                p.grad = torch.from_numpy(area)
 
     # -- collectives ----------------------------------------------------------------------------
     def allreduce_mean(self, tensors: list[torch.Tensor]) -> None:

@@ -62,7 +62,7 @@ class DynsgdWorker(WorkerScheme):
         ctx.pull()
 
     def after_backward(self, ctx: WorkerContext) -> None:
-        ctx.push_grads(base_version=ctx.versions)
+        ctx.push_grads(base_version=ctx.versions, in_place=True)
 
 
 SPEC = SchemeSpec(

@@ -86,7 +86,7 @@ class HogwildWorker(WorkerScheme):
 
     def after_backward(self, ctx: WorkerContext) -> None:
         if not self.options.overlap:
-            ctx.push_grads()
+            ctx.push_grads(in_place=True)  # backward then writes into the push area: no copy
             return
         self._land(ctx)
         grads = {k: v.copy() for k, v in ctx.grads().items()}  # the next backward reuses them

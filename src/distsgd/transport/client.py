@@ -661,6 +661,13 @@ class ShardClient:
 
         return self._settle_shared(call, base_version, again, lr_scale)
 
+    def push_area(self) -> dict[str, np.ndarray] | None:
+        """The segment's push area, one array per piece (attaching a segment first if none):
+        a :meth:`push` of these very arrays copies nothing. None without shared memory. Write
+        them only between calls, never while one runs (the server reads them then)."""
+        channel = self._shared_channel()
+        return None if channel is None or channel.segment is None else channel.push
+
     def _push_shared(
         self,
         channel: _SharedChannel,
@@ -669,7 +676,9 @@ class ShardClient:
         lr_scale: float,
     ) -> PushResult:
         for key, array in tensors.items():
-            np.copyto(channel.push[key], array, casting="no")
+            area = channel.push[key]
+            if not _is_area(array, area):  # a payload written in place needs no copy
+                np.copyto(area, array, casting="no")
         header = pb.PushHeader(
             header=self._header,
             base_version=base_version,
@@ -697,6 +706,17 @@ class ShardClient:
             "Leave",
             lambda: self._stub.Leave(request, timeout=self.timeout, metadata=self._metadata),
         ).version
+
+
+def _is_area(array: np.ndarray, area: np.ndarray) -> bool:
+    """Whether ``array`` is ``area`` itself (the same memory, shape and dtype)."""
+    array = np.asarray(array)
+    return (
+        array.__array_interface__["data"][0] == area.__array_interface__["data"][0]
+        and array.shape == area.shape
+        and array.dtype == area.dtype
+        and array.flags.c_contiguous
+    )
 
 
 def _as_bytes(parts: Sequence[np.ndarray]) -> np.ndarray:
