@@ -16,8 +16,9 @@ The data paths (``PATHS``): gRPC (the stream: every other path off), the tensor 
 (``ParameterClient(..., tensor_socket=True)``: tensor bytes on a plain TCP connection beside
 gRPC) and shared memory (``shared_memory=True``), twice: a push of the client's own arrays
 (copied into the segment), and a push of a gradient already in the segment's push area
-(``ParameterClient.push_buffers()``, written there untimed, as Hogwild's backward writes it). A build whose ParameterClient lacks a path's
-keyword reports that path as not available in this build. The server it started is stopped by
+(``ParameterClient.push_buffers()``, written there untimed, as Hogwild's backward writes it).
+A build whose ParameterClient lacks a path's keyword reports that path as not available in this
+build. The server it started is stopped by
 PID in any case.
 """
 

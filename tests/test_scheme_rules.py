@@ -678,7 +678,7 @@ def _in_shared_memory(tensor: torch.Tensor) -> bool:
     ``/dev/shm/distsgd-...`` file, in this process's ``/proc/self/maps``)."""
     address = tensor.data_ptr()
     for line in Path("/proc/self/maps").read_text().splitlines():
-        span, *rest = line.split()
+        span = line.split()[0]
         start, stop = (int(x, 16) for x in span.split("-"))
         if start <= address < stop:
             return "/dev/shm/distsgd-" in line
