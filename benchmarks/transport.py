@@ -18,8 +18,7 @@ gRPC) and shared memory (``shared_memory=True``), twice: a push of the client's 
 (copied into the segment), and a push of a gradient already in the segment's push area
 (``ParameterClient.push_buffers()``, written there untimed, as Hogwild's backward writes it).
 A build whose ParameterClient lacks a path's keyword reports that path as not available in this
-build. The server it started is stopped by
-PID in any case.
+build. The server it started is stopped by PID in any case.
 """
 
 from __future__ import annotations
