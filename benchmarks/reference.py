@@ -94,12 +94,15 @@ def main() -> None:
         _wait_for_peers(args.ready_dir, args.peers, f"rank{args.rank}")
     result = workload.train_loop(model, x, y, args.steps, seed=args.rank)
     result.update(mode=args.mode, rank=args.rank, hidden=args.hidden)
+    args.out.write_text(json.dumps(result) + "\n")
     if args.mode == "ddp":
         import torch.distributed as dist
 
+        # Both ranks have measured; leave together, without destroy_process_group: a rank
+        # tearing gloo down while its peer still leaves the barrier can abort it (SIGABRT).
         dist.barrier()
-        dist.destroy_process_group()
-    args.out.write_text(json.dumps(result) + "\n")
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
