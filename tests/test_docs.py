@@ -136,7 +136,7 @@ def test_shell_commands_in_docs_parse(path: Path) -> None:
     """Every ``distsgd`` command shown in a bash block is accepted by the CLI's parser, its
     scheme options belong to its scheme, and its scheme lists name real schemes."""
     from distsgd.cli.flags import scheme_options
-    from distsgd.cli.main import build_parser
+    from distsgd.cli.main import build_parser, parse_argv
     from distsgd.launcher.compare import parse_entry, split_schemes
 
     parser = build_parser()
@@ -147,7 +147,7 @@ def test_shell_commands_in_docs_parse(path: Path) -> None:
                 contextlib.redirect_stdout(io.StringIO()),
                 contextlib.redirect_stderr(io.StringIO()),
             ):
-                args = parser.parse_args(argv)
+                args = parse_argv(parser, argv)
         except SystemExit as exc:  # --help-scheme prints and exits 0
             if exc.code in (0, None):
                 continue

@@ -78,6 +78,14 @@ def _add_launch_flags(parser: argparse.ArgumentParser, *, compare: bool = False)
     )
     if not compare:
         parser.add_argument("--quiet", action="store_true", help="hide task log lines")
+        parser.add_argument(
+            "--ray",
+            default=None,
+            metavar="ADDRESS",
+            help="run the tasks as Ray actors (pip install 'distsgd[ray]'): --ray alone on a "
+            "local Ray instance on 127.0.0.1, --ray=ADDRESS on the Ray cluster there ('auto', "
+            "HOST:PORT, ray://...)",
+        )
     ft = parser.add_argument_group("fault tolerance")
     ft.add_argument(
         "--checkpoint-every",
@@ -254,6 +262,7 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
         "max_restarts": args.max_restarts,
         "faults": tuple(args.inject_fault),
         "tls": _tls(args),
+        "ray": args.ray,
     }
     resume = getattr(args, "resume", None)
     if resume is not None:
@@ -430,10 +439,26 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+def _bare_ray(argv: list[str]) -> list[str]:
+    """``--ray`` alone (a local Ray instance) as ``--ray=``, so that the script after it is
+    not taken for an address; only before the script (the first ``.py`` argument)."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg.endswith(".py") or arg == "--":
+            return out + argv[i:]
+        out.append("--ray=" if arg == "--ray" else arg)
+    return out
+
+
+def parse_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """The command line as the CLI reads it (``--ray`` alone meaning a local Ray instance)."""
+    return parser.parse_args(_bare_ray(list(argv)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args = parse_argv(parser, argv)
     try:
         if args.command == "run":
             return _cmd_run(args, args.script, args.script_args)

@@ -83,6 +83,13 @@ class LaunchConfig:
     )
     tls: TlsConfig | None = field(default=None, metadata={"help": "mutual TLS for every task"})
     quiet: bool = field(default=False, metadata={"help": "hide task log lines"})
+    ray: str | None = field(
+        default=None,
+        metadata={
+            "help": "run the tasks as Ray actors: a cluster's address ('auto', 'host:port', "
+            "'ray://...'), or '' for a local Ray instance on 127.0.0.1; None: local processes"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.workers < 1:

@@ -29,7 +29,7 @@ from distsgd.cluster import ClusterSpec, TaskId
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.progress import Console, Progress
-from distsgd.launcher.supervisor import Supervisor, Task
+from distsgd.launcher.supervisor import Supervisor, TaskHandle, Tasks
 from distsgd.runtime.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -95,7 +95,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
-    supervisor = Supervisor(log_dir=run_dir / "logs", echo=console.line)
+    supervisor = _supervisor(config, run_dir, console)
     local = LocalRun(config, console, run_dir, supervisor, stop)
     previous: dict[signal.Signals, Any] = {}
 
@@ -117,7 +117,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         console.error(f"{DIVERGED_PREFIX}{exc}; {schemes.get(config.scheme).divergence_fix()}")
         return EXIT_DIVERGED
     finally:
-        supervisor.stop()
+        supervisor.close()
         # Segments are unlinked once a worker maps them; a server killed before that leaves a
         # name behind, which carries this run's prefix.
         shm.remove_leftovers(shm.run_prefix(local.run_id))
@@ -128,7 +128,24 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         _write_tasks(run_dir, supervisor)
 
 
-def _write_tasks(run_dir: Path, supervisor: Supervisor) -> None:
+def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
+    """Local processes, or (``config.ray``) Ray actors, one bundle of resources per task."""
+    if config.ray is None:
+        return Supervisor(log_dir=run_dir / "logs", echo=console.line)
+    from distsgd.launcher.ray_tasks import RaySupervisor
+
+    bundles = {f"ps{i}": {"CPU": 1.0} for i in range(config.num_ps)}
+    bundles.update(
+        {f"worker{i}": {"CPU": float(config.threads_per_worker)} for i in range(config.workers)}
+    )
+    where = config.ray or "a local Ray instance (127.0.0.1)"
+    console.note(f"[distsgd] tasks as Ray actors on {where}")
+    return RaySupervisor(
+        log_dir=run_dir / "logs", echo=console.line, address=config.ray, bundles=bundles
+    )
+
+
+def _write_tasks(run_dir: Path, supervisor: Tasks) -> None:
     """``tasks.json``: the PID of every task, for diagnostics and for tests that check cleanup."""
     pids = {t.name: t.pid for t in supervisor.tasks.values()}
     write_atomic(run_dir / "tasks.json", json.dumps(pids) + "\n")
@@ -142,7 +159,7 @@ class LocalRun:
         config: LaunchConfig,
         console: Console,
         run_dir: Path,
-        supervisor: Supervisor,
+        supervisor: Tasks,
         stop: threading.Event,
     ) -> None:
         self.config = config
@@ -218,20 +235,20 @@ class LocalRun:
         }
         write_atomic(self.run_dir / CONFIG_FILE, json.dumps(data, indent=2) + "\n")
 
-    def start_ps(self, index: int, *, address: str, restore: Path | None) -> Task:
+    def start_ps(self, index: int, *, address: str, restore: Path | None) -> TaskHandle:
         """Start ps ``index`` and wait until it reports the address it bound."""
         task = self.spawn_ps(index, address=address, restore=restore)
         self.await_ps(index, task)
         return task
 
-    def await_ps(self, index: int, task: Task) -> None:
+    def await_ps(self, index: int, task: TaskHandle) -> None:
         bound = _wait_for_address(task, self.ps_address_file(index), 60.0)
         self.spec = self.spec.with_address(self.spec.task("ps", index), bound)
 
     def ps_address_file(self, index: int) -> Path:
         return self.run_dir / f"ps{index}.address"
 
-    def spawn_ps(self, index: int, *, address: str, restore: Path | None) -> Task:
+    def spawn_ps(self, index: int, *, address: str, restore: Path | None) -> TaskHandle:
         """Start ps ``index`` on ``address`` (port 0: any); it writes its real address to
         :meth:`ps_address_file` once it listens."""
         init = self.run_dir / "cluster-init.json"
@@ -279,11 +296,11 @@ class LocalRun:
             ]
         return self._start(f"ps{index}", argv, self.ps_env)
 
-    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> Task:
+    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> TaskHandle:
         self.started_at[name] = time.monotonic()
         return self.supervisor.start(name, argv, env)
 
-    def start_worker(self, index: int, *, resume: Path | None, continue_at: int = 0) -> Task:
+    def start_worker(self, index: int, *, resume: Path | None, continue_at: int = 0) -> TaskHandle:
         c = self.config
         task_env = TaskEnv(
             cluster=self.spec.to_dict(),
@@ -430,9 +447,9 @@ class LocalRun:
                         fault="kill",
                         target=fault.task,
                     )
-                    os.kill(task.pid, signal.SIGKILL)
+                    task.kill()
 
-    def _handle_failure(self, task: Task, code: int) -> None:
+    def _handle_failure(self, task: TaskHandle, code: int) -> None:
         step = self.progress.step
         if code == DIVERGED_EXIT_CODE and task.name.startswith("worker"):
             self._fault(task.name, code, step, "stop", diverged=True)
@@ -554,7 +571,7 @@ class LocalRun:
             f"from {checkpoint.path.name if checkpoint else 'the start'}"
         )
         self.supervisor.stop()
-        self.supervisor.tasks.clear()
+        self.supervisor.forget()
         self.done.clear()
         self.restored_ps.clear()
         at = 0 if checkpoint is None else checkpoint.step
@@ -602,7 +619,7 @@ class LocalRun:
         return EXIT_OK
 
 
-def _wait_for_address(task: Task, path: Path, timeout: float) -> str:
+def _wait_for_address(task: TaskHandle, path: Path, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists():

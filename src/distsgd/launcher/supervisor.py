@@ -18,9 +18,41 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 log = logging.getLogger(__name__)
+
+
+class TaskHandle(Protocol):
+    """What the launcher reads of a started task, local or remote (a Ray actor's)."""
+
+    name: str
+    log_path: Path
+    tail: collections.deque[str]
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+
+class Tasks(Protocol):
+    """Starts, watches and stops the tasks of one run: :class:`Supervisor` (local processes)
+    or :class:`~distsgd.launcher.ray_tasks.RaySupervisor` (Ray actors)."""
+
+    @property
+    def tasks(self) -> Mapping[str, TaskHandle]: ...
+
+    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str]) -> TaskHandle: ...
+
+    def stop(self, names: Sequence[str] | None = None, *, grace: float = 2.0) -> None: ...
+
+    def forget(self) -> None:
+        """Drop every stopped task (before the whole cluster starts again)."""
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -39,6 +71,11 @@ class Task:
 
     def poll(self) -> int | None:
         return self.process.poll()
+
+    def kill(self) -> None:
+        """SIGKILL the task (``--inject-fault kill``)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.process.pid, signal.SIGKILL)
 
 
 class Supervisor:
@@ -80,6 +117,13 @@ class Supervisor:
                 task.tail.append(line)
                 self.echo(f"[{task.name}] {line}")
         stream.close()
+
+    def close(self) -> None:
+        """Stop every task (the Ray supervisor also leaves its cluster here)."""
+        self.stop()
+
+    def forget(self) -> None:
+        self.tasks.clear()
 
     def stop(self, names: Sequence[str] | None = None, *, grace: float = 2.0) -> None:
         """End the named tasks (default: all): SIGTERM to each group, SIGKILL after ``grace``."""

@@ -1,0 +1,361 @@
+"""Tasks as Ray actors: ``distsgd run --ray`` runs the very task processes of the local launcher,
+each started by an actor in a placement group, so Ray schedules them and distsgd does the rest.
+
+Ray reserves one bundle per task (``CPU`` per task, ``GPU`` where asked) in a placement group;
+each task's actor starts the task's ordinary command line as a child process on its node and
+hands its output to the launcher, which writes the logs and watches exits as it does for local
+processes. The data plane stays distsgd's own (gRPC and the run secret, shared memory, tensor
+sockets): Ray is the scheduler, not the transport. Restarts and ``--inject-fault`` go through
+the same :class:`~distsgd.launcher.supervisor.Supervisor` interface, and nothing outlives the
+launcher: a task process exits with its actor (the lifeline is the actor's PID), actors are
+killed when stopped, and the placement group is removed; without an address the launcher's own
+Ray instance is shut down, which ends whatever is left of it.
+
+A local instance (no address) is ``ray start --head --block`` in a session of its own,
+listening on 127.0.0.1 only, with a :mod:`~distsgd.launcher.reaper` that ends its process group
+if the launcher is killed (Ray's agents outlive a killed driver). This step places every task on
+one node (``STRICT_PACK``): the tasks share the run folder, as the local launcher's do.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib.util
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distsgd.launcher.lifeline import PARENT_ENV
+from distsgd.launcher.reaper import end_group
+
+log = logging.getLogger(__name__)
+
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's switch that, set to 0, makes a new local instance use 127.0.0.1 as its node address
+(it then binds its servers there) instead of the machine's network address."""
+RAY_TIMEOUT = 60.0
+"""How long a call on an actor, or the placement group's reservation, may take (seconds)."""
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or a one-line ValueError naming the extra to install."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError(
+            "--ray needs Ray: pip install 'distsgd[ray]' (or pip install ray)"
+        ) from None
+    return ray
+
+
+class LocalRay:
+    """A Ray instance of this launcher's own, on 127.0.0.1: ``ray start --head --block`` in its
+    own session (its process group is ours to end), watched by a reaper."""
+
+    def __init__(self, *, cpus: int, gpus: int, timeout: float = RAY_TIMEOUT) -> None:
+        # a short path: Ray's socket paths under it must fit in 107 bytes
+        self.temp_dir = tempfile.mkdtemp(prefix="dray-", dir="/tmp")
+        self.log = Path(self.temp_dir) / "ray-start.log"
+        # Ray's token authentication, with a token of this run's (not ~/.ray/auth_token)
+        token = Path(self.temp_dir) / "auth_token"
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32))
+        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+        """What a driver of this instance needs in its environment to authenticate."""
+        env = {**os.environ, LOOPBACK_ENV: "0", "RAY_USAGE_STATS_ENABLED": "0", **self.auth}
+        argv = [
+            sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+            "--port=0", f"--num-cpus={cpus}", f"--num-gpus={gpus}", "--include-dashboard=false",
+            "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
+        ]  # fmt: skip
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self.reaper = subprocess.Popen(
+            [sys.executable, "-m", "distsgd.launcher.reaper", str(self.process.pid), self.temp_dir],
+            env={**os.environ, PARENT_ENV: str(os.getpid())},
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            self.address = self._wait_for_address(timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_for_address(self, timeout: float) -> str:
+        current = Path(self.temp_dir) / "ray_current_cluster"
+        deadline = time.monotonic() + timeout
+        while not (current.is_file() and current.read_text().strip()):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise ValueError(
+                    f"--ray: the local Ray instance did not start within {timeout:.0f}s "
+                    f"({' / '.join(tail) or 'no output'}); see {self.log}"
+                )
+            time.sleep(0.1)
+        return current.read_text().strip()
+
+    def close(self) -> None:
+        """End the instance's whole process group (SIGTERM, then SIGKILL), and its reaper."""
+        end_group(self.process.pid)
+        self.process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            self.reaper.kill()
+        self.reaper.wait()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+class TaskRunner:
+    """The actor's body: one task process on the actor's node (Ray makes this a remote class)."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+        self.lines: list[str] = []
+        self.lock = threading.Lock()
+        self.reader: threading.Thread | None = None
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, str]:
+        """Start the task (its own session, tied to this actor); (pid, node address)."""
+        import ray
+
+        child_env = {**env, PARENT_ENV: str(os.getpid())}
+        self.process = subprocess.Popen(
+            list(argv),
+            env=child_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        return self.process.pid, str(ray.util.get_node_ip_address())
+
+    def _read(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for raw in iter(self.process.stdout.readline, b""):
+            with self.lock:
+                self.lines.append(raw.decode(errors="replace"))
+
+    def read(self, start: int) -> tuple[list[str], int | None]:
+        """The output lines from ``start`` on, and the exit code once the process exited and
+        every line was read (None while it runs)."""
+        assert self.process is not None
+        code = self.process.poll()
+        if code is not None and self.reader is not None:
+            self.reader.join(timeout=2.0)
+        with self.lock:
+            lines = self.lines[start:]
+        return lines, code
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the task's process group (the group we created, by its PID)."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signum)
+
+    def stop(self, grace: float) -> int | None:
+        """SIGTERM, then after ``grace`` seconds SIGKILL to the task's group; its exit code."""
+        if self.process is None:
+            return None
+        self.signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=grace)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # stragglers in its group too
+        return self.process.wait()
+
+
+@dataclass
+class RayTask:
+    """One task started by an actor: what the launcher reads of a task (name, pid, poll, tail,
+    log), plus kill for ``--inject-fault``."""
+
+    name: str
+    actor: Any
+    pid: int
+    node: str
+    log_path: Path
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
+    code: int | None = None
+    reader: threading.Thread | None = None
+    gone: threading.Event = field(default_factory=threading.Event)
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def kill(self) -> None:
+        """SIGKILL the task's process group on its node (its actor stays, as a parent would)."""
+        import ray
+
+        ray.get(self.actor.signal.remote(int(signal.SIGKILL)), timeout=RAY_TIMEOUT)
+
+
+class RaySupervisor:
+    """Owns the tasks of one run as actors in a placement group of one bundle per task.
+
+    ``address``: a running Ray cluster ("auto", "ray://...", "host:port"); "" starts a local
+    instance on 127.0.0.1 with ``cpus`` CPUs. ``bundles``: task name -> its resources.
+    """
+
+    def __init__(
+        self,
+        *,
+        log_dir: Path,
+        echo: Callable[[str], None],
+        address: str,
+        bundles: Mapping[str, Mapping[str, float]],
+    ) -> None:
+        self.log_dir = log_dir
+        self.echo = echo
+        self.tasks: dict[str, RayTask] = {}
+        self.index = {name: i for i, name in enumerate(bundles)}
+        self.local: LocalRay | None = None
+        if importlib.util.find_spec("ray") is None:
+            import_ray()  # raises the one-line error naming the extra
+        if not address:
+            cpus = sum(b.get("CPU", 0.0) for b in bundles.values())
+            gpus = sum(b.get("GPU", 0.0) for b in bundles.values())
+            self.local = LocalRay(cpus=max(1, int(cpus + 0.999)), gpus=int(gpus + 0.999))
+            address = self.local.address
+            # Read when ray is imported: this driver, too, stays on 127.0.0.1 and presents
+            # the instance's token.
+            os.environ.update({LOOPBACK_ENV: "0", **self.local.auth})
+        self.ray = ray = import_ray()
+        if ray.is_initialized():
+            self.close()
+            raise ValueError("--ray: Ray is already initialised in this process")
+        try:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+            from ray.util.placement_group import placement_group
+
+            self.group = placement_group(
+                [dict(b) for b in bundles.values()], strategy="STRICT_PACK", name=""
+            )
+            if not self.group.wait(timeout_seconds=RAY_TIMEOUT):
+                raise ValueError(
+                    f"--ray: the cluster could not reserve {len(bundles)} tasks' resources on one "
+                    f"node within {RAY_TIMEOUT:.0f}s ({self._wanted(bundles)}); give the "
+                    "cluster more CPUs, or run fewer tasks (--workers, --ps)"
+                )
+            self._remote = ray.remote(TaskRunner)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _wanted(bundles: Mapping[str, Mapping[str, float]]) -> str:
+        totals: dict[str, float] = collections.defaultdict(float)
+        for bundle in bundles.values():
+            for key, value in bundle.items():
+                totals[key] += value
+        return ", ".join(f"{v:g} {k}" for k, v in totals.items())
+
+    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str]) -> RayTask:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        old = self.tasks.get(name)
+        if old is not None:  # a restart: its bundle is free once the old actor is gone
+            self._kill_actor(old)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=self.index[name]
+        )
+        resources = self.group.bundle_specs[self.index[name]]
+        actor = self._remote.options(
+            name=None,
+            num_cpus=resources.get("CPU", 0),
+            num_gpus=resources.get("GPU", 0),
+            max_restarts=0,
+            scheduling_strategy=strategy,
+        ).remote()
+        pid, node = self.ray.get(actor.start.remote(list(argv), dict(env)), timeout=RAY_TIMEOUT)
+        task = RayTask(
+            name=name, actor=actor, pid=pid, node=node, log_path=self.log_dir / f"{name}.log"
+        )
+        task.reader = threading.Thread(target=self._relay, args=(task,), name=f"relay-{name}")
+        task.reader.daemon = True
+        task.reader.start()
+        self.tasks[name] = task
+        log.debug("started %s on %s as pid %d", name, node, pid)
+        return task
+
+    def _relay(self, task: RayTask) -> None:
+        """Fetch the task's output into its log, the console and its tail, until it exits."""
+        got = 0
+        with open(task.log_path, "a", encoding="utf-8") as log_file:
+            while not task.gone.is_set():
+                try:
+                    lines, code = self.ray.get(task.actor.read.remote(got), timeout=RAY_TIMEOUT)
+                except Exception as exc:  # the actor died (node lost, killed): the task with it
+                    log.debug("%s: actor gone: %s", task.name, exc)
+                    task.code = -int(signal.SIGKILL) if task.code is None else task.code
+                    return
+                for line in lines:
+                    log_file.write(line)
+                    text = line.rstrip("\n")
+                    task.tail.append(text)
+                    self.echo(f"[{task.name}] {text}")
+                log_file.flush()
+                got += len(lines)
+                if code is not None and not lines:
+                    task.code = code
+                    return
+                if not lines:
+                    time.sleep(0.1)
+
+    def _kill_actor(self, task: RayTask) -> None:
+        task.gone.set()
+        with contextlib.suppress(Exception):
+            self.ray.kill(task.actor, no_restart=True)
+
+    def stop(self, names: Sequence[str] | None = None, *, grace: float = 2.0) -> None:
+        """End the named tasks (default: all): SIGTERM, SIGKILL after ``grace``, then their
+        actors."""
+        tasks = [self.tasks[n] for n in names] if names is not None else list(self.tasks.values())
+        pending = {task.name: task.actor.stop.remote(grace) for task in tasks if task.code is None}
+        for task in tasks:
+            ref = pending.get(task.name)
+            if ref is not None:
+                with contextlib.suppress(Exception):
+                    code = self.ray.get(ref, timeout=grace + RAY_TIMEOUT)
+                    if task.reader is not None:
+                        task.reader.join(timeout=2.0)
+                    if task.code is None:
+                        task.code = code
+            self._kill_actor(task)
+            if task.code is None:
+                task.code = -int(signal.SIGKILL)
+
+    def forget(self) -> None:
+        self.tasks.clear()
+
+    def close(self) -> None:
+        """Stop every task, remove the placement group, and leave Ray (shutting down the
+        instance this launcher started)."""
+        with contextlib.suppress(Exception):
+            if self.tasks:
+                self.stop()
+        with contextlib.suppress(Exception):
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+        with contextlib.suppress(Exception):
+            self.ray.shutdown()
+        if self.local is not None:
+            self.local.close()

@@ -1,0 +1,72 @@
+"""A process group's reaper: ``python -m distsgd.launcher.reaper PGID [DIR]``, started by a
+launcher, ends the group it was given (the group the launcher created, by its id) when the
+launcher dies, however it dies (SIGKILL included), then removes DIR (the group's scratch
+folder), and exits by itself once the group is gone.
+
+The local launcher's tasks need none (each ties itself to the launcher, ``lifeline.py``); a
+local Ray instance does, because Ray's agent processes outlive a killed driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+
+from distsgd.launcher.lifeline import PARENT_ENV, PR_SET_PDEATHSIG
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - not ours any more
+        return False
+    return True
+
+
+def end_group(pgid: int, grace: float = 3.0) -> None:
+    """SIGTERM to the group, then SIGKILL after ``grace`` seconds if any of it is left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and group_alive(pgid):
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) not in (1, 2) or not args[0].isdigit():
+        print("usage: python -m distsgd.launcher.reaper PGID [DIR]", file=sys.stderr)
+        return 2
+    pgid = int(args[0])
+    scratch = args[1] if len(args) == 2 else None
+    parent = int(os.environ.get(PARENT_ENV, os.getppid()))
+    woken = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: woken.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import ctypes.util
+
+        with contextlib.suppress(OSError):
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    while group_alive(pgid):
+        if woken.wait(0.5) or os.getppid() != parent:
+            end_group(pgid)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+            return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

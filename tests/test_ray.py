@@ -1,0 +1,97 @@
+"""``distsgd run --ray``: the same cluster with each task started by a Ray actor, on a local Ray
+instance of the launcher's own (127.0.0.1 only, a token of its own), with restarts, injected
+faults and cleanup as under the local launcher."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import alive, final_accuracy, metrics, run_distsgd, task_pids, wait_for
+
+pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+
+
+def _ray_processes() -> list[psutil.Process]:
+    """Running processes of a Ray instance a distsgd launcher started (its --temp-dir)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmdline = " ".join(proc.info["cmdline"] or [])
+        except psutil.Error:
+            continue
+        if "/tmp/dray-" in cmdline or "distsgd.launcher.reaper" in cmdline:
+            found.append(proc)
+    return found
+
+
+def _assert_nothing_left(run_dir: Path) -> None:
+    assert wait_for(lambda: not alive(list(task_pids(run_dir).values())), 10)
+    assert wait_for(lambda: not _ray_processes(), 15), [p.info for p in _ray_processes()]
+    assert not list(Path("/tmp").glob("dray-*"))
+
+
+def test_a_parameter_server_scheme_on_ray_survives_a_killed_worker(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["demo", "--ray", "--workers", "2", "--scheme", "hogwild", "--epochs", "4"]
+    fault = ["--inject-fault", "kill:worker:1@step=40"]
+    done = run_distsgd([*args, *fault, "--quiet", "--run-dir", str(run_dir)])
+    assert final_accuracy(done) > 0.85
+    assert "tasks as Ray actors on a local Ray instance (127.0.0.1)" in done.stdout
+    events = [r for r in metrics(run_dir) if r.get("event") in ("fault_injected", "fault")]
+    assert [(e["event"], e["target"]) for e in events][:2] == [
+        ("fault_injected", "worker1"),
+        ("fault", "worker1"),
+    ], events
+    assert events[1]["action"] == "restart", events
+    assert (run_dir / "logs" / "worker1.log").read_text()  # the actors' output, in the run folder
+    _assert_nothing_left(run_dir)
+
+
+def test_a_collective_scheme_on_ray(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["demo", "--ray", "--workers", "2", "--scheme", "allreduce", "--epochs", "4"]
+    done = run_distsgd([*args, "--quiet", "--run-dir", str(run_dir)])
+    assert final_accuracy(done) > 0.85
+    assert json.loads((run_dir / "result.json").read_text())["scheme"] == "allreduce"
+    _assert_nothing_left(run_dir)
+
+
+def test_a_killed_launcher_leaves_no_ray_process_behind(tmp_path: Path, spawn) -> None:
+    """SIGKILL reaches the launcher alone: its tasks follow their actors, and the reaper ends
+    the local Ray instance's whole process group (Ray's agents outlive a killed driver)."""
+    run_dir = tmp_path / "run"
+    args = ["demo", "--ray", "--workers", "2", "--scheme", "hogwild", "--epochs", "1000"]
+    launcher = spawn([*args, "--quiet", "--run-dir", str(run_dir)])
+    assert wait_for(lambda: any(r.get("event") is None for r in metrics(run_dir)), 90)
+    assert _ray_processes()
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=10)
+    assert wait_for(lambda: not _ray_processes(), 20), [p.info for p in _ray_processes()]
+    assert not list(Path("/tmp").glob("dray-*"))
+
+
+def test_ray_missing_is_one_line_naming_the_extra(tmp_path: Path) -> None:
+    blocker = tmp_path / "noray"
+    blocker.mkdir()
+    (blocker / "ray.py").write_text("raise ImportError('no ray here')\n")
+    argv = ["demo", "--ray", "--run-dir", str(tmp_path / "run")]
+    code = (
+        f"import sys; sys.path.insert(0, {str(blocker)!r}); "
+        f"from distsgd.cli.main import main; sys.exit(main({argv!r}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2
+    assert err == [err[-1]] and err[-1].startswith("distsgd: error: --ray needs Ray: pip install")
