@@ -40,29 +40,28 @@ def _assert_nothing_left(run_dir: Path) -> None:
     assert not list(Path("/tmp").glob("dray-*"))
 
 
-def test_a_parameter_server_scheme_on_ray_survives_a_killed_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "flags",
+    [["--scheme", "hogwild", "--ps", "2"], ["--scheme", "allreduce"]],
+    ids=["hogwild-2ps", "allreduce"],
+)
+def test_the_demo_on_ray_survives_a_killed_worker(tmp_path: Path, flags: list[str]) -> None:
+    """Issue 10's commands: 4 workers (and 2 ps) on a local Ray instance reach 0.95 with a
+    worker SIGKILLed mid-run and restarted, and nothing is left afterwards."""
     run_dir = tmp_path / "run"
-    args = ["demo", "--ray", "--workers", "2", "--scheme", "hogwild", "--epochs", "4"]
-    fault = ["--inject-fault", "kill:worker:1@step=40"]
-    done = run_distsgd([*args, *fault, "--quiet", "--run-dir", str(run_dir)])
-    assert final_accuracy(done) > 0.85
+    fault = ["--inject-fault", "kill:worker:1@step=100"]
+    args = ["demo", "--ray", "--workers", "4", *flags, *fault, "--quiet", "--run-dir"]
+    done = run_distsgd([*args, str(run_dir)], timeout=400)
+    assert final_accuracy(done) >= 0.95
     assert "tasks as Ray actors on a local Ray instance (127.0.0.1)" in done.stdout
     events = [r for r in metrics(run_dir) if r.get("event") in ("fault_injected", "fault")]
     assert [(e["event"], e["target"]) for e in events][:2] == [
         ("fault_injected", "worker1"),
         ("fault", "worker1"),
     ], events
-    assert events[1]["action"] == "restart", events
+    assert events[1]["action"] in ("restart", "restart_all"), events
     assert (run_dir / "logs" / "worker1.log").read_text()  # the actors' output, in the run folder
-    _assert_nothing_left(run_dir)
-
-
-def test_a_collective_scheme_on_ray(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    args = ["demo", "--ray", "--workers", "2", "--scheme", "allreduce", "--epochs", "4"]
-    done = run_distsgd([*args, "--quiet", "--run-dir", str(run_dir)])
-    assert final_accuracy(done) > 0.85
-    assert json.loads((run_dir / "result.json").read_text())["scheme"] == "allreduce"
+    assert json.loads((run_dir / "result.json").read_text())["scheme"] == flags[1]
     _assert_nothing_left(run_dir)
 
 
