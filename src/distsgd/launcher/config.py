@@ -141,7 +141,14 @@ class LaunchConfig:
 
     @property
     def threads_per_worker(self) -> int:
-        return self.threads or max(1, (os.cpu_count() or 1) // self.workers)
+        """``--threads``, or the cores left after one per parameter server, shared out."""
+        cores = os.cpu_count() or 1
+        return self.threads or max(1, (cores - self.num_ps) // self.workers)
+
+    @property
+    def device(self) -> str:
+        """The workers' ``--device`` ('' = where each script puts its model)."""
+        return str(self.overrides.get("device", ""))
 
     def resolved_run_dir(self) -> Path:
         if self.run_dir is not None:

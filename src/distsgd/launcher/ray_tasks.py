@@ -134,6 +134,8 @@ class TaskRunner:
         import ray
 
         child_env = {**env, PARENT_ENV: str(os.getpid())}
+        if "CUDA_VISIBLE_DEVICES" in os.environ:  # the GPUs Ray gave this actor, if any
+            child_env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
         self.process = subprocess.Popen(
             list(argv),
             env=child_env,

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -135,14 +136,39 @@ def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
     from distsgd.launcher.ray_tasks import RaySupervisor
 
     bundles = {f"ps{i}": {"CPU": 1.0} for i in range(config.num_ps)}
-    bundles.update(
-        {f"worker{i}": {"CPU": float(config.threads_per_worker)} for i in range(config.workers)}
-    )
+    worker: dict[str, float] = {"CPU": float(config.threads_per_worker)}
+    if config.device.startswith("cuda"):  # auto: a GPU only where Ray gives one anyway
+        worker["GPU"] = 1.0
+    bundles.update({f"worker{i}": dict(worker) for i in range(config.workers)})
     where = config.ray or "a local Ray instance (127.0.0.1)"
     console.note(f"[distsgd] tasks as Ray actors on {where}")
     return RaySupervisor(
         log_dir=run_dir / "logs", echo=console.line, address=config.ray, bundles=bundles
     )
+
+
+def worker_gpus(device: str, environ: Mapping[str, str]) -> list[str]:
+    """The GPUs the local launcher hands out to its workers, one each in turn, as values of
+    ``CUDA_VISIBLE_DEVICES``: for ``--device auto`` or ``cuda`` every GPU this process sees
+    (its own ``CUDA_VISIBLE_DEVICES`` when set), none otherwise. ``--device cuda`` on a machine
+    without one is an error; ``cuda:N`` picks the same GPU for every worker (none handed out)."""
+    if device not in ("auto", "cuda"):
+        return []
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [d.strip() for d in visible.split(",") if d.strip()]
+    else:
+        import torch
+
+        ids = (
+            [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+        )
+    if not ids and device == "cuda":
+        raise ValueError(
+            "--device cuda: this machine shows no GPU to distsgd; use --device auto (GPUs "
+            "where there are some) or cpu"
+        )
+    return ids
 
 
 def _write_tasks(run_dir: Path, supervisor: Tasks) -> None:
@@ -199,7 +225,11 @@ class LocalRun:
             "DISTSGD_THREADS": "1",
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",  # parameter servers stay on CPU (and import no torch)
         }
+        self.gpus = (
+            worker_gpus(config.device, os.environ) if config.ray is None else []
+        )  # under Ray, Ray hands out the GPUs it reserved
         self.spec = ClusterSpec.local(
             num_workers=config.workers, num_ps=self.num_ps, host=config.host
         )
@@ -327,7 +357,10 @@ class LocalRun:
         )
         argv = [sys.executable, "-m", "distsgd.launcher.bootstrap", c.script, *c.script_args]
         self.done.discard(f"worker{index}")
-        return self._start(f"worker{index}", argv, {**self.worker_env, ENV_VAR: task_env.to_json()})
+        env = {**self.worker_env, ENV_VAR: task_env.to_json()}
+        if self.gpus:  # each worker its own GPU (in turn, when there are more workers)
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[index % len(self.gpus)]
+        return self._start(f"worker{index}", argv, env)
 
     def _new_rendezvous(self) -> None:
         if self.collective and self.config.workers > 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,8 @@ WIRE_DTYPES = ("float32", "bf16", "fp16", "int8")
 """What ``TrainConfig.wire_dtype`` may be: the dtype pushed updates travel in."""
 SHARED_MEMORY = ("auto", "off")
 """What ``TrainConfig.shared_memory`` may be."""
+DEVICE = re.compile(r"|auto|cpu|cuda(:[0-9]+)?")
+"""What ``TrainConfig.device`` may be."""
 
 
 def lr_factor(schedule: str, step: int, total: int, warmup: float = 0.0) -> float:
@@ -100,6 +103,14 @@ class TrainConfig:
             "TCP connection beside gRPC, not with TLS) or off (in gRPC streams)"
         },
     )
+    device: str = field(
+        default="",
+        metadata={
+            "help": "where each worker trains: auto (a GPU when the worker sees one, else CPU; "
+            "distsgd run gives each worker its own), cpu, cuda or cuda:N; '' = where the script "
+            "put the model. Parameter servers stay on CPU"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed for model init, data order and sharding"})
     eval_every: int = field(
         default=0, metadata={"help": "chief evaluates every N local steps (0 = only at the end)"}
@@ -147,6 +158,10 @@ class TrainConfig:
             raise ValueError(f"shared_memory must be auto or off, got {self.shared_memory!r}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if not DEVICE.fullmatch(self.device):
+            raise ValueError(
+                f"device must be auto, cpu, cuda or cuda:N ('' = the model's), got {self.device!r}"
+            )
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed (validated again)."""

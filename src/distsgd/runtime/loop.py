@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import math
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -124,6 +125,28 @@ def _wait_all_finished(
         time.sleep(0.05)
 
 
+def resolve_device(text: str, current: torch.device, rank: int = 0) -> torch.device:
+    """Where a worker trains, from ``TrainConfig.device``: '' the model's ``current`` device,
+    auto a GPU when this process sees one (the first it sees: the launcher gives each worker its
+    own through ``CUDA_VISIBLE_DEVICES``), else the CPU; cuda (:N) must exist."""
+    if not text:
+        return current
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(text)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = device.index or 0
+        if index >= count:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            seen = f"{count} GPU(s)" + (f", CUDA_VISIBLE_DEVICES={visible!r}" if visible else "")
+            raise ValueError(
+                f"--device {text}: worker{rank} sees {seen}; use --device auto (a GPU where "
+                "there is one) or cpu"
+            )
+    return device
+
+
 def run_worker(
     *,
     model: nn.Module,
@@ -140,7 +163,8 @@ def run_worker(
     spec = env.spec
     rank, world = env.task_index, spec.num_workers
     chief = rank == 0
-    device = next(model.parameters()).device
+    device = resolve_device(config.device, next(model.parameters()).device, rank)
+    model.to(device)
     run_dir = Path(env.run_dir) if env.run_dir else None
     name = f"worker{rank}"
     batches = ShardedBatches(
