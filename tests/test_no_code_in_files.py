@@ -328,6 +328,9 @@ class _FakeServers:
     def push(self, arrays: Any, *, base_version: Any, lr_scale: float) -> list[PushResult]:
         return [PushResult(True, 1)]
 
+    def push_buffers(self) -> None:
+        return None  # no shared memory: gradients stay where backward puts them
+
 
 def _trained_scheme(name: str) -> tuple[WorkerScheme, WorkerContext]:
     """Worker 0 of ``name`` after 3 steps of a tiny problem, servers and peers faked."""
