@@ -1,4 +1,4 @@
-"""The ``distsgd`` command: run, demo, compare, server, worker, inspect, schemes."""
+"""The ``distsgd`` command: run, demo, compare, server, worker, inspect, schemes, k8s."""
 
 from __future__ import annotations
 
@@ -210,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="torch.distributed store HOST:PORT (default: chief's address)",
     )
+    worker.add_argument(
+        "--checkpoint-every",
+        metavar="N|Ns",
+        default=None,
+        help="checkpoint into RUN_DIR/checkpoints every N steps, or every N seconds with 's' "
+        "(default off; give the servers --checkpoint-dir RUN_DIR/checkpoints)",
+    )
     _add_cluster_flags(worker)
     _add_tls_flags(worker)
     add_scheme_flags(worker)
@@ -226,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
         "schemes",
         help="list the training schemes (details: distsgd run --help-scheme NAME)",
     )
+    from distsgd.cli import k8s
+
+    k8s.add_command(sub, _add_launch_flags)
     return parser
 
 
@@ -360,6 +370,7 @@ def _task_index(arg: int | None, tf_task: Any, job: str) -> int:
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
+    from distsgd.cluster.kube import alias_address, host_aliases
     from distsgd.launcher.bootstrap import setup_logging
     from distsgd.launcher.lifeline import tie_to_parent
     from distsgd.ps import serve
@@ -379,7 +390,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--restore {args.restore}: no such file; give a psN.npz of a checkpoint")
     tie_to_parent()
     setup_logging()
-    address = args.address or spec.address(task)
+    address = alias_address(args.address or spec.address(task), host_aliases())
     serve(
         address=address,
         shard_index=index,
@@ -411,6 +422,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     scheme = schemes.get(args.scheme)
     scheme.worker(scheme.parse_options(options), spec.num_workers)
     tls = _tls(args)
+    steps, seconds = _checkpoint_every(args.checkpoint_every or "0")
+    if (steps or seconds) and not args.run_dir:
+        raise ValueError("--checkpoint-every needs --run-dir (checkpoints go to RUN_DIR)")
     env = TaskEnv(
         cluster=spec.to_dict(),
         task_index=index,
@@ -419,6 +433,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         overrides=collect(args, "train."),
         run_dir=str(args.run_dir or ""),
         rendezvous=args.rendezvous,
+        checkpoint_every=steps,
+        checkpoint_seconds=seconds,
         tls=[] if tls is None else [str(tls.cert), str(tls.key), str(tls.ca)],
     )
     if args.run_dir:
@@ -451,6 +467,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return inspect(args.path)
         if args.command == "schemes":
             return _cmd_schemes()
+        if args.command == "k8s":
+            from distsgd.cli import k8s
+
+            return k8s.main(args)
     except (ValueError, ClusterSpecError, OSError) as exc:
         print(f"distsgd: error: {_one_line(exc)}", file=sys.stderr)
         return 2
