@@ -192,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-dir", type=Path, help="folder the Checkpoint call writes into"
     )
     server.add_argument("--restore", type=Path, help="start from this shard checkpoint (psN.npz)")
+    server.add_argument(
+        "--restore-latest",
+        action="store_true",
+        help="start from this shard's newest file under --checkpoint-dir, if there is one "
+        "(a restarted server: its container, or a pod)",
+    )
     _add_cluster_flags(server)
     _add_tls_flags(server)
 
@@ -216,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="checkpoint into RUN_DIR/checkpoints every N steps, or every N seconds with 's' "
         "(default off; give the servers --checkpoint-dir RUN_DIR/checkpoints)",
+    )
+    worker.add_argument(
+        "--resume-latest",
+        action="store_true",
+        help="continue from this worker's newest state in RUN_DIR/checkpoints, if there is one "
+        "(a restarted worker)",
     )
     _add_cluster_flags(worker)
     _add_tls_flags(worker)
@@ -388,6 +400,13 @@ def _cmd_server(args: argparse.Namespace) -> int:
     tls, secret = _tls(args), load_secret()
     if args.restore is not None and not args.restore.is_file():
         raise ValueError(f"--restore {args.restore}: no such file; give a psN.npz of a checkpoint")
+    restore = args.restore
+    if args.restore_latest:
+        from distsgd.runtime.checkpoint import newest_shard_file
+
+        if args.checkpoint_dir is None or args.restore is not None:
+            raise ValueError("--restore-latest needs --checkpoint-dir, and no --restore")
+        restore = newest_shard_file(args.checkpoint_dir, index)
     tie_to_parent()
     setup_logging()
     address = alias_address(args.address or spec.address(task), host_aliases())
@@ -397,7 +416,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
         rule_factory=schemes.make_server_rule,
         address_file=args.address_file,
         checkpoint_dir=args.checkpoint_dir,
-        restore=args.restore,
+        restore=restore,
         secret=secret,
         tls=tls,
     )
@@ -423,8 +442,15 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     scheme.worker(scheme.parse_options(options), spec.num_workers)
     tls = _tls(args)
     steps, seconds = _checkpoint_every(args.checkpoint_every or "0")
-    if (steps or seconds) and not args.run_dir:
-        raise ValueError("--checkpoint-every needs --run-dir (checkpoints go to RUN_DIR)")
+    if (steps or seconds or args.resume_latest) and not args.run_dir:
+        raise ValueError(
+            "--checkpoint-every and --resume-latest need --run-dir (RUN_DIR/checkpoints)"
+        )
+    resume = None
+    if args.resume_latest:
+        from distsgd.runtime.checkpoint import newest_worker_state
+
+        resume = newest_worker_state(Path(args.run_dir) / "checkpoints", index)
     env = TaskEnv(
         cluster=spec.to_dict(),
         task_index=index,
@@ -435,6 +461,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         rendezvous=args.rendezvous,
         checkpoint_every=steps,
         checkpoint_seconds=seconds,
+        resume="" if resume is None else str(resume),
         tls=[] if tls is None else [str(tls.cert), str(tls.key), str(tls.ca)],
     )
     if args.run_dir:

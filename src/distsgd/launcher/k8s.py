@@ -9,9 +9,10 @@ What :func:`render` writes into the output folder:
   the JobSet completes when the workers have (JobSet then deletes the servers' Jobs); the
   workers ``dependsOn`` the servers being Ready (a TCP readiness probe on the server port); a
   failed container restarts in place (``restartPolicy: OnFailure``, ``backoffLimit``) and a
-  failed Job restarts the whole JobSet (``failurePolicy.maxRestarts``). The run secret comes
-  from a Secret mounted read-only; the run folder, with the checkpoints, is a
-  PersistentVolumeClaim mounted in every pod.
+  failed Job restarts the whole JobSet (``failurePolicy.maxRestarts``); a restarted server
+  or worker continues from its newest checkpoint (``--restore-latest``, ``--resume-latest``).
+  The run secret comes from a Secret mounted read-only; the run folder, with the checkpoints,
+  is ``<name>-<run id>`` on a PersistentVolumeClaim mounted in every pod.
 * ``secret.yaml``: that Secret, with a fresh run secret (:func:`distsgd.transport.new_secret`).
 * ``pvc.yaml``: the PersistentVolumeClaim (``ReadWriteMany``: every pod writes into it).
 * ``trainer.yaml``: the same JobSet template as a Kubeflow Trainer ``TrainingRuntime``
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,8 +58,9 @@ DOCKERFILE = "Dockerfile"
 SCRIPT_DIR = "train"
 WHEELS_DIR = "wheels"
 
-RUN_MOUNT = "/distsgd/run"
-"""Where the PersistentVolumeClaim is mounted in every pod: the run folder."""
+VOLUME_MOUNT = "/distsgd"
+"""Where the PersistentVolumeClaim is mounted in every pod; the run folder is
+``/distsgd/<name>-<run id>`` on it (:attr:`K8sConfig.run_dir`)."""
 SECRET_MOUNT = "/etc/distsgd/secret"
 SECRET_KEY = "secret"
 APP_DIR = "/app"
@@ -115,6 +118,10 @@ class K8sConfig:
     ps_memory: str = field(default="512Mi", metadata={"help": "memory request of a ps pod"})
     storage: str = field(default="1Gi", metadata={"help": "size of the run folder's volume"})
     storage_class: str | None = field(default=None, metadata={"help": "its StorageClass"})
+    run_id: str = field(
+        default_factory=lambda: secrets.token_hex(4),
+        metadata={"help": "names the run folder on the volume (new for every render)"},
+    )
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name) or len(self.name) > MAX_NAME:
@@ -143,6 +150,8 @@ class K8sConfig:
             raise ValueError("--storage-class is empty; drop it for the cluster's default")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if not re.fullmatch(r"[a-z0-9]{1,16}", self.run_id):
+            raise ValueError(f"run id {self.run_id!r}: use up to 16 lower-case letters or digits")
         if self.workers < 1 or self.ps < 0:
             raise ValueError("a run needs at least 1 worker and 0 or more parameter servers")
 
@@ -161,12 +170,18 @@ class K8sConfig:
         return max(1, int(float(cpu)))
 
     @property
+    def run_dir(self) -> str:
+        """The run folder in every pod: on the volume, one per render (a re-applied render
+        resumes there from its checkpoints; a new render starts a new folder)."""
+        return f"{VOLUME_MOUNT}/{self.name}-{self.run_id}"
+
+    @property
     def secret_name(self) -> str:
         return f"{self.name}-secret"
 
     @property
     def claim_name(self) -> str:
-        return f"{self.name}-run"
+        return f"{self.name}-runs"
 
     def labels(self) -> dict[str, str]:
         return {"app.kubernetes.io/name": "distsgd", "app.kubernetes.io/instance": self.name}
@@ -204,21 +219,25 @@ def _value_flags(values: Mapping[str, Any]) -> list[str]:
 
 
 def server_args(config: K8sConfig) -> list[str]:
-    """The ``distsgd`` arguments of a ps pod: listen on every interface of the pod."""
+    """The ``distsgd`` arguments of a ps pod: listen on every interface of the pod; a
+    restarted server starts from its newest shard file on the volume."""
     return [
         "server",
         "--address",
         f"0.0.0.0:{config.port}",
         "--checkpoint-dir",
-        f"{RUN_MOUNT}/checkpoints",
+        f"{config.run_dir}/checkpoints",
+        "--restore-latest",
     ]
 
 
 def worker_args(config: K8sConfig) -> list[str]:
-    """The ``distsgd`` arguments of a worker pod: the user's scheme and training flags."""
-    args = ["worker", "--run-dir", RUN_MOUNT]
+    """The ``distsgd`` arguments of a worker pod: the user's scheme and training flags; a
+    restarted worker continues from its newest state on the volume."""
+    args = ["worker", "--run-dir", config.run_dir]
     if config.checkpoint_every not in ("", "0", "0s"):
         args += ["--checkpoint-every", config.checkpoint_every]
+    args.append("--resume-latest")
     args += ["--scheme", config.scheme]
     args += _value_flags(config.scheme_options)
     args += _value_flags(config.overrides)
@@ -272,7 +291,7 @@ def _job_template(config: K8sConfig, role: str) -> dict[str, Any]:
             }
         },
         "volumeMounts": [
-            {"name": "run", "mountPath": RUN_MOUNT},
+            {"name": "runs", "mountPath": VOLUME_MOUNT},
             {"name": "secret", "mountPath": SECRET_MOUNT, "readOnly": True},
         ],
     }
@@ -288,7 +307,7 @@ def _job_template(config: K8sConfig, role: str) -> dict[str, Any]:
             "restartPolicy": "OnFailure",
             "containers": [container],
             "volumes": [
-                {"name": "run", "persistentVolumeClaim": {"claimName": config.claim_name}},
+                {"name": "runs", "persistentVolumeClaim": {"claimName": config.claim_name}},
                 {
                     "name": "secret",
                     "secret": {"secretName": config.secret_name, "defaultMode": SECRET_MODE},
