@@ -499,6 +499,53 @@ def test_without_pyyaml_one_line_names_the_extra(
 # --------------------------------------------------------------------------------- 3. local
 
 
+def test_k8s_local_gives_each_pod_its_container_line_and_what_kubernetes_sets(
+    rendered: Path, tmp_path: Path
+) -> None:
+    """Without starting anything: the command line is the container's (mount paths become
+    local folders, distsgd this Python's), and the environment makes each pod find itself at
+    its loopback alias, with the secret readable from the mounted file only."""
+    from distsgd.launcher.k8s_local import LocalCluster
+    from distsgd.launcher.progress import Console
+    from distsgd.transport.security import load_secret
+
+    cluster = LocalCluster(rendered, tmp_path / "local", Console(stream=io.StringIO()))
+    try:
+        assert [p.name for p in cluster.pods] == [
+            *(f"digits-ps-0-{i}" for i in range(2)),
+            *(f"digits-worker-0-{i}" for i in range(3)),
+        ]
+        ports = {p.port for p in cluster.pods}
+        assert len(ports) == 5
+        (secret,) = _load(rendered / "secret.yaml")
+        for pod in cluster.pods:
+            mounts = cluster._mounts(pod)
+            env, _ = cluster._environment(pod, mounts)
+            argv, cwd = cluster._argv(pod, {}, mounts)
+            assert argv[:3] == [sys.executable, "-m", "distsgd"]
+            container_args = pod.container["args"]
+            assert len(argv[3:]) == len(container_args)
+            for local, given in zip(argv[3:], container_args, strict=True):
+                if given.startswith("/distsgd/"):
+                    assert local == str(tmp_path / "local" / "digits-runs" / given[9:])
+                else:
+                    assert local == given.replace("$$", "$")
+            assert cwd == rendered / "train"
+            assert env["HOSTNAME"] == pod.name
+            assert env["JOB_COMPLETION_INDEX"] == str(pod.index)
+            spec, task = resolve_cluster(environ=env)
+            assert task == TaskId(job=pod.job, index=pod.index)
+            assert spec.address(task) == f"127.0.0.1:{pod.port}"
+            aliases = json.loads(env[HOST_ALIASES_ENV])
+            assert alias_address("0.0.0.0:3333", aliases) == f"127.0.0.1:{pod.port}"
+            path = Path(env["DISTSGD_SECRET_FILE"])
+            assert stat.S_IMODE(path.stat().st_mode) == 0o400
+            assert load_secret({"DISTSGD_SECRET_FILE": str(path)}) == secret["stringData"]["secret"]
+    finally:
+        cluster.close()
+    assert not cluster.private.exists()  # the secret's folder goes with the run
+
+
 @pytest.mark.slow
 def test_k8s_local_runs_the_demo_to_its_accuracy(tmp_path: Path) -> None:
     out, local = tmp_path / "out", tmp_path / "local"
@@ -540,3 +587,25 @@ def test_k8s_local_stops_every_pod_on_sigterm(spawn, tmp_path: Path) -> None:  #
     assert proc.returncode == 130, output[-3000:]
     assert "interrupted" in output
     assert alive(pids) == []
+
+
+@pytest.mark.slow
+def test_k8s_local_restarts_a_killed_worker_from_its_checkpoint(spawn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """restartPolicy OnFailure: the killed worker's container comes back in the same pod and
+    continues from its newest state on the volume (--resume-latest); the run completes."""
+    out, local = tmp_path / "out", tmp_path / "local"
+    _render(out, "--workers", "2", "--ps", "1", "--epochs", "10", "--checkpoint-every", "10")
+    proc = spawn(["k8s", "local", str(out), "--local-dir", str(local), "--quiet"])
+    states = "distsgd-runs/*/checkpoints/workers/worker1-*.pt"
+    assert wait_for(lambda: list(local.glob(states)), 120), "no checkpoint of worker1"
+    killed = task_pids(local)["distsgd-worker-0-1"]
+    os.kill(killed, signal.SIGKILL)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output[-3000:]
+    assert "pod distsgd-worker-0-1 failed (exit code -9); restarting its container" in output
+    accuracy = float(output.strip().splitlines()[-1].split(":")[1])
+    assert accuracy >= 0.9, output[-2000:]
+    log = (local / "logs" / "distsgd-worker-0-1.log").read_text()
+    assert "resumed from" in log, log[-2000:]
+    restarted = task_pids(local)["distsgd-worker-0-1"]
+    assert restarted != killed and alive([killed, *task_pids(local).values()]) == []

@@ -456,7 +456,8 @@ _WHAT = {
     JOBSET_FILE: "kubectl apply -f secret.yaml -f pvc.yaml -f jobset.yaml (needs JobSet)",
     SECRET_FILE: "The run secret: keep this file private (it is mode 0600), never commit it.",
     PVC_FILE: "The run folder (metrics, results, checkpoints), shared by every pod.",
-    TRAINER_FILE: "Instead of jobset.yaml, with Kubeflow Trainer: kubectl apply -f trainer.yaml",
+    TRAINER_FILE: "kubectl apply -f secret.yaml -f pvc.yaml -f trainer.yaml (instead of "
+    "jobset.yaml; needs Kubeflow Trainer)",
 }
 
 
