@@ -1,4 +1,4 @@
-"""The ``distsgd`` command: run, demo, compare, server, worker, inspect, schemes."""
+"""The ``distsgd`` command: run, demo, compare, server, worker, inspect, schemes, k8s."""
 
 from __future__ import annotations
 
@@ -200,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-dir", type=Path, help="folder the Checkpoint call writes into"
     )
     server.add_argument("--restore", type=Path, help="start from this shard checkpoint (psN.npz)")
+    server.add_argument(
+        "--restore-latest",
+        action="store_true",
+        help="start from this shard's newest file under --checkpoint-dir, if there is one "
+        "(a restarted server: its container, or a pod)",
+    )
     _add_cluster_flags(server)
     _add_tls_flags(server)
 
@@ -218,6 +224,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="torch.distributed store HOST:PORT (default: chief's address)",
     )
+    worker.add_argument(
+        "--checkpoint-every",
+        metavar="N|Ns",
+        default=None,
+        help="checkpoint into RUN_DIR/checkpoints every N steps, or every N seconds with 's' "
+        "(default off; give the servers --checkpoint-dir RUN_DIR/checkpoints)",
+    )
+    worker.add_argument(
+        "--resume-latest",
+        action="store_true",
+        help="continue from this worker's newest state in RUN_DIR/checkpoints, if there is one "
+        "(a restarted worker)",
+    )
     _add_cluster_flags(worker)
     _add_tls_flags(worker)
     add_scheme_flags(worker)
@@ -234,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
         "schemes",
         help="list the training schemes (details: distsgd run --help-scheme NAME)",
     )
+    from distsgd.cli import k8s
+
+    k8s.add_command(sub, _add_launch_flags)
     return parser
 
 
@@ -369,6 +391,7 @@ def _task_index(arg: int | None, tf_task: Any, job: str) -> int:
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
+    from distsgd.cluster.kube import alias_address, host_aliases
     from distsgd.launcher.bootstrap import setup_logging
     from distsgd.launcher.lifeline import tie_to_parent
     from distsgd.ps import serve
@@ -386,16 +409,23 @@ def _cmd_server(args: argparse.Namespace) -> int:
     tls, secret = _tls(args), load_secret()
     if args.restore is not None and not args.restore.is_file():
         raise ValueError(f"--restore {args.restore}: no such file; give a psN.npz of a checkpoint")
+    restore = args.restore
+    if args.restore_latest:
+        from distsgd.runtime.checkpoint import newest_shard_file
+
+        if args.checkpoint_dir is None or args.restore is not None:
+            raise ValueError("--restore-latest needs --checkpoint-dir, and no --restore")
+        restore = newest_shard_file(args.checkpoint_dir, index)
     tie_to_parent()
     setup_logging()
-    address = args.address or spec.address(task)
+    address = alias_address(args.address or spec.address(task), host_aliases())
     serve(
         address=address,
         shard_index=index,
         rule_factory=schemes.make_server_rule,
         address_file=args.address_file,
         checkpoint_dir=args.checkpoint_dir,
-        restore=args.restore,
+        restore=restore,
         secret=secret,
         tls=tls,
     )
@@ -420,6 +450,16 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     scheme = schemes.get(args.scheme)
     scheme.worker(scheme.parse_options(options), spec.num_workers)
     tls = _tls(args)
+    steps, seconds = _checkpoint_every(args.checkpoint_every or "0")
+    if (steps or seconds or args.resume_latest) and not args.run_dir:
+        raise ValueError(
+            "--checkpoint-every and --resume-latest need --run-dir (RUN_DIR/checkpoints)"
+        )
+    resume = None
+    if args.resume_latest:
+        from distsgd.runtime.checkpoint import newest_worker_state
+
+        resume = newest_worker_state(Path(args.run_dir) / "checkpoints", index)
     env = TaskEnv(
         cluster=spec.to_dict(),
         task_index=index,
@@ -428,6 +468,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         overrides=collect(args, "train."),
         run_dir=str(args.run_dir or ""),
         rendezvous=args.rendezvous,
+        checkpoint_every=steps,
+        checkpoint_seconds=seconds,
+        resume="" if resume is None else str(resume),
         tls=[] if tls is None else [str(tls.cert), str(tls.key), str(tls.ca)],
     )
     if args.run_dir:
@@ -476,6 +519,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return inspect(args.path)
         if args.command == "schemes":
             return _cmd_schemes()
+        if args.command == "k8s":
+            from distsgd.cli import k8s
+
+            return k8s.main(args)
     except (ValueError, ClusterSpecError, OSError) as exc:
         print(f"distsgd: error: {_one_line(exc)}", file=sys.stderr)
         return 2

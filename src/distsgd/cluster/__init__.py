@@ -5,6 +5,7 @@ It sits just above ``distsgd.util`` and depends only on the standard library.
 
 from __future__ import annotations
 
+from .kube import apply_host_aliases, cluster_from_jobset
 from .spec import (
     JOBS,
     ClusterSpec,
@@ -19,6 +20,8 @@ __all__ = [
     "ClusterSpec",
     "ClusterSpecError",
     "TaskId",
+    "apply_host_aliases",
+    "cluster_from_jobset",
     "parse_tf_config",
     "resolve_cluster",
 ]

@@ -86,12 +86,15 @@ class Supervisor:
         self.echo = echo
         self.tasks: dict[str, Task] = {}
 
-    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str]) -> Task:
+    def start(
+        self, name: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: Path | None = None
+    ) -> Task:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         process = subprocess.Popen(
             list(argv),
             env=dict(env),
+            cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

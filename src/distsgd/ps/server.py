@@ -26,7 +26,12 @@ from distsgd.ps.rules import RuleFactory
 from distsgd.ps.service import ParameterService
 from distsgd.transport.client import GRPC_OPTIONS
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
-from distsgd.transport.security import TlsConfig, exposure_warning, server_credentials
+from distsgd.transport.security import (
+    TlsConfig,
+    exposure_warning,
+    server_credentials,
+    trusted_network,
+)
 from distsgd.util import write_atomic
 
 log = logging.getLogger(__name__)
@@ -158,7 +163,8 @@ def serve(
 
     ``secret``, ``tls``, ``checkpoint_dir`` and ``restore`` as for :func:`start_server`. A warning
     is logged on any address without a run secret (on loopback every local user can connect),
-    and on a non-loopback one without TLS. Returns within a second of ``stop`` (or the signal).
+    and on a non-loopback one without TLS (unless it has a secret and ``DISTSGD_TRUSTED_NETWORK``
+    is 1). Returns within a second of ``stop`` (or the signal).
     """
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -182,7 +188,7 @@ def serve(
             "mutual TLS" if tls is not None else "plaintext",
         )
         warning = exposure_warning(bound, secret=secret, tls=tls)
-        if warning is not None:
+        if warning is not None and not (secret and trusted_network()):
             log.warning("%s", warning)
         if address_file is not None:
             write_atomic(address_file, bound + "\n")

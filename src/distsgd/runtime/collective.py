@@ -21,12 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distsgd.transport.security import is_loopback
+from distsgd.transport.security import TRUSTED_NETWORK_ENV, is_loopback
 
 log = logging.getLogger(__name__)
-
-TRUSTED_NETWORK_ENV = "DISTSGD_TRUSTED_NETWORK"
-"""Set to 1 to say the network between the workers is trusted: no exposure warning."""
 
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 """torch's own variable: gloo listens on these interfaces (comma-separated) when it is set."""

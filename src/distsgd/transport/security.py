@@ -35,6 +35,11 @@ SECRET_FILE_ENV = "DISTSGD_SECRET_FILE"
 METADATA_KEY = "x-distsgd-auth"
 """gRPC call-metadata key under which clients send the run secret."""
 
+TRUSTED_NETWORK_ENV = "DISTSGD_TRUSTED_NETWORK"
+"""Set to 1 to say the network between the tasks is trusted (a pod network, a VPN): no warning
+about plaintext beyond loopback, from the collective's data plane or from a parameter server
+that has a run secret (a server without one still warns)."""
+
 MIN_SECRET_CHARS = 32
 """The shortest run secret accepted (:func:`new_secret` makes 64 hex characters)."""
 
@@ -215,6 +220,12 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def trusted_network(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether :data:`TRUSTED_NETWORK_ENV` is 1 (the user says the network is trusted)."""
+    env = os.environ if environ is None else environ
+    return env.get(TRUSTED_NETWORK_ENV, "") == "1"
 
 
 def exposure_warning(address: str, *, secret: str | None, tls: TlsConfig | None) -> str | None:

@@ -1,0 +1,174 @@
+"""``distsgd k8s render`` and ``distsgd k8s local``: a run on Kubernetes, and a rehearsal of it.
+
+``render`` takes the options of ``distsgd run`` (the same flag builders), plus where the run
+goes (image, namespace, name, resources), and writes the manifests
+(``distsgd.launcher.k8s``). ``local`` runs the rendered pods on this machine
+(``distsgd.launcher.k8s_local``). See docs/kubernetes.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+AddFlags = Callable[[argparse.ArgumentParser], None]
+
+
+class _OutDirFirst(argparse.ArgumentParser):
+    """A parser whose first argument is OUT_DIR, taken before the flags are parsed.
+
+    ``distsgd k8s render OUT_DIR [flags] [SCRIPT [ARGS]]``: with OUT_DIR an ordinary positional,
+    argparse would hand every flag after it to the script's arguments (they are a remainder).
+    """
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        items = list(args or ())
+        out_dir = items.pop(0) if items and not items[0].startswith("-") else None
+        parsed, extra = super().parse_known_args(items, namespace)
+        if out_dir is None:
+            self.error("OUT_DIR is required and comes first: " + (self.usage or ""))
+        parsed.out_dir = Path(out_dir)
+        return parsed, extra
+
+
+def add_command(sub: Any, add_launch_flags: AddFlags) -> None:
+    """The ``k8s`` command and its subcommands; ``add_launch_flags`` adds run's flags."""
+    k8s = sub.add_parser(
+        "k8s",
+        help="render Kubernetes manifests (JobSet, Kubeflow Trainer) for a run, or rehearse them",
+        description="Render the manifests of a distsgd run on Kubernetes (a JobSet with a ps and "
+        "a worker job, a Secret, a PersistentVolumeClaim, a Kubeflow Trainer runtime and "
+        "TrainJob, a Dockerfile), or run rendered manifests' pods on this machine.",
+    )
+    actions = k8s.add_subparsers(
+        dest="k8s_command", required=True, metavar="ACTION", parser_class=_OutDirFirst
+    )
+    render = actions.add_parser(
+        "render",
+        usage="distsgd k8s render OUT_DIR [options] [SCRIPT [ARGS ...]]",
+        help="write the manifests into OUT_DIR (no SCRIPT: the demo)",
+        description="Write jobset.yaml, secret.yaml, pvc.yaml, trainer.yaml, a Dockerfile and "
+        "the script into OUT_DIR (new or empty, or --force). Takes the options of distsgd "
+        "run; the workers run 'distsgd worker' with exactly the scheme and training flags "
+        "given here.",
+    )
+    where = render.add_argument_group("kubernetes")
+    where.add_argument("--image", default="distsgd:latest", help="image of every pod")
+    where.add_argument("--namespace", default="default", help="namespace of every object")
+    where.add_argument(
+        "--name", default="distsgd", help="name of the JobSet and TrainJob (default distsgd)"
+    )
+    where.add_argument("--port", type=int, default=2222, help="port of every task (default 2222)")
+    where.add_argument("--worker-cpu", default="1", help="CPU request per worker (default 1)")
+    where.add_argument("--worker-memory", default="1Gi", help="memory per worker (default 1Gi)")
+    where.add_argument("--ps-cpu", default="1", help="CPU request per ps (default 1)")
+    where.add_argument("--ps-memory", default="512Mi", help="memory per ps (default 512Mi)")
+    where.add_argument("--storage", default="1Gi", help="size of the run folder's volume")
+    where.add_argument("--storage-class", default=None, help="its StorageClass (ReadWriteMany)")
+    where.add_argument("--force", action="store_true", help="overwrite a non-empty OUT_DIR")
+    add_launch_flags(render)
+    render.add_argument("script", nargs="?", help="training script (default: the bundled demo)")
+    render.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="arguments passed to the script"
+    )
+
+    local = actions.add_parser(
+        "local",
+        usage="distsgd k8s local OUT_DIR [--local-dir DIR] [--quiet]",
+        help="run the pods of a rendered OUT_DIR on this machine, as Kubernetes would",
+        description="Run every pod of OUT_DIR/jobset.yaml (written by distsgd k8s render) as a "
+        "local process: the container's "
+        "command and args, the environment Kubernetes gives it, host names mapped to loopback "
+        "ports; servers first, workers once the servers are ready, done when the workers are.",
+    )
+    local.add_argument(
+        "--local-dir",
+        type=Path,
+        default=None,
+        help="folder for the volumes and logs (default OUT_DIR/local-<time>)",
+    )
+    local.add_argument("--quiet", action="store_true", help="hide the pods' log lines")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.k8s_command == "local":
+        from distsgd.launcher.k8s_local import run_local
+        from distsgd.launcher.progress import Console
+
+        return run_local(args.out_dir, local_dir=args.local_dir, console=Console(quiet=args.quiet))
+    return _render(args)
+
+
+def _render(args: argparse.Namespace) -> int:
+    from distsgd.cli.flags import collect, scheme_options
+    from distsgd.cli.main import DEMO_SCRIPT, _checkpoint_every
+    from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, LaunchConfig
+    from distsgd.launcher.k8s import K8sConfig, render
+
+    unsupported = [
+        flag
+        for flag, given in (
+            ("--run-dir (the run folder is the volume)", args.run_dir is not None),
+            ("--quiet", args.quiet),
+            ("--inject-fault", bool(args.inject_fault)),
+            ("--tls-cert/--tls-key/--tls-ca", args.tls_cert or args.tls_key or args.tls_ca),
+        )
+        if given
+    ]
+    if unsupported:
+        raise ValueError(f"distsgd k8s render does not take {', '.join(unsupported)}; drop it")
+    script = Path(args.script) if args.script else DEMO_SCRIPT
+    data = () if args.script else (DEMO_SCRIPT.with_name("digits.npz"),)
+    steps, seconds = _checkpoint_every(args.checkpoint_every)
+    checkpoint_every = args.checkpoint_every or f"{DEFAULT_CHECKPOINT_SECONDS:.0f}s"
+    # The same checks as distsgd run: the scheme, its options, --ps, training flags, the script.
+    launch = LaunchConfig(
+        script=str(script),
+        script_args=tuple(args.script_args),
+        workers=args.workers,
+        ps=args.ps,
+        scheme=args.scheme,
+        scheme_options=scheme_options(args),
+        overrides=collect(args, "train."),
+        threads=args.threads,
+        checkpoint_every=steps,
+        checkpoint_seconds=seconds,
+        max_restarts=args.max_restarts,
+    )
+    config = K8sConfig(
+        script=script,
+        data_files=data,
+        script_args=launch.script_args,
+        workers=launch.workers,
+        ps=launch.num_ps,
+        scheme=launch.scheme,
+        scheme_options=launch.scheme_options,
+        overrides=launch.overrides,
+        name=args.name,
+        namespace=args.namespace,
+        image=args.image,
+        port=args.port,
+        checkpoint_every=checkpoint_every,
+        max_restarts=launch.max_restarts,
+        threads=launch.threads,
+        worker_cpu=args.worker_cpu,
+        worker_memory=args.worker_memory,
+        ps_cpu=args.ps_cpu,
+        ps_memory=args.ps_memory,
+        storage=args.storage,
+        storage_class=args.storage_class,
+    )
+    written = render(config, args.out_dir, force=args.force)
+    print(f"distsgd: wrote {len(written)} files into {args.out_dir}:")
+    for path in written:
+        print(f"  {path}")
+    print(
+        f"next: docker build -t {config.image} {args.out_dir}; "
+        f"kubectl apply -f {args.out_dir}/secret.yaml -f {args.out_dir}/pvc.yaml "
+        f"-f {args.out_dir}/jobset.yaml   (rehearse here: distsgd k8s local {args.out_dir})"
+    )
+    return 0
