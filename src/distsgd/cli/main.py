@@ -200,6 +200,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-dir", type=Path, help="folder the Checkpoint call writes into"
     )
     server.add_argument("--restore", type=Path, help="start from this shard checkpoint (psN.npz)")
+    server.add_argument(
+        "--evict-after",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="evict a member silent (no call, no heartbeat) for this long (default 60)",
+    )
+    server.add_argument(
+        "--max-workers",
+        type=int,
+        default=0,
+        help="worker indexes up to this may join (default 0: the registered number)",
+    )
     _add_cluster_flags(server)
     _add_tls_flags(server)
 
@@ -372,6 +385,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
     from distsgd.launcher.bootstrap import setup_logging
     from distsgd.launcher.lifeline import tie_to_parent
     from distsgd.ps import serve
+    from distsgd.ps.membership import check_evict_after
+    from distsgd.ps.rules import MAX_WORKERS
     from distsgd.transport.security import load_secret
 
     spec, tf_task = resolve_cluster(
@@ -386,6 +401,9 @@ def _cmd_server(args: argparse.Namespace) -> int:
     tls, secret = _tls(args), load_secret()
     if args.restore is not None and not args.restore.is_file():
         raise ValueError(f"--restore {args.restore}: no such file; give a psN.npz of a checkpoint")
+    check_evict_after(args.evict_after)
+    if not 0 <= args.max_workers <= MAX_WORKERS:
+        raise ValueError(f"--max-workers must be in 0..{MAX_WORKERS}, got {args.max_workers}")
     tie_to_parent()
     setup_logging()
     address = args.address or spec.address(task)
@@ -398,6 +416,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
         restore=args.restore,
         secret=secret,
         tls=tls,
+        max_workers=args.max_workers,
+        evict_after=args.evict_after,
     )
     from distsgd.launcher.bootstrap import exit_now
 
