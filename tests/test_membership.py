@@ -31,10 +31,11 @@ from distsgd.ps.membership import Membership, check_evict_after
 from distsgd.ps.rules import MAX_WORKERS
 from distsgd.ps.server import stop_server
 from distsgd.ps.service import ParameterService
-from distsgd.runtime import TaskEnv, TrainConfig, run_worker
+from distsgd.runtime import TaskEnv, TrainConfig, WorkerContext, run_worker
 from distsgd.runtime.run_folder import METRICS_FILE
 from distsgd.schemes import make_server_rule
 from distsgd.schemes.downpour import DownpourOptions, DownpourWorker
+from distsgd.schemes.easgd import EasgdOptions, EasgdWorker
 from distsgd.transport import PushReject
 from distsgd.transport.client import ShardClient
 from distsgd.transport.errors import PROTOCOL_VERSION, Refusal, RemoteError
@@ -191,6 +192,7 @@ def test_silent_member_is_evicted_after_the_timeout(server: tuple[str, Parameter
     changes: list[tuple[int, int, list[int]]] = []
     try:
         joined = client.join()
+        assert client.live_workers == 2
         beat = Heartbeat(client, joined, lambda *change: changes.append(change))
         try:
             began = time.monotonic()
@@ -205,6 +207,7 @@ def test_silent_member_is_evicted_after_the_timeout(server: tuple[str, Parameter
         info = client.info()[0]
         assert (info.membership_epoch, list(info.members)) == (1, [0])  # worker 0 heartbeats
         assert changes == [(0, 1, [0])]
+        assert client.live_workers == 1  # what the heartbeat heard (2 at the join)
     finally:
         client.close()
 
@@ -655,3 +658,48 @@ def test_dynamic_world_size_is_refused_under_a_collective_scheme() -> None:
             scheme=spec.worker(spec.options(), 1),
         )
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--evict-after", "0"),
+        ("--evict-after", "nan"),
+        ("--max-workers", "-1"),
+        ("--max-workers", "70000"),
+    ],
+)
+def test_server_flags_are_checked(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    from distsgd.cli.main import main
+
+    cluster = ["--ps_hosts", "127.0.0.1:1", "--worker_hosts", "127.0.0.1:2", "--task", "0"]
+    assert main(["server", *cluster, flag, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert flag in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    ("world_size", "alpha", "live", "rate"),
+    [("fixed", 0.0, 2, 0.3), ("dynamic", 0.0, 2, 0.45), ("dynamic", 0.25, 2, 0.25)],
+)
+def test_easgd_moving_rate_reads_the_live_workers(
+    world_size: str, alpha: float, live: int, rate: float
+) -> None:
+    """alpha = 0.9 / workers: 3 registered, 2 live; a given alpha stays as it is."""
+    client = _client("127.0.0.1:1", 0)
+    try:
+        client.members = [list(range(live))]
+        ctx = WorkerContext(
+            model=nn.Linear(2, 1),
+            config=TrainConfig(world_size=world_size),
+            rank=0,
+            num_workers=3,
+            device=torch.device("cpu"),
+            ps=client,
+        )
+        worker = EasgdWorker(EasgdOptions(alpha=alpha), 3)
+        assert worker.moving_rate(ctx) == pytest.approx(rate)
+    finally:
+        client.close()

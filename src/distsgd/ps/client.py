@@ -93,6 +93,8 @@ class ParameterClient:
         self.last_waited = 0.0
         """Seconds the last pull spent waiting on the servers for a version (the longest
         shard's wait: the shards are pulled in parallel)."""
+        self.members: list[list[int]] = [[] for _ in addresses]
+        """Each shard's live members as last heard (:meth:`join`, :class:`Heartbeat`)."""
 
     @property
     def tensor_socket_shards(self) -> int:
@@ -303,7 +305,14 @@ class ParameterClient:
 
     def join(self) -> list[pb.MembershipResponse]:
         """Join every shard's membership (protocol 4); each shard's epoch and members."""
-        return self._each(lambda i, s: s.join())
+        replies: list[pb.MembershipResponse] = self._each(lambda i, s: s.join())
+        self.members = [list(r.members) for r in replies]
+        return replies
+
+    @property
+    def live_workers(self) -> int:
+        """How many workers are members of any shard, as last heard (0 before :meth:`join`)."""
+        return len(set().union(*self.members)) if self.members else 0
 
     def info(self) -> list[pb.InfoResponse]:
         return self._each(lambda i, s: s.info())
@@ -377,6 +386,7 @@ class Heartbeat:
             log.warning("heartbeat to ps%d failed: %s", i, exc)
             return
         self.intervals[i] = _interval(reply.evict_after_seconds)
+        self.client.members[i] = list(reply.members)
         if reply.epoch != self.epochs[i]:
             self.epochs[i] = reply.epoch
             self.on_change(i, reply.epoch, list(reply.members))

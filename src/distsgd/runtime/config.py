@@ -118,7 +118,7 @@ class TrainConfig:
         metadata={
             "help": "how parameter-server rules count workers: fixed (the registered number; "
             "missing workers contribute nothing) or dynamic (the live members the servers see: "
-            "sync's replicas to aggregate, DOWNPOUR's default server rate)"
+            "sync's replicas to aggregate, DOWNPOUR's default server rate, EASGD's moving rate)"
         },
     )
     seed: int = field(default=0, metadata={"help": "seed for model init, data order and sharding"})
