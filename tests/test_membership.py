@@ -42,7 +42,7 @@ from distsgd.transport.errors import PROTOCOL_VERSION, Refusal, RemoteError
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
 
-EVICT = 0.6
+EVICT = 1.0
 """The servers' eviction timeout in these tests (seconds)."""
 
 
