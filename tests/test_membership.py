@@ -634,6 +634,7 @@ def test_workers_join_log_membership_and_dynamic_equals_fixed(tmp_path: Path) ->
         runs[world_size] = _train_sync(world_size, tmp_path / world_size)
         lines = (tmp_path / world_size / METRICS_FILE).read_text().splitlines()
         events = [r for r in map(json.loads, lines) if r.get("event") == "membership"]
+        assert all({"time", "step", "task"} <= set(r) for r in events)  # as every line
         assert sorted((r["task"], r["ps"], r["epoch"], r["members"]) for r in events) == [
             ("worker0", 0, 0, [0, 1]),
             ("worker1", 0, 0, [0, 1]),

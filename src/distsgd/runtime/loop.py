@@ -221,7 +221,6 @@ def run_worker(
                     plan.shard_bytes,
                 )
             ps.wait_registered(env.startup_timeout)
-            heartbeat = _join(ps, metrics)
         elif world > 1:
             rendezvous = env.rendezvous or spec.worker[0]
             collective = Collective(
@@ -243,6 +242,8 @@ def run_worker(
             ps=ps,
             collective=collective,
         )
+        if ps is not None:
+            heartbeat = _join(ps, metrics, ctx)
         log.info(
             "%s: scheme %s, %d steps of batch %d (%d per epoch)",
             name,
@@ -478,14 +479,22 @@ def _server_options(scheme: WorkerScheme, config: TrainConfig) -> dict[str, Any]
     return options
 
 
-def _join(ps: ParameterClient, metrics: MetricsWriter) -> Heartbeat:
+def _join(ps: ParameterClient, metrics: MetricsWriter, ctx: WorkerContext) -> Heartbeat:
     """Join every shard's membership, log it, and keep it with a :class:`Heartbeat` that logs
-    a ``membership`` event whenever a shard's epoch changes."""
+    a ``membership`` event (at the worker's step as last heard) whenever a shard's epoch
+    changes."""
     joined = ps.join()
 
     def changed(shard: int, epoch: int, members: list[int]) -> None:
         log.info("ps%d: membership epoch %d, members %s", shard, epoch, members)
-        metrics.log(event="membership", ps=shard, epoch=epoch, members=members)
+        metrics.log(
+            step=ctx.global_step,
+            local_step=ctx.local_step,
+            event="membership",
+            ps=shard,
+            epoch=epoch,
+            members=members,
+        )
 
     for i, reply in enumerate(joined):
         changed(i, reply.epoch, list(reply.members))
