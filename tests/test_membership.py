@@ -704,3 +704,22 @@ def test_easgd_moving_rate_reads_the_live_workers(
         assert worker.moving_rate(ctx) == pytest.approx(rate)
     finally:
         client.close()
+
+
+def test_heartbeat_stops_promptly_when_the_server_is_gone() -> None:
+    """A worker finishing while its server is down must not hang in the heartbeat thread."""
+    grpc_server, address, service = start_server(
+        address="127.0.0.1:0", shard_index=0, rule_factory=make_server_rule, evict_after=EVICT
+    )
+    _register(address, "hogwild", {"lr": 0.1, "momentum": 0.0}, 1)
+    client = _client(address, 0)
+    try:
+        beat = Heartbeat(client, client.join(), lambda *change: None)
+        stop_server(grpc_server, service)
+        time.sleep(EVICT)  # a beat or two fail meanwhile (logged, not raised)
+        began = time.monotonic()
+        beat.stop()
+        assert time.monotonic() - began < 3.0
+        assert not beat._thread.is_alive()
+    finally:
+        client.close()

@@ -22,6 +22,8 @@ Server, for step t::
 
 R defaults to N - backup_workers. With R = N this equals single-process SGD on a batch N times
 larger. A worker that finishes leaves; from then on a step closes with min(R, workers left).
+Under ``--world-size dynamic`` a step needs the pushes of the shard's live members less the
+backups (R - N + members), and closes as soon as a leave or an eviction makes it complete.
 """
 
 from __future__ import annotations
