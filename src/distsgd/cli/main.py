@@ -206,6 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from this shard's newest file under --checkpoint-dir, if there is one "
         "(a restarted server: its container, or a pod)",
     )
+    server.add_argument(
+        "--evict-after",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="evict a member silent (no call, no heartbeat) for this long (default 60)",
+    )
+    server.add_argument(
+        "--max-workers",
+        type=int,
+        default=0,
+        help="worker indexes up to this may join (default 0: the registered number)",
+    )
     _add_cluster_flags(server)
     _add_tls_flags(server)
 
@@ -395,6 +408,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
     from distsgd.launcher.bootstrap import setup_logging
     from distsgd.launcher.lifeline import tie_to_parent
     from distsgd.ps import serve
+    from distsgd.ps.membership import check_evict_after
+    from distsgd.ps.rules import MAX_WORKERS
     from distsgd.transport.security import load_secret
 
     spec, tf_task = resolve_cluster(
@@ -416,6 +431,9 @@ def _cmd_server(args: argparse.Namespace) -> int:
         if args.checkpoint_dir is None or args.restore is not None:
             raise ValueError("--restore-latest needs --checkpoint-dir, and no --restore")
         restore = newest_shard_file(args.checkpoint_dir, index)
+    check_evict_after(args.evict_after)
+    if not 0 <= args.max_workers <= MAX_WORKERS:
+        raise ValueError(f"--max-workers must be in 0..{MAX_WORKERS}, got {args.max_workers}")
     tie_to_parent()
     setup_logging()
     address = alias_address(args.address or spec.address(task), host_aliases())
@@ -428,6 +446,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
         restore=restore,
         secret=secret,
         tls=tls,
+        max_workers=args.max_workers,
+        evict_after=args.evict_after,
     )
     from distsgd.launcher.bootstrap import exit_now
 

@@ -10,7 +10,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,7 +20,7 @@ import numpy as np
 from distsgd.ps import compression
 from distsgd.ps.partition import PartitionPlan
 from distsgd.transport.client import PushResult, ShardClient
-from distsgd.transport.errors import PushReject, RemoteError
+from distsgd.transport.errors import PushReject, Refusal, RemoteError
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.security import TlsConfig
 
@@ -93,6 +93,8 @@ class ParameterClient:
         self.last_waited = 0.0
         """Seconds the last pull spent waiting on the servers for a version (the longest
         shard's wait: the shards are pulled in parallel)."""
+        self.members: list[list[int]] = [[] for _ in addresses]
+        """Each shard's live members as last heard (:meth:`join`, :class:`Heartbeat`)."""
 
     @property
     def tensor_socket_shards(self) -> int:
@@ -301,6 +303,17 @@ class ParameterClient:
     def leave(self) -> None:
         self._each(lambda i, s: s.leave())
 
+    def join(self) -> list[pb.MembershipResponse]:
+        """Join every shard's membership (protocol 4); each shard's epoch and members."""
+        replies: list[pb.MembershipResponse] = self._each(lambda i, s: s.join())
+        self.members = [list(r.members) for r in replies]
+        return replies
+
+    @property
+    def live_workers(self) -> int:
+        """How many workers are members of any shard, as last heard (0 before :meth:`join`)."""
+        return len(set().union(*self.members)) if self.members else 0
+
     def info(self) -> list[pb.InfoResponse]:
         return self._each(lambda i, s: s.info())
 
@@ -312,3 +325,73 @@ def _first_difference(expected: list[Any], have: list[Any]) -> str:
     if len(expected) != len(have):
         return f"expected {len(expected)} pieces, server has {len(have)}"
     return "none"
+
+
+MembershipCallback = Callable[[int, int, list[int]], None]
+"""Called with (shard index, epoch, members) whenever a shard's membership epoch changes."""
+
+MIN_HEARTBEAT_SECONDS = 0.05
+"""Shortest interval between two heartbeats to one shard."""
+
+
+class Heartbeat:
+    """Keeps a worker a member of every shard: a daemon thread sends each shard a Heartbeat
+    every third of its eviction timeout (two may be lost before the shard evicts it), joins
+    again where a shard answers NOT_MEMBER (it was evicted, or the shard restarted), and calls
+    ``on_change`` whenever the epoch a shard reports changes. Errors are logged, never raised:
+    a shard that is down is retried at the next beat. :meth:`stop` before ``leave``."""
+
+    def __init__(
+        self,
+        client: ParameterClient,
+        joined: Sequence[pb.MembershipResponse],
+        on_change: MembershipCallback,
+    ) -> None:
+        self.client = client
+        self.on_change = on_change
+        self.epochs = [r.epoch for r in joined]
+        self.intervals = [_interval(r.evict_after_seconds) for r in joined]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ps-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread (waits for a beat in flight, at most one call's timeout)."""
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        due = [time.monotonic() + t for t in self.intervals]
+        while True:
+            now = time.monotonic()
+            if self._stop.wait(max(0.0, min(due) - now)):
+                return
+            for i, shard in enumerate(self.client.shards):
+                if due[i] > time.monotonic():
+                    continue
+                self._beat(i, shard)
+                due[i] = time.monotonic() + self.intervals[i]
+
+    def _beat(self, i: int, shard: ShardClient) -> None:
+        timeout = min(max(self.intervals[i], 1.0), 5.0)
+        try:
+            try:
+                reply = shard.heartbeat(timeout=timeout)
+            except RemoteError as exc:
+                if exc.refusal is not Refusal.NOT_MEMBER:
+                    raise
+                log.warning("ps%d no longer counts worker %d; joining again", i, self.client.worker)
+                reply = shard.join(retry=False)
+        except RemoteError as exc:
+            log.warning("heartbeat to ps%d failed: %s", i, exc)
+            return
+        self.intervals[i] = _interval(reply.evict_after_seconds)
+        self.client.members[i] = list(reply.members)
+        if reply.epoch != self.epochs[i]:
+            self.epochs[i] = reply.epoch
+            self.on_change(i, reply.epoch, list(reply.members))
+
+
+def _interval(evict_after: float) -> float:
+    """Seconds between heartbeats for a shard that evicts after ``evict_after`` seconds."""
+    return max(MIN_HEARTBEAT_SECONDS, evict_after / 3) if evict_after > 0 else 20.0

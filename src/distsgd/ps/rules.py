@@ -39,6 +39,18 @@ MAX_OPTIONS_BYTES = 64 << 10
 MAX_OPTIONS_DEPTH = 4
 """Deepest nesting of arrays and objects in ``options_json`` (a flat object is depth 1)."""
 
+WORLD_SIZE_OPTION = "world_size"
+"""The option every rule accepts: "fixed" (count the registered workers, the default) or
+"dynamic" (count the live members of the shard's membership)."""
+
+
+def world_size_of(options: Mapping[str, Any]) -> str:
+    """The ``world_size`` option ("fixed" when absent); ValueError (one line) if malformed."""
+    value = options.get(WORLD_SIZE_OPTION, "fixed")
+    if value not in ("fixed", "dynamic"):
+        raise ValueError(f"option 'world_size' must be 'fixed' or 'dynamic', got {_short(value)}")
+    return str(value)
+
 
 @dataclass(frozen=True, kw_only=True)
 class PushMeta:
@@ -225,7 +237,11 @@ class ServerOptions:
         """The options from a JSON object (already parsed); ValueError naming a bad option."""
         hints = typing.get_type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in mapping if k not in fields and k not in cls.ignored)
+        unknown = sorted(
+            str(k)
+            for k in mapping
+            if k not in fields and k not in cls.ignored and k != WORLD_SIZE_OPTION
+        )
         if unknown:
             takes = ", ".join(fields) or "none"
             raise ValueError(
@@ -268,8 +284,19 @@ class UpdateRule(ABC):
     def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
         """``options``: the parsed JSON object the worker half's ``server_options`` returned; a
         rule reads them with its :class:`ServerOptions` subclass (``XOptions.from_json``), which
-        raises ValueError naming a bad option. Every rule is built as ``Rule(options, n)``."""
+        raises ValueError naming a bad option. Every rule is built as ``Rule(options, n)``.
+        Every rule accepts the ``world_size`` option (:func:`world_size_of`); see
+        :meth:`workers`."""
         self.num_workers = num_workers
+        self.dynamic = world_size_of(options) == "dynamic"
+        """Whether the rule counts the live members (``world_size`` "dynamic")."""
+
+    def workers(self, shard: Shard) -> int:
+        """How many workers the rule counts now: the registered number (``world_size`` fixed),
+        or the shard's live members (dynamic; at least 1)."""
+        if not self.dynamic:
+            return self.num_workers
+        return max(1, len(shard.membership.members))
 
     @abstractmethod
     def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
@@ -280,6 +307,10 @@ class UpdateRule(ABC):
 
     def on_leave(self, shard: Shard, worker: int) -> None:  # noqa: B027 - optional hook
         """A worker finished or left; synchronous rules adjust how many pushes close a step."""
+
+    def on_membership(self, shard: Shard, members: list[int]) -> None:  # noqa: B027
+        """The shard's members changed (a join, leave or eviction; ``members`` ascending), under
+        the shard's lock. Rules that count workers under ``world_size`` dynamic react here."""
 
     def tick(self, shard: Shard, now: float) -> None:  # noqa: B027 - optional hook
         """Called about twice a second under the shard's lock (timeouts, e.g. a dead worker)."""

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from distsgd.ps.auth import SecretInterceptor
+from distsgd.ps.membership import DEFAULT_EVICT_AFTER
 from distsgd.ps.rules import RuleFactory
 from distsgd.ps.service import ParameterService
 from distsgd.transport.client import GRPC_OPTIONS
@@ -80,6 +81,8 @@ def start_server(
     tls: TlsConfig | None = None,
     checkpoint_dir: Path | None = None,
     restore: Path | None = None,
+    max_workers: int = 0,
+    evict_after: float = DEFAULT_EVICT_AFTER,
 ) -> tuple[grpc.Server, str, ParameterService]:
     """Start serving one shard on ``address`` ("host:port", port 0 = any free port).
 
@@ -90,7 +93,8 @@ def start_server(
     always free for pushes, Info and Leave. ``secret``: every call must carry this run secret
     (None = no check; "" or fewer than 32 characters is refused as a mistake). ``tls``: listen
     with mutual TLS instead of plaintext. ``checkpoint_dir`` and ``restore`` go to
-    :class:`ParameterService` (where Checkpoint writes; a shard file to start from).
+    :class:`ParameterService` (where Checkpoint writes; a shard file to start from), and so do
+    ``max_workers`` and ``evict_after`` (membership: see :mod:`distsgd.ps.membership`).
 
     A port in use raises :class:`OSError` with a one-line message.
     """
@@ -113,6 +117,8 @@ def start_server(
         max_waiting_pulls=max(1, max_threads * 3 // 4),
         host=host.strip("[]"),
         tls=tls is not None,
+        max_workers=max_workers,
+        evict_after=evict_after,
     )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix=f"ps{shard_index}"),
@@ -158,10 +164,13 @@ def serve(
     tls: TlsConfig | None = None,
     checkpoint_dir: Path | None = None,
     restore: Path | None = None,
+    max_workers: int = 0,
+    evict_after: float = DEFAULT_EVICT_AFTER,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set); shutdown always runs.
 
-    ``secret``, ``tls``, ``checkpoint_dir`` and ``restore`` as for :func:`start_server`. A warning
+    ``secret``, ``tls``, ``checkpoint_dir``, ``restore``, ``max_workers`` and ``evict_after`` as
+    for :func:`start_server`. A warning
     is logged on any address without a run secret (on loopback every local user can connect),
     and on a non-loopback one without TLS (unless it has a secret and ``DISTSGD_TRUSTED_NETWORK``
     is 1). Returns within a second of ``stop`` (or the signal).
@@ -178,6 +187,8 @@ def serve(
         tls=tls,
         checkpoint_dir=checkpoint_dir,
         restore=restore,
+        max_workers=max_workers,
+        evict_after=evict_after,
     )
     try:
         log.info(

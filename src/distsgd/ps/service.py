@@ -29,6 +29,7 @@ import numpy as np
 
 from distsgd.ps import channel, compression
 from distsgd.ps.channel import Aborted as _Aborted
+from distsgd.ps.membership import DEFAULT_EVICT_AFTER, check_evict_after
 from distsgd.ps.rules import (
     MAX_LR_SCALE,
     MAX_WORKERS,
@@ -171,11 +172,20 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         max_waiting_pulls: int = 48,
         host: str = "",
         tls: bool = False,
+        max_workers: int = 0,
+        evict_after: float = DEFAULT_EVICT_AFTER,
     ) -> None:
         """``host``: the address the server listens on, where it offers tensor sockets ("" =
-        none); ``tls``: the server encrypts its calls, so it offers no tensor sockets."""
+        none); ``tls``: the server encrypts its calls, so it offers no tensor sockets.
+        ``max_workers``: worker indexes up to this may join (0 = the registered number);
+        ``evict_after``: seconds after which a silent member is evicted (see
+        :mod:`distsgd.ps.membership`)."""
         if max_waiting_pulls < 1:
             raise ValueError(f"max_waiting_pulls must be at least 1, got {max_waiting_pulls}")
+        if not 0 <= max_workers <= MAX_WORKERS:
+            raise ValueError(f"--max-workers must be in 0..{MAX_WORKERS}, got {max_workers}")
+        self.max_workers = max_workers
+        self.evict_after = check_evict_after(evict_after)
         self.shard_index = shard_index
         self.rule_factory = rule_factory
         self.chunk_bytes = chunk_bytes
@@ -184,7 +194,11 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         self.shard: Shard | None = None
         if restore is not None:
             self.shard = Shard.from_bytes(
-                Path(restore).read_bytes(), rule_factory, name=str(restore)
+                Path(restore).read_bytes(),
+                rule_factory,
+                name=str(restore),
+                max_workers=max_workers,
+                evict_after=evict_after,
             )
             if self.shard.index != shard_index:
                 raise CorruptCheckpoint(
@@ -249,6 +263,13 @@ class ParameterService(pb_grpc.ParameterServerServicer):
 
     # -- checks ---------------------------------------------------------------------------------
     def _check(self, header: pb.RequestHeader, context: grpc.ServicerContext) -> None:
+        self._check_header(header, context)
+        shard = self.shard
+        if shard is not None:
+            self._check_worker(header.worker, shard.membership.max_workers, context)
+
+    def _check_header(self, header: pb.RequestHeader, context: grpc.ServicerContext) -> None:
+        """The protocol version and the run; not the worker index."""
         if header.protocol_version != PROTOCOL_VERSION:
             _abort(
                 context,
@@ -264,8 +285,6 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 f"a task of run {_clip(header.run_id)} reached shard {self.shard_index} of run "
                 f"{shard.run_id}; stop the old run's tasks or give this run other ports",
             )
-        if shard is not None:
-            self._check_worker(header.worker, shard.num_workers, context)
 
     @staticmethod
     def _check_worker(worker: int, num_workers: int, context: grpc.ServicerContext) -> None:
@@ -276,6 +295,31 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 f"worker {worker} is not in this run of {num_workers} workers; "
                 "give each worker its index 0..N-1 (-1 for tools)",
             )
+
+    def _check_member(
+        self, header: pb.RequestHeader, context: grpc.ServicerContext, *, joining: bool
+    ) -> Shard:
+        """The checks of a Join or Heartbeat: the header, a registered shard, a worker index
+        (not -1) this shard accepts. A Join beyond max_workers is RESOURCE_EXHAUSTED."""
+        self._check_header(header, context)
+        shard = self._registered(context)
+        worker = header.worker
+        if not 0 <= worker < MAX_WORKERS:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"worker {worker} cannot be a member; give a worker index 0..{MAX_WORKERS - 1}",
+            )
+        limit = shard.membership.max_workers
+        if joining and worker >= limit:
+            _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"worker {worker} cannot join ps{self.shard_index}: it takes worker indexes "
+                f"0..{limit - 1}; start the servers with a larger --max-workers",
+                Refusal.RUN_FULL,
+            )
+        return shard
 
     def _registered(self, context: grpc.ServicerContext) -> Shard:
         shard = self.shard
@@ -453,6 +497,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 reply.pushes_rejected = shard.pushes_rejected
                 reply.restored_version = shard.restored_version
                 reply.nonfinite_rejected = shard.nonfinite_rejected
+                reply.membership_epoch = shard.membership.epoch
+                reply.members.extend(shard.membership.live)
         return reply
 
     @_guarded
@@ -525,6 +571,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 values=values,
                 run_id=head.header.run_id,
                 rule=rule,
+                max_workers=self.max_workers,
+                evict_after=self.evict_after,
             )
             self.shard = shard
             if self.closing:  # close() ran while this call assembled: wake its pulls too
@@ -669,6 +717,37 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         version = shard.leave(request.header.worker)
         log.info("shard %d: worker %d finished", self.shard_index, request.header.worker)
         return pb.LeaveResponse(version=version)
+
+    def _membership_reply(self, shard: Shard, epoch: int, members: list[int]) -> Any:
+        return pb.MembershipResponse(
+            epoch=epoch,
+            members=members,
+            evict_after_seconds=shard.membership.evict_after,
+            max_workers=shard.membership.max_workers,
+        )
+
+    @_guarded
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.MembershipResponse:
+        shard = self._check_member(request.header, context, joining=True)
+        self._unless_closing(context)
+        epoch, members = shard.join(request.header.worker, request.header.incarnation)
+        return self._membership_reply(shard, epoch, members)
+
+    @_guarded
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.MembershipResponse:
+        shard = self._check_member(request.header, context, joining=False)
+        seen = shard.heartbeat(request.header.worker, request.header.incarnation)
+        if seen is None:
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker {request.header.worker} is not a member of ps{self.shard_index} (never "
+                "joined, left, or evicted); call Join again",
+                Refusal.NOT_MEMBER,
+            )
+        return self._membership_reply(shard, *seen)
 
     # -- shared memory and tensor sockets (protocol 2; see the .proto) ---------------------------
     def _attached(

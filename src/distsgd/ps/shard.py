@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from distsgd.ps.membership import DEFAULT_EVICT_AFTER, Membership
 from distsgd.ps.rules import (
     PushMeta,
     PushOutcome,
@@ -24,6 +26,8 @@ from distsgd.ps.rules import (
     parse_options_json,
 )
 from distsgd.transport.errors import PushReject
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1
 
@@ -49,7 +53,10 @@ class Shard:
         values: Mapping[str, np.ndarray],
         rule: UpdateRule,
         run_id: str = "",
+        max_workers: int = 0,
+        evict_after: float = DEFAULT_EVICT_AFTER,
     ) -> None:
+        """``max_workers`` and ``evict_after``: see :class:`~distsgd.ps.membership.Membership`."""
         self.index = index
         self.scheme = scheme
         self.options_json = options_json
@@ -67,6 +74,10 @@ class Shard:
         self.restored_version = 0
         self.closing = False
         """Set by :meth:`close`: the server is stopping, waiting readers give up."""
+        self.membership = Membership(
+            num_workers=num_workers, max_workers=max_workers, evict_after=evict_after
+        )
+        """Live members and their epoch; read and changed under ``cond``."""
 
     def bump(self, steps: int = 1) -> int:
         """Advance the version and wake readers waiting for it."""
@@ -119,9 +130,42 @@ class Shard:
         return version
 
     def see(self, worker: int, incarnation: int) -> None:
-        """Record the worker's incarnation (a restarted worker shows a new one)."""
+        """Record the worker's incarnation (a restarted worker shows a new one); the call makes
+        it a member (implicit membership, see :mod:`distsgd.ps.membership`)."""
         if worker >= 0:
             self.incarnations[worker] = incarnation
+            with self.cond:
+                if self.membership.see(worker, incarnation):
+                    self._membership_changed(f"worker {worker} seen")
+
+    def join(self, worker: int, incarnation: int) -> tuple[int, list[int]]:
+        """Explicit membership: ``worker`` joins (again); returns (epoch, members)."""
+        self.incarnations[worker] = incarnation
+        with self.cond:
+            if self.membership.join(worker, incarnation):
+                self.finished.discard(worker)
+                self._membership_changed(f"worker {worker} joined")
+            return self.membership.epoch, self.membership.live
+
+    def heartbeat(self, worker: int, incarnation: int) -> tuple[int, list[int]] | None:
+        """(epoch, members), or None when ``worker`` is not a member."""
+        with self.cond:
+            if not self.membership.heartbeat(worker, incarnation):
+                return None
+            return self.membership.epoch, self.membership.live
+
+    def _membership_changed(self, why: str) -> None:
+        """Under ``cond``: log the new epoch and tell the rule."""
+        members = self.membership.live
+        log.info(
+            "shard %d: membership epoch %d (%s): %d members %s",
+            self.index,
+            self.membership.epoch,
+            why,
+            len(members),
+            members,
+        )
+        self.rule.on_membership(self, members)
 
     def push(self, payload: dict[str, np.ndarray], meta: PushMeta) -> tuple[PushOutcome, int]:
         """Hand a validated payload to the rule; returns the outcome and the version after it.
@@ -159,6 +203,8 @@ class Shard:
             if worker >= 0 and worker not in self.finished:
                 self.finished.add(worker)
                 self.rule.on_leave(self, worker)
+            if self.membership.leave(worker):
+                self._membership_changed(f"worker {worker} left")
             return self.version
 
     @property
@@ -168,6 +214,15 @@ class Shard:
     def tick(self) -> None:
         """Let the rule act on time (a synchronous step waiting for a dead worker)."""
         with self.cond:
+            evicted = self.membership.evict()
+            if evicted:
+                log.warning(
+                    "shard %d: evicted worker(s) %s, silent for over %gs",
+                    self.index,
+                    evicted,
+                    self.membership.evict_after,
+                )
+                self._membership_changed(f"evicted {evicted}")
             self.rule.tick(self, time.monotonic())
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -206,7 +261,13 @@ class Shard:
 
     @classmethod
     def from_bytes(
-        cls, data: bytes, rule_factory: RuleFactory, *, name: str = "checkpoint"
+        cls,
+        data: bytes,
+        rule_factory: RuleFactory,
+        *,
+        name: str = "checkpoint",
+        max_workers: int = 0,
+        evict_after: float = DEFAULT_EVICT_AFTER,
     ) -> Shard:
         """Rebuild a shard written by :meth:`to_bytes`; :class:`CorruptCheckpoint` if unreadable."""
         try:
@@ -236,6 +297,8 @@ class Shard:
             values=values,
             rule=rule,
             run_id=header["run_id"],
+            max_workers=max_workers,
+            evict_after=evict_after,
         )
         shard.version = shard.restored_version = int(header["version"])
         shard.finished = set(header["finished"])

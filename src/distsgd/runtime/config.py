@@ -13,6 +13,8 @@ WIRE_DTYPES = ("float32", "bf16", "fp16", "int8")
 """What ``TrainConfig.wire_dtype`` may be: the dtype pushed updates travel in."""
 SHARED_MEMORY = ("auto", "off")
 """What ``TrainConfig.shared_memory`` may be."""
+WORLD_SIZES = ("fixed", "dynamic")
+"""What ``TrainConfig.world_size`` may be."""
 DEVICE = re.compile(r"|auto|cpu|cuda(:[0-9]+)?")
 """What ``TrainConfig.device`` may be."""
 
@@ -111,6 +113,14 @@ class TrainConfig:
             "put the model. Parameter servers stay on CPU"
         },
     )
+    world_size: str = field(
+        default="fixed",
+        metadata={
+            "help": "how parameter-server rules count workers: fixed (the registered number; "
+            "missing workers contribute nothing) or dynamic (the live members the servers see: "
+            "sync's replicas to aggregate, DOWNPOUR's default server rate, EASGD's moving rate)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed for model init, data order and sharding"})
     eval_every: int = field(
         default=0, metadata={"help": "chief evaluates every N local steps (0 = only at the end)"}
@@ -158,6 +168,8 @@ class TrainConfig:
             raise ValueError(f"shared_memory must be auto or off, got {self.shared_memory!r}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.world_size not in WORLD_SIZES:
+            raise ValueError(f"world_size must be fixed or dynamic, got {self.world_size!r}")
         if not DEVICE.fullmatch(self.device):
             raise ValueError(
                 f"device must be auto, cpu, cuda or cuda:N ('' = the model's), got {self.device!r}"

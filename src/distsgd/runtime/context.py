@@ -140,6 +140,14 @@ class WorkerContext:
         return self._ps
 
     @property
+    def live_workers(self) -> int:
+        """The number of workers a scheme counts now: the registered number, or under
+        ``--world-size dynamic`` the live members the servers last reported."""
+        if self.config.world_size == "dynamic" and self._ps is not None:
+            return self._ps.live_workers or self.num_workers
+        return self.num_workers
+
+    @property
     def versions(self) -> list[int]:
         """Each shard's version as of the last pull."""
         return list(self.ps.versions)

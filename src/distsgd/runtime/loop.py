@@ -25,8 +25,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from distsgd.ps.client import ParameterClient
+from distsgd.ps.client import Heartbeat, ParameterClient
 from distsgd.ps.partition import PartitionPlan
+from distsgd.ps.rules import WORLD_SIZE_OPTION
 from distsgd.runtime.checkpoint import (
     SHARDS_PREFIX,
     Checkpointer,
@@ -173,9 +174,15 @@ def run_worker(
     steps = config.steps or max(1, math.ceil(config.epochs * batches.steps_per_epoch))
     metrics = MetricsWriter(run_dir / METRICS_FILE if run_dir else None, name)
     ps: ParameterClient | None = None
+    heartbeat: Heartbeat | None = None
     collective: Collective | None = None
     try:
         scheme.check_config(config)
+        if config.world_size == "dynamic" and not scheme.uses_parameter_servers:
+            raise ValueError(
+                f"--world-size dynamic under {env.scheme}: only parameter-server schemes follow "
+                "the live membership yet; use --world-size fixed"
+            )
         if scheme.uses_parameter_servers:
             if spec.num_ps == 0:
                 raise ValueError(
@@ -204,7 +211,7 @@ def run_worker(
                 ps.register(
                     arrays,
                     scheme=env.scheme,
-                    options=scheme.server_options(config),
+                    options=_server_options(scheme, config),
                     num_workers=world,
                 )
                 log.info(
@@ -235,6 +242,8 @@ def run_worker(
             ps=ps,
             collective=collective,
         )
+        if ps is not None:
+            heartbeat = _join(ps, metrics, ctx)
         log.info(
             "%s: scheme %s, %d steps of batch %d (%d per epoch)",
             name,
@@ -381,6 +390,8 @@ def run_worker(
         seconds = time.monotonic() - started
         if ckpt is not None:
             ckpt.save_worker(worker_state(), ctx.local_step)
+        if heartbeat is not None:
+            heartbeat.stop()  # before the leave: a heartbeat after it would join again
         if ps is not None:
             ps.leave()  # before waiting on checkpoints: a sync step may wait for this leave
         metrics.log(
@@ -450,11 +461,44 @@ def run_worker(
         metrics.log(event="diverged", reason=str(exc))
         raise
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         if ps is not None:
             ps.close()
         if collective is not None:
             collective.close()
         metrics.close()
+
+
+def _server_options(scheme: WorkerScheme, config: TrainConfig) -> dict[str, Any]:
+    """What the chief registers as the rule's options: the scheme's, and ``world_size`` when
+    dynamic (a fixed run's options stay exactly as before)."""
+    options = scheme.server_options(config)
+    if config.world_size == "dynamic":
+        options = {**options, WORLD_SIZE_OPTION: "dynamic"}
+    return options
+
+
+def _join(ps: ParameterClient, metrics: MetricsWriter, ctx: WorkerContext) -> Heartbeat:
+    """Join every shard's membership, log it, and keep it with a :class:`Heartbeat` that logs
+    a ``membership`` event (at the worker's step as last heard) whenever a shard's epoch
+    changes."""
+    joined = ps.join()
+
+    def changed(shard: int, epoch: int, members: list[int]) -> None:
+        log.info("ps%d: membership epoch %d, members %s", shard, epoch, members)
+        metrics.log(
+            step=ctx.global_step,
+            local_step=ctx.local_step,
+            event="membership",
+            ps=shard,
+            epoch=epoch,
+            members=members,
+        )
+
+    for i, reply in enumerate(joined):
+        changed(i, reply.epoch, list(reply.members))
+    return Heartbeat(ps, joined, changed)
 
 
 def _shard_saver(ps: ParameterClient, root: Path) -> Callable[[int], None]:

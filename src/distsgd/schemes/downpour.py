@@ -100,6 +100,9 @@ class DownpourServerOptions(ServerOptions):
     """What ``DownpourWorker.server_options`` sends: the rate on each pushed update."""
 
     server_lr: float = bounded(low=0.0, low_open=True, high=MAX_RATE, doc="rate on each update")
+    per_worker: bool = bounded(
+        False, doc="server_lr is the default 1 / workers: under world_size dynamic, 1 / members"
+    )
 
 
 class DownpourServer(UpdateRule):
@@ -107,6 +110,11 @@ class DownpourServer(UpdateRule):
         super().__init__(options, num_workers)
         self.options = DownpourServerOptions.from_json(options)
         self.sgd = ServerSGD(lr=self.options.server_lr)
+
+    def on_membership(self, shard: Shard, members: list[int]) -> None:
+        """(world_size dynamic, default rate) the rate follows the live members: 1 / members."""
+        if self.dynamic and self.options.per_worker:
+            self.sgd.lr = 1.0 / self.workers(shard)
 
     def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
         self.sgd.step(shard.values, payload)
@@ -121,6 +129,8 @@ class DownpourWorker(WorkerScheme):
         self.pending = 0
 
     def server_options(self, config: TrainConfig) -> dict[str, Any]:
+        if config.world_size == "dynamic" and not self.options.server_lr:
+            return {"server_lr": self.server_lr, "per_worker": True}
         return {"server_lr": self.server_lr}
 
     def start(self, ctx: WorkerContext) -> None:

@@ -88,9 +88,17 @@ class EasgdWorker(WorkerScheme):
     def elastic_exchange(self, ctx: WorkerContext) -> None:
         _, center = ctx.pull_arrays()
         local = ctx.arrays()
-        diff = {k: self.alpha * (local[k] - center[k]) for k in local}
+        alpha = self.moving_rate(ctx)
+        diff = {k: alpha * (local[k] - center[k]) for k in local}
         ctx.load({k: local[k] - diff[k] for k in local})
         ctx.push(diff)
+
+    def moving_rate(self, ctx: WorkerContext) -> float:
+        """alpha: the given one, or 0.9 / workers, the live ones under ``--world-size
+        dynamic`` (``ctx.live_workers``)."""
+        if self.options.alpha or ctx.config.world_size == "fixed":
+            return self.alpha
+        return 0.9 / ctx.live_workers
 
     def after_backward(self, ctx: WorkerContext) -> None:
         self.optimizer.step()

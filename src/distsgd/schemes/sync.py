@@ -22,6 +22,8 @@ Server, for step t::
 
 R defaults to N - backup_workers. With R = N this equals single-process SGD on a batch N times
 larger. A worker that finishes leaves; from then on a step closes with min(R, workers left).
+Under ``--world-size dynamic`` a step needs the pushes of the shard's live members less the
+backups (R - N + members), and closes as soon as a leave or an eviction makes it complete.
 """
 
 from __future__ import annotations
@@ -181,11 +183,18 @@ class SyncServer(UpdateRule):
     def on_leave(self, shard: Shard, worker: int) -> None:
         self._maybe_close(shard)
 
+    def on_membership(self, shard: Shard, members: list[int]) -> None:
+        """(world_size dynamic) a member left or was evicted: the open step may now close
+        without it, instead of waiting ``step_timeout`` for it."""
+        if self.dynamic:
+            self._maybe_close(shard)
+
     def tick(self, shard: Shard, now: float) -> None:
         """Close a step that waited ``step_timeout`` seconds for a dead or stuck worker."""
         if not self.contributors or now - self.opened < self.step_timeout:
             return
-        missing = sorted(set(range(self.num_workers)) - self.contributors - shard.finished)
+        everyone = shard.membership.members if self.dynamic else range(self.num_workers)
+        missing = sorted(set(everyone) - self.contributors - shard.finished)
         log.warning(
             "shard %d: step %d closed after %.0fs with %d of %d gradients; no gradient from "
             "worker(s) %s",
@@ -215,6 +224,14 @@ class SyncServer(UpdateRule):
 
     def _maybe_close(self, shard: Shard) -> None:
         count = len(self.contributors)
+        if self.dynamic:
+            # The live members, and those that pushed for this step and then went: R is the
+            # registered R less as many workers as the run has fewer (the backups stay backups).
+            expected = len(self.contributors | set(shard.membership.members))
+            need = max(1, expected - (self.num_workers - self.required))
+            if count and count >= need:
+                self._close(shard)
+            return
         # Workers that pushed for this step and then left still count as expected: their
         # leaving must not close the step before the others' gradients for it arrive.
         expected = shard.active_workers + len(self.contributors & shard.finished)

@@ -699,6 +699,27 @@ class ShardClient:
             lambda: self._stub.Checkpoint(request, timeout=self.timeout, metadata=self._metadata),
         )
 
+    def join(self, *, retry: bool = True) -> pb.MembershipResponse:
+        """Announce this worker as a member of the shard (protocol 4): epoch and members."""
+        request = pb.JoinRequest(header=self._header)
+        return self._call(
+            "Join",
+            lambda: self._stub.Join(request, timeout=self.timeout, metadata=self._metadata),
+            retry=retry,
+        )
+
+    def heartbeat(self, *, timeout: float | None = None) -> pb.MembershipResponse:
+        """Tell the shard this worker is alive: epoch and members. Not retried; RemoteError
+        with refusal NOT_MEMBER when the shard no longer counts this worker (join again)."""
+        request = pb.HeartbeatRequest(header=self._header)
+        return self._call(
+            "Heartbeat",
+            lambda: self._stub.Heartbeat(
+                request, timeout=timeout or self.timeout, metadata=self._metadata
+            ),
+            retry=False,
+        )
+
     def leave(self) -> int:
         """Tell the shard this worker has finished; returns the shard's version."""
         request = pb.LeaveRequest(header=self._header)

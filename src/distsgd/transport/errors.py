@@ -48,6 +48,11 @@ class Refusal(enum.Enum):
     dropped it); attach again, or send over the stream."""
     NO_SHARED_MEMORY = "no-shared-memory"
     """FAILED_PRECONDITION (Attach): shared memory cannot be used on this server's host."""
+    NOT_MEMBER = "not-member"
+    """FAILED_PRECONDITION (Heartbeat): the worker is not a member (never joined, left, or was
+    evicted); it calls Join again."""
+    RUN_FULL = "run-full"
+    """RESOURCE_EXHAUSTED (Join): the worker index is beyond the server's ``--max-workers``."""
 
     @classmethod
     def named(cls, value: str) -> Refusal | None:

@@ -79,6 +79,16 @@ class ParameterServerStub:
                 request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PushHeader.SerializeToString,
                 response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/distsgd.v1.ParameterServer/Join',
+                request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.JoinRequest.SerializeToString,
+                response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MembershipResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/distsgd.v1.ParameterServer/Heartbeat',
+                request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MembershipResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -138,6 +148,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +207,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PushShared,
                     request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PushHeader.FromString,
                     response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PushResponse.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.JoinRequest.FromString,
+                    response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MembershipResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.HeartbeatRequest.FromString,
+                    response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MembershipResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +462,60 @@ class ParameterServer:
             '/distsgd.v1.ParameterServer/PushShared',
             distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PushHeader.SerializeToString,
             distsgd_dot_transport_dot_proto_dot_distsgd__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/distsgd.v1.ParameterServer/Join',
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.JoinRequest.SerializeToString,
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MembershipResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/distsgd.v1.ParameterServer/Heartbeat',
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.HeartbeatRequest.SerializeToString,
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MembershipResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,127 @@
+"""Who takes part in a run, as one shard sees it: live members, their last-seen times, an epoch.
+
+Standard library only. The shard owns one :class:`Membership` and calls it under its lock.
+The rules of the wire protocol's "Membership" section (``transport/proto/distsgd.proto``):
+
+* at registration the members are the registered workers ``0 .. num_workers-1``, at epoch 0;
+* :meth:`join` (explicit) and :meth:`see` (implicit: a pull or push) make a worker a member and
+  refresh its last-seen time; :meth:`see` does not bring back a worker that left;
+* :meth:`heartbeat` refreshes a member, and reports a worker that is not one;
+* :meth:`leave` and :meth:`evict` (silent for more than ``evict_after`` seconds) remove one;
+* the epoch goes up by one with every change of the set of members, never otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+DEFAULT_EVICT_AFTER = 60.0
+"""Seconds a member may stay silent (no call at all) before the shard evicts it."""
+
+MAX_EVICT_AFTER = 86400.0
+"""Longest ``--evict-after`` a server accepts (a day)."""
+
+WORLD_SIZES = ("fixed", "dynamic")
+"""How rules count workers: the registered number, or the live members."""
+
+
+def check_evict_after(seconds: float) -> float:
+    """``seconds`` as an eviction timeout, or a one-line ValueError."""
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_EVICT_AFTER):
+        raise ValueError(
+            f"--evict-after must be in (0, {MAX_EVICT_AFTER:g}] seconds, got {seconds!r}"
+        )
+    return seconds
+
+
+@dataclass
+class Member:
+    incarnation: int
+    last_seen: float
+
+
+class Membership:
+    """The live members of one shard and the epoch of that set. Not thread-safe by itself."""
+
+    def __init__(
+        self,
+        *,
+        num_workers: int,
+        max_workers: int = 0,
+        evict_after: float = DEFAULT_EVICT_AFTER,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``max_workers``: worker indexes ``0 .. max_workers-1`` may join (0 = ``num_workers``;
+        less than ``num_workers`` is raised to it)."""
+        self.num_workers = num_workers
+        self.max_workers = max(max_workers, num_workers)
+        self.evict_after = check_evict_after(evict_after)
+        self.clock = clock
+        now = clock()
+        self.members: dict[int, Member] = {w: Member(0, now) for w in range(num_workers)}
+        self.left: set[int] = set()
+        self.epoch = 0
+
+    @property
+    def live(self) -> list[int]:
+        """The members' worker indexes, ascending."""
+        return sorted(self.members)
+
+    def _add(self, worker: int, incarnation: int) -> bool:
+        member = self.members.get(worker)
+        now = self.clock()
+        if member is not None:
+            member.last_seen = now
+            if incarnation:
+                member.incarnation = incarnation
+            return False
+        self.members[worker] = Member(incarnation, now)
+        self.left.discard(worker)
+        self.epoch += 1
+        return True
+
+    def join(self, worker: int, incarnation: int) -> bool:
+        """Make ``worker`` a member (again, after a leave or an eviction); True if the set
+        changed. The caller has checked ``0 <= worker < max_workers``."""
+        return self._add(worker, incarnation)
+
+    def see(self, worker: int, incarnation: int) -> bool:
+        """A call of ``worker`` (a pull or push): implicit membership; a worker that left stays
+        out, tools (-1) are no members. True if the set changed."""
+        if worker < 0 or worker in self.left:
+            return False
+        return self._add(worker, incarnation)
+
+    def heartbeat(self, worker: int, incarnation: int) -> bool:
+        """Refresh a member's last-seen time; False if ``worker`` is not a member."""
+        member = self.members.get(worker)
+        if member is None:
+            return False
+        member.last_seen = self.clock()
+        if incarnation:
+            member.incarnation = incarnation
+        return True
+
+    def leave(self, worker: int) -> bool:
+        """``worker`` has finished; True if the set changed."""
+        if worker < 0:
+            return False
+        self.left.add(worker)
+        if self.members.pop(worker, None) is None:
+            return False
+        self.epoch += 1
+        return True
+
+    def evict(self) -> list[int]:
+        """Remove the members silent for more than ``evict_after`` seconds; returns them. The
+        epoch goes up once for the whole batch."""
+        deadline = self.clock() - self.evict_after
+        gone = sorted(w for w, m in self.members.items() if m.last_seen < deadline)
+        for worker in gone:
+            del self.members[worker]
+        if gone:
+            self.epoch += 1
+        return gone
