@@ -570,8 +570,8 @@ def markdown(report: dict[str, Any], level: int = 1) -> str:
             lines.append(f"| {s['megabytes']:.0f} MB | " + " | ".join(cells) + " |")
         lines += [
             "",
-            "Medians of repeated `ParameterClient.pull()` and `push()` of the whole model (4 "
-            "float32 pieces), one client per data path, the paths alternating; a push includes "
+            "Medians of repeated `ParameterClient.pull(into=...)` and `push()` of the whole model "
+            "(4 float32 pieces), one client per data path, the paths alternating; a push includes "
             "the server's SGD update. gRPC: the stream (every other path off); tensor socket: "
             "tensor bytes on a plain TCP connection beside gRPC; shared memory: through a "
             "segment the server shares with the client; gradient in place: a push of a gradient "
