@@ -30,15 +30,22 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-def end_group(pgid: int, grace: float = 3.0) -> None:
-    """SIGTERM to the group, then SIGKILL after ``grace`` seconds if any of it is left."""
+def end_group(pgid: int, grace: float = 3.0, settle: float = 2.0) -> None:
+    """SIGTERM to the group, then SIGKILL after ``grace`` seconds if any of it is left, again
+    and again for up to ``settle`` seconds: a process that was forking when the first SIGKILL
+    came leaves a child in the group that the signal did not reach."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and group_alive(pgid):
         time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + settle
+    while True:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        if not group_alive(pgid) or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
 
 
 def main(argv: list[str] | None = None) -> int:
