@@ -850,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = {f.strip() for f in args.figures.split(",") if f.strip()}
     out = args.out or HERE / "results" / datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    transport_sizes = [1.0, 4.0] if args.quick else [1.0, 4.0, 16.0, 64.0, 256.0]
+    transport_sizes = [1.0, 4.0] if args.quick else [1.0, 4.0, 16.0, 64.0, 100.0, 256.0]
     step_sizes = [1.0] if args.quick else [1.0, 4.0, 16.0, 64.0]
     tf_python = args.tf_python
     if tf_python:

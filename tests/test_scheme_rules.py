@@ -713,12 +713,19 @@ def test_hogwild_one_worker_equals_plain_sgd(ps_server, shared_memory: str) -> N
     assert all(g is not None and _in_shared_memory(g) for g in grads) is (shared_memory == "auto")
 
 
-def test_downpour_one_worker_equals_plain_sgd_including_remainder_window(ps_server) -> None:
+@pytest.mark.parametrize("shared_memory", ["auto", "off"])
+def test_downpour_one_worker_equals_plain_sgd_including_remainder_window(
+    ps_server, shared_memory: str
+) -> None:
+    """Exact through the stream and through shared memory, where each window's update is
+    written straight into the push area."""
     address, _ = ps_server
     model, data = _problem()
-    config = TrainConfig(batch_size=4, steps=5, lr=0.1, momentum=0.0, log_every=1)
+    config = TrainConfig(
+        batch_size=4, steps=5, lr=0.1, momentum=0.0, log_every=1, shared_memory=shared_memory
+    )
     spec = schemes.get("downpour")
-    _run_workers(
+    models = _run_workers(
         address=address,
         scheme_name="downpour",
         make_scheme=lambda rank: spec.worker(spec.options(window=3, server_lr=1.0), 1),
@@ -731,6 +738,7 @@ def test_downpour_one_worker_equals_plain_sgd_including_remainder_window(ps_serv
     version, server = _server_params(address, model)
     assert version == 2  # one full window of 3, then the remainder of 2
     _assert_close(server, expected)
+    _assert_close(_params(models[0]), expected)
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])

@@ -83,9 +83,10 @@ class Attached:
     scratch: np.ndarray | None = None
     """(Tensor socket) where pushed bytes land, as big as the push area."""
     _pull_views: dict[str, np.ndarray] | None = None
+    _push_views: dict[str, np.ndarray] | None = None
 
     def close(self) -> None:
-        self._pull_views = None  # views would keep the mapping alive
+        self._pull_views = self._push_views = None  # views would keep the mapping alive
         if self.segment is not None:
             self.segment.close()
         if self.sock is not None:  # shut down first: that wakes the thread serving it at once
@@ -96,13 +97,22 @@ class Attached:
 
     def pull_views(self) -> dict[str, np.ndarray]:
         """Views of the pull area, one per piece (made once: every pull writes the same)."""
-        assert self.segment is not None, "a tensor socket has no pull area"
         if self._pull_views is None:
-            self._pull_views = {
-                spec.key: self.segment.array(offset, np.dtype(spec.dtype), tuple(spec.shape))
-                for spec, offset in zip(self.layout.specs, self.layout.pull, strict=True)
-            }
+            self._pull_views = self._views(self.layout.pull)
         return self._pull_views
+
+    def push_views(self) -> dict[str, np.ndarray]:
+        """Views of the push area, one per piece as the layout has it (made once)."""
+        if self._push_views is None:
+            self._push_views = self._views(self.layout.push)
+        return self._push_views
+
+    def _views(self, offsets: tuple[int, ...]) -> dict[str, np.ndarray]:
+        assert self.segment is not None, "a tensor socket has no pull or push area"
+        return {
+            spec.key: self.segment.array(offset, np.dtype(spec.dtype), tuple(spec.shape))
+            for spec, offset in zip(self.layout.specs, offsets, strict=True)
+        }
 
     def push_offset(self, key: str) -> int:
         return self.layout.push_at[key]

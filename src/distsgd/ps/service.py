@@ -46,6 +46,7 @@ from distsgd.transport.codec import (
     ChunkAssembler,
     TooLarge,
     WireError,
+    dtype_name,
     is_encoded,
     iter_chunks,
     nbytes_of,
@@ -392,7 +393,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"{_clip(spec.key)}: no such parameter on shard {shard.index}",
                 )
-            if spec.dtype != have.dtype.name or tuple(spec.shape) != have.shape:
+            if spec.dtype != dtype_name(have.dtype) or tuple(spec.shape) != have.shape:
                 _abort(
                     context,
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -962,12 +963,16 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         lr_scale = self._check_shared_push(shard, request, context)
         with entry.lock:
             payload: dict[str, np.ndarray] = {}
+            views = entry.push_views()
             for spec in request.tensors:
                 offset = entry.push_offset(spec.key)
                 if not is_encoded(spec):
-                    payload[spec.key] = entry.segment.array(
-                        offset, np.dtype(spec.dtype), tuple(spec.shape)
-                    )
+                    view = views[spec.key]  # the layout is the registered pieces' ...
+                    if view.shape != tuple(spec.shape) or dtype_name(view.dtype) != spec.dtype:
+                        view = entry.segment.array(  # ... unless registered again since
+                            offset, np.dtype(spec.dtype), tuple(spec.shape)
+                        )
+                    payload[spec.key] = view
                     continue
                 size = self._encoded_size(shard, spec, context)
                 payload[spec.key] = entry.segment.raw(offset, size)

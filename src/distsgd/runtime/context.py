@@ -82,6 +82,13 @@ class WorkerContext:
         """The replica's parameters as numpy arrays (copies)."""
         return {name: p.detach().cpu().numpy().copy() for name, p in self.params.items()}
 
+    def views(self) -> dict[str, np.ndarray]:
+        """The replica's parameters as numpy arrays without a copy where they are contiguous on
+        the CPU (views: they change as the replica trains; read them between steps), copies
+        where they are not."""
+        views = self._param_views()
+        return self.arrays() if views is None else views
+
     def grads(self) -> dict[str, np.ndarray]:
         """The replica's gradients as numpy arrays (zeros where a parameter got none)."""
         out = {}
@@ -252,6 +259,13 @@ class WorkerContext:
     def _per_shard(self, version: int | Sequence[int]) -> list[int]:
         return [version] * len(self.ps.versions) if isinstance(version, int) else list(version)
 
+    def push_buffers(self) -> dict[str, np.ndarray] | None:
+        """Arrays (one per parameter, of its shape) into which a scheme may write a whole
+        push, so that :meth:`push` of them copies nothing: the servers' shared-memory push
+        areas, or None (no shared memory, compression, a piece split over servers). Write them
+        only between calls, never while a push runs in the background."""
+        return None if self._ps is None else self._ps.push_buffers()
+
     def push_grads(
         self, *, base_version: int | Sequence[int] | None = None, in_place: bool = False
     ) -> list[PushResult]:
@@ -272,7 +286,7 @@ class WorkerContext:
         segment); leave them where they are when there is no such place."""
         if self._ps is None:
             return
-        buffers = self._ps.push_buffers()
+        buffers = self.push_buffers()
         if buffers is None:
             return
         for name, p in self.params.items():

@@ -53,8 +53,12 @@ class AgnWorker(DownpourWorker):
             DownpourOptions(window=options.window, server_lr=options.server_lr), num_workers
         )
 
-    def accumulated_update(self, start: np.ndarray, now: np.ndarray) -> np.ndarray:
-        return (start - now) / self.pending
+    def accumulated_update(
+        self, start: np.ndarray, now: np.ndarray, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        update = np.subtract(start, now, out=out)
+        update /= self.pending
+        return update
 
 
 SPEC = SchemeSpec(

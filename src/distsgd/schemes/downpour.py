@@ -157,9 +157,12 @@ class DownpourWorker(WorkerScheme):
             if inflight is not None:
                 self.inflight = inflight
 
-    def accumulated_update(self, start: np.ndarray, now: np.ndarray) -> np.ndarray:
-        """What one parameter's window pushes: DOWNPOUR sends the whole accumulated update."""
-        return start - now
+    def accumulated_update(
+        self, start: np.ndarray, now: np.ndarray, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """What one parameter's window pushes: DOWNPOUR sends the whole accumulated update,
+        ``start - now`` (into ``out`` when given)."""
+        return np.subtract(start, now, out=out)
 
     def send(self, ctx: WorkerContext, update: dict[str, np.ndarray]) -> None:
         """Push a window's update and pull the servers' parameters (at once: asynchronous)."""
@@ -167,9 +170,9 @@ class DownpourWorker(WorkerScheme):
         ctx.pull()
 
     def _exchange(self, ctx: WorkerContext) -> None:
-        now = ctx.arrays()
-        update = {k: self.accumulated_update(self.window_start[k], now[k]) for k in now}
         if getattr(self.options, "overlap", False):
+            now = ctx.arrays()
+            update = {k: self.accumulated_update(self.window_start[k], now[k]) for k in now}
             self._land(ctx, keep_progress=True)
             sent_at = ctx.arrays()
 
@@ -178,9 +181,21 @@ class DownpourWorker(WorkerScheme):
                 return ctx.pull_arrays()[1]
 
             self.inflight = (ctx.background(exchange), sent_at)
+            self.window_start = ctx.arrays()
         else:
+            # The update is written straight into the servers' push areas where there are
+            # some (shared memory), and the window's start copied into the arrays it had:
+            # the exchange allocates nothing and copies the model once each way.
+            now, out = ctx.views(), ctx.push_buffers()
+            update = {
+                k: self.accumulated_update(
+                    self.window_start[k], now[k], None if out is None else out[k]
+                )
+                for k in now
+            }
             self.send(ctx, update)
-        self.window_start = ctx.arrays()
+            for k, values in ctx.views().items():
+                np.copyto(self.window_start[k], values)
         self.pending = 0
 
     def _land(self, ctx: WorkerContext, *, keep_progress: bool) -> None:

@@ -22,7 +22,14 @@ import numpy as np
 from google.protobuf.message import Message
 
 from distsgd.transport import bulk, shm
-from distsgd.transport.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks, specs_of, wire_dtype
+from distsgd.transport.codec import (
+    CHUNK_BYTES,
+    ChunkAssembler,
+    dtype_name,
+    iter_chunks,
+    specs_of,
+    wire_dtype,
+)
 from distsgd.transport.errors import (
     MAX_WAIT_SECONDS,
     PROTOCOL_VERSION,
@@ -683,7 +690,7 @@ class ShardClient:
             header=self._header,
             base_version=base_version,
             tensors=[
-                pb.TensorSpec(key=k, dtype=channel.push[k].dtype.name, shape=list(a.shape))
+                pb.TensorSpec(key=k, dtype=dtype_name(channel.push[k].dtype), shape=list(a.shape))
                 for k, a in tensors.items()
             ],
             lr_scale=lr_scale,

@@ -8,6 +8,7 @@ anything out of range, out of order, or incomplete.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -31,6 +32,12 @@ ALLOWED_DTYPES = frozenset(
 
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
 """The floating-point subset of :data:`ALLOWED_DTYPES` (what a parameter server stores)."""
+
+
+@functools.cache
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name`` (numpy computes it in Python each time; a server asks per piece)."""
+    return dtype.name
 
 
 class WireError(ValueError):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
 import os
 import re
@@ -127,7 +128,7 @@ class Segment:
 
     def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """A writable view of ``shape`` elements of ``dtype`` at byte ``offset``."""
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)
         end = offset + count * dtype.itemsize
         if offset < HEADER_BYTES or offset % ALIGN or end > self.size:
             raise SegmentError(0, f"bytes {offset}..{end} are not inside segment {self.name}")
