@@ -86,9 +86,23 @@ class TaskEnv:
         },
     )
 
+    registered_workers: int = field(
+        default=0,
+        metadata={
+            "help": "how many workers the chief registers the run with (0 = every worker of "
+            "the cluster); an elastic run's cluster lists --max-workers workers, of which "
+            "this many start"
+        },
+    )
+
     def __post_init__(self) -> None:
         spec = self.spec
         spec.task("worker", self.task_index)
+        if not 0 <= self.registered_workers <= spec.num_workers:
+            raise ValueError(
+                f"registered_workers must be in 0..{spec.num_workers} (the cluster's workers), "
+                f"got {self.registered_workers}"
+            )
         if self.continue_at < 0:
             raise ValueError(f"continue_at must be 0 or more, got {self.continue_at}")
         if min(self.rpc_timeout, self.startup_timeout, self.wait_timeout) <= 0:
@@ -97,6 +111,11 @@ class TaskEnv:
     @property
     def spec(self) -> ClusterSpec:
         return ClusterSpec.from_dict(self.cluster)
+
+    @property
+    def num_workers(self) -> int:
+        """The workers the run is registered with (the fixed world size)."""
+        return self.registered_workers or self.spec.num_workers
 
     @property
     def task(self) -> TaskId:
