@@ -109,6 +109,30 @@ def _add_launch_flags(parser: argparse.ArgumentParser, *, compare: bool = False)
         help="kill:worker:1@step=50, kill:ps:0@step=120, delay:worker:2=200ms, "
         "partition:worker:0@step=30+10s (repeatable)",
     )
+    if not compare:
+        elastic = parser.add_argument_group(
+            "elastic runs (parameter-server schemes need --world-size dynamic)"
+        )
+        elastic.add_argument(
+            "--min-workers",
+            type=int,
+            default=0,
+            help="fewest workers the run goes on with (distsgd scale's lower bound; a worker "
+            "out of restarts is dropped while this many remain; default --workers)",
+        )
+        elastic.add_argument(
+            "--max-workers",
+            type=int,
+            default=0,
+            help="most workers distsgd scale may grow the run to (default --workers)",
+        )
+        elastic.add_argument(
+            "--evict-after",
+            type=float,
+            default=0.0,
+            metavar="SECONDS",
+            help="the servers evict a worker silent this long (default 60)",
+        )
     _add_tls_flags(parser)
     add_help_scheme_flag(parser)
     if compare:
@@ -257,6 +281,37 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("script")
     worker.add_argument("script_args", nargs=argparse.REMAINDER)
 
+    scale = sub.add_parser(
+        "scale",
+        help="change the number of workers of a running elastic run",
+        description="Ask the launcher running RUN_DIR (a distsgd run or demo started with "
+        "--min-workers/--max-workers) for N workers, and wait until it has started the new "
+        "ones or asked the ones over N to leave (they finish their step and hand their work "
+        "back; the chief, worker0, always stays).",
+    )
+    scale.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's folder")
+    scale.add_argument("--workers", type=int, required=True, help="the number of workers wanted")
+    scale.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait for the launcher's answer"
+    )
+
+    join = sub.add_parser(
+        "join",
+        help="add a worker, in this process, to a running elastic run",
+        description="Start one more worker of the run in RUN_DIR in this process (not "
+        "supervised by its launcher): it reads the run's config.json, cluster.json and secret "
+        "there (from another machine: a copy of those three files, with the servers "
+        "reachable), joins the servers' membership, takes work units until the run's data is "
+        "done, and leaves. Ctrl-C makes it leave after its step.",
+    )
+    join.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's folder")
+    join.add_argument(
+        "--task",
+        type=int,
+        default=None,
+        help="this worker's index (default: the highest one the launcher has not started)",
+    )
+
     inspect = sub.add_parser("inspect", help="show what a checkpoint holds")
     inspect.add_argument(
         "path", type=Path, help="a run folder, a checkpoint folder, or a psN.npz / worker file"
@@ -298,6 +353,9 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
         "faults": tuple(args.inject_fault),
         "tls": _tls(args),
         "ray": args.ray,
+        "min_workers": args.min_workers,
+        "max_workers": args.max_workers,
+        "evict_after": args.evict_after,
     }
     resume = getattr(args, "resume", None)
     if resume is not None:
@@ -458,8 +516,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from distsgd.launcher.bootstrap import main as bootstrap_main
-    from distsgd.runtime import ENV_VAR, TaskEnv
+    from distsgd.runtime import TaskEnv
 
     spec, tf_task = resolve_cluster(
         cluster_file=args.cluster, ps_hosts=args.ps_hosts, worker_hosts=args.worker_hosts
@@ -495,10 +552,39 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     )
     if args.run_dir:
         Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-    os.environ[ENV_VAR] = env.to_json()
-    from distsgd.launcher.bootstrap import exit_now
+    _run_task(env, args.script, args.script_args)
+    return 0  # not reached
 
-    exit_now(bootstrap_main([args.script, *args.script_args]))
+
+def _run_task(env: Any, script: str, script_args: Sequence[str]) -> None:
+    """Run ``script`` as the task ``env`` describes, in this process, and exit with its code."""
+    from distsgd.launcher.bootstrap import exit_now
+    from distsgd.launcher.bootstrap import main as bootstrap_main
+    from distsgd.runtime import ENV_VAR
+
+    os.environ[ENV_VAR] = env.to_json()
+    exit_now(bootstrap_main([script, *script_args]))
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    from distsgd.launcher.scale import request_scale
+
+    answer = request_scale(args.run_dir, args.workers, timeout=args.timeout)
+    if answer.get("event") == "scale_refused":
+        raise ValueError(f"the launcher refused {args.workers} workers; see its output")
+    print(
+        f"distsgd: {args.run_dir}: {answer.get('workers_before')} -> {answer.get('workers')} "
+        "workers"
+    )
+    return 0
+
+
+def _cmd_join(args: argparse.Namespace) -> int:
+    from distsgd.launcher.join import join_env
+
+    env, script, script_args = join_env(args.run_dir, args.task)
+    print(f"distsgd: joining {args.run_dir} as worker{env.task_index}", file=sys.stderr)
+    _run_task(env, script, script_args)
     return 0  # not reached
 
 
@@ -533,6 +619,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_server(args)
         if args.command == "worker":
             return _cmd_worker(args)
+        if args.command == "scale":
+            return _cmd_scale(args)
+        if args.command == "join":
+            return _cmd_join(args)
         if args.command == "inspect":
             from distsgd.cli.inspect import inspect
 

@@ -91,9 +91,39 @@ class LaunchConfig:
         },
     )
 
+    min_workers: int = field(
+        default=0,
+        metadata={
+            "help": "fewest workers an elastic run goes on with (distsgd scale's lower bound; a "
+            "worker out of restarts is dropped while this many remain); 0 = --workers"
+        },
+    )
+    max_workers: int = field(
+        default=0,
+        metadata={"help": "most workers an elastic run may grow to (distsgd scale); 0 = --workers"},
+    )
+    evict_after: float = field(
+        default=0.0,
+        metadata={
+            "help": "seconds a silent worker stays a member before the servers evict it "
+            "(0 = the servers' default, 60)"
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {self.workers}")
+        if self.min_workers < 0 or self.max_workers < 0:
+            raise ValueError("--min-workers and --max-workers must be 0 (= --workers) or more")
+        if not 1 <= self.lowest_workers <= self.workers <= self.highest_workers:
+            raise ValueError(
+                f"--min-workers {self.lowest_workers}, --workers {self.workers}, --max-workers "
+                f"{self.highest_workers}: need 1 <= min <= workers <= max"
+            )
+        if self.evict_after < 0:
+            raise ValueError(
+                f"--evict-after must be 0 (the default) or more, got {self.evict_after}"
+            )
         if Path(self.script).is_dir():
             raise ValueError(
                 f"script {self.script} is a folder; give the path of a Python file in it"
@@ -132,6 +162,28 @@ class LaunchConfig:
             raise ValueError("--resume needs the run folder to continue")
         if self.threads < 0:
             raise ValueError(f"--threads must be 0 or more, got {self.threads}")
+        dynamic = self.overrides.get("world_size", "fixed") == "dynamic"
+        if self.elastic and spec.uses_parameter_servers and not dynamic:
+            raise ValueError(
+                "--min-workers/--max-workers: workers that join and leave need "
+                "--world-size dynamic (the rules count the live members, and the data is "
+                "handed out in work units)"
+            )
+
+    @property
+    def lowest_workers(self) -> int:
+        """``min_workers``, or ``workers`` when not given."""
+        return self.min_workers or self.workers
+
+    @property
+    def highest_workers(self) -> int:
+        """``max_workers``, or ``workers`` when not given."""
+        return self.max_workers or self.workers
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run may change size while it runs (``distsgd scale``)."""
+        return self.lowest_workers != self.highest_workers
 
     @property
     def num_ps(self) -> int:

@@ -207,6 +207,12 @@ class RayTask:
 
         ray.get(self.actor.signal.remote(int(signal.SIGKILL)), timeout=RAY_TIMEOUT)
 
+    def terminate(self) -> None:
+        """SIGTERM to the task's process group on its node."""
+        import ray
+
+        ray.get(self.actor.signal.remote(int(signal.SIGTERM)), timeout=RAY_TIMEOUT)
+
 
 class RaySupervisor:
     """Owns the tasks of one run as actors in a placement group of one bundle per task.

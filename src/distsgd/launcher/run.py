@@ -30,6 +30,7 @@ from distsgd.cluster import ClusterSpec, TaskId
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.progress import Console, Progress
+from distsgd.launcher.scale import LAUNCHER_FILE, read_scale_request
 from distsgd.launcher.supervisor import Supervisor, TaskHandle, Tasks
 from distsgd.runtime.checkpoint import (
     Checkpoint,
@@ -62,6 +63,8 @@ log = logging.getLogger(__name__)
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 """Exit codes of ``distsgd run``/``demo``: 3 means training finished or stopped but diverged."""
 CONFIG_FILE = "config.json"
+LEAVE_GRACE_SECONDS = 30.0
+"""How long a worker asked to leave (distsgd scale) may take before it is SIGKILLed."""
 
 
 DIVERGED_PREFIX = "distsgd: the run diverged: "
@@ -106,7 +109,9 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
+    launcher_file = run_dir / LAUNCHER_FILE
     try:
+        write_atomic(launcher_file, f"{os.getpid()}\n")  # distsgd scale checks it is running
         return local.run()
     except Interrupted:
         console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks")
@@ -118,6 +123,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         console.error(f"{DIVERGED_PREFIX}{exc}; {schemes.get(config.scheme).divergence_fix()}")
         return EXIT_DIVERGED
     finally:
+        launcher_file.unlink(missing_ok=True)
         supervisor.close()
         # Segments are unlinked once a worker maps them; a server killed before that leaves a
         # name behind, which carries this run's prefix.
@@ -139,7 +145,8 @@ def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
     worker: dict[str, float] = {"CPU": float(config.threads_per_worker)}
     if config.device.startswith("cuda"):  # auto: a GPU only where Ray gives one anyway
         worker["GPU"] = 1.0
-    bundles.update({f"worker{i}": dict(worker) for i in range(config.workers)})
+    # an elastic run reserves its largest size: scaling up then needs no new reservation
+    bundles.update({f"worker{i}": dict(worker) for i in range(config.highest_workers)})
     where = config.ray or "a local Ray instance (127.0.0.1)"
     console.note(f"[distsgd] tasks as Ray actors on {where}")
     return RaySupervisor(
@@ -231,8 +238,14 @@ class LocalRun:
             worker_gpus(config.device, os.environ) if config.ray is None else []
         )  # under Ray, Ray hands out the GPUs it reserved
         self.spec = ClusterSpec.local(
-            num_workers=config.workers, num_ps=self.num_ps, host=config.host
+            num_workers=config.highest_workers, num_ps=self.num_ps, host=config.host
         )
+        self.active: set[int] = set(range(config.workers))
+        """The worker indexes meant to run now (``distsgd scale`` changes them)."""
+        self.leaving: dict[str, float] = {}
+        """Workers asked to leave (SIGTERM), by name: when they are SIGKILLed if still there."""
+        self.scale_seen = 0
+        """The ``seq`` of the last scale request handled."""
         self.store: Any = None
         self.rendezvous = ""
         self.restarts: dict[str, int] = {}
@@ -262,6 +275,8 @@ class LocalRun:
             "run_id": self.run_id,
             "checkpoint_every": c.checkpoint_every,
             "checkpoint_seconds": c.checkpoint_seconds,
+            "min_workers": c.lowest_workers,
+            "max_workers": c.highest_workers,
         }
         write_atomic(self.run_dir / CONFIG_FILE, json.dumps(data, indent=2) + "\n")
 
@@ -286,7 +301,9 @@ class LocalRun:
             init,
             json.dumps(
                 ClusterSpec.local(
-                    num_workers=self.config.workers, num_ps=self.num_ps, host=self.config.host
+                    num_workers=self.config.highest_workers,
+                    num_ps=self.num_ps,
+                    host=self.config.host,
                 ).to_dict()
             )
             + "\n",
@@ -314,6 +331,10 @@ class LocalRun:
         ]
         if restore is not None:
             argv += ["--restore", str(restore)]
+        if self.config.elastic:
+            argv += ["--max-workers", str(self.config.highest_workers)]
+        if self.config.evict_after:
+            argv += ["--evict-after", f"{self.config.evict_after:g}"]
         if self.config.tls is not None:
             tls = self.config.tls
             argv += [
@@ -354,6 +375,7 @@ class LocalRun:
                 for f in c.faults
                 if Fault.parse(f).task == f"worker{index}" and not f.startswith("kill")
             ],
+            registered_workers=c.workers if c.elastic else 0,
         )
         argv = [sys.executable, "-m", "distsgd.launcher.bootstrap", c.script, *c.script_args]
         self.done.discard(f"worker{index}")
@@ -384,7 +406,7 @@ class LocalRun:
             restore = None if checkpoint is None else checkpoint.shard_file(i)
             servers.append(self.spawn_ps(i, address=address, restore=restore))
         self._new_rendezvous()
-        for i in range(self.config.workers):
+        for i in sorted(self.active):
             self.start_worker(i, resume=None if checkpoint is None else checkpoint.worker_file(i))
         for i, task in enumerate(servers):
             self.await_ps(i, task)
@@ -442,12 +464,22 @@ class LocalRun:
                 raise Interrupted
             self.progress.poll()
             self._inject_kills()
+            if self.config.elastic:
+                self._poll_scale()
+                self._reap_leaving()
             for task in list(self.supervisor.tasks.values()):
                 code = task.poll()
                 if code is None or task.name in self.done:
                     continue
                 if self.supervisor.tasks.get(task.name) is not task:
                     continue  # replaced by a restart in this pass
+                if task.name in self.leaving:  # asked to leave: gone, whatever its code
+                    del self.leaving[task.name]
+                    self.done.add(task.name)
+                    self.events.log(
+                        step=self.progress.step, event="worker_left", target=task.name, code=code
+                    )
+                    continue
                 if code == 0 and task.name.startswith("worker"):
                     self.done.add(task.name)
                     for index in sorted(self.restored_ps):  # it may have left a dead process
@@ -461,7 +493,7 @@ class LocalRun:
             if (self.console.tty or now - last_plain >= 10.0) and self.progress.samples:
                 self.console.status(self.progress.render())
                 last_plain = now
-            if all(f"worker{i}" in self.done for i in range(self.config.workers)):
+            if not self.leaving and all(f"worker{i}" in self.done for i in self.active):
                 return
 
     def _inject_kills(self) -> None:
@@ -494,6 +526,16 @@ class LocalRun:
         if time.monotonic() - self.started_at.get(task.name, 0.0) >= self.config.healthy_seconds:
             self.restarts[task.name] = 0  # it ran healthy since its last restart: a new fault
         used = self.restarts.get(task.name, 0)
+        if used >= self.config.max_restarts and self._can_drop(task.name):
+            self._fault(task.name, code, step, "drop", workers=len(self.active) - 1)
+            self.active.discard(TaskId.parse(task.name).index)
+            self.done.add(task.name)
+            self.console.note(
+                f"[distsgd] {task.name} failed (exit code {code}) with no restarts left; the "
+                f"run goes on with {len(self.active)} workers (--min-workers "
+                f"{self.config.lowest_workers})"
+            )
+            return
         if used >= self.config.max_restarts:
             tail = "\n".join(f"    {line}" for line in task.tail)
             self._fault(task.name, code, step, "stop")
@@ -524,6 +566,90 @@ class LocalRun:
         except CheckpointError as exc:  # e.g. a checkpoint file that holds code
             raise RunFailed(f"{task.name} cannot be restarted: {exc}") from None
         _write_tasks(self.run_dir, self.supervisor)
+
+    # -- elastic runs ---------------------------------------------------------------------------
+    def _can_drop(self, name: str) -> bool:
+        """(Elastic parameter-server run) whether a worker out of restarts may be left out:
+        not the chief, and enough workers left."""
+        task = TaskId.parse(name)
+        return (
+            self.config.elastic
+            and not self.collective
+            and task.job == "worker"
+            and task.index != 0
+            and len(self.active) - 1 >= self.config.lowest_workers
+        )
+
+    def _poll_scale(self) -> None:
+        """Act on a new request of ``distsgd scale`` (``scale.json`` in the run folder)."""
+        request = read_scale_request(self.run_dir)
+        if request is None or request.seq == self.scale_seen:
+            return
+        self.scale_seen = request.seq
+        low, high = self.config.lowest_workers, self.config.highest_workers
+        if not low <= request.workers <= high:
+            self.console.note(
+                f"[distsgd] scale to {request.workers} workers refused: this run was started "
+                f"with --min-workers {low} --max-workers {high}"
+            )
+            self.events.log(step=self.progress.step, event="scale_refused", workers=request.workers)
+            return
+        before = len(self.active)
+        if self.collective:
+            self._scale_collective(request.workers)
+        else:
+            self._scale_ps(request.workers)
+        self.console.note(f"[distsgd] scaled from {before} to {len(self.active)} workers")
+        self.events.log(
+            step=self.progress.step,
+            event="scale",
+            seq=request.seq,
+            workers_before=before,
+            workers=len(self.active),
+        )
+        _write_tasks(self.run_dir, self.supervisor)
+
+    def _scale_ps(self, workers: int) -> None:
+        """Start workers at the lowest free indexes, or ask the highest ones (never the chief)
+        to leave: each finishes its step, hands its work units back and leaves the servers."""
+        while len(self.active) < workers:
+            index = min(
+                i
+                for i in range(self.config.highest_workers)
+                if i not in self.active and f"worker{i}" not in self.leaving
+            )
+            self.active.add(index)
+            self.start_worker(index, resume=None)
+        for index in sorted(self.active, reverse=True)[: max(0, len(self.active) - workers)]:
+            if index == 0:
+                break
+            name = f"worker{index}"
+            self.active.discard(index)
+            task = self.supervisor.tasks.get(name)
+            if task is None or task.poll() is not None:
+                continue
+            self.leaving[name] = time.monotonic() + LEAVE_GRACE_SECONDS
+            task.terminate()
+
+    def _scale_collective(self, workers: int) -> None:
+        """A collective run changes size by a whole restart from its last checkpoint (see
+        docs/elastic.md): a process group has a fixed size."""
+        self.active = set(range(workers))
+        self._restart_all(
+            "launcher", 0, self.progress.step, f"the run changes size to {workers} workers"
+        )
+
+    def _reap_leaving(self) -> None:
+        """SIGKILL a worker asked to leave that is still there after its grace period."""
+        now = time.monotonic()
+        for name, deadline in list(self.leaving.items()):
+            task = self.supervisor.tasks.get(name)
+            if task is not None and task.poll() is None and now > deadline:
+                self.console.note(
+                    f"[distsgd] {name} did not leave within {LEAVE_GRACE_SECONDS:.0f}s; killing it"
+                )
+                task.kill()
+                self.leaving[name] = now + LEAVE_GRACE_SECONDS  # noted once per grace period
 
     def _fault(self, target: str, code: int, step: int, action: str, **cost: Any) -> None:
         """One ``metrics.jsonl`` record per fault: which task, when, what was done, what it cost."""

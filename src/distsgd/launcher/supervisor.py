@@ -37,6 +37,10 @@ class TaskHandle(Protocol):
 
     def kill(self) -> None: ...
 
+    def terminate(self) -> None:
+        """Ask the task to stop (SIGTERM to its process: a worker of an elastic run finishes
+        its step, hands its work back and leaves)."""
+
 
 class Tasks(Protocol):
     """Starts, watches and stops the tasks of one run: :class:`Supervisor` (local processes)
@@ -76,6 +80,10 @@ class Task:
         """SIGKILL the task (``--inject-fault kill``)."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.process.pid, signal.SIGKILL)
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.process.pid, signal.SIGTERM)
 
 
 class Supervisor:

@@ -1,0 +1,94 @@
+"""``distsgd join RUN_DIR``: one more worker for a running elastic run, in this process.
+
+Everything the worker needs is in the run folder: ``config.json`` (script, scheme, options, the
+run's id and size bounds), ``cluster.json`` (the servers' real addresses, written once they
+listen) and ``secret`` (the run secret every request carries). On another machine a copy of
+those three files serves, with the servers reachable from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from distsgd import schemes
+from distsgd.launcher.scale import launcher_alive, read_run_json
+from distsgd.runtime.task import TaskEnv
+from distsgd.transport.security import SECRET_FILE_ENV
+
+
+def _taken(run_dir: Path) -> set[int]:
+    """Worker indexes whose process (as ``tasks.json`` lists them) is alive on this machine."""
+    try:
+        pids = json.loads((run_dir / "tasks.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    taken = set()
+    for name, pid in dict(pids).items():
+        if not (isinstance(name, str) and name.startswith("worker") and isinstance(pid, int)):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            pass
+        taken.add(int(name.removeprefix("worker")))
+    return taken
+
+
+def join_env(run_dir: Path, task: int | None) -> tuple[TaskEnv, str, list[str]]:
+    """The task environment, script and script arguments of a worker joining ``run_dir``
+    (and the run secret's file set in this process's environment); ValueError (one line,
+    cause and fix) when the folder is not a running elastic parameter-server run or the index
+    is taken or out of range."""
+    config = read_run_json(run_dir / "config.json", "the run's settings")
+    cluster = read_run_json(
+        run_dir / "cluster.json", "the servers' addresses, written once they listen"
+    )
+    scheme = str(config.get("scheme", ""))
+    if not schemes.get(scheme).uses_parameter_servers:
+        raise ValueError(
+            f"{run_dir} runs {scheme}, a collective scheme: its process group has a fixed size; "
+            "change its size with distsgd scale (a restart from its last checkpoint)"
+        )
+    overrides = dict(config.get("overrides") or {})
+    if overrides.get("world_size") != "dynamic":
+        raise ValueError(
+            f"{run_dir} was started with a fixed world size; only a run started with "
+            "--world-size dynamic takes workers that join"
+        )
+    high = int(config.get("max_workers") or config.get("workers", 0))
+    if task is None:
+        free = [i for i in range(high - 1, 0, -1) if i not in _taken(run_dir)]
+        if not free:
+            raise ValueError(
+                f"every worker index of {run_dir} (up to --max-workers {high}) is running; "
+                "start the run with a larger --max-workers"
+            )
+        task = free[0]
+    elif not 0 < task < high:
+        raise ValueError(
+            f"--task {task}: a joining worker needs an index in 1..{high - 1} (worker0 is the "
+            f"chief; the run allows --max-workers {high})"
+        )
+    elif task in _taken(run_dir):
+        raise ValueError(f"worker{task} of {run_dir} is running; choose another --task")
+    if not launcher_alive(run_dir):
+        raise ValueError(f"no launcher is running {run_dir} (it finished, or was stopped)")
+    secret = run_dir / "secret"
+    if not secret.is_file():
+        raise ValueError(f"{run_dir} has no secret file; it cannot be joined")
+    os.environ[SECRET_FILE_ENV] = str(secret.resolve())
+    env = TaskEnv(
+        cluster=cluster,
+        task_index=task,
+        scheme=scheme,
+        scheme_options=dict(config.get("scheme_options") or {}),
+        overrides=overrides,
+        run_dir=str(run_dir.resolve()),
+        run_id=str(config.get("run_id", "")),
+        registered_workers=int(config.get("workers", 0)),
+    )
+    return env, str(config["script"]), [str(a) for a in config.get("script_args", [])]
