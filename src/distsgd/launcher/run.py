@@ -351,7 +351,9 @@ class LocalRun:
         self.started_at[name] = time.monotonic()
         return self.supervisor.start(name, argv, env)
 
-    def start_worker(self, index: int, *, resume: Path | None, continue_at: int = 0) -> TaskHandle:
+    def start_worker(
+        self, index: int, *, resume: Path | None, continue_at: int = 0, reshard: bool = False
+    ) -> TaskHandle:
         c = self.config
         task_env = TaskEnv(
             cluster=self.spec.to_dict(),
@@ -375,7 +377,12 @@ class LocalRun:
                 for f in c.faults
                 if Fault.parse(f).task == f"worker{index}" and not f.startswith("kill")
             ],
-            registered_workers=c.workers if c.elastic else 0,
+            # an elastic cluster lists --max-workers workers: a collective one trains with those
+            # started now (a process group's size), a parameter-server one registers --workers
+            registered_workers=(len(self.active) if self.collective else c.workers)
+            if c.elastic
+            else 0,
+            reshard=reshard,
         )
         argv = [sys.executable, "-m", "distsgd.launcher.bootstrap", c.script, *c.script_args]
         self.done.discard(f"worker{index}")
@@ -406,8 +413,12 @@ class LocalRun:
             restore = None if checkpoint is None else checkpoint.shard_file(i)
             servers.append(self.spawn_ps(i, address=address, restore=restore))
         self._new_rendezvous()
+        saved = 0 if checkpoint is None else len(checkpoint.manifest["workers"])
+        # saved at another size (distsgd scale): every worker continues from worker 0's state
+        reshard = checkpoint is not None and saved != len(self.active)
         for i in sorted(self.active):
-            self.start_worker(i, resume=None if checkpoint is None else checkpoint.worker_file(i))
+            resume = None if checkpoint is None else checkpoint.worker_file(0 if reshard else i)
+            self.start_worker(i, resume=resume, reshard=reshard)
         for i, task in enumerate(servers):
             self.await_ps(i, task)
         write_atomic(

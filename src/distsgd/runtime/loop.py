@@ -162,7 +162,7 @@ def run_worker(
     """Train this worker's part of the run under ``scheme``; see the module docstring."""
     env = env.with_ps_addresses(env.startup_timeout)
     spec = env.spec
-    rank, world = env.task_index, spec.num_workers
+    rank, world = env.task_index, env.num_workers
     chief = rank == 0
     device = resolve_device(config.device, next(model.parameters()).device, rank)
     model.to(device)
@@ -257,14 +257,20 @@ def run_worker(
         start_step = 0
         resumed = load_worker_state(Path(env.resume)) if env.resume else None
         if resumed is not None:
-            for key, want in (("worker", rank), ("scheme_name", env.scheme)):
+            checks = () if env.reshard else (("worker", rank),)
+            for key, want in (*checks, ("scheme_name", env.scheme)):
                 if resumed.get(key) != want:
                     raise CheckpointError(
                         f"{env.resume}: saved for {key} {resumed.get(key)!r}, this task is "
                         f"{want!r}; resume each worker from its own state"
                     )
-            batches.seek(resumed["position"])
-            start_step = ctx.local_step = int(resumed["local_step"])
+            start_step = int(resumed["local_step"])
+            if env.reshard:  # another world size: the same fraction of the run, resharded
+                start_step = min(steps, round(start_step * steps / max(1, resumed["steps"])))
+                batches.seek(divmod(start_step, batches.steps_per_epoch))
+            else:
+                batches.seek(resumed["position"])
+            ctx.local_step = start_step
             ctx.global_step = int(resumed["global_step"])
         scheme.start(ctx)
         if resumed is not None:

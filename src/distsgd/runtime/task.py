@@ -95,6 +95,15 @@ class TaskEnv:
         },
     )
 
+    reshard: bool = field(
+        default=False,
+        metadata={
+            "help": "resume from a state another worker saved at another world size (a "
+            "collective run restarted at a new size): its model, optimizer and scheme state, "
+            "at the same fraction of the run, the data resharded"
+        },
+    )
+
     def __post_init__(self) -> None:
         spec = self.spec
         spec.task("worker", self.task_index)
