@@ -1,0 +1,101 @@
+"""Runs that change size while they train, scripted with ``distsgd scale`` on a running
+``distsgd demo``: the situations where torchrun, Horovod and torchft users report hangs and lost
+progress (a scale-down that does not restart, a join below the minimum, long quorum waits)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+from conftest import alive, metrics, run_distsgd, task_pids, wait_for
+
+STEP_TIMEOUT = 90.0
+"""Seconds any one stage of a scripted run may take before the test calls it a hang."""
+
+
+def _progress(run_dir: Path) -> int:
+    """The largest step any worker has logged."""
+    return max((int(r.get("step", 0)) for r in metrics(run_dir) if "loss" in r), default=0)
+
+
+def _events(run_dir: Path, name: str) -> list[dict]:
+    return [r for r in metrics(run_dir) if r.get("event") == name]
+
+
+def _scale(run_dir: Path, workers: int) -> None:
+    done = run_distsgd(["scale", str(run_dir), "--workers", str(workers)], timeout=STEP_TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert f"-> {workers} workers" in done.stdout, done.stdout
+
+
+def _finish(launcher: psutil.Popen) -> str:
+    try:
+        out, _ = launcher.communicate(timeout=STEP_TIMEOUT * 2)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the run hung after its last change of size") from None
+    assert launcher.returncode == 0, out[-4000:]
+    return out
+
+
+def _accuracy(out: str) -> float:
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("test accuracy: "), last
+    return float(last.split(":")[1])
+
+
+def test_collective_run_grows_by_a_restart_from_its_checkpoint(spawn, tmp_path: Path) -> None:
+    """allreduce 2 -> 3 workers: a whole restart from the last checkpoint (saved at 2 workers),
+    every worker continuing from worker 0's state; it finishes at 3 and reaches the demo's
+    accuracy."""
+    run_dir = tmp_path / "run"
+    launcher = spawn(
+        [
+            "demo",
+            "--scheme",
+            "allreduce",
+            "--workers",
+            "2",
+            "--max-workers",
+            "3",
+            "--checkpoint-every",
+            "20",
+            "--epochs",
+            "40",
+            "--quiet",
+            "--run-dir",
+            str(run_dir),
+        ]
+    )
+    checkpoints = run_dir / "checkpoints"
+    assert wait_for(lambda: any(checkpoints.glob("ckpt-*/MANIFEST.json")), STEP_TIMEOUT), (
+        "no checkpoint"
+    )
+    _scale(run_dir, 3)
+    out = _finish(launcher)
+    assert _accuracy(out) >= 0.95
+    restarts = [r for r in _events(run_dir, "fault") if r.get("action") == "restart_all"]
+    assert len(restarts) == 1 and restarts[0]["resumed_from"].startswith("ckpt-")
+    assert [r["workers"] for r in _events(run_dir, "scale")] == [3]
+    assert {"worker0", "worker1", "worker2"} <= set(task_pids(run_dir))
+    assert alive(list(task_pids(run_dir).values())) == []
+
+
+def test_scale_refuses_a_number_outside_the_bounds_of_a_running_run(spawn, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = spawn(
+        [
+            *("demo", "--scheme", "allreduce", "--workers", "2", "--max-workers", "3"),
+            *("--epochs", "20", "--quiet", "--run-dir", str(run_dir)),
+        ]
+    )
+    assert wait_for(lambda: (run_dir / "launcher.pid").exists(), STEP_TIMEOUT)
+    done = run_distsgd(["scale", str(run_dir), "--workers", "4"], timeout=30)
+    assert done.returncode == 2 and "ask for a number in 2..3" in done.stderr, done.stderr
+    assert not (run_dir / "scale.json").exists()
+    _finish(launcher)
+    time.sleep(0.2)
+    assert not (run_dir / "launcher.pid").exists()
+    done = run_distsgd(["scale", str(run_dir), "--workers", "3"], timeout=30)
+    assert done.returncode == 2 and "no launcher is running" in done.stderr, done.stderr
