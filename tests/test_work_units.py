@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections import Counter, deque
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import final_accuracy, run_distsgd
+from conftest import distsgd_cmd, final_accuracy, run_distsgd, task_pids, wait_for
 from test_membership import _client, _w0
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -471,3 +472,37 @@ def test_a_killed_worker_loses_no_unit_in_a_real_run(tmp_path: Path) -> None:
     events = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     assert any(e.get("event") == "fault" for e in events), "the kill never happened"
     assert "restarted; " in (run_dir / "logs" / "ps0.log").read_text()  # its units went back
+
+
+def test_a_worker_sent_sigterm_leaves_and_its_units_are_trained_by_the_others(
+    tmp_path: Path,
+) -> None:
+    """How the launcher shrinks an elastic run: SIGTERM to a worker; it pushes, reports its
+    units, leaves with exit code 0, and the run still trains every unit exactly once."""
+    run_dir = tmp_path / "run"
+    args = ["run", "--workers", "3", "--ps", "1", "--scheme", "hogwild", "--quiet"]
+    args += ["--world-size", "dynamic", "--run-dir", str(run_dir), str(DEMO)]
+    proc = subprocess.Popen(
+        distsgd_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+
+        def training() -> bool:
+            path = run_dir / METRICS_FILE
+            return path.is_file() and '"task": "worker2", "step"' in path.read_text()
+
+        assert wait_for(training, 60), "worker2 never trained"
+        os.kill(task_pids(run_dir)["worker2"], signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    assert float(out.strip().splitlines()[-1].split(":")[1]) >= 0.95
+    events = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    assert [e["task"] for e in events if e.get("event") == "left"] == ["worker2"]
+    assert not [e for e in events if e.get("event") == "fault"]  # it exited 0: no restart
+    work = json.loads((run_dir / RESULT_FILE).read_text())["work"]
+    assert work["never_trained"] == 0 and work["trained_twice"] == 0, work
+    assert work["trained_once"] == work["total_units"]
