@@ -313,21 +313,26 @@ def _unit_of(samples: int, unit_size: int, seed: int, epochs: int) -> dict[froze
     return table
 
 
+Plan = list[tuple[int, str, int]]
+"""(chief batches, "start" or "stop", worker): once the chief has trained that many batches,
+start (again) or stop that worker; in order."""
+
+
 def _elastic(
     run_dir: Path,
     *,
     scheme_name: str,
     world: int,
     max_workers: int,
-    late: Callable[[int, int], bool] = lambda rank, seen: False,
+    plan: Plan | None = None,
     stop_after: dict[int, int] | None = None,
     samples: int = 96,
     epochs: float = 3.0,
 ) -> tuple[dict[int, list[list[int]]], dict[str, Any]]:
     """Workers of ``scheme_name`` under --world-size dynamic in threads, ``world`` registered
-    and ``max_workers`` in the cluster; a worker r >= world starts once the chief has trained
-    as many batches as ``late`` asks; ``stop_after[r]``: worker r is asked to stop after that
-    many batches. Returns each worker's batches (sample indices) and result.json."""
+    and started, ``max_workers`` in the cluster; ``plan`` starts and stops workers as the chief
+    goes; ``stop_after[r]``: worker r is asked to stop after that many batches. Returns each
+    worker index's batches (sample indices, all its incarnations) and result.json."""
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     gen = torch.Generator().manual_seed(1)
@@ -383,24 +388,36 @@ def _elastic(
         except BaseException as exc:  # reported below
             errors.append(exc)
 
+    def start(rank: int) -> None:
+        stops[rank] = threading.Event()
+        threads[rank] = threading.Thread(target=work, args=(rank,), daemon=True)
+        threads[rank].start()
+
+    threads: dict[int, threading.Thread] = {}
     try:
-        threads = {r: threading.Thread(target=work, args=(r,), daemon=True) for r in range(world)}
-        for t in threads.values():
-            t.start()
-        pending = set(range(world, max_workers))
+        for r in range(world):
+            start(r)
+        todo = list(plan or [])
         deadline = time.monotonic() + 60
-        while pending and time.monotonic() < deadline:
-            for r in sorted(pending):
-                if late(r, len(seen[0])):
-                    threads[r] = threading.Thread(target=work, args=(r,), daemon=True)
-                    threads[r].start()
-                    pending.discard(r)
-            time.sleep(0.005)
+        while todo and threads[0].is_alive() and time.monotonic() < deadline:
+            at, action, rank = todo[0]
+            if len(seen[0]) < at:
+                time.sleep(0.002)
+                continue
+            todo.pop(0)
+            if action == "stop":
+                stops[rank].set()
+            else:
+                if rank in threads:
+                    threads[rank].join(timeout=30)  # its last incarnation left first
+                start(rank)
+        threads[0].join(timeout=60)
         for t in threads.values():
             t.join(timeout=60)
         assert not any(t.is_alive() for t in threads.values()), "a worker hung"
         if errors:
             raise errors[0]
+        assert not todo, f"the run ended before the plan's {todo}"
         result = json.loads((run_dir / RESULT_FILE).read_text())
         return seen, result
     finally:
@@ -437,7 +454,7 @@ def test_a_worker_stops_midway_and_a_new_index_joins(tmp_path: Path) -> None:
         scheme_name="hogwild",
         world=2,
         max_workers=3,
-        late=lambda rank, chief_batches: chief_batches >= 4,
+        plan=[(4, "start", 2)],
         stop_after={1: 5},
     )
     counts = _assert_each_sample_once_per_epoch(seen, result, 96, 3)
@@ -506,3 +523,27 @@ def test_a_worker_sent_sigterm_leaves_and_its_units_are_trained_by_the_others(
     work = json.loads((run_dir / RESULT_FILE).read_text())["work"]
     assert work["never_trained"] == 0 and work["trained_twice"] == 0, work
     assert work["trained_once"] == work["total_units"]
+
+
+@pytest.mark.parametrize("scheme_name", ["hogwild", "sync", "easgd"])
+def test_workers_two_four_one_three_lose_no_unit(tmp_path: Path, scheme_name: str) -> None:
+    """The elastic acceptance scenario in one process: 2 workers, then 4, then 1, then 3 (the
+    stopped indexes come back as new incarnations)."""
+    plan: Plan = [(3, "start", 2), (3, "start", 3)]
+    plan += [(8, "stop", 1), (8, "stop", 2), (8, "stop", 3)]
+    plan += [(12, "start", 1), (12, "start", 2)]
+    seen, result = _elastic(
+        tmp_path, scheme_name=scheme_name, world=2, max_workers=4, plan=plan, samples=192
+    )
+    table = _unit_of(192, 8, 4, 3)
+    units = Counter(table[frozenset(b)] for batches in seen.values() for b in batches)
+    assert sorted(units) == sorted(table.values()) and set(units.values()) == {1}
+    work = result["work"]
+    assert (work["trained_once"], work["trained_twice"], work["never_trained"]) == (72, 0, 0)
+    assert all(seen[r] for r in range(4))  # every index trained
+    events = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert sorted(e["task"] for e in events if e.get("event") == "left") == [
+        "worker1",
+        "worker2",
+        "worker3",
+    ]
