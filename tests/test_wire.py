@@ -266,21 +266,25 @@ def test_no_message_carries_repeated_numbers_except_shape() -> None:
         for field in message.fields:
             if field.is_repeated and field.type in numeric:
                 found.append(f"{message.name}.{field.name}")
-    # Shapes, the shared-memory layout (one offset per piece) and the live members (worker
-    # indexes, at most max_workers) are metadata, not tensor values.
+    # Shapes, the shared-memory layout (one offset per piece), the live members (worker
+    # indexes, at most max_workers) and the work units' counts (one per epoch) are metadata,
+    # not tensor values.
     assert sorted(found) == [
         "AttachResponse.pull_offsets",
         "AttachResponse.push_offsets",
         "InfoResponse.members",
         "MembershipResponse.members",
         "TensorSpec.shape",
+        "WorkStatus.never_trained",
+        "WorkStatus.trained_once",
+        "WorkStatus.trained_twice",
     ]
     assert pb.TensorChunk.DESCRIPTOR.fields_by_name["data"].type == FieldDescriptor.TYPE_BYTES
 
 
 def test_protocol_version_constant() -> None:
-    assert PROTOCOL_VERSION == pb.PROTOCOL_VERSION == 4
-    assert re.search(r"PROTOCOL_VERSION\s*=\s*4\s*;", _proto_without_comments())
+    assert PROTOCOL_VERSION == pb.PROTOCOL_VERSION == 5
+    assert re.search(r"PROTOCOL_VERSION\s*=\s*5\s*;", _proto_without_comments())
 
 
 def test_push_reject_mirrors_the_proto_enum() -> None:

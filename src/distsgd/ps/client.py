@@ -123,8 +123,10 @@ class ParameterClient:
         scheme: str,
         options: Mapping[str, Any],
         num_workers: int,
+        work: pb.WorkSpec | None = None,
     ) -> None:
-        """(Chief) hand each shard its pieces; idempotent for the same model and scheme."""
+        """(Chief) hand each shard its pieces; idempotent for the same model and scheme.
+        ``work``: the work units shard 0 hands out (see :meth:`lease_work`)."""
         parts = self.plan.split(arrays)
         text = json.dumps(dict(options), sort_keys=True)
         self._each(
@@ -134,8 +136,13 @@ class ParameterClient:
                 options_json=text,
                 num_workers=num_workers,
                 tensors=parts[i],
+                work=work if i == 0 else None,
             )
         )
+
+    def lease_work(self, done: Sequence[tuple[int, int]] = (), want: int = 0) -> pb.LeaseResponse:
+        """Report work units done and hold up to ``want`` (shard 0 hands them out)."""
+        return self.shards[0].lease_work(done, want)
 
     def wait_registered(self, timeout: float) -> None:
         """Block until every shard is registered with this plan's pieces."""

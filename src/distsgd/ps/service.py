@@ -39,6 +39,7 @@ from distsgd.ps.rules import (
 )
 from distsgd.ps.segments import Attached, Layout, SegmentTable
 from distsgd.ps.shard import CorruptCheckpoint, Shard
+from distsgd.ps.work import MAX_DONE, MAX_LEASE, Unit, WorkQueue, WorkSpec
 from distsgd.transport import bulk, shm
 from distsgd.transport.codec import (
     CHUNK_BYTES,
@@ -89,6 +90,22 @@ def push_nbytes(spec: pb.TensorSpec) -> int:
         return compression.wire_nbytes(encoding, spec.dtype, count, spec.nnz)
     except ValueError as exc:
         raise WireError(f"{_clip(spec.key)}: {exc}") from None
+
+
+def work_status(queue: WorkQueue) -> pb.WorkStatus:
+    """The queue's state as the wire's WorkStatus (call under the shard's lock)."""
+    spec = queue.spec
+    return pb.WorkStatus(
+        epochs=spec.num_epochs,
+        units_per_epoch=spec.units_per_epoch,
+        total_units=spec.total_units,
+        units_done=queue.units_done,
+        epoch=queue.epoch,
+        finished=queue.finished,
+        unit_size=spec.unit_size,
+        samples=spec.samples,
+        **queue.tally(),
+    )
 
 
 def _clip(text: str, limit: int = 80) -> str:
@@ -500,6 +517,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 reply.nonfinite_rejected = shard.nonfinite_rejected
                 reply.membership_epoch = shard.membership.epoch
                 reply.members.extend(shard.membership.live)
+                if shard.work is not None:
+                    reply.work.CopyFrom(work_status(shard.work))
         return reply
 
     @_guarded
@@ -531,13 +550,16 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 "names are 1-64 of [A-Za-z0-9_.-] (see distsgd schemes)",
             )
         self._check_register_specs(head.tensors, context)
+        work = self._work_spec(head.work, context)
         with self._register_lock:
             if self.shard is not None:  # decided before reading any tensor data
+                have = self.shard.work
                 same = (
                     specs_of(self.shard.values) == list(head.tensors)
                     and self.shard.scheme == head.scheme
                     and self.shard.options_json == head.options_json
                     and self.shard.num_workers == head.num_workers
+                    and (None if have is None else have.spec) == work
                 )
                 if not same:
                     _abort(
@@ -574,6 +596,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 rule=rule,
                 max_workers=self.max_workers,
                 evict_after=self.evict_after,
+                work=work,
             )
             self.shard = shard
             if self.closing:  # close() ran while this call assembled: wake its pulls too
@@ -749,6 +772,66 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 Refusal.NOT_MEMBER,
             )
         return self._membership_reply(shard, *seen)
+
+    @staticmethod
+    def _work_spec(spec: pb.WorkSpec, context: grpc.ServicerContext) -> WorkSpec | None:
+        """``RegisterHeader.work`` checked: None for samples 0 (no work units)."""
+        if spec.samples == 0:
+            return None
+        try:
+            return WorkSpec(
+                samples=spec.samples, unit_size=spec.unit_size, epochs=spec.epochs, seed=spec.seed
+            )
+        except ValueError as exc:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, _clip(str(exc), 400))
+
+    @_guarded
+    def LeaseWork(
+        self, request: pb.LeaseRequest, context: grpc.ServicerContext
+    ) -> pb.LeaseResponse:
+        shard = self._check_member(request.header, context, joining=False)
+        self._unless_closing(context)
+        queue = shard.work
+        if queue is None:
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"ps{self.shard_index} hands out no work units; ask ps0 of a run registered "
+                "with them (--world-size dynamic)",
+                Refusal.NO_WORK,
+            )
+        if request.want > MAX_LEASE:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"want {request.want} is more than {MAX_LEASE} units; lease fewer ahead",
+            )
+        if len(request.done) > MAX_DONE:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(request.done)} done units in one call; report at most {MAX_DONE}",
+            )
+        done: list[Unit] = []
+        for item in request.done:
+            unit = (item.epoch, item.unit)
+            why = queue.spec.check_unit(unit)
+            if why is not None:
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"done unit {why}; report only units this run leased",
+                )
+            done.append(unit)
+        worker, incarnation = request.header.worker, request.header.incarnation
+        held, ignored, queue = shard.lease_work(worker, incarnation, done, request.want)
+        with shard.cond:
+            status = work_status(queue)
+        return pb.LeaseResponse(
+            units=[pb.WorkUnit(epoch=e, unit=u) for e, u in held],
+            ignored=[pb.WorkUnit(epoch=e, unit=u) for e, u in ignored],
+            status=status,
+        )
 
     # -- shared memory and tensor sockets (protocol 2; see the .proto) ---------------------------
     def _attached(

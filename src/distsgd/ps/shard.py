@@ -25,6 +25,7 @@ from distsgd.ps.rules import (
     all_finite,
     parse_options_json,
 )
+from distsgd.ps.work import Unit, WorkQueue, WorkSpec
 from distsgd.transport.errors import PushReject
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,11 @@ class Shard:
         run_id: str = "",
         max_workers: int = 0,
         evict_after: float = DEFAULT_EVICT_AFTER,
+        work: WorkSpec | None = None,
     ) -> None:
-        """``max_workers`` and ``evict_after``: see :class:`~distsgd.ps.membership.Membership`."""
+        """``max_workers`` and ``evict_after``: see :class:`~distsgd.ps.membership.Membership`;
+        ``work``: the work units this shard hands out (shard 0 of an elastic run; see
+        :mod:`distsgd.ps.work`)."""
         self.index = index
         self.scheme = scheme
         self.options_json = options_json
@@ -78,6 +82,8 @@ class Shard:
             num_workers=num_workers, max_workers=max_workers, evict_after=evict_after
         )
         """Live members and their epoch; read and changed under ``cond``."""
+        self.work: WorkQueue | None = None if work is None else WorkQueue(work)
+        """The work units (None: this shard hands out none); read and changed under ``cond``."""
 
     def bump(self, steps: int = 1) -> int:
         """Advance the version and wake readers waiting for it."""
@@ -135,6 +141,7 @@ class Shard:
         if worker >= 0:
             self.incarnations[worker] = incarnation
             with self.cond:
+                self._work_seen(worker, incarnation)
                 if self.membership.see(worker, incarnation):
                     self._membership_changed(f"worker {worker} seen")
 
@@ -142,6 +149,7 @@ class Shard:
         """Explicit membership: ``worker`` joins (again); returns (epoch, members)."""
         self.incarnations[worker] = incarnation
         with self.cond:
+            self._work_seen(worker, incarnation)
             if self.membership.join(worker, incarnation):
                 self.finished.discard(worker)
                 self._membership_changed(f"worker {worker} joined")
@@ -153,6 +161,39 @@ class Shard:
             if not self.membership.heartbeat(worker, incarnation):
                 return None
             return self.membership.epoch, self.membership.live
+
+    def _work_seen(self, worker: int, incarnation: int) -> None:
+        """Under ``cond``: a new incarnation of ``worker`` (a restart) gives its units back."""
+        if self.work is not None:
+            self._gave_back(worker, self.work.seen(worker, incarnation), "restarted")
+
+    def _work_released(self, worker: int, why: str) -> None:
+        """Under ``cond``: ``worker`` went away; its leased-but-not-done units go back."""
+        if self.work is not None:
+            self._gave_back(worker, self.work.release(worker), why)
+
+    def _gave_back(self, worker: int, units: list[Unit], why: str) -> None:
+        if units:
+            log.info(
+                "shard %d: worker %d %s; %d work unit(s) back in the queue: %s",
+                self.index,
+                worker,
+                why,
+                len(units),
+                units[:8],
+            )
+
+    def lease_work(
+        self, worker: int, incarnation: int, done: list[Unit], want: int
+    ) -> tuple[list[Unit], list[Unit], WorkQueue]:
+        """Count ``done`` and lease up to ``want`` units (see :meth:`WorkQueue.lease`); the
+        call makes ``worker`` a member as any other does. Returns (held, ignored, queue)."""
+        assert self.work is not None
+        self.see(worker, incarnation)
+        with self.cond:
+            member = worker in self.membership.members
+            result = self.work.lease(worker, incarnation, done=done, want=want, member=member)
+            return result.units, result.ignored, self.work
 
     def _membership_changed(self, why: str) -> None:
         """Under ``cond``: log the new epoch and tell the rule."""
@@ -203,13 +244,16 @@ class Shard:
             if worker >= 0 and worker not in self.finished:
                 self.finished.add(worker)
                 self.rule.on_leave(self, worker)
+            self._work_released(worker, "left")
             if self.membership.leave(worker):
                 self._membership_changed(f"worker {worker} left")
             return self.version
 
     @property
     def active_workers(self) -> int:
-        return self.num_workers - len(self.finished)
+        """Registered workers (indexes below ``num_workers``) that have not left; a worker of
+        a larger index (an elastic run's newcomer) that left does not count."""
+        return self.num_workers - sum(1 for w in self.finished if w < self.num_workers)
 
     def tick(self) -> None:
         """Let the rule act on time (a synchronous step waiting for a dead worker)."""
@@ -222,6 +266,8 @@ class Shard:
                     evicted,
                     self.membership.evict_after,
                 )
+                for worker in evicted:
+                    self._work_released(worker, "was evicted")
                 self._membership_changed(f"evicted {evicted}")
             self.rule.tick(self, time.monotonic())
 
@@ -252,6 +298,7 @@ class Shard:
                 "nonfinite_rejected": self.nonfinite_rejected,
                 "rule": {k: v for k, v in rule_state.items() if not isinstance(v, np.ndarray)},
                 "keys": list(self.values),
+                **({} if self.work is None else {"work": self.work.state_dict()}),
             }
             version = self.version
         arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
@@ -280,6 +327,7 @@ class Shard:
             rule = rule_factory(
                 header["scheme"], parse_options_json(header["options_json"]), header["num_workers"]
             )
+            work = WorkQueue.from_state(header["work"]) if "work" in header else None
         except CorruptCheckpoint:
             raise
         except Exception as exc:  # zip, json, key errors: all mean the file is damaged
@@ -305,4 +353,5 @@ class Shard:
         shard.pushes_accepted = int(header["pushes_accepted"])
         shard.pushes_rejected = int(header["pushes_rejected"])
         shard.nonfinite_rejected = int(header["nonfinite_rejected"])
+        shard.work = work
         return shard

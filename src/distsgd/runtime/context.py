@@ -6,8 +6,10 @@ and versions are handled in one place.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, TypeVar
@@ -63,6 +65,13 @@ class WorkerContext:
         """Pushes the servers refused for NaN or Inf values (policy ``skip``)."""
         self.applied_pushes = 0
         """Shard pushes the servers accepted (one push to M shards counts M)."""
+        self._push_numbers = itertools.count(1)
+        self.pushes_started = 0
+        """Pushes begun (one per :meth:`push`, to all shards); the number of the latest."""
+        self.push_outcomes: deque[tuple[int, bool]] = deque(maxlen=4096)
+        """(push number, accepted by every shard) of each push as it ends: the update a step
+        made before push number n began is on the servers when push n was accepted (work units
+        wait for it, :mod:`distsgd.runtime.work`, and take these out)."""
         self.staleness_sum = 0
         """Sum over accepted shard pushes of the updates other pushes made between the
         version the payload was computed on and its own (0 when nothing came between)."""
@@ -205,8 +214,10 @@ class WorkerContext:
         self, arrays: Mapping[str, np.ndarray], *, base_version: int | Sequence[int] | None = None
     ) -> list[PushResult]:
         """Send named arrays to the servers' update rule; one result per shard."""
+        number = self.pushes_started = next(self._push_numbers)
         if self.faults is not None and self.faults.partitioned:
             self.lost_pushes += 1
+            self.push_outcomes.append((number, False))
             return [
                 PushResult(False, v, "lost: partitioned", PushReject.LOST) for v in self.ps.versions
             ]
@@ -217,6 +228,7 @@ class WorkerContext:
             if result.accepted:  # the push made version result.version (or joined its step)
                 self.applied_pushes += 1
                 self.staleness_sum += max(0, result.version - 1 - base)
+        self.push_outcomes.append((number, all(r.accepted for r in results)))
         if any(r.reject is PushReject.LOST for r in results):
             self.lost_pushes += 1
         refused = [r.reason for r in results if r.reject is PushReject.NONFINITE]

@@ -15,6 +15,8 @@ import logging
 import math
 import os
 import secrets
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -46,6 +48,7 @@ from distsgd.runtime.metrics import MetricsWriter
 from distsgd.runtime.run_folder import FINAL_PARAMS_FILE, METRICS_FILE, RESULT_FILE
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.task import TaskEnv
+from distsgd.runtime.work import LeasedBatches, wait_members_gone, work_spec
 from distsgd.transport.security import TlsConfig, load_secret
 from distsgd.util import write_atomic, write_bytes_atomic
 
@@ -71,6 +74,10 @@ class TrainResult:
     """Why it counts as diverged, or None."""
     time_split: dict[str, float] = dataclasses.field(default_factory=dict)
     """This worker's seconds per phase (see :mod:`distsgd.runtime.timing`): compute, pull, ..."""
+    work: dict[str, Any] | None = None
+    """(Chief of a run with work units) per epoch, the units trained once, twice, never."""
+    left: bool = False
+    """True when the worker was asked to stop (SIGTERM, ``stop``) and left the run early."""
 
 
 def _wait_all_finished(
@@ -158,20 +165,37 @@ def run_worker(
     env: TaskEnv,
     scheme: WorkerScheme,
     batch_fn: BatchFn | None = None,
+    stop: threading.Event | None = None,
 ) -> TrainResult:
-    """Train this worker's part of the run under ``scheme``; see the module docstring."""
+    """Train this worker's part of the run under ``scheme``; see the module docstring.
+
+    ``stop`` (``--world-size dynamic``): once set, the worker finishes its step, pushes what
+    its scheme holds, reports its work units, leaves and returns (``TrainResult.left``). In the
+    main thread of an elastic run SIGTERM sets it (the launcher shrinks a run so)."""
     env = env.with_ps_addresses(env.startup_timeout)
     spec = env.spec
     rank, world = env.task_index, env.num_workers
     chief = rank == 0
+    dynamic = config.world_size == "dynamic"
+    if stop is None and dynamic:
+        stop = threading.Event()
+    restore_sigterm = _stop_on_sigterm(stop) if dynamic and stop is not None else None
     device = resolve_device(config.device, next(model.parameters()).device, rank)
     model.to(device)
     run_dir = Path(env.run_dir) if env.run_dir else None
     name = f"worker{rank}"
-    batches = ShardedBatches(
-        train_set, rank=rank, world=world, batch_size=config.batch_size, seed=config.seed
-    )
-    steps = config.steps or max(1, math.ceil(config.epochs * batches.steps_per_epoch))
+    # Work units: an elastic run counted in epochs leases its batches from shard 0's queue
+    # (see runtime/work.py); --steps counts each worker's steps, so such a run shards as before.
+    leased = dynamic and scheme.uses_parameter_servers and config.steps == 0
+    batches: ShardedBatches | LeasedBatches | None = None
+    if not leased:
+        batches = ShardedBatches(
+            train_set,
+            rank=rank,
+            world=spec.num_workers,
+            batch_size=config.batch_size,
+            seed=config.seed,
+        )
     metrics = MetricsWriter(run_dir / METRICS_FILE if run_dir else None, name)
     ps: ParameterClient | None = None
     heartbeat: Heartbeat | None = None
@@ -213,6 +237,14 @@ def run_worker(
                     scheme=env.scheme,
                     options=_server_options(scheme, config),
                     num_workers=world,
+                    work=work_spec(
+                        len(train_set),  # type: ignore[arg-type]
+                        batch_size=config.batch_size,
+                        epochs=config.epochs,
+                        seed=config.seed,
+                    )
+                    if leased
+                    else None,
                 )
                 log.info(
                     "registered %d parameters on %d ps (bytes per shard: %s)",
@@ -221,6 +253,10 @@ def run_worker(
                     plan.shard_bytes,
                 )
             ps.wait_registered(env.startup_timeout)
+            if leased:
+                batches = LeasedBatches(
+                    train_set, ps=ps, batch_size=config.batch_size, seed=config.seed, stop=stop
+                )
         elif world > 1:
             rendezvous = env.rendezvous or spec.worker[0]
             collective = Collective(
@@ -242,13 +278,19 @@ def run_worker(
             ps=ps,
             collective=collective,
         )
+        assert batches is not None
+        steps = (
+            1 << 62  # the queue says when the run ends
+            if isinstance(batches, LeasedBatches)
+            else config.steps or max(1, math.ceil(config.epochs * batches.steps_per_epoch))
+        )
         if ps is not None:
             heartbeat = _join(ps, metrics, ctx)
         log.info(
-            "%s: scheme %s, %d steps of batch %d (%d per epoch)",
+            "%s: scheme %s, %s steps of batch %d (%d per epoch)",
             name,
             env.scheme,
-            steps,
+            "leased" if isinstance(batches, LeasedBatches) else steps,
             config.batch_size,
             batches.steps_per_epoch,
         )
@@ -286,7 +328,7 @@ def run_worker(
             # pushed already (the servers hold their updates), so it goes on from there.
             skipped = min(env.continue_at, steps) - start_step
             start_step = ctx.local_step = start_step + skipped
-            batches.seek(divmod(start_step, batches.steps_per_epoch))
+            batches.seek(divmod(start_step, batches.steps_per_epoch))  # leased: nothing to seek
             log.info(
                 "%s: continues at local step %d (%d steps pushed before)", name, start_step, skipped
             )
@@ -327,13 +369,26 @@ def run_worker(
         batch_iter = iter(batches)
         model.train()
         loss_value = float("nan")
+        left = False
         while ctx.local_step < steps:
+            if stop is not None and stop.is_set():
+                left = True
+                break
             if ckpt is not None:
                 with clock.measure("checkpoint"):
                     ckpt.maybe_save_worker(ctx.local_step, start_step, worker_state)
             faults.before_step(ctx.global_step)
-            ctx.set_lr_scale(lr_factor(config.lr_schedule, ctx.local_step, steps, config.warmup))
-            batch = split_batch(next(batch_iter), batch_fn).to(device)
+            done, total = (
+                batches.progress if isinstance(batches, LeasedBatches) else (ctx.local_step, steps)
+            )
+            ctx.set_lr_scale(lr_factor(config.lr_schedule, done, total, config.warmup))
+            if isinstance(batches, LeasedBatches):
+                batches.settle(ctx.push_outcomes)
+            raw = next(batch_iter, None)
+            if raw is None:  # leased: the queue has no more work for this worker
+                left = stop is not None and stop.is_set()
+                break
+            batch = split_batch(raw, batch_fn).to(device)
             scheme.before_step(ctx)
             if ckpt is not None and chief:
                 with clock.measure("checkpoint"):
@@ -350,6 +405,8 @@ def run_worker(
                 if hint is None:
                     raise
                 raise RuntimeError(f"{exc}; {hint}") from exc
+            if isinstance(batches, LeasedBatches):
+                batches.trained(ctx.pushes_started)  # its update is in the pushes begun after
             loss_value = float(loss.detach())
             watch.observe(loss_value, ctx.local_step)
             scheme.after_backward(ctx)
@@ -394,12 +451,18 @@ def run_worker(
         scheme.finish(ctx)
         clock.stop_loop()
         seconds = time.monotonic() - started
+        work_status = (
+            batches.report(ctx.push_outcomes) if isinstance(batches, LeasedBatches) else None
+        )
         if ckpt is not None:
             ckpt.save_worker(worker_state(), ctx.local_step)
         if heartbeat is not None:
             heartbeat.stop()  # before the leave: a heartbeat after it would join again
         if ps is not None:
             ps.leave()  # before waiting on checkpoints: a sync step may wait for this leave
+        if left:
+            log.info("%s: asked to stop; left the run after %d steps", name, ctx.local_step)
+            metrics.log(step=ctx.global_step, local_step=ctx.local_step, event="left")
         metrics.log(
             step=ctx.global_step,
             local_step=ctx.local_step,
@@ -417,7 +480,9 @@ def run_worker(
             ),
             **clock.metrics(),
         )
-        if ps is not None and chief:
+        if ps is not None and chief and isinstance(batches, LeasedBatches):
+            work_status = wait_members_gone(ps, rank, env.wait_timeout)
+        elif ps is not None and chief:
             _wait_all_finished(
                 ps,
                 world,
@@ -437,13 +502,17 @@ def run_worker(
             samples=ctx.local_step * config.batch_size,
             bytes_sent=ctx.bytes_sent,
             time_split={k: round(v, 4) for k, v in clock.totals().items()},
+            work=_work_counts(work_status) if chief and work_status is not None else None,
+            left=left,
         )
+        if result.work is not None:
+            _log_work(result.work, metrics, ctx)
         verdict = watch.loss_verdict()
         if verdict is not None:
             log.warning("diverged: %s", verdict)
             metrics.log(step=ctx.global_step, event="diverged", reason=verdict)
             result = dataclasses.replace(result, diverged=True, divergence=verdict)
-        if chief:
+        if chief and not left:
             result = _finish_chief(
                 ctx,
                 scheme,
@@ -467,6 +536,8 @@ def run_worker(
         metrics.log(event="diverged", reason=str(exc))
         raise
     finally:
+        if restore_sigterm is not None:
+            restore_sigterm()
         if heartbeat is not None:
             heartbeat.stop()
         if ps is not None:
@@ -474,6 +545,72 @@ def run_worker(
         if collective is not None:
             collective.close()
         metrics.close()
+
+
+def _stop_on_sigterm(stop: threading.Event) -> Callable[[], None] | None:
+    """In the main thread: SIGTERM sets ``stop``; returns what restores the old handler (None
+    elsewhere: signals reach the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handle(signum: int, frame: object) -> None:
+        log.info("SIGTERM: leaving the run after this step")
+        stop.set()
+
+    previous = signal.signal(signal.SIGTERM, handle)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return restore
+
+
+def _work_counts(status: Any) -> dict[str, Any]:
+    """result.json's ``work``: the queue's per-epoch counts and their totals."""
+    return {
+        "epochs": int(status.epochs),
+        "units_per_epoch": int(status.units_per_epoch),
+        "unit_size": int(status.unit_size),
+        "samples": int(status.samples),
+        "total_units": int(status.total_units),
+        "units_done": int(status.units_done),
+        "finished": bool(status.finished),
+        "trained_once": sum(status.trained_once),
+        "trained_twice": sum(status.trained_twice),
+        "never_trained": sum(status.never_trained),
+        "per_epoch": {
+            "trained_once": list(status.trained_once),
+            "trained_twice": list(status.trained_twice),
+            "never_trained": list(status.never_trained),
+        },
+    }
+
+
+def _result_fields(result: TrainResult) -> dict[str, Any]:
+    """result.json's fields: ``work`` and ``left`` only where they say something."""
+    fields = asdict(result)
+    if fields["work"] is None:
+        del fields["work"]
+    if not fields["left"]:
+        del fields["left"]
+    return fields
+
+
+def _log_work(work: dict[str, Any], metrics: MetricsWriter, ctx: WorkerContext) -> None:
+    log.info(
+        "work units: %d epochs of %d units; trained once %d, twice or more %d, never %d",
+        work["epochs"],
+        work["units_per_epoch"],
+        work["trained_once"],
+        work["trained_twice"],
+        work["never_trained"],
+    )
+    metrics.log(
+        step=ctx.global_step,
+        local_step=ctx.local_step,
+        event="work",
+        **{k: v for k, v in work.items() if k != "per_epoch"},
+    )
 
 
 def _server_options(scheme: WorkerScheme, config: TrainConfig) -> dict[str, Any]:
@@ -591,6 +728,6 @@ def _finish_chief(
         write_bytes_atomic(run_dir / FINAL_PARAMS_FILE, buf.getvalue())
         write_atomic(
             run_dir / RESULT_FILE,
-            json.dumps({**asdict(result), "config": config.to_dict()}, indent=2) + "\n",
+            json.dumps({**_result_fields(result), "config": config.to_dict()}, indent=2) + "\n",
         )
     return result

@@ -418,8 +418,10 @@ class ShardClient:
         options_json: str,
         num_workers: int,
         tensors: Mapping[str, np.ndarray],
+        work: pb.WorkSpec | None = None,
     ) -> pb.RegisterResponse:
-        """Hand the shard its pieces, their initial values and its update rule."""
+        """Hand the shard its pieces, their initial values and its update rule (and ``work``,
+        the work units it hands out: shard 0 of an elastic run, protocol 5)."""
         header = pb.RegisterHeader(
             header=self._header,
             scheme=scheme,
@@ -427,6 +429,7 @@ class ShardClient:
             num_workers=num_workers,
             tensors=specs_of(tensors),
             shard_index=shard_index,
+            work=work,
         )
         arrays = list(tensors.values())
 
@@ -725,6 +728,20 @@ class ShardClient:
                 request, timeout=timeout or self.timeout, metadata=self._metadata
             ),
             retry=False,
+        )
+
+    def lease_work(self, done: Sequence[tuple[int, int]] = (), want: int = 0) -> pb.LeaseResponse:
+        """Report the work units ``done`` (epoch, unit) and hold up to ``want`` (protocol 5):
+        every unit this worker holds now, the ignored reports, and the queue's status.
+        Retried like any call: a repeated report of a unit is ignored, never counted twice."""
+        request = pb.LeaseRequest(
+            header=self._header,
+            done=[pb.WorkUnit(epoch=e, unit=u) for e, u in done],
+            want=want,
+        )
+        return self._call(
+            "LeaseWork",
+            lambda: self._stub.LeaseWork(request, timeout=self.timeout, metadata=self._metadata),
         )
 
     def leave(self) -> int:

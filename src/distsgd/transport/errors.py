@@ -53,6 +53,9 @@ class Refusal(enum.Enum):
     evicted); it calls Join again."""
     RUN_FULL = "run-full"
     """RESOURCE_EXHAUSTED (Join): the worker index is beyond the server's ``--max-workers``."""
+    NO_WORK = "no-work"
+    """FAILED_PRECONDITION (LeaseWork): this shard hands out no work units (only shard 0 of a
+    run registered with a work spec does)."""
 
     @classmethod
     def named(cls, value: str) -> Refusal | None:

@@ -88,20 +88,88 @@ class TensorChunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RegisterHeader(_message.Message):
-    __slots__ = ("header", "scheme", "options_json", "num_workers", "tensors", "shard_index")
+    __slots__ = ("header", "scheme", "options_json", "num_workers", "tensors", "shard_index", "work")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     scheme: str
     options_json: str
     num_workers: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     shard_index: int
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., scheme: _Optional[str] = ..., options_json: _Optional[str] = ..., num_workers: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shard_index: _Optional[int] = ...) -> None: ...
+    work: WorkSpec
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., scheme: _Optional[str] = ..., options_json: _Optional[str] = ..., num_workers: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shard_index: _Optional[int] = ..., work: _Optional[_Union[WorkSpec, _Mapping]] = ...) -> None: ...
+
+class WorkSpec(_message.Message):
+    __slots__ = ("samples", "unit_size", "epochs", "seed")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    UNIT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    samples: int
+    unit_size: int
+    epochs: float
+    seed: int
+    def __init__(self, samples: _Optional[int] = ..., unit_size: _Optional[int] = ..., epochs: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class WorkUnit(_message.Message):
+    __slots__ = ("epoch", "unit")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    unit: int
+    def __init__(self, epoch: _Optional[int] = ..., unit: _Optional[int] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("header", "done", "want")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    WANT_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    done: _containers.RepeatedCompositeFieldContainer[WorkUnit]
+    want: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., done: _Optional[_Iterable[_Union[WorkUnit, _Mapping]]] = ..., want: _Optional[int] = ...) -> None: ...
+
+class WorkStatus(_message.Message):
+    __slots__ = ("epochs", "units_per_epoch", "total_units", "units_done", "epoch", "finished", "trained_once", "trained_twice", "never_trained", "unit_size", "samples")
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    UNITS_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_UNITS_FIELD_NUMBER: _ClassVar[int]
+    UNITS_DONE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_ONCE_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_TWICE_FIELD_NUMBER: _ClassVar[int]
+    NEVER_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    UNIT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    epochs: int
+    units_per_epoch: int
+    total_units: int
+    units_done: int
+    epoch: int
+    finished: bool
+    trained_once: _containers.RepeatedScalarFieldContainer[int]
+    trained_twice: _containers.RepeatedScalarFieldContainer[int]
+    never_trained: _containers.RepeatedScalarFieldContainer[int]
+    unit_size: int
+    samples: int
+    def __init__(self, epochs: _Optional[int] = ..., units_per_epoch: _Optional[int] = ..., total_units: _Optional[int] = ..., units_done: _Optional[int] = ..., epoch: _Optional[int] = ..., finished: _Optional[bool] = ..., trained_once: _Optional[_Iterable[int]] = ..., trained_twice: _Optional[_Iterable[int]] = ..., never_trained: _Optional[_Iterable[int]] = ..., unit_size: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class LeaseResponse(_message.Message):
+    __slots__ = ("units", "ignored", "status")
+    UNITS_FIELD_NUMBER: _ClassVar[int]
+    IGNORED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    units: _containers.RepeatedCompositeFieldContainer[WorkUnit]
+    ignored: _containers.RepeatedCompositeFieldContainer[WorkUnit]
+    status: WorkStatus
+    def __init__(self, units: _Optional[_Iterable[_Union[WorkUnit, _Mapping]]] = ..., ignored: _Optional[_Iterable[_Union[WorkUnit, _Mapping]]] = ..., status: _Optional[_Union[WorkStatus, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -196,7 +264,7 @@ class InfoRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "registered", "scheme", "version", "tensors", "num_workers", "active_workers", "finished_workers", "shard_index", "pushes_accepted", "pushes_rejected", "server_incarnation", "restored_version", "nonfinite_rejected", "membership_epoch", "members")
+    __slots__ = ("protocol_version", "registered", "scheme", "version", "tensors", "num_workers", "active_workers", "finished_workers", "shard_index", "pushes_accepted", "pushes_rejected", "server_incarnation", "restored_version", "nonfinite_rejected", "membership_epoch", "members", "work")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +281,7 @@ class InfoResponse(_message.Message):
     NONFINITE_REJECTED_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     registered: bool
     scheme: str
@@ -229,7 +298,8 @@ class InfoResponse(_message.Message):
     nonfinite_rejected: int
     membership_epoch: int
     members: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, protocol_version: _Optional[int] = ..., registered: _Optional[bool] = ..., scheme: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_workers: _Optional[int] = ..., active_workers: _Optional[int] = ..., finished_workers: _Optional[int] = ..., shard_index: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., server_incarnation: _Optional[int] = ..., restored_version: _Optional[int] = ..., nonfinite_rejected: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ...) -> None: ...
+    work: WorkStatus
+    def __init__(self, protocol_version: _Optional[int] = ..., registered: _Optional[bool] = ..., scheme: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_workers: _Optional[int] = ..., active_workers: _Optional[int] = ..., finished_workers: _Optional[int] = ..., shard_index: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., server_incarnation: _Optional[int] = ..., restored_version: _Optional[int] = ..., nonfinite_rejected: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., work: _Optional[_Union[WorkStatus, _Mapping]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("header",)

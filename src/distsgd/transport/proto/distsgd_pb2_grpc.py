@@ -89,6 +89,11 @@ class ParameterServerStub:
                 request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MembershipResponse.FromString,
                 _registered_method=True)
+        self.LeaseWork = channel.unary_unary(
+                '/distsgd.v1.ParameterServer/LeaseWork',
+                request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaseResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -160,6 +165,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaseWork(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +228,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.HeartbeatRequest.FromString,
                     response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MembershipResponse.SerializeToString,
+            ),
+            'LeaseWork': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseWork,
+                    request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaseRequest.FromString,
+                    response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +532,33 @@ class ParameterServer:
             '/distsgd.v1.ParameterServer/Heartbeat',
             distsgd_dot_transport_dot_proto_dot_distsgd__pb2.HeartbeatRequest.SerializeToString,
             distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MembershipResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseWork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/distsgd.v1.ParameterServer/LeaseWork',
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaseRequest.SerializeToString,
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
