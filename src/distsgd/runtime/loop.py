@@ -189,10 +189,10 @@ def run_worker(
     leased = dynamic and scheme.uses_parameter_servers and config.steps == 0
     batches: ShardedBatches | LeasedBatches | None = None
     if not leased:
-        batches = ShardedBatches(
+        batches = ShardedBatches(  # a worker joined past the registered ones: the cluster's
             train_set,
             rank=rank,
-            world=spec.num_workers,
+            world=world if rank < world else spec.num_workers,
             batch_size=config.batch_size,
             seed=config.seed,
         )
