@@ -72,7 +72,7 @@ def train(
     config = (config or TrainConfig()).replace(**env.overrides)
     spec = schemes.get(env.scheme)
     options = spec.parse_options(env.scheme_options)
-    scheme = spec.worker(options, env.spec.num_workers)
+    scheme = spec.worker(options, env.num_workers)
     train_set = as_dataset(train_data, "train_data")
     test_set = None if test_data is None else as_dataset(test_data, "test_data")
     check_data(train_set, "train_data", batch_fn=batch_fn, model=model)
