@@ -145,3 +145,44 @@ def test_run_grows_and_shrinks_2_4_1_3_without_losing_a_sample(
     reference = _accuracy(fixed.stdout)
     assert elastic >= 0.95, (elastic, reference)
     assert abs(elastic - reference) <= 0.02, (elastic, reference)
+
+
+def test_a_worker_out_of_restarts_is_dropped_while_min_workers_remain(tmp_path: Path) -> None:
+    """Killed with no restarts left, worker2 is dropped (not waited for, as Horovod waits below
+    min_np): the launcher tells the servers it left, its held units go back at once, and the
+    run finishes with 2 workers, every unit trained once."""
+    run_dir = tmp_path / "run"
+    done = run_distsgd(
+        [
+            *_demo("hogwild", run_dir, "--workers", "3", "--min-workers", "2"),
+            *("--max-workers", "3", "--world-size", "dynamic", "--max-restarts", "0"),
+            *("--inject-fault", "kill:worker:2@step=300"),
+        ],
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _accuracy(done.stdout) >= 0.95
+    drops = [r for r in _events(run_dir, "fault") if r.get("action") == "drop"]
+    assert [(r["target"], r["workers"]) for r in drops] == [("worker2", 2)]
+    work = json.loads((run_dir / "result.json").read_text())["work"]
+    assert work["trained_twice"] == 0 and work["never_trained"] == 0, work
+    assert alive(list(task_pids(run_dir).values())) == []
+
+
+def test_join_adds_a_worker_in_its_own_process(spawn, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = spawn(
+        _demo("hogwild", run_dir, "--workers", "2", "--max-workers", "3", "--world-size", "dynamic")
+    )
+    assert wait_for(lambda: _members_seen(run_dir, 2) and _progress(run_dir) > 0, STEP_TIMEOUT)
+    joiner = spawn(["join", str(run_dir)])
+    assert wait_for(lambda: _members_seen(run_dir, 3), STEP_TIMEOUT), "the joiner never joined"
+    out = _finish(launcher)
+    assert _accuracy(out) >= 0.95
+    joined, _ = joiner.communicate(timeout=STEP_TIMEOUT)
+    assert joiner.returncode == 0, joined[-3000:]
+    assert "joining" in joined and "as worker2" in joined
+    trained = [r for r in _events(run_dir, "finished_steps") if r.get("task") == "worker2"]
+    assert trained and trained[0]["local_step"] > 0
+    work = json.loads((run_dir / "result.json").read_text())["work"]
+    assert work["trained_twice"] == 0 and work["never_trained"] == 0, work

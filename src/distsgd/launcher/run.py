@@ -539,8 +539,11 @@ class LocalRun:
         used = self.restarts.get(task.name, 0)
         if used >= self.config.max_restarts and self._can_drop(task.name):
             self._fault(task.name, code, step, "drop", workers=len(self.active) - 1)
-            self.active.discard(TaskId.parse(task.name).index)
+            index = TaskId.parse(task.name).index
+            self.active.discard(index)
             self.done.add(task.name)
+            for shard in range(self.num_ps):  # it cannot leave itself: its work goes back now
+                self._tell_finished(shard, [index])
             self.console.note(
                 f"[distsgd] {task.name} failed (exit code {code}) with no restarts left; the "
                 f"run goes on with {len(self.active)} workers (--min-workers "
