@@ -109,7 +109,7 @@ def _members_seen(run_dir: Path, count: int) -> bool:
 
 def _demo(scheme: str, run_dir: Path, *flags: str) -> list[str]:
     return [
-        *("demo", "--scheme", scheme, "--epochs", "60", "--quiet", "--run-dir", str(run_dir)),
+        *("demo", "--scheme", scheme, "--epochs", "100", "--quiet", "--run-dir", str(run_dir)),
         *flags,
     ]
 
@@ -138,7 +138,7 @@ def test_run_grows_and_shrinks_2_4_1_3_without_losing_a_sample(
     work = json.loads((run_dir / "result.json").read_text())["work"]
     assert work["finished"] and work["units_done"] == work["total_units"]
     assert work["trained_twice"] == 0 and work["never_trained"] == 0, work
-    assert work["trained_once"] == work["total_units"] == 60 * work["units_per_epoch"]
+    assert work["trained_once"] == work["total_units"] == 100 * work["units_per_epoch"]
     assert alive(list(task_pids(run_dir).values())) == []
     fixed = run_distsgd(_demo(scheme, tmp_path / "fixed", "--workers", "3"), timeout=240)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
@@ -186,3 +186,27 @@ def test_join_adds_a_worker_in_its_own_process(spawn, tmp_path: Path) -> None:
     assert trained and trained[0]["local_step"] > 0
     work = json.loads((run_dir / "result.json").read_text())["work"]
     assert work["trained_twice"] == 0 and work["never_trained"] == 0, work
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+def test_ray_run_grows_and_shrinks(spawn, tmp_path: Path) -> None:
+    """distsgd scale under --ray: the reserved bundles (up to --max-workers) take the new
+    worker; the one asked to leave hands its work back."""
+    pytest.importorskip("ray")
+    run_dir = tmp_path / "run"
+    launcher = spawn(
+        [
+            *_demo("hogwild", run_dir, "--workers", "2", "--max-workers", "3"),
+            *("--world-size", "dynamic", "--ray"),
+        ]
+    )
+    assert wait_for(lambda: _members_seen(run_dir, 2) and _progress(run_dir) > 0, STEP_TIMEOUT)
+    _scale(run_dir, 3)
+    assert wait_for(lambda: _members_seen(run_dir, 3), STEP_TIMEOUT)
+    _scale(run_dir, 2)
+    assert wait_for(lambda: len(_events(run_dir, "worker_left")) == 1, STEP_TIMEOUT)
+    assert _accuracy(_finish(launcher)) >= 0.95
+    work = json.loads((run_dir / "result.json").read_text())["work"]
+    assert work["trained_twice"] == 0 and work["never_trained"] == 0, work
+    assert alive(list(task_pids(run_dir).values())) == []
