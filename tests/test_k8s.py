@@ -455,6 +455,7 @@ def test_every_pod_finds_itself(rendered: Path) -> None:
     [
         (["--run-dir", "x"], "does not take --run-dir"),
         (["--inject-fault", "kill:worker:0@step=1"], "--inject-fault"),
+        (["--max-workers", "4"], "a JobSet has a fixed number of worker pods"),
         (["--name", "Bad_Name"], "--name 'Bad_Name'"),
         (["--port", "0"], "--port 0"),
         (["--worker-cpu", "lots"], "--worker-cpu 'lots' is not a Kubernetes quantity"),

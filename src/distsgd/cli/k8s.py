@@ -116,6 +116,10 @@ def _render(args: argparse.Namespace) -> int:
             ("--quiet", args.quiet),
             ("--inject-fault", bool(args.inject_fault)),
             ("--tls-cert/--tls-key/--tls-ca", args.tls_cert or args.tls_key or args.tls_ca),
+            (
+                "--min-workers/--max-workers (a JobSet has a fixed number of worker pods)",
+                bool(args.min_workers or args.max_workers),
+            ),
         )
         if given
     ]
