@@ -482,13 +482,14 @@ def test_a_killed_worker_loses_no_unit_in_a_real_run(tmp_path: Path) -> None:
     args = ["run", "--workers", "2", "--ps", "1", "--scheme", "hogwild", "--quiet"]
     args += ["--world-size", "dynamic", "--inject-fault", "kill:worker:1@step=60"]
     done = run_distsgd([*args, "--run-dir", str(run_dir), str(DEMO)], timeout=120)
-    assert final_accuracy(done) >= 0.95
+    ps_log = (run_dir / "logs" / "ps0.log").read_text()
+    assert final_accuracy(done) >= 0.95, done.stdout[-2000:]
     work = json.loads((run_dir / RESULT_FILE).read_text())["work"]
     assert work["never_trained"] == 0 and work["trained_twice"] == 0, work
     assert work["trained_once"] == work["total_units"] > 0
     events = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     assert any(e.get("event") == "fault" for e in events), "the kill never happened"
-    assert "restarted; " in (run_dir / "logs" / "ps0.log").read_text()  # its units went back
+    assert "restarted; " in ps_log, ps_log[-3000:]  # its units went back to the queue
 
 
 def test_a_worker_sent_sigterm_leaves_and_its_units_are_trained_by_the_others(
