@@ -265,6 +265,23 @@ def test_lease_work_refuses_bad_fields(
         client.close()
 
 
+def test_lease_work_beyond_max_workers_is_refused_and_changes_nothing(
+    work_server: tuple[str, ParameterService],
+) -> None:
+    address, service = work_server  # max_workers 3
+    _register(address, pb.WorkSpec(samples=10, unit_size=4, epochs=1.0))
+    client = _client(address, 3)
+    try:
+        with pytest.raises(RemoteError) as info:
+            client.lease_work([], 1)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.refusal is Refusal.RUN_FULL
+        assert service.shard is not None and service.shard.membership.live == [0, 1]
+        assert service.shard.work is not None and service.shard.work.leases == {}
+    finally:
+        client.close()
+
+
 def test_lease_work_without_a_queue_and_bad_registrations(
     work_server: tuple[str, ParameterService],
 ) -> None:
