@@ -570,6 +570,7 @@ RAW_METHODS = {
     "Attach": ("unary_unary", pb.AttachRequest),
     "PullShared": ("unary_unary", pb.PullRequest),
     "PushShared": ("unary_unary", pb.PushHeader),
+    "LeaseWork": ("unary_unary", pb.LeaseRequest),  # this run has no work units: refused
 }
 
 

@@ -789,7 +789,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
     def LeaseWork(
         self, request: pb.LeaseRequest, context: grpc.ServicerContext
     ) -> pb.LeaseResponse:
-        shard = self._check_member(request.header, context, joining=False)
+        # a lease makes the worker a member (as a pull does): the index checks of a Join
+        shard = self._check_member(request.header, context, joining=True)
         self._unless_closing(context)
         queue = shard.work
         if queue is None:

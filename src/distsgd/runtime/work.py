@@ -1,7 +1,8 @@
 """Batches leased from shard 0's work queue (``--world-size dynamic``; see ``ps/work.py``).
 
 A worker of an elastic run does not train a fixed shard of the data: it leases work units, a
-few ahead, from shard 0 and trains them one batch each. Unit u of epoch e is the u-th slice of
+few ahead and in the background (one call per few units, while the last leased one trains),
+from shard 0 and trains them one batch each. Unit u of epoch e is the u-th slice of
 ``batch_size`` samples of a permutation of the training set seeded by (seed, e), the same on
 every worker. A trained unit is held until a push this worker began after training it was
 accepted by every shard (its update reached the servers), and reported done with the next
@@ -19,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -32,7 +34,8 @@ from distsgd.transport.proto import distsgd_pb2 as pb
 log = logging.getLogger(__name__)
 
 LEASE_AHEAD = 3
-"""Units a worker holds beyond the one it trains: the lease's round trip hides behind them."""
+"""Units a worker leases beyond the one it trains: it calls LeaseWork once every this many
+units (reporting those trained meanwhile), not once a step."""
 
 
 def work_spec(samples: int, *, batch_size: int, epochs: float, seed: int) -> pb.WorkSpec:
@@ -98,6 +101,8 @@ class LeasedBatches:
         self.retrained = 0
         """Units trained again because the push that held their update was not accepted."""
         self._outcomes: dict[int, bool] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="work-lease")
+        self._inflight: Future[pb.LeaseResponse] | None = None
         self._cache: tuple[int, torch.Tensor] | None = None
 
     @property
@@ -149,9 +154,26 @@ class LeasedBatches:
         }
 
     def lease(self, want: int) -> pb.LeaseResponse:
-        """Report the ready units and lease ``want`` more; what this worker holds comes back."""
-        reply = self.ps.lease_work(self.ready, want)
-        self.ready = []
+        """Report the ready units and lease ``want`` more, now (after the call in flight, if
+        any); what this worker holds comes back."""
+        self._land()
+        self._send(want)
+        reply = self._land()
+        assert reply is not None
+        return reply
+
+    def _send(self, want: int) -> None:
+        """Start a LeaseWork in the background: the ready units and ``want`` more."""
+        assert self._inflight is None
+        done, self.ready = self.ready, []
+        self._inflight = self._pool.submit(self.ps.lease_work, done, want)
+
+    def _land(self) -> pb.LeaseResponse | None:
+        """Wait for the call in flight (None if none) and take in its answer."""
+        if self._inflight is None:
+            return None
+        future, self._inflight = self._inflight, None
+        reply = future.result()
         self.status = reply.status
         self.ignored += len(reply.ignored)
         if reply.ignored:
@@ -159,7 +181,7 @@ class LeasedBatches:
                 "%d work unit(s) reported done were no longer this worker's; not counted",
                 len(reply.ignored),
             )
-        known = set(self.pending) | {u for u, _ in self.held}
+        known = set(self.pending) | {u for u, _ in self.held} | set(self.ready)
         if self.current is not None:
             known.add(self.current)
         for item in reply.units:
@@ -178,6 +200,7 @@ class LeasedBatches:
                 len(self.held),
             )
         self.lease(0)
+        self._pool.shutdown(wait=False)
         return self.status
 
     def _indices(self, unit: Unit) -> torch.Tensor:
@@ -189,8 +212,13 @@ class LeasedBatches:
 
     def __iter__(self) -> Iterator[Any]:
         while not (self.stop is not None and self.stop.is_set()):
-            if len(self.pending) < self.want - 1 or not self.pending:
-                self.lease(self.want - len(self.pending))
+            if self._inflight is not None and (self._inflight.done() or not self.pending):
+                self._land()
+            if self._inflight is None and len(self.pending) <= 1:
+                # one call per `ahead` units, in the background while the last one trains
+                self._send(self.want - len(self.pending))
+                if not self.pending:
+                    self._land()
             if not self.pending:
                 return  # every unit trained, or the rest held by others: this worker is done
             unit = self.pending.popleft()
