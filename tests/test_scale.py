@@ -47,6 +47,7 @@ def _run_folder(tmp_path: Path, **config: object) -> Path:
         json.dumps({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:0"] * 4})
     )
     (run / "secret").write_text("s" * 64)
+    (run / "secret").chmod(0o600)
     (run / LAUNCHER_FILE).write_text(f"{os.getpid()}\n")  # this test plays the launcher
     return run
 
@@ -114,7 +115,10 @@ def test_scale_refusals_name_cause_and_fix(tmp_path: Path, capsys: pytest.Captur
 def test_join_takes_the_highest_free_index_and_refuses_taken_ones(tmp_path: Path) -> None:
     run = _run_folder(tmp_path)
     (run / "tasks.json").write_text(json.dumps({"worker0": os.getpid(), "worker3": os.getpid()}))
-    env, script, _ = join_env(run, None)
+    before = dict(os.environ)
+    env, script, _, secret = join_env(run, None)
+    assert dict(os.environ) == before  # nothing leaks into this process (the CLI sets it)
+    assert secret == (run / "secret").resolve()
     assert env.task_index == 2 and env.registered_workers == 2 and script == SCRIPT
     assert env.num_workers == 2 and env.run_id == "abc"
     with pytest.raises(ValueError, match=r"worker3 .* is running"):

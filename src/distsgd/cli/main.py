@@ -581,8 +581,10 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 
 def _cmd_join(args: argparse.Namespace) -> int:
     from distsgd.launcher.join import join_env
+    from distsgd.transport.security import SECRET_FILE_ENV
 
-    env, script, script_args = join_env(args.run_dir, args.task)
+    env, script, script_args, secret = join_env(args.run_dir, args.task)
+    os.environ[SECRET_FILE_ENV] = str(secret)  # the worker's calls carry the run's secret
     print(f"distsgd: joining {args.run_dir} as worker{env.task_index}", file=sys.stderr)
     _run_task(env, script, script_args)
     return 0  # not reached

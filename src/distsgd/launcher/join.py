@@ -15,7 +15,6 @@ from pathlib import Path
 from distsgd import schemes
 from distsgd.launcher.scale import launcher_alive, read_run_json
 from distsgd.runtime.task import TaskEnv
-from distsgd.transport.security import SECRET_FILE_ENV
 
 
 def _taken(run_dir: Path) -> set[int]:
@@ -38,11 +37,10 @@ def _taken(run_dir: Path) -> set[int]:
     return taken
 
 
-def join_env(run_dir: Path, task: int | None) -> tuple[TaskEnv, str, list[str]]:
-    """The task environment, script and script arguments of a worker joining ``run_dir``
-    (and the run secret's file set in this process's environment); ValueError (one line,
-    cause and fix) when the folder is not a running elastic parameter-server run or the index
-    is taken or out of range."""
+def join_env(run_dir: Path, task: int | None) -> tuple[TaskEnv, str, list[str], Path]:
+    """The task environment, script, script arguments and run secret file of a worker joining
+    ``run_dir``; ValueError (one line, cause and fix) when the folder is not a running elastic
+    parameter-server run or the index is taken or out of range."""
     config = read_run_json(run_dir / "config.json", "the run's settings")
     cluster = read_run_json(
         run_dir / "cluster.json", "the servers' addresses, written once they listen"
@@ -80,7 +78,6 @@ def join_env(run_dir: Path, task: int | None) -> tuple[TaskEnv, str, list[str]]:
     secret = run_dir / "secret"
     if not secret.is_file():
         raise ValueError(f"{run_dir} has no secret file; it cannot be joined")
-    os.environ[SECRET_FILE_ENV] = str(secret.resolve())
     env = TaskEnv(
         cluster=cluster,
         task_index=task,
@@ -91,4 +88,5 @@ def join_env(run_dir: Path, task: int | None) -> tuple[TaskEnv, str, list[str]]:
         run_id=str(config.get("run_id", "")),
         registered_workers=int(config.get("workers", 0)),
     )
-    return env, str(config["script"]), [str(a) for a in config.get("script_args", [])]
+    script_args = [str(a) for a in config.get("script_args", [])]
+    return env, str(config["script"]), script_args, secret.resolve()
