@@ -142,3 +142,24 @@ def test_ps_addresses_are_read_from_the_servers_files(tmp_path: Path) -> None:
     resolved = env.with_ps_addresses(5.0)
     assert resolved.cluster["ps"] == ["127.0.0.1:4321", "127.0.0.1:5000"]  # a known one stays
     assert TaskEnv.from_json(resolved.to_json()) == resolved
+
+
+def test_task_tells_a_script_who_it_is(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import distsgd
+    from distsgd.runtime.task import ENV_VAR
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    alone = distsgd.task()
+    assert (alone.rank, alone.num_workers, alone.is_chief) == (0, 1, True)
+    assert alone.standalone and alone.run_dir is None and alone.scheme == "allreduce"
+    env = TaskEnv(
+        cluster={"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:0"] * 4},
+        task_index=2,
+        scheme="hogwild",
+        run_dir=str(tmp_path),
+        registered_workers=3,
+    )
+    monkeypatch.setenv(ENV_VAR, env.to_json())
+    info = distsgd.task()
+    assert (info.rank, info.num_workers, info.is_chief, info.scheme) == (2, 3, False, "hogwild")
+    assert info.run_dir == tmp_path and not info.standalone

@@ -4,8 +4,8 @@ Layers, lowest first (a package imports only from those before it)::
 
     util -> cluster -> transport -> ps -> runtime -> schemes -> api -> launcher -> cli
 
-The user-facing API is :func:`train` and :class:`TrainConfig`. They are imported on first use:
-``import distsgd.ps`` (a parameter-server process) must not pay for PyTorch.
+The user-facing API is :func:`train`, :class:`TrainConfig` and :func:`task`. They are imported
+on first use: ``import distsgd.ps`` (a parameter-server process) must not pay for PyTorch.
 """
 
 from __future__ import annotations
@@ -15,19 +15,30 @@ from typing import TYPE_CHECKING
 from distsgd.util.lazy import lazy_exports
 
 __version__ = "0.1.0"
-__all__ = ["TrainConfig", "TrainResult", "__version__", "seed_everything", "train"]
+__all__ = [
+    "TaskInfo",
+    "TrainConfig",
+    "TrainResult",
+    "__version__",
+    "seed_everything",
+    "task",
+    "train",
+]
 
 _EXPORTS = {
     "train": "distsgd.api",
     "seed_everything": "distsgd.api",
+    "task": "distsgd.api",
+    "TaskInfo": "distsgd.runtime.task",
     "TrainConfig": "distsgd.runtime.config",
     "TrainResult": "distsgd.runtime.loop",
 }
 
 if TYPE_CHECKING:
-    from distsgd.api import seed_everything, train
+    from distsgd.api import seed_everything, task, train
     from distsgd.runtime.config import TrainConfig
     from distsgd.runtime.loop import TrainResult
+    from distsgd.runtime.task import TaskInfo
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

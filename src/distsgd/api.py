@@ -20,6 +20,7 @@ from distsgd import schemes
 from distsgd.runtime import TaskEnv, TrainConfig, TrainResult, run_worker
 from distsgd.runtime.data import BatchFn, as_dataset, check_data
 from distsgd.runtime.evaluate import LossFn
+from distsgd.runtime.task import TaskInfo
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,17 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def task() -> TaskInfo:
+    """Who this process is: ``.rank``, ``.num_workers``, ``.is_chief``, ``.scheme``,
+    ``.run_dir``; run alone (``python script.py``), rank 0 of 1.
+
+    Call it anywhere in a script, before or after :func:`train`, e.g. to print or save only on
+    the chief: ``if distsgd.task().is_chief: print(result.test_accuracy)``.
+    """
+    env = TaskEnv.from_environ()
+    return TaskEnv.standalone().info(standalone=True) if env is None else env.info()
 
 
 def train(

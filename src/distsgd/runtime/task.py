@@ -22,6 +22,28 @@ ENV_VAR = "DISTSGD_TASK"
 
 
 @dataclass(frozen=True, kw_only=True)
+class TaskInfo:
+    """Who this process is in the run, as a user script asks (``distsgd.task()``)."""
+
+    rank: int
+    """This worker's index: 0 is the chief (it evaluates and writes the result)."""
+    num_workers: int
+    """The workers the run was started with (an elastic run's live number moves; see
+    docs/elastic.md). 1 when the script runs alone."""
+    scheme: str
+    """The training scheme's name (``allreduce`` when the script runs alone)."""
+    run_dir: Path | None
+    """The run folder (metrics, results, checkpoints), or None when the script runs alone."""
+    standalone: bool
+    """True when the script runs alone (``python script.py``), not as a task of a run."""
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this is worker 0: the one that evaluates, and should print or save once."""
+        return self.rank == 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class TaskEnv:
     """Everything a worker process needs besides the user's model and data."""
 
@@ -125,6 +147,16 @@ class TaskEnv:
     def num_workers(self) -> int:
         """The workers the run is registered with (the fixed world size)."""
         return self.registered_workers or self.spec.num_workers
+
+    def info(self, *, standalone: bool = False) -> TaskInfo:
+        """What :func:`distsgd.task` tells a script about this task."""
+        return TaskInfo(
+            rank=self.task_index,
+            num_workers=self.num_workers,
+            scheme=self.scheme,
+            run_dir=Path(self.run_dir) if self.run_dir else None,
+            standalone=standalone,
+        )
 
     @property
     def task(self) -> TaskId:
