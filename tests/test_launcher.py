@@ -95,6 +95,24 @@ def test_sigint_stops_every_process(spawn, tmp_path: Path) -> None:
     assert alive(tree) == []
 
 
+def test_sigint_after_a_checkpoint_says_how_to_resume(spawn, tmp_path: Path) -> None:
+    """Ctrl-C once a checkpoint exists: the launcher names the command that continues the
+    run, and keeps what it said (not the tasks' lines) in the run folder's launcher.log."""
+    run_dir = tmp_path / "run"
+    proc, tree, _ = _start_slow_run(spawn, run_dir, "allreduce", "--checkpoint-every", "5")
+    checkpoints = run_dir / "checkpoints"
+    assert wait_for(lambda: any(checkpoints.glob("ckpt-*/MANIFEST.json")), 90), "no checkpoint"
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-2000:]
+    assert f"continue it with: distsgd run --resume {run_dir}" in out
+    kept = (run_dir / "launcher.log").read_text()
+    assert f"[distsgd] run {run_dir}: scheme allreduce" in kept
+    assert "interrupted" in kept and "--resume" in kept
+    assert "[worker0]" not in kept  # the tasks' own lines are in logs/
+    assert alive(tree) == []
+
+
 def test_sigkill_of_launcher_takes_tasks_down(spawn, tmp_path: Path) -> None:
     """Even a launcher killed with SIGKILL (no chance to clean up) leaves no task behind."""
     run_dir = tmp_path / "run"

@@ -11,6 +11,9 @@ from typing import TextIO
 
 from distsgd.runtime.timing import split_from_metrics, split_line
 
+KEPT_STATUS_SECONDS = 10.0
+"""How often the progress line goes into the kept copy of the console (``launcher.log``)."""
+
 
 class Console:
     """Serialises task output and one live status line on a terminal (a plain log elsewhere)."""
@@ -22,6 +25,8 @@ class Console:
         quiet: bool = False,
         errors: TextIO | None = None,
     ) -> None:
+        self._kept: TextIO | None = None
+        self._kept_status_at = 0.0
         self.stream = stream or sys.stdout
         self.errors = errors or (sys.stderr if stream is None else stream)
         """Where :meth:`error` writes: standard error, or ``stream`` when one was given."""
@@ -30,13 +35,33 @@ class Console:
         self._lock = threading.Lock()
         self._status = ""
 
+    def keep(self, path: Path) -> None:
+        """Also append what the launcher says (its notes, results, errors, and the progress
+        line every :data:`KEPT_STATUS_SECONDS`) to ``path``; task lines have their own logs."""
+        self._kept = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def close(self) -> None:
+        """Close the kept copy (the console itself stays usable)."""
+        with self._lock:
+            if self._kept is not None:
+                self._kept.close()
+                self._kept = None
+
+    def _keep(self, text: str) -> None:
+        if self._kept is not None:
+            self._kept.write(text + "\n")
+            self._kept.flush()
+
     def line(self, text: str) -> None:
         """Print a task's log line (above the status line); hidden when quiet."""
         if not self.quiet:
-            self.note(text)
+            self._show(text)
 
     def note(self, text: str) -> None:
         """The launcher's own line (faults, restarts, the run folder): shown even when quiet."""
+        self._show(text, keep=True)
+
+    def _show(self, text: str, *, keep: bool = False) -> None:
         with self._lock:
             if self.tty and self._status:
                 self.stream.write("\r\x1b[K")
@@ -44,6 +69,8 @@ class Console:
             if self.tty and self._status:
                 self.stream.write(self._status)
             self.stream.flush()
+            if keep:
+                self._keep(text)
 
     def status(self, text: str) -> None:
         """Replace the status line (terminal), or print it as a log line (pipe, file)."""
@@ -54,6 +81,10 @@ class Console:
             else:
                 self.stream.write(text + "\n")
             self.stream.flush()
+            now = time.monotonic()
+            if now - self._kept_status_at >= KEPT_STATUS_SECONDS:
+                self._kept_status_at = now
+                self._keep(text)
 
     def clear_status(self) -> None:
         with self._lock:
@@ -69,6 +100,7 @@ class Console:
             self.stream.flush()
             self.errors.write(text + "\n")
             self.errors.flush()
+            self._keep(text)
 
     def final(self, text: str) -> None:
         """Print a line even when quiet (results and errors)."""
@@ -76,6 +108,7 @@ class Console:
         with self._lock:
             self.stream.write(text + "\n")
             self.stream.flush()
+            self._keep(text)
 
 
 class Progress:

@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 """Exit codes of ``distsgd run``/``demo``: 3 means training finished or stopped but diverged."""
 CONFIG_FILE = "config.json"
+LAUNCHER_LOG = "launcher.log"
+"""What the launcher said (its notes, progress, results and errors), in the run folder."""
 LEAVE_GRACE_SECONDS = 30.0
 """How long a worker asked to leave (distsgd scale) may take before it is SIGKILLed."""
 
@@ -84,7 +86,11 @@ class Diverged(RuntimeError):
 
 
 def launch(config: LaunchConfig, console: Console | None = None) -> int:
-    """Run ``config`` to the end; returns the exit code (0, 1 failed, 130 interrupted)."""
+    """Run ``config`` to the end; returns the exit code (0, 1 failed, 130 interrupted).
+
+    Without a ``console`` it makes its own, and keeps a copy of what it says (not the tasks'
+    lines, which have their own logs) in the run folder's ``launcher.log``."""
+    keep = console is None
     console = console or Console(quiet=config.quiet)
     run_dir = config.resolved_run_dir()
     if not config.resume and (run_dir / CONFIG_FILE).exists():
@@ -98,6 +104,8 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
             "give a new --run-dir (a fresh run makes its own secret)"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
+    if keep:
+        console.keep(run_dir / LAUNCHER_LOG)
     stop = threading.Event()
     supervisor = _supervisor(config, run_dir, console)
     local = LocalRun(config, console, run_dir, supervisor, stop)
@@ -115,6 +123,8 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         return local.run()
     except Interrupted:
         console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks")
+        if latest_checkpoint(local.ckpt_root)[0] is not None:
+            console.final(f"distsgd: continue it with: distsgd run --resume {run_dir}")
         return EXIT_INTERRUPTED
     except RunFailed as exc:
         console.error(f"distsgd: error: {exc}")
@@ -133,6 +143,8 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _write_tasks(run_dir, supervisor)
+        if keep:
+            console.close()
 
 
 def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
