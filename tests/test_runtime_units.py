@@ -163,3 +163,21 @@ def test_task_tells_a_script_who_it_is(monkeypatch: pytest.MonkeyPatch, tmp_path
     info = distsgd.task()
     assert (info.rank, info.num_workers, info.is_chief, info.scheme) == (2, 3, False, "hogwild")
     assert info.run_dir == tmp_path and not info.standalone
+
+
+def test_progress_line_has_the_share_done_and_time_left(tmp_path: Path) -> None:
+    from distsgd.launcher.progress import Progress
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [
+        {"time": 100.0, "task": "worker0", "step": 0, "event": "membership"},
+        {"time": 110.0, "task": "worker0", "step": 40, "local_step": 40, "progress": 0.5},
+        {"time": 110.0, "task": "worker1", "step": 40, "local_step": 20, "progress": 0.25},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    progress = Progress(path)
+    progress.poll()
+    assert progress.fraction == 0.25  # the slowest worker decides when the run ends
+    assert progress.eta(now=110.0) == pytest.approx(30.0)  # 10 s for a quarter: 30 s left
+    assert "| 25% |" in progress.render() and "s left" in progress.render()
+    assert Progress(tmp_path / "none.jsonl").eta() is None

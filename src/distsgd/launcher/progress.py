@@ -125,6 +125,8 @@ class Progress:
         self.time_split: dict[str, dict[str, float]] = {}
         """Per worker, its seconds per phase when it finished its steps."""
         self.local_steps: dict[str, int] = {}
+        self.fractions: dict[str, tuple[float, float]] = {}
+        """Per worker, (wall time, fraction of the run done) of its last metrics line."""
         self.started = time.time()
         self.divergence: str | None = None
         """The first 'diverged' event's reason (a worker's loss went non-finite or up)."""
@@ -158,6 +160,9 @@ class Progress:
                 self.samples[str(record.get("task"))] = int(record["samples"])
             if "local_step" in record:
                 self.local_steps[str(record.get("task"))] = int(record["local_step"])
+            if isinstance(record.get("progress"), (int, float)) and "time" in record:
+                fraction = min(1.0, max(0.0, float(record["progress"])))
+                self.fractions[str(record.get("task"))] = (float(record["time"]), fraction)
             if record.get("event") == "finished_steps":
                 self.time_split[str(record.get("task"))] = split_from_metrics(record)
             if record.get("event") == "diverged" and self.divergence is None:
@@ -190,13 +195,32 @@ class Progress:
             return 0.0
         return sum(self.samples.values()) / max(1e-3, time.time() - self.first_record)
 
+    @property
+    def fraction(self) -> float | None:
+        """How much of the run is done: the least of the workers' last reports (the run ends
+        with its slowest worker), or None before any."""
+        if not self.fractions:
+            return None
+        return min(fraction for _, fraction in self.fractions.values())
+
+    def eta(self, now: float | None = None) -> float | None:
+        """Seconds left at the pace since the first metrics line, or None (no pace yet)."""
+        fraction = self.fraction
+        if fraction is None or fraction <= 0 or self.first_record is None:
+            return None
+        spent = (time.time() if now is None else now) - self.first_record
+        return max(0.0, spent * (1 - fraction) / fraction)
+
     def render(self) -> str:
         elapsed, rate = self.elapsed, self.samples_per_second
         parts = [f"step {self.step}"]
+        if self.fraction is not None:
+            parts.append(f"{100 * self.fraction:.0f}%")
         if self.loss is not None:
             parts.append(f"loss {self.loss:.4f}")
         if self.accuracy is not None:
             parts.append(f"acc {self.accuracy:.4f}")
         parts.append(f"{rate:.0f} samples/s")
-        parts.append(f"{elapsed:.0f}s")
+        eta = self.eta()
+        parts.append(f"{elapsed:.0f}s" + ("" if eta is None else f", about {eta:.0f}s left"))
         return "[distsgd] " + " | ".join(parts)

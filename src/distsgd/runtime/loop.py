@@ -414,9 +414,15 @@ def run_worker(
             if not scheme.uses_parameter_servers:
                 ctx.global_step = ctx.local_step
             if ctx.local_step % config.log_every == 0 or ctx.local_step == steps:
+                done, total = (
+                    batches.progress
+                    if isinstance(batches, LeasedBatches)
+                    else (ctx.local_step, steps)
+                )
                 metrics.log(
                     step=ctx.global_step,
                     local_step=ctx.local_step,
+                    progress=round(min(1.0, done / max(1, total)), 4),
                     loss=round(loss_value, 6),
                     samples=ctx.local_step * config.batch_size,
                     epoch=batches.epoch,
