@@ -120,8 +120,9 @@ def test_run_grows_and_shrinks_2_4_1_3_without_losing_a_sample(
 ) -> None:
     """The issue's sequence, scripted with distsgd scale on a running demo: every change waits
     for the one before to have happened (the new workers in the servers' membership, the
-    leaving ones gone), so a hang fails the stage's timeout; the run then matches a fixed run
-    of 3 workers within 0.02, reaches 0.95, and trained every unit of every epoch once."""
+    leaving ones gone), so a hang fails the stage's timeout; the run then reaches 0.95 and
+    trained every unit of every epoch once, and (hogwild) matches a fixed run of 3 workers
+    within 0.02."""
     run_dir = tmp_path / "elastic"
     elastic_flags = ("--workers", "2", "--min-workers", "1", "--max-workers", "4")
     launcher = spawn(_demo(scheme, run_dir, *elastic_flags, "--world-size", "dynamic"))
@@ -140,6 +141,9 @@ def test_run_grows_and_shrinks_2_4_1_3_without_losing_a_sample(
     assert work["trained_twice"] == 0 and work["never_trained"] == 0, work
     assert work["trained_once"] == work["total_units"] == 100 * work["units_per_epoch"]
     assert alive(list(task_pids(run_dir).values())) == []
+    assert elastic >= 0.95, elastic
+    if scheme != "hogwild":  # the comparison with fixed runs once: it costs two more runs
+        return
     references = []  # two fixed runs of 3 workers: their own spread shows on a busy machine
     for i in range(2):
         fixed = run_distsgd(_demo(scheme, tmp_path / f"fixed{i}", "--workers", "3"), timeout=240)

@@ -35,8 +35,8 @@ from distsgd.ps.service import ParameterService
 from distsgd.ps.shard import Shard
 from distsgd.ps.work import MAX_LEASE, WorkQueue, WorkSpec
 from distsgd.runtime import TaskEnv, TrainConfig, run_worker
-from distsgd.runtime.loop import _stop_on_sigterm
 from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
+from distsgd.runtime.session import _stop_on_sigterm
 from distsgd.runtime.work import LeasedBatches, epoch_order
 from distsgd.schemes import make_server_rule
 from distsgd.transport.errors import Refusal, RemoteError

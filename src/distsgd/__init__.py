@@ -31,13 +31,13 @@ _EXPORTS = {
     "task": "distsgd.api",
     "TaskInfo": "distsgd.runtime.task",
     "TrainConfig": "distsgd.runtime.config",
-    "TrainResult": "distsgd.runtime.loop",
+    "TrainResult": "distsgd.runtime.session",
 }
 
 if TYPE_CHECKING:
     from distsgd.api import seed_everything, task, train
     from distsgd.runtime.config import TrainConfig
-    from distsgd.runtime.loop import TrainResult
+    from distsgd.runtime.session import TrainResult
     from distsgd.runtime.task import TaskInfo
 
 

@@ -24,7 +24,7 @@ _EXPORTS = {
     "ENV_VAR": "distsgd.runtime.task",
     "TaskEnv": "distsgd.runtime.task",
     "TrainConfig": "distsgd.runtime.config",
-    "TrainResult": "distsgd.runtime.loop",
+    "TrainResult": "distsgd.runtime.session",
     "WorkerContext": "distsgd.runtime.context",
     "WorkerScheme": "distsgd.runtime.scheme",
     "run_worker": "distsgd.runtime.loop",
@@ -33,8 +33,9 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from distsgd.runtime.config import TrainConfig
     from distsgd.runtime.context import WorkerContext
-    from distsgd.runtime.loop import TrainResult, run_worker
+    from distsgd.runtime.loop import run_worker
     from distsgd.runtime.scheme import WorkerScheme
+    from distsgd.runtime.session import TrainResult
     from distsgd.runtime.task import ENV_VAR, TaskEnv
 
 

@@ -1,8 +1,9 @@
-"""Held-out evaluation: mean loss, and accuracy when the model outputs class scores."""
+"""Held-out evaluation: mean loss, accuracy when the model outputs class scores, and the
+user's own metrics (``metrics=`` of ``distsgd.train``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -12,6 +13,10 @@ from torch.utils.data import Dataset
 from distsgd.runtime.data import BatchFn, fetch, split_batch
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+MetricFns = Mapping[str, Callable[[Any, Any], Any]]
+"""``{name: fn(output, target) -> number}``: each evaluated per batch and averaged over the
+samples (a batch counts by its size)."""
 
 
 @torch.no_grad()
@@ -23,8 +28,9 @@ def evaluate(
     batch_size: int,
     device: torch.device,
     batch_fn: BatchFn | None = None,
+    metric_fns: MetricFns | None = None,
 ) -> dict[str, float]:
-    """``{"loss": ..., "accuracy": ..., "chance": ...}`` over the data set.
+    """``{"loss": ..., "accuracy": ..., "chance": ..., **metrics}`` over the data set.
 
     Accuracy (for class targets only) comes with ``chance``: the share of the most frequent
     class, which a model that always answers that class scores (divergence is judged by it).
@@ -34,12 +40,15 @@ def evaluate(
     n = len(dataset)  # type: ignore[arg-type]
     total_loss, correct, classified = 0.0, 0, True
     counts: torch.Tensor | None = None
+    sums = dict.fromkeys(check_metric_names(metric_fns or {}), 0.0)
     try:
         for start in range(0, n, batch_size):
             indices = torch.arange(start, min(n, start + batch_size))
             batch = split_batch(fetch(dataset, indices), batch_fn).to(device)
             out, y = batch.forward(model), batch.target
             total_loss += float(loss_fn(out, y)) * len(indices)
+            for name, fn in (metric_fns or {}).items():
+                sums[name] += float(fn(out, y)) * len(indices)
             if (
                 classified
                 and isinstance(out, torch.Tensor)
@@ -57,11 +66,21 @@ def evaluate(
     finally:
         model.train(was_training)
     result = {"loss": total_loss / max(1, n)}
+    for name, total in sums.items():
+        result[name] = total / max(1, n)
     if classified and n:
         result["accuracy"] = correct / n
         if counts is not None:
             result["chance"] = int(counts.max()) / n
     return result
+
+
+def check_metric_names(metric_fns: MetricFns) -> MetricFns:
+    """``metric_fns`` itself; ValueError if a name is one of evaluate's own."""
+    for name in metric_fns:
+        if name in ("loss", "accuracy", "chance"):
+            raise ValueError(f"metrics={{{name!r}: ...}}: {name} is distsgd's own; rename it")
+    return metric_fns
 
 
 def _add_counts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
