@@ -4,7 +4,8 @@ Layers, lowest first (a package imports only from those before it)::
 
     util -> cluster -> transport -> ps -> runtime -> schemes -> api -> launcher -> cli
 
-The user-facing API is :func:`train`, :class:`TrainConfig` and :func:`task`. They are imported
+The user-facing API is :func:`train` (or :class:`Worker` for a loop of one's own),
+:class:`TrainConfig` and :func:`task`. They are imported
 on first use: ``import distsgd.ps`` (a parameter-server process) must not pay for PyTorch.
 """
 
@@ -16,9 +17,13 @@ from distsgd.util.lazy import lazy_exports
 
 __version__ = "0.1.0"
 __all__ = [
+    "Callback",
+    "Every",
+    "StepInfo",
     "TaskInfo",
     "TrainConfig",
     "TrainResult",
+    "Worker",
     "__version__",
     "seed_everything",
     "task",
@@ -27,6 +32,10 @@ __all__ = [
 
 _EXPORTS = {
     "train": "distsgd.api",
+    "Worker": "distsgd.api",
+    "Callback": "distsgd.runtime.callbacks",
+    "Every": "distsgd.runtime.callbacks",
+    "StepInfo": "distsgd.runtime.callbacks",
     "seed_everything": "distsgd.api",
     "task": "distsgd.api",
     "TaskInfo": "distsgd.runtime.task",
@@ -35,7 +44,8 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from distsgd.api import seed_everything, task, train
+    from distsgd.api import Worker, seed_everything, task, train
+    from distsgd.runtime.callbacks import Callback, Every, StepInfo
     from distsgd.runtime.config import TrainConfig
     from distsgd.runtime.session import TrainResult
     from distsgd.runtime.task import TaskInfo

@@ -1,15 +1,19 @@
-"""The public entry point: ``distsgd.train``.
+"""The public entry points: ``distsgd.train`` and ``distsgd.Worker``.
 
-A script builds its model, loss and data and calls :func:`train`; the scheme, the cluster and
-this process's place in it come from the launcher (``distsgd run`` / ``distsgd worker``) through
-the ``DISTSGD_TASK`` environment variable. Run plainly (``python script.py``), the same script
-trains alone in this process.
+A script builds its model, loss and data and calls :func:`train`, or runs a training loop of
+its own through a :class:`Worker`; the scheme, the cluster and this process's place in it come
+from the launcher (``distsgd run`` / ``distsgd worker``) through the ``DISTSGD_TASK``
+environment variable. Run plainly (``python script.py``), the same script trains alone in this
+process.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -18,8 +22,12 @@ from torch import nn
 
 from distsgd import schemes
 from distsgd.runtime import TaskEnv, TrainConfig, TrainResult, run_worker
-from distsgd.runtime.data import BatchFn, as_dataset, check_data
-from distsgd.runtime.evaluate import LossFn
+from distsgd.runtime.callbacks import Callback
+from distsgd.runtime.data import BatchFn, as_dataset, check_data, to_device
+from distsgd.runtime.errors import SetupError
+from distsgd.runtime.evaluate import LossFn, MetricFns, check_metric_names
+from distsgd.runtime.scheme import WorkerScheme
+from distsgd.runtime.session import WorkerSession
 from distsgd.runtime.task import TaskInfo
 
 log = logging.getLogger(__name__)
@@ -46,6 +54,47 @@ def task() -> TaskInfo:
     return TaskEnv.standalone().info(standalone=True) if env is None else env.info()
 
 
+def _prepare(
+    model: nn.Module,
+    train_data: Any,
+    test_data: Any,
+    config: TrainConfig | None,
+    batch_fn: BatchFn | None,
+    metrics: MetricFns | None,
+) -> tuple[TaskEnv, TrainConfig, WorkerScheme, Any, Any]:
+    """This task's environment, its config (the command line's flags over the script's),
+    its scheme's worker half, and the data sets checked against the model; a mistake in them
+    raises :class:`SetupError` (a ValueError)."""
+    try:
+        return _checked(model, train_data, test_data, config, batch_fn, metrics)
+    except SetupError:
+        raise
+    except ValueError as exc:
+        raise SetupError(str(exc)) from exc
+
+
+def _checked(
+    model: nn.Module,
+    train_data: Any,
+    test_data: Any,
+    config: TrainConfig | None,
+    batch_fn: BatchFn | None,
+    metrics: MetricFns | None,
+) -> tuple[TaskEnv, TrainConfig, WorkerScheme, Any, Any]:
+    env = TaskEnv.from_environ() or TaskEnv.standalone()
+    config = (config or TrainConfig()).replace(**env.overrides)
+    spec = schemes.get(env.scheme)
+    scheme = spec.worker(spec.parse_options(env.scheme_options), env.num_workers)
+    train_set = None if train_data is None else as_dataset(train_data, "train_data")
+    test_set = None if test_data is None else as_dataset(test_data, "test_data")
+    if train_set is not None:
+        check_data(train_set, "train_data", batch_fn=batch_fn, model=model)
+    if test_set is not None:
+        check_data(test_set, "test_data", batch_fn=batch_fn, model=model)
+    check_metric_names(metrics or {})
+    return env, config, scheme, train_set, test_set
+
+
 def train(
     *,
     model: nn.Module,
@@ -54,6 +103,8 @@ def train(
     test_data: Any = None,
     config: TrainConfig | None = None,
     batch_fn: BatchFn | None = None,
+    callbacks: Sequence[Callback] = (),
+    metrics: MetricFns | None = None,
 ) -> TrainResult:
     """Train ``model`` on ``train_data`` under the scheme the command line chose.
 
@@ -70,6 +121,12 @@ def train(
         batch_fn: reads any other batch: ``batch_fn(batch) -> (inputs, target)``, the batch
             as ``torch.utils.data.default_collate`` made it, ``inputs`` a tuple of positional
             arguments, a dict of keyword arguments, or one input.
+        callbacks: :class:`~distsgd.Callback` objects called every N steps
+            (``on_step``) and after each evaluation on the chief (``on_evaluate``);
+            ``distsgd.Every(100, fn)`` calls ``fn(info)`` every 100 steps.
+        metrics: ``{name: fn(output, target) -> number}``, evaluated with the loss on
+            ``test_data`` (averaged over samples); in ``metrics.jsonl`` under ``"user"`` and
+            in ``TrainResult.metrics``.
 
     Raises:
         ValueError: before training, when the first item of ``train_data`` or ``test_data``
@@ -80,16 +137,9 @@ def train(
     """
     global calls
     calls += 1
-    env = TaskEnv.from_environ() or TaskEnv.standalone()
-    config = (config or TrainConfig()).replace(**env.overrides)
-    spec = schemes.get(env.scheme)
-    options = spec.parse_options(env.scheme_options)
-    scheme = spec.worker(options, env.num_workers)
-    train_set = as_dataset(train_data, "train_data")
-    test_set = None if test_data is None else as_dataset(test_data, "test_data")
-    check_data(train_set, "train_data", batch_fn=batch_fn, model=model)
-    if test_set is not None:
-        check_data(test_set, "test_data", batch_fn=batch_fn, model=model)
+    env, config, scheme, train_set, test_set = _prepare(
+        model, train_data, test_data, config, batch_fn, metrics
+    )
     return run_worker(
         model=model,
         loss_fn=loss_fn,
@@ -99,4 +149,201 @@ def train(
         env=env,
         scheme=scheme,
         batch_fn=batch_fn,
+        callbacks=callbacks,
+        metric_fns=metrics,
     )
+
+
+class Step:
+    """One step of a :class:`Worker`'s loop, as ``with worker.step() as step:`` gives it."""
+
+    def __init__(self) -> None:
+        self.loss: float | torch.Tensor | None = None
+        """Set it to the step's loss: it feeds the metrics lines, the progress line and
+        divergence detection (unset: the step has no loss on record)."""
+        self.samples: int | None = None
+        """The batch's size, when it is not ``batch_size`` (the samples/s figures count it)."""
+
+
+class Worker:
+    """A training loop of your own, run as a distsgd worker under any scheme.
+
+    distsgd does everything around forward and backward, exactly as under :func:`train`:
+    the scheme's update (a push to the servers, or a local optimizer step), fresh parameters
+    before each step, checkpoints and resuming, metrics, evaluation on the chief, fault
+    injection, divergence detection, and at the end waiting for the others and saving the
+    result. The loop does forward and backward, and leaves the update to distsgd::
+
+        worker = distsgd.Worker(model, train_data=(x, y))
+        for inputs, target in worker.batches():      # this worker's shard, on its device
+            with worker.step() as step:              # e.g. pulls fresh parameters
+                loss = F.cross_entropy(worker.model(inputs), target)
+                loss.backward()                      # no optimizer.step(): the scheme updates
+                step.loss = loss
+        result = worker.finish()                     # (or use Worker as a context manager)
+
+    Args:
+        model: the ``torch.nn.Module`` to train; every worker must build the same one.
+        train_data: the training set (as for :func:`train`) for :meth:`batches` to shard;
+            None when the loop reads data of its own: each worker then must read its own part
+            (``distsgd.task().rank`` of ``.num_workers``) and the run lasts ``--steps`` local
+            steps (``config.steps``), or until :meth:`finish`.
+        test_data, loss_fn: held-out data the chief evaluates with ``loss_fn`` every
+            ``--eval-every`` steps and at the end (both or neither).
+        config: the script's defaults; flags given to ``distsgd run`` override them.
+        batch_fn: how to read a batch for evaluation (as for :func:`train`).
+        optimizer: (schemes that step a local optimizer: allreduce, downpour, easgd, localsgd,
+            diloco's inner one) your own optimizer over the model's parameters, stepped by the
+            scheme instead of the SGD of ``--lr`` / ``--momentum``. Under the other schemes the
+            parameter servers apply every update: passing one is refused.
+        callbacks, metrics: as for :func:`train`.
+
+    Collective schemes (allreduce, localsgd, diloco) need every worker to take the same
+    number of steps: :meth:`batches` gives every worker the same number; a loop over data of
+    its own must see to it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        train_data: Any = None,
+        test_data: Any = None,
+        loss_fn: LossFn | None = None,
+        config: TrainConfig | None = None,
+        batch_fn: BatchFn | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        callbacks: Sequence[Callback] = (),
+        metrics: MetricFns | None = None,
+    ) -> None:
+        if (test_data is None) != (loss_fn is None):
+            raise SetupError(
+                "Worker(test_data=..., loss_fn=...): the chief evaluates test_data with "
+                "loss_fn; pass both or neither"
+            )
+        global calls
+        calls += 1
+        env, self.config, scheme, train_set, test_set = _prepare(
+            model, train_data, test_data, config, batch_fn, metrics
+        )
+        self._session = WorkerSession(
+            model=model,
+            loss_fn=loss_fn,
+            train_set=train_set,
+            test_set=test_set,
+            config=self.config,
+            env=env,
+            scheme=scheme,
+            batch_fn=batch_fn,
+            callbacks=callbacks,
+            metric_fns=metrics,
+            optimizer=optimizer,
+        )
+        self.result: TrainResult | None = None
+        """What :meth:`finish` returned (None before)."""
+        try:
+            self._session.open()
+        except BaseException as exc:
+            self._session.failed(exc)
+            self._session.close()
+            raise
+
+    @property
+    def model(self) -> nn.Module:
+        """What to run forward through: your model, or the scheme's wrapper around it
+        (allreduce: ``DistributedDataParallel``, which exchanges the gradients); the same
+        parameters either way."""
+        return self._session.module
+
+    @property
+    def device(self) -> torch.device:
+        """Where this worker trains (``--device``): put your batches there."""
+        return self._session.device
+
+    @property
+    def task(self) -> TaskInfo:
+        """Who this worker is: ``.rank``, ``.num_workers``, ``.is_chief`` ..."""
+        return task()
+
+    @property
+    def local_step(self) -> int:
+        """Steps this worker has taken (after a resume, counting those before it)."""
+        return self._session.local_step
+
+    @property
+    def start_step(self) -> int:
+        """The local step this process began at: 0, or where a resumed worker's checkpoint
+        (or a restarted worker's servers) left off; a loop over its own data skips so many
+        batches."""
+        return self._session.start_step
+
+    @property
+    def done(self) -> bool:
+        """True once this worker's steps (``--steps``, or the epochs of ``train_data``) are
+        taken, or the worker was asked to leave an elastic run: end the loop then."""
+        return self._session.done
+
+    def batches(self) -> Iterator[Any]:
+        """This worker's batches of ``train_data`` (its disjoint shard, reshuffled each epoch,
+        resumed where a checkpoint left off), on :attr:`device`, until :attr:`done`; each
+        one as ``default_collate`` made it (a tuple ``(inputs, target)`` for pairs)."""
+        for raw in self._session.batches():
+            yield to_device(raw, self._session.device)
+
+    @contextmanager
+    def step(self) -> Iterator[Step]:
+        """Around one step's forward and backward: on entry the scheme prepares the step (e.g.
+        pulls fresh parameters) and the gradients are zeroed; on exit it applies the update
+        and the metrics, evaluation and checkpoints of this step follow. An exception inside
+        leaves the step untaken."""
+        step = Step()
+        self._session.begin_step()
+        try:
+            yield step
+        except RuntimeError as exc:
+            self._session.abandon_step()
+            explained = self._session.explain(exc)
+            if explained is None:
+                raise
+            raise explained from exc
+        except BaseException:
+            self._session.abandon_step()
+            raise
+        self._session.end_step(step.loss, step.samples)
+
+    def log(self, **values: float | torch.Tensor) -> None:
+        """Your own values into ``metrics.jsonl`` (as ``{"user": {...}}``, at this step)."""
+        self._session.log_values(values)
+
+    def finish(self) -> TrainResult:
+        """End this worker's part: push what the scheme holds, leave, (chief) wait for the
+        others, evaluate and save the result; then close the connections."""
+        if self.result is not None:
+            return self.result
+        try:
+            self.result = self._session.finish()
+            return self.result
+        except BaseException as exc:
+            self._session.failed(exc)
+            raise
+        finally:
+            self._session.close()
+
+    def close(self) -> None:
+        """Close the connections without finishing (after a failure)."""
+        self._session.close()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.finish()
+        else:
+            self._session.failed(exc)
+            self.close()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from distsgd.launcher.lifeline import limit_threads, tie_to_parent
 from distsgd.runtime.divergence import DIVERGED_EXIT_CODE, Diverged
+from distsgd.runtime.errors import SETUP_ERROR_PREFIX, SETUP_EXIT_CODE, SetupError
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -47,6 +48,10 @@ def run_script(script: str, args: Sequence[str]) -> int:
     except Diverged as exc:
         print(f"distsgd: diverged: {exc}", file=sys.stderr)
         return DIVERGED_EXIT_CODE
+    except SetupError as exc:  # the same script and flags would fail again: no traceback
+        logging.getLogger(__name__).debug("setup refused", exc_info=True)
+        print(f"{SETUP_ERROR_PREFIX}{exc}", file=sys.stderr)
+        return SETUP_EXIT_CODE
     if api.calls == 0:
         print(
             f"distsgd: error: {script} finished without calling distsgd.train(); "

@@ -43,6 +43,7 @@ from distsgd.runtime.checkpoint import (
     worker_state_step,
 )
 from distsgd.runtime.divergence import DIVERGED_EXIT_CODE
+from distsgd.runtime.errors import SETUP_ERROR_PREFIX, SETUP_EXIT_CODE
 from distsgd.runtime.faults import Fault
 from distsgd.runtime.metrics import MetricsWriter
 from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
@@ -546,6 +547,11 @@ class LocalRun:
             record = {"scheme": self.config.scheme, "diverged": True, "divergence": reason}
             write_atomic(self.run_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
             raise Diverged(reason)
+        if code == SETUP_EXIT_CODE and task.name.startswith("worker"):
+            self._fault(task.name, code, step, "stop")
+            said = [line for line in task.tail if SETUP_ERROR_PREFIX in line]
+            cause = said[-1].split(SETUP_ERROR_PREFIX, 1)[1] if said else "see its log"
+            raise RunFailed(f"{task.name}: {cause}")
         if time.monotonic() - self.started_at.get(task.name, 0.0) >= self.config.healthy_seconds:
             self.restarts[task.name] = 0  # it ran healthy since its last restart: a new fault
         used = self.restarts.get(task.name, 0)

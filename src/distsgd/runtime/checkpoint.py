@@ -206,7 +206,7 @@ def _structure_problem(state: Any) -> str | None:
         if type(state[key]) is not int or state[key] < 0:
             return f"{key!r} is {state[key]!r}, not a count"
     position = state["position"]
-    if not (
+    if position is not None and not (  # None: the loop read data of its own
         isinstance(position, list | tuple)
         and len(position) == 2
         and all(type(p) is int for p in position)

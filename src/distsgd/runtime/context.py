@@ -59,6 +59,9 @@ class WorkerContext:
         self.lr_scale = 1.0
         """The learning-rate schedule's factor this step (see ``TrainConfig.lr_schedule``)."""
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._adopted: torch.optim.Optimizer | None = None
+        self.adopted_optimizer_taken = False
+        """Whether the scheme took the user's optimizer (:meth:`adopt_optimizer`)."""
         self.lost_pushes = 0
         """Pushes that never reached the servers (network partition, server down)."""
         self.nonfinite_skipped = 0
@@ -116,11 +119,29 @@ class WorkerContext:
             for name, p in self.params.items():
                 p.copy_(torch.from_numpy(np.asarray(arrays[name])).to(p.device))
 
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """(Runtime) the user's own optimizer: the first :meth:`make_optimizer` returns it
+        instead of making one. It must hold exactly the replica's parameters."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if held != {id(p) for p in self.params.values()}:
+            raise ValueError(
+                "optimizer= must hold exactly the model's parameters (build it with "
+                "torch.optim.X(model.parameters()) after the model)"
+            )
+        self._adopted = optimizer
+
     def make_optimizer(self, kind: str = "sgd", **overrides: float | bool) -> torch.optim.Optimizer:
-        """A local optimizer over the replica with the run's lr and momentum (overridable).
+        """A local optimizer over the replica with the run's lr and momentum (overridable);
+        the user's own (``optimizer=`` of ``distsgd.Worker``), if one was given, instead.
 
         The runtime applies the learning-rate schedule to every optimizer made here.
         """
+        if self._adopted is not None and not self.adopted_optimizer_taken:
+            self.adopted_optimizer_taken = True
+            for group in self._adopted.param_groups:
+                group.setdefault("base_lr", group["lr"])
+            self._optimizers.append(self._adopted)
+            return self._adopted
         params = list(self.params.values())
         kw: dict[str, float | bool] = {"lr": self.config.lr}
         if kind == "sgd":

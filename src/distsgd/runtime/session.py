@@ -56,6 +56,7 @@ from distsgd.runtime.config import TrainConfig, lr_factor
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.data import BatchFn, ShardedBatches
 from distsgd.runtime.divergence import Diverged, DivergenceMonitor, accuracy_verdict
+from distsgd.runtime.errors import SetupError
 from distsgd.runtime.evaluate import LossFn, MetricFns, evaluate
 from distsgd.runtime.faults import FaultInjector
 from distsgd.runtime.metrics import MetricsWriter
@@ -200,6 +201,7 @@ class WorkerSession:
         stop: threading.Event | None = None,
         callbacks: Sequence[Callback] = (),
         metric_fns: MetricFns | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         if test_set is not None and loss_fn is None:
             raise ValueError("test_data needs loss_fn= to evaluate with; pass both or neither")
@@ -213,6 +215,7 @@ class WorkerSession:
         self.batch_fn = batch_fn
         self.callbacks = tuple(callbacks)
         self.metric_fns = dict(metric_fns or {})
+        self.optimizer = optimizer
         self.rank = env.task_index
         self.chief = self.rank == 0
         self.name = f"worker{self.rank}"
@@ -264,9 +267,21 @@ class WorkerSession:
         return stopped or self._ctx.local_step >= self.steps
 
     def open(self) -> None:
-        """Connect, register (chief), join, resume, and make the scheme ready for step 1."""
+        """Connect, register (chief), join, resume, and make the scheme ready for step 1.
+
+        Raises:
+            SetupError: (a ValueError) settings or data this run cannot honour.
+        """
         assert not self._opened, "a session opens once"
         self._opened = True
+        try:
+            self._open()
+        except SetupError:
+            raise
+        except ValueError as exc:
+            raise SetupError(str(exc)) from exc
+
+    def _open(self) -> None:
         env = self.env = self.env.with_ps_addresses(self.env.startup_timeout)
         config, scheme, model, rank = self.config, self.scheme, self.model, self.rank
         spec, world = env.spec, env.num_workers
@@ -383,6 +398,8 @@ class WorkerSession:
             ps=ps,
             collective=collective,
         )
+        if self.optimizer is not None:
+            ctx.adopt_optimizer(self.optimizer)
         batches = self._batches
         if config.steps:
             self.steps = config.steps
@@ -427,6 +444,12 @@ class WorkerSession:
             ctx.global_step = int(resumed["global_step"])
             self.samples = int(resumed.get("samples", self.start_step * config.batch_size))
         scheme.start(ctx)
+        if self.optimizer is not None and not ctx.adopted_optimizer_taken:
+            raise ValueError(
+                f"optimizer= under {env.scheme}: its parameter servers apply every update "
+                "(with --lr and --momentum there); drop optimizer=, or use a scheme that steps "
+                "a local optimizer (allreduce, downpour, easgd, localsgd, diloco)"
+            )
         if resumed is not None:
             model.load_state_dict(resumed["model"])
             scheme.load_state_dict(resumed["scheme"])
@@ -578,7 +601,7 @@ class WorkerSession:
         self._in_step = self._prepared = False
         ctx, config = self._ctx, self.config
         if self.module is not self.model and self._forwards == self._forwards_at_begin:
-            raise ValueError(
+            raise SetupError(
                 f"under {self.env.scheme} forward must run through worker.model (the "
                 f"{type(self.module).__name__} around your model, which exchanges the "
                 "gradients), not through your model itself; call worker.model(inputs)"
@@ -655,7 +678,7 @@ class WorkerSession:
             **extra,
         )
 
-    def log_values(self, values: Mapping[str, float]) -> None:
+    def log_values(self, values: Mapping[str, Any]) -> None:
         """The loop's own values into the metrics lines, as ``{"user": {...}}``."""
         checked = check_user_values(values)
         self.metrics.log(step=self._ctx.global_step, local_step=self._ctx.local_step, user=checked)
@@ -808,8 +831,10 @@ class WorkerSession:
             self._heartbeat.stop()
         if self._ps is not None:
             self._ps.close()
+            self._ps = None
         if self._collective is not None:
             self._collective.close()
+            self._collective = None
         self.metrics.close()
 
 
