@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Callback",
     "Every",
+    "SetupError",
     "StepInfo",
     "TaskInfo",
     "TrainConfig",
@@ -36,6 +37,7 @@ _EXPORTS = {
     "Callback": "distsgd.runtime.callbacks",
     "Every": "distsgd.runtime.callbacks",
     "StepInfo": "distsgd.runtime.callbacks",
+    "SetupError": "distsgd.runtime.errors",
     "seed_everything": "distsgd.api",
     "task": "distsgd.api",
     "TaskInfo": "distsgd.runtime.task",
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from distsgd.api import Worker, seed_everything, task, train
     from distsgd.runtime.callbacks import Callback, Every, StepInfo
     from distsgd.runtime.config import TrainConfig
+    from distsgd.runtime.errors import SetupError
     from distsgd.runtime.session import TrainResult
     from distsgd.runtime.task import TaskInfo
 
