@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -16,6 +19,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+# Scripts run alone (python script.py, doc blocks, distsgd.train in-process) write a run folder
+# under $DISTSGD_RUNS: here a temporary one per test process, not the checkout's distsgd-runs/.
+_RUNS = tempfile.mkdtemp(prefix="distsgd-test-runs-")
+os.environ["DISTSGD_RUNS"] = _RUNS
+atexit.register(shutil.rmtree, _RUNS, True)
 
 
 def distsgd_cmd(*args: str) -> list[str]:

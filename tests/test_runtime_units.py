@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -181,3 +184,58 @@ def test_progress_line_has_the_share_done_and_time_left(tmp_path: Path) -> None:
     assert progress.eta(now=110.0) == pytest.approx(30.0)  # 10 s for a quarter: 30 s left
     assert "| 25% |" in progress.render() and "s left" in progress.render()
     assert Progress(tmp_path / "none.jsonl").eta() is None
+
+
+def test_throughput_counts_from_each_workers_first_line(tmp_path: Path) -> None:
+    """The first line's samples were made before any line: a rate over start-up would be wrong
+    both ways (start-up counted, or a burst over no time); it counts from the first line."""
+    from distsgd.launcher.progress import Progress
+
+    path = tmp_path / "metrics.jsonl"
+    first = [
+        {"time": 100.0, "task": "worker0", "step": 10, "local_step": 10, "samples": 320},
+        {"time": 100.5, "task": "worker1", "step": 10, "local_step": 10, "samples": 320},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in first))
+    progress = Progress(path)
+    progress.poll()
+    assert progress.samples_per_second is None and "samples/s" not in progress.render()
+    more = [
+        {"time": 102.0, "task": "worker0", "step": 30, "local_step": 20, "samples": 640},
+        {"time": 104.5, "task": "worker1", "step": 40, "local_step": 20, "samples": 640},
+    ]
+    with path.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in more))
+    progress.poll()
+    assert progress.samples_per_second == pytest.approx(320 / 2.0 + 320 / 4.0)
+    assert "240 samples/s" in progress.render()
+
+
+def test_a_script_run_alone_writes_a_run_folder_and_shows_progress(tmp_path: Path) -> None:
+    script = tmp_path / "alone.py"
+    script.write_text(
+        "import torch, torch.nn.functional as F\n"
+        "import distsgd\n"
+        "x = torch.randn(256, 4); y = (x[:, 0] > 0).long()\n"
+        "r = distsgd.train(model=torch.nn.Linear(4, 2), loss_fn=F.cross_entropy,\n"
+        "    train_data=(x, y), test_data=(x, y), config=distsgd.TrainConfig(steps=30))\n"
+    )
+    runs = tmp_path / "runs"
+    env = {**os.environ, "DISTSGD_RUNS": str(runs)}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "[distsgd] step 30 | 100% | loss " in done.stderr  # the last step's line
+    (folder,) = runs.iterdir()
+    assert folder.name.endswith("-alone")
+    assert {"metrics.jsonl", "result.json", "final_model.pt"} <= {p.name for p in folder.iterdir()}
+    assert json.loads((folder / "result.json").read_text())["local_steps"] == 30
+    off = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env={**env, "DISTSGD_RUNS": "off"},
+        timeout=120,
+    )
+    assert off.returncode == 0 and len(list(runs.iterdir())) == 1

@@ -9,6 +9,7 @@ process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Iterator, Sequence
@@ -26,6 +27,7 @@ from distsgd.runtime.callbacks import Callback
 from distsgd.runtime.data import BatchFn, as_dataset, check_data, to_device
 from distsgd.runtime.errors import SetupError
 from distsgd.runtime.evaluate import LossFn, MetricFns, check_metric_names
+from distsgd.runtime.run_folder import new_run_folder, runs_root
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.session import WorkerSession
 from distsgd.runtime.task import TaskInfo
@@ -81,7 +83,7 @@ def _checked(
     batch_fn: BatchFn | None,
     metrics: MetricFns | None,
 ) -> tuple[TaskEnv, TrainConfig, WorkerScheme, Any, Any]:
-    env = TaskEnv.from_environ() or TaskEnv.standalone()
+    env = TaskEnv.from_environ() or _alone()
     config = (config or TrainConfig()).replace(**env.overrides)
     spec = schemes.get(env.scheme)
     scheme = spec.worker(spec.parse_options(env.scheme_options), env.num_workers)
@@ -93,6 +95,19 @@ def _checked(
         check_data(test_set, "test_data", batch_fn=batch_fn, model=model)
     check_metric_names(metrics or {})
     return env, config, scheme, train_set, test_set
+
+
+def _alone() -> TaskEnv:
+    """The task of a script run alone: one worker, with a run folder of its own (under
+    ``$DISTSGD_RUNS``, default ``./distsgd-runs``; none when it says ``off``)."""
+    env = TaskEnv.standalone()
+    root = runs_root()
+    if root is None:
+        return env
+    folder = new_run_folder("alone", root)
+    folder.mkdir(parents=True)
+    log.info("run folder %s", folder)
+    return dataclasses.replace(env, run_dir=str(folder))
 
 
 def train(

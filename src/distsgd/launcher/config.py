@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from distsgd import schemes
 from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.faults import Fault
+from distsgd.runtime.run_folder import new_run_folder, runs_root
 from distsgd.transport.security import TlsConfig
 
 DEFAULT_CHECKPOINT_SECONDS = 30.0
@@ -205,10 +205,4 @@ class LaunchConfig:
     def resolved_run_dir(self) -> Path:
         if self.run_dir is not None:
             return Path(self.run_dir)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        base = Path("distsgd-runs") / f"{stamp}-{self.scheme}"
-        path, n = base, 1
-        while path.exists():
-            n += 1
-            path = base.with_name(f"{base.name}-{n}")
-        return path
+        return new_run_folder(self.scheme, runs_root())

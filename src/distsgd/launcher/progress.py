@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from distsgd.runtime.progress import Rate, format_progress
 from distsgd.runtime.timing import split_from_metrics, split_line
 
 KEPT_STATUS_SECONDS = 10.0
@@ -130,6 +131,8 @@ class Progress:
         self.started = time.time()
         self.divergence: str | None = None
         """The first 'diverged' event's reason (a worker's loss went non-finite or up)."""
+        self.rates: dict[str, Rate] = {}
+        """Per worker, its samples per second since its first metrics line."""
         self.first_record: float | None = None
         """Wall time of the first metrics line: throughput counts from there, not from start-up."""
 
@@ -158,6 +161,9 @@ class Progress:
                 self.accuracy = float(record["accuracy"])
             if "samples" in record:
                 self.samples[str(record.get("task"))] = int(record["samples"])
+                if "time" in record:
+                    rate = self.rates.setdefault(str(record.get("task")), Rate())
+                    rate.see(float(record["time"]), int(record["samples"]))
             if "local_step" in record:
                 self.local_steps[str(record.get("task"))] = int(record["local_step"])
             if isinstance(record.get("progress"), (int, float)) and "time" in record:
@@ -190,10 +196,12 @@ class Progress:
         return time.time() - self.started
 
     @property
-    def samples_per_second(self) -> float:
-        if self.first_record is None:
-            return 0.0
-        return sum(self.samples.values()) / max(1e-3, time.time() - self.first_record)
+    def samples_per_second(self) -> float | None:
+        """Sum over the workers of their rate since their first metrics line (None before
+        any worker's second line)."""
+        rates = [r.per_second for r in self.rates.values()]
+        known = [r for r in rates if r is not None]
+        return sum(known) if known else None
 
     @property
     def fraction(self) -> float | None:
@@ -212,15 +220,12 @@ class Progress:
         return max(0.0, spent * (1 - fraction) / fraction)
 
     def render(self) -> str:
-        elapsed, rate = self.elapsed, self.samples_per_second
-        parts = [f"step {self.step}"]
-        if self.fraction is not None:
-            parts.append(f"{100 * self.fraction:.0f}%")
-        if self.loss is not None:
-            parts.append(f"loss {self.loss:.4f}")
-        if self.accuracy is not None:
-            parts.append(f"acc {self.accuracy:.4f}")
-        parts.append(f"{rate:.0f} samples/s")
-        eta = self.eta()
-        parts.append(f"{elapsed:.0f}s" + ("" if eta is None else f", about {eta:.0f}s left"))
-        return "[distsgd] " + " | ".join(parts)
+        return format_progress(
+            step=self.step,
+            fraction=self.fraction,
+            loss=self.loss,
+            accuracy=self.accuracy,
+            samples_per_second=self.samples_per_second,
+            elapsed=self.elapsed,
+            eta=self.eta(),
+        )

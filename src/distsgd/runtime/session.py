@@ -60,6 +60,7 @@ from distsgd.runtime.errors import SetupError
 from distsgd.runtime.evaluate import LossFn, MetricFns, evaluate
 from distsgd.runtime.faults import FaultInjector
 from distsgd.runtime.metrics import MetricsWriter
+from distsgd.runtime.progress import AloneProgress
 from distsgd.runtime.run_folder import FINAL_PARAMS_FILE, METRICS_FILE, RESULT_FILE
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.task import TaskEnv
@@ -246,6 +247,7 @@ class WorkerSession:
         self._forwards_at_begin = 0
         self._opened = False
         self._finished = False
+        self._alone = AloneProgress() if env.standalone_run else None
 
     # -- start ----------------------------------------------------------------------------------
     @property
@@ -636,6 +638,14 @@ class WorkerSession:
         ctx = self._ctx
         progress = self.progress()
         batches = self._batches
+        if self._alone is not None:
+            self._alone.update(
+                step=ctx.local_step,
+                fraction=None if progress is None else progress[0] / max(1, progress[1]),
+                loss=self.loss_value if math.isfinite(self.loss_value) else None,
+                samples=self.samples,
+                last=ctx.local_step == self.steps,
+            )
         self.metrics.log(
             step=ctx.global_step,
             local_step=ctx.local_step,

@@ -57,6 +57,10 @@ class TaskEnv:
         default_factory=dict, metadata={"help": "TrainConfig overrides"}
     )
     run_dir: str = field(default="", metadata={"help": "run folder for metrics and results"})
+    standalone_run: bool = field(
+        default=False,
+        metadata={"help": "a script run alone (python script.py): it shows its own progress"},
+    )
     run_id: str = field(default="", metadata={"help": "identifies the run to the servers"})
     rendezvous: str = field(
         default="",
@@ -202,4 +206,9 @@ class TaskEnv:
     @classmethod
     def standalone(cls, scheme: str = "allreduce") -> TaskEnv:
         """One worker, no parameter server: a plain single-process run."""
-        return cls(cluster={"ps": [], "worker": ["127.0.0.1:0"]}, task_index=0, scheme=scheme)
+        return cls(
+            cluster={"ps": [], "worker": ["127.0.0.1:0"]},
+            task_index=0,
+            scheme=scheme,
+            standalone_run=True,
+        )
