@@ -24,7 +24,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "distsgd"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
-LAYERS = ("util", "cluster", "transport", "ps", "runtime", "schemes", "api", "launcher", "cli")
+LAYERS = (
+    "util",
+    "cluster",
+    "transport",
+    "ps",
+    "runtime",
+    "schemes",
+    "api",
+    "launcher",
+    "compare",
+    "cli",
+)
 """The layers of distsgd, lowest first."""
 
 TOP_LEVEL_EXEMPT = ("__init__.py", "__main__.py")
@@ -137,7 +148,7 @@ def test_shell_commands_in_docs_parse(path: Path) -> None:
     scheme options belong to its scheme, and its scheme lists name real schemes."""
     from distsgd.cli.flags import scheme_options
     from distsgd.cli.main import build_parser, parse_argv
-    from distsgd.launcher.compare import parse_entry, split_schemes
+    from distsgd.compare.entries import parse_entry, split_schemes
 
     parser = build_parser()
     for line, argv in _shell_commands(path.read_text(encoding="utf-8")):
