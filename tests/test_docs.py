@@ -3,6 +3,8 @@
 * Every ```python block in README.md and docs/**/*.md is executed with ``exec`` in a fresh
   namespace (one test per block). A block whose first line is ``# doctest: skip`` is skipped.
   Blocks must therefore be self-contained and quick.
+* ``test_the_site_builds`` builds the documentation site (mkdocs.yml) with ``--strict`` where
+  mkdocs-material is installed (the ``docs`` extra; ``.ci/run`` builds it too).
 * ``test_layering`` parses every module under ``src/distsgd`` and checks that each package
   imports only itself and the packages below it (docs/architecture.md, section 1).
 """
@@ -12,7 +14,9 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import os
 import re
+import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -410,3 +414,26 @@ def test_relative_links_in_docs_resolve() -> None:
             ):
                 broken.append(f"{path.relative_to(ROOT)}: {target}{anchor}")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_the_site_builds(tmp_path: Path) -> None:
+    """``mkdocs build --strict``: every page in the nav, no broken link or anchor, the README as
+    the home page with its links into docs/ made relative."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    site = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(site)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    home = (site / "index.html").read_text(encoding="utf-8")
+    assert 'href="architecture/"' in home and 'href="docs/' not in home
+    for path in (ROOT / "docs").rglob("*.md"):
+        page = path.relative_to(ROOT / "docs").with_suffix("")
+        page = page.parent if page.name in ("README", "index") else page
+        assert (site / page / "index.html").is_file(), f"{path} is not on the site"
