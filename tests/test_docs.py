@@ -60,13 +60,15 @@ def _doc_files() -> list[Path]:
     return files
 
 
-def _python_blocks(text: str) -> Iterator[tuple[int, str]]:
-    """(line number of the opening fence, code) for each ```python block."""
+def fenced_blocks(text: str, languages: tuple[str, ...]) -> Iterator[tuple[int, str, str]]:
+    """(line number of the opening fence, language, code) for each fenced block in one of
+    ``languages`` (lower case), its indentation (inside a list item) removed."""
     lines = text.splitlines()
     i = 0
     while i < len(lines):
         opening = lines[i].strip()
-        if opening.startswith("```") and opening[3:].strip().lower() == "python":
+        language = opening[3:].strip().lower()
+        if opening.startswith("```") and language in languages:
             indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
             body: list[str] = []
             j = i + 1
@@ -75,10 +77,16 @@ def _python_blocks(text: str) -> Iterator[tuple[int, str]]:
                 body.append(line[len(indent) :] if line.startswith(indent) else line)
                 j += 1
             if j == len(lines):
-                raise ValueError(f"unclosed ```python block at line {i + 1}")
-            yield i + 1, "\n".join(body) + "\n"
+                raise ValueError(f"unclosed ```{language} block at line {i + 1}")
+            yield i + 1, language, "\n".join(body) + "\n"
             i = j
         i += 1
+
+
+def _python_blocks(text: str) -> Iterator[tuple[int, str]]:
+    """(line number of the opening fence, code) for each ```python block."""
+    for line, _, code in fenced_blocks(text, ("python",)):
+        yield line, code
 
 
 def _collect_blocks() -> list[pytest.param]:
@@ -140,6 +148,8 @@ def _shell_commands(text: str) -> Iterator[tuple[int, list[str]]]:
             pending += code[:-1] + " "
             continue
         code, pending = pending + code, ""
+        if code.endswith(" &"):  # started in the background
+            code = code[:-2].rstrip()
         if code.startswith("distsgd "):
             yield start, shlex.split(code)[1:]
 
