@@ -3,39 +3,38 @@ from synthetic metrics, variants in --schemes, and bad input (one line, exit 2).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.metadata
+import io
 import json
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, alive, metrics, run_distsgd, task_pids, wait_for
+from conftest import ROOT, SCRIPTS, alive, metrics, run_distsgd, task_pids, wait_for
 
 from distsgd import schemes
 from distsgd.cli import main as cli_main
 from distsgd.cli.main import main
-from distsgd.launcher import compare as compare_module
-from distsgd.launcher.compare import (
-    FOLDER_LIMIT,
-    CompareConfig,
-    _calibrated,
-    _Capture,
-    parse_entry,
-    split_schemes,
-)
-from distsgd.launcher.report import (
-    Context,
+from distsgd.compare import run as compare_module
+from distsgd.compare.entries import FOLDER_LIMIT, parse_entry, split_schemes
+from distsgd.compare.figure import missing_figure_reason, write_figure
+from distsgd.compare.report import Context, markdown, write_json
+from distsgd.compare.run import CompareConfig, _calibrated, _Capture
+from distsgd.compare.summary import (
     SchemeRun,
     build_curves,
-    markdown,
     mean_staleness,
     seconds_to,
     training_origin,
-    write_figure,
-    write_json,
 )
+from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.progress import Console
 from distsgd.runtime.config import TrainConfig
+from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
 
 BLOBS = str(SCRIPTS / "blobs.py")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -585,3 +584,112 @@ def test_a_diverged_run_is_marked_in_table_and_legend(tmp_path: Path) -> None:
     write_json(tmp_path / "c.json", context, runs)
     entries = json.loads((tmp_path / "c.json").read_text())["schemes"]
     assert [e["status"] for e in entries] == ["ok", "diverged"]
+
+
+# ----------------------------------------------------------------------------- matplotlib, an extra
+
+
+def _without_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here to the end of the test, importing matplotlib fails as where the ``compare``
+    extra is not installed (``None`` in ``sys.modules`` makes ``import`` raise ImportError)."""
+    for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+
+
+def _fake_launch(config: LaunchConfig, console: Console) -> int:
+    """A finished run in ``config.run_dir``: three worker lines and the chief's final
+    evaluation (what the reports read), without starting any process."""
+    lines = [
+        _line(10.0 + i, "worker0", 4 * (i + 1), loss=1.0 / (i + 1), samples=64 * (i + 1))
+        for i in range(3)
+    ]
+    lines.append(_line(13.5, "worker0", 12, test_loss=0.4, accuracy=0.9, final=True))
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    (config.run_dir / METRICS_FILE).write_text(text)
+    result = {"test_accuracy": 0.9, "test_loss": 0.4, "global_step": 12, "local_steps": 12}
+    (config.run_dir / RESULT_FILE).write_text(json.dumps(result))
+    return 0
+
+
+def test_without_matplotlib_compare_writes_table_and_json_and_says_so_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _without_matplotlib(monkeypatch)
+    reason = missing_figure_reason()
+    assert reason is not None and "pip install 'distsgd[compare]'" in reason
+    monkeypatch.setattr(compare_module, "launch", _fake_launch)
+    out, said, errors = tmp_path / "out", io.StringIO(), io.StringIO()
+    config = CompareConfig(
+        schemes=("hogwild", "allreduce"), script=BLOBS, out=out, overrides={"steps": 12}
+    )
+    assert compare_module.compare(config, Console(said, errors=errors)) == 0
+    assert errors.getvalue() == f"distsgd compare: {reason}\n"
+    assert not (out / "compare.png").exists()
+    assert "compare.png" not in said.getvalue()
+    table = (out / "compare.md").read_text()
+    assert list(_rows(table)) == ["hogwild", "allreduce"]
+    assert _rows(table)["hogwild"][:2] == ["ok", "0.9000"]
+    assert "compare.png" not in table  # no link to a figure that is not there
+    data = json.loads((out / "compare.json").read_text())
+    assert data["figure"] is False
+    assert [e["final_accuracy"] for e in data["schemes"]] == [0.9, 0.9]
+
+
+def test_with_matplotlib_compare_draws_the_figure_too(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The same comparison where matplotlib is installed: nothing on stderr, compare.png."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(compare_module, "launch", _fake_launch)
+    out, errors = tmp_path / "out", io.StringIO()
+    config = CompareConfig(schemes=("hogwild",), script=BLOBS, out=out, overrides={"steps": 12})
+    assert compare_module.compare(config, Console(io.StringIO(), errors=errors)) == 0
+    assert errors.getvalue() == ""
+    assert (out / "compare.png").read_bytes()[:8] == PNG_MAGIC
+    assert "![curves](compare.png)" in (out / "compare.md").read_text()
+    assert json.loads((out / "compare.json").read_text())["figure"] is True
+
+
+def test_the_core_install_declares_no_matplotlib() -> None:
+    """``pip install distsgd`` brings no matplotlib; the ``compare`` extra (and ``dev``) do."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+
+    def named(requirements: list[str]) -> bool:
+        return any(re.match(r"matplotlib\b", r) for r in requirements)
+
+    assert not named(project["dependencies"])
+    assert named(project["optional-dependencies"]["compare"])
+    assert named(project["optional-dependencies"]["dev"])
+    # the installed metadata too, where it was built from this checkout
+    dist = importlib.metadata.distribution("distsgd")
+    origin = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+    if origin == ROOT.as_uri():
+        core = [r for r in dist.requires or [] if "extra ==" not in r]
+        assert core and not named(core)
+
+
+def test_only_the_figure_module_imports_matplotlib_and_only_in_a_function() -> None:
+    found: dict[str, list[bool]] = {}
+    for path in sorted((ROOT / "src" / "distsgd").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        in_functions = {
+            id(node)
+            for fn in ast.walk(tree)
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(fn)
+        }
+        for node in ast.walk(tree):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if any(n.split(".")[0] == "matplotlib" for n in names):
+                rel = path.relative_to(ROOT / "src").as_posix()
+                found.setdefault(rel, []).append(id(node) in in_functions)
+    assert set(found) == {"distsgd/compare/figure.py"}, found
+    assert all(all(inside) for inside in found.values()), found

@@ -3,6 +3,8 @@
 * Every ```python block in README.md and docs/**/*.md is executed with ``exec`` in a fresh
   namespace (one test per block). A block whose first line is ``# doctest: skip`` is skipped.
   Blocks must therefore be self-contained and quick.
+* ``test_the_site_builds`` builds the documentation site (mkdocs.yml) with ``--strict`` where
+  mkdocs-material is installed (the ``docs`` extra; ``.ci/run`` builds it too).
 * ``test_layering`` parses every module under ``src/distsgd`` and checks that each package
   imports only itself and the packages below it (docs/architecture.md, section 1).
 """
@@ -12,7 +14,9 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import os
 import re
+import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -24,7 +28,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "distsgd"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
-LAYERS = ("util", "cluster", "transport", "ps", "runtime", "schemes", "api", "launcher", "cli")
+LAYERS = (
+    "util",
+    "cluster",
+    "transport",
+    "ps",
+    "runtime",
+    "schemes",
+    "api",
+    "launcher",
+    "compare",
+    "cli",
+)
 """The layers of distsgd, lowest first."""
 
 TOP_LEVEL_EXEMPT = ("__init__.py", "__main__.py")
@@ -45,13 +60,15 @@ def _doc_files() -> list[Path]:
     return files
 
 
-def _python_blocks(text: str) -> Iterator[tuple[int, str]]:
-    """(line number of the opening fence, code) for each ```python block."""
+def fenced_blocks(text: str, languages: tuple[str, ...]) -> Iterator[tuple[int, str, str]]:
+    """(line number of the opening fence, language, code) for each fenced block in one of
+    ``languages`` (lower case), its indentation (inside a list item) removed."""
     lines = text.splitlines()
     i = 0
     while i < len(lines):
         opening = lines[i].strip()
-        if opening.startswith("```") and opening[3:].strip().lower() == "python":
+        language = opening[3:].strip().lower()
+        if opening.startswith("```") and language in languages:
             indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
             body: list[str] = []
             j = i + 1
@@ -60,10 +77,16 @@ def _python_blocks(text: str) -> Iterator[tuple[int, str]]:
                 body.append(line[len(indent) :] if line.startswith(indent) else line)
                 j += 1
             if j == len(lines):
-                raise ValueError(f"unclosed ```python block at line {i + 1}")
-            yield i + 1, "\n".join(body) + "\n"
+                raise ValueError(f"unclosed ```{language} block at line {i + 1}")
+            yield i + 1, language, "\n".join(body) + "\n"
             i = j
         i += 1
+
+
+def _python_blocks(text: str) -> Iterator[tuple[int, str]]:
+    """(line number of the opening fence, code) for each ```python block."""
+    for line, _, code in fenced_blocks(text, ("python",)):
+        yield line, code
 
 
 def _collect_blocks() -> list[pytest.param]:
@@ -125,6 +148,8 @@ def _shell_commands(text: str) -> Iterator[tuple[int, list[str]]]:
             pending += code[:-1] + " "
             continue
         code, pending = pending + code, ""
+        if code.endswith(" &"):  # started in the background
+            code = code[:-2].rstrip()
         if code.startswith("distsgd "):
             yield start, shlex.split(code)[1:]
 
@@ -137,7 +162,7 @@ def test_shell_commands_in_docs_parse(path: Path) -> None:
     scheme options belong to its scheme, and its scheme lists name real schemes."""
     from distsgd.cli.flags import scheme_options
     from distsgd.cli.main import build_parser, parse_argv
-    from distsgd.launcher.compare import parse_entry, split_schemes
+    from distsgd.compare.entries import parse_entry, split_schemes
 
     parser = build_parser()
     for line, argv in _shell_commands(path.read_text(encoding="utf-8")):
@@ -399,3 +424,26 @@ def test_relative_links_in_docs_resolve() -> None:
             ):
                 broken.append(f"{path.relative_to(ROOT)}: {target}{anchor}")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_the_site_builds(tmp_path: Path) -> None:
+    """``mkdocs build --strict``: every page in the nav, no broken link or anchor, the README as
+    the home page with its links into docs/ made relative."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    site = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(site)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    home = (site / "index.html").read_text(encoding="utf-8")
+    assert 'href="architecture/"' in home and 'href="docs/' not in home
+    for path in (ROOT / "docs").rglob("*.md"):
+        page = path.relative_to(ROOT / "docs").with_suffix("")
+        page = page.parent if page.name in ("README", "index") else page
+        assert (site / page / "index.html").is_file(), f"{path} is not on the site"

@@ -57,7 +57,7 @@ def test_the_launcher_imports_no_torch() -> None:
         "import json, sys\n"
         "from distsgd.util.lazy import defer_import, is_loaded\n"
         "defer_import('torch')\n"
-        "import distsgd.cli.main, distsgd.launcher.run, distsgd.launcher.compare\n"
+        "import distsgd.cli.main, distsgd.launcher.run, distsgd.compare.run\n"
         "import distsgd.cli.inspect\n"
         "print(json.dumps(is_loaded('torch')))\n"
     )

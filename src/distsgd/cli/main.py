@@ -415,7 +415,8 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
 
 
 def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from distsgd.launcher.compare import CompareConfig, compare, split_schemes
+    from distsgd.compare.entries import split_schemes
+    from distsgd.compare.run import CompareConfig, compare
 
     steps, seconds = _checkpoint_every(args.checkpoint_every)
     script = args.script or str(DEMO_SCRIPT)

@@ -1,17 +1,13 @@
 """``distsgd compare``: several schemes, one after the other, on the same script, data and seed.
 
-Each scheme runs through :func:`distsgd.launcher.run.launch` (the launcher of ``distsgd run``)
-into ``OUT/runs/<folder>/``, with its launcher output in ``OUT/runs/<folder>/launcher.log``.
-
-An entry of ``--schemes`` is a scheme's name, or a *variant*: the name with its own settings in
-parentheses, ``downpour(server_lr=1)`` or ``hogwild(lr=0.15)`` (see :func:`parse_entry`). Its
-label is the entry as written (legend, table rows, compare.json); its folder is the name of a
-plain entry (``hogwild``), and for a variant the name and its settings joined by ``_``
-(``downpour_server_lr=1``, characters other than letters, digits and ``. _ = + -`` turned into
-``-``), with ``-2``, ``-3`` ... appended should two folders still coincide.
-Then :mod:`distsgd.launcher.report` writes ``compare.png``, ``compare.md`` and
-``compare.json`` into ``OUT``. A scheme whose run fails is reported as failed and the others
-still run; Ctrl-C stops the current run (the launcher stops its tasks) and the rest are skipped.
+Each entry of ``--schemes`` (:mod:`distsgd.compare.entries`) runs through
+:func:`distsgd.launcher.run.launch` (the launcher of ``distsgd run``) into
+``OUT/runs/<folder>/``, with its launcher output in ``OUT/runs/<folder>/launcher.log``.
+Then :mod:`distsgd.compare.report` writes ``compare.md`` and ``compare.json`` into ``OUT``, and
+:mod:`distsgd.compare.figure` ``compare.png`` where matplotlib is installed (the ``compare``
+extra; without it compare says so in one line on standard error before the first run, and
+writes the other two). A scheme whose run fails is reported as failed and the others still
+run; Ctrl-C stops the current run (the launcher stops its tasks) and the rest are skipped.
 
 Curves need evaluations during the run, every ``eval_every`` local steps of the chief. Unless
 ``--eval-every`` is given, compare picks it so that each curve has about ``points`` (20)
@@ -28,7 +24,6 @@ import dataclasses
 import logging
 import os
 import platform
-import re
 import shutil
 import time
 from collections import deque
@@ -38,18 +33,12 @@ from pathlib import Path
 from typing import Any, TextIO, cast
 
 from distsgd import schemes
+from distsgd.compare.entries import SchemeEntry, check_duplicates, parse_entry, with_folders
+from distsgd.compare.figure import missing_figure_reason, write_figure
+from distsgd.compare.report import Context, write_json, write_markdown
+from distsgd.compare.summary import SchemeRun, default_target, summarize, with_target
 from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, DEFAULT_MAX_RESTARTS, LaunchConfig
 from distsgd.launcher.progress import Console
-from distsgd.launcher.report import (
-    Context,
-    SchemeRun,
-    default_target,
-    summarize,
-    with_target,
-    write_figure,
-    write_json,
-    write_markdown,
-)
 from distsgd.launcher.run import (
     DIVERGED_PREFIX,
     EXIT_DIVERGED,
@@ -58,7 +47,6 @@ from distsgd.launcher.run import (
     EXIT_OK,
     launch,
 )
-from distsgd.runtime.config import TrainConfig
 from distsgd.transport.security import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -67,232 +55,6 @@ PROVISIONAL_EVAL_EVERY = 16
 """Evaluation interval of the first run when the step count is not known in advance."""
 
 FIGURE, TABLE, DATA = "compare.png", "compare.md", "compare.json"
-
-
-FORM = "NAME or NAME(KEY=VALUE,...), e.g. downpour(server_lr=1)"
-"""How an entry of ``--schemes`` is written (for error messages)."""
-
-PER_COMPARISON = {"eval_every": "--eval-every N"}
-"""TrainConfig fields a variant may not set: every run of a comparison shares them."""
-
-_KINDS: dict[str, type] = {"int": int, "float": float, "str": str}
-_BARE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]+")
-FOLDER_LIMIT = 100
-"""Longest run folder name made from a variant (a longer one is cut, then made unique)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchemeEntry:
-    """One entry of ``--schemes``: a scheme, with the settings of a variant if it has some."""
-
-    label: str
-    """The entry as written (legend, table row, compare.json)."""
-    scheme: str
-    options: dict[str, Any] = field(default_factory=dict)
-    """The variant's scheme options (over the global scheme flags)."""
-    overrides: dict[str, Any] = field(default_factory=dict)
-    """The variant's TrainConfig fields (over the global training flags)."""
-    settings: tuple[tuple[str, str], ...] = ()
-    """(field name, value as written) of each setting, in order; names the run folder."""
-    folder: str = ""
-    """Its run folder under ``OUT/runs`` (unique within the comparison)."""
-
-    @property
-    def is_variant(self) -> bool:
-        return bool(self.settings)
-
-
-def split_schemes(text: str) -> tuple[str, ...]:
-    """``--schemes`` cut at the commas outside parentheses, each entry stripped ('' -> ())."""
-    if not text.strip():
-        return ()
-    entries: list[str] = []
-    depth, start = 0, 0
-    for i, char in enumerate(text):
-        if char == "(":
-            depth += 1
-        elif char == ")":
-            depth -= 1
-            if depth < 0:
-                raise _malformed(text[start:].split(",")[0].strip(), "a ')' without its '('")
-        elif char == "," and depth == 0:
-            entries.append(text[start:i].strip())
-            start = i + 1
-    entries.append(text[start:].strip())
-    if depth > 0:
-        raise _malformed(entries[-1], "a '(' without its ')'")
-    return tuple(entries)
-
-
-def _malformed(text: str, cause: str, fix: str = f"write {FORM}") -> ValueError:
-    return ValueError(f"--schemes entry '{text}': {cause}; {fix}")
-
-
-def _field(scheme: str, key: str) -> tuple[dataclasses.Field[Any], bool] | None:
-    """The options field (True) or TrainConfig field (False) that ``key`` names."""
-    name = key.replace("-", "_")
-    for f in dataclasses.fields(schemes.get(scheme).options):
-        if f.name == name:
-            return f, True
-    for f in dataclasses.fields(TrainConfig):
-        if f.name == name:
-            return f, False
-    return None
-
-
-def _kind(f: dataclasses.Field[Any]) -> type:
-    return _KINDS.get(str(f.type), str)
-
-
-def _example(f: dataclasses.Field[Any]) -> str:
-    default = f.default if f.default is not dataclasses.MISSING else "..."
-    return f"{f.name}={default if default != '' else '...'}"
-
-
-def parse_entry(text: str) -> SchemeEntry:
-    """One entry of ``--schemes``: ``NAME`` or ``NAME(KEY=VALUE,...)``.
-
-    Keys are the scheme's options or TrainConfig fields (``-`` for ``_`` allowed), values are
-    converted by the field's type; a ``str`` value may hold commas (``sync(worker_lrs=0.1,0.2)``:
-    a piece without ``=`` that is not a bare name continues it). Malformed text, an unknown
-    scheme or key, or a value of the wrong type -> ValueError (one line: cause and fix). The
-    values themselves are checked later, with the global flags, by the run's LaunchConfig.
-    """
-    label = text.strip()
-    if not label:
-        raise ValueError("an empty name in --schemes; give names separated by commas")
-    if "(" not in label and ")" not in label:
-        schemes.get(label)  # unknown -> ValueError listing the catalogue
-        return SchemeEntry(label=label, scheme=label)
-    if label.count("(") != label.count(")"):
-        raise _malformed(label, "unbalanced parentheses")
-    match = re.fullmatch(r"([^()]*)\(([^()]*)\)", label, re.DOTALL)
-    if match is None:
-        raise _malformed(label, "one pair of parentheses, at the end, is allowed")
-    name, inner = match.group(1).strip(), match.group(2).strip()
-    if not name:
-        raise _malformed(label, "no scheme name before '('")
-    try:
-        schemes.get(name)
-    except ValueError as exc:
-        raise ValueError(f"--schemes entry '{label}': {exc}") from None
-    if not inner:
-        raise _malformed(
-            label, "nothing inside the parentheses", f"give KEY=VALUE pairs or write just {name}"
-        )
-    found: list[tuple[dataclasses.Field[Any], bool, str]] = []
-    for piece in (p.strip() for p in inner.split(",")):
-        if "=" not in piece:
-            if found and piece and _kind(found[-1][0]) is str and not _BARE_NAME.fullmatch(piece):
-                f, is_option, value = found[-1]
-                found[-1] = (f, is_option, f"{value},{piece}")
-                continue
-            if not piece:
-                raise _malformed(
-                    label,
-                    "an empty setting (two commas in a row, or one before ')')",
-                    "separate KEY=VALUE pairs with single commas",
-                )
-            named = _field(name, piece)
-            example = _example(named[0]) if named else f"{piece}=VALUE"
-            raise _malformed(label, f"'{piece}' has no '='", f"write KEY=VALUE, e.g. {example}")
-        key, _, value = (part.strip() for part in piece.partition("="))
-        if not key:
-            raise _malformed(label, f"'{piece}' has no key", "write KEY=VALUE pairs")
-        known = _field(name, key)
-        if known is None:
-            own = ", ".join(f.name for f in dataclasses.fields(schemes.get(name).options))
-            train = ", ".join(
-                f.name for f in dataclasses.fields(TrainConfig) if f.name not in PER_COMPARISON
-            )
-            if own:
-                cause = f"{name} has no option '{key}'"
-                fix = f"use one of its options ({own}) or a TrainConfig field ({train})"
-            else:
-                cause = f"'{key}' is no TrainConfig field, and {name} has no options of its own"
-                fix = f"use a TrainConfig field ({train})"
-            raise _malformed(label, cause, fix)
-        f, is_option = known
-        if f.name in PER_COMPARISON:
-            raise _malformed(
-                label,
-                f"{f.name} is one setting for the whole comparison (all runs evaluate "
-                "equally often)",
-                f"drop it from the entry and give {PER_COMPARISON[f.name]}",
-            )
-        if any(g.name == f.name for g, _, _ in found):
-            raise _malformed(label, f"{f.name} is given twice", "give it once")
-        if not value:
-            raise _malformed(label, f"{f.name} has an empty value", f"give one, e.g. {_example(f)}")
-        found.append((f, is_option, value))
-    options: dict[str, Any] = {}
-    overrides: dict[str, Any] = {}
-    for f, is_option, value in found:
-        kind = _kind(f)
-        try:
-            converted = kind(value)
-        except ValueError:
-            what = "an integer" if kind is int else "a number"
-            raise _malformed(
-                label, f"{f.name}={value} is not {what}", f"give {what}, e.g. {_example(f)}"
-            ) from None
-        (options if is_option else overrides)[f.name] = converted
-    return SchemeEntry(
-        label=label,
-        scheme=name,
-        options=options,
-        overrides=overrides,
-        settings=tuple((f.name, value) for f, _, value in found),
-    )
-
-
-def _folder(entry: SchemeEntry) -> str:
-    if not entry.is_variant:
-        return entry.scheme
-    text = "_".join([entry.scheme, *(f"{key}={value}" for key, value in entry.settings)])
-    return _UNSAFE.sub("-", text)[:FOLDER_LIMIT]
-
-
-def _with_folders(entries: list[SchemeEntry]) -> tuple[SchemeEntry, ...]:
-    """Each entry with a run folder of its own (compared case-insensitively: some file
-    systems are)."""
-    taken: set[str] = set()
-    out = []
-    for entry in entries:
-        base = _folder(entry)
-        folder, n = base, 1
-        while folder.casefold() in taken:
-            n += 1
-            folder = f"{base}-{n}"
-        taken.add(folder.casefold())
-        out.append(dataclasses.replace(entry, folder=folder))
-    return tuple(out)
-
-
-def _check_duplicates(entries: list[SchemeEntry]) -> None:
-    seen: dict[str, SchemeEntry] = {}
-    for entry in entries:
-        if entry.label in seen:
-            raise ValueError(
-                f"--schemes lists {entry.label} twice; give each entry once "
-                "(runs with the same settings differ only by noise)"
-            )
-        seen[entry.label] = entry
-    same: dict[tuple[str, str, str], SchemeEntry] = {}
-    for entry in entries:
-        key = (
-            entry.scheme,
-            repr(sorted(entry.options.items())),
-            repr(sorted(entry.overrides.items())),
-        )
-        if key in same:
-            raise ValueError(
-                f"--schemes lists {same[key].label} and {entry.label}, the same settings; give "
-                f"them once (to see the noise between runs, vary the seed: "
-                f"{entry.scheme}(seed=1))"
-            )
-        same[key] = entry
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -350,8 +112,8 @@ class CompareConfig:
         if not self.schemes:
             raise ValueError("no schemes to compare; give --schemes A,B (see distsgd schemes)")
         entries = [parse_entry(text) for text in self.schemes]
-        _check_duplicates(entries)
-        object.__setattr__(self, "entries", _with_folders(entries))
+        check_duplicates(entries)
+        object.__setattr__(self, "entries", with_folders(entries))
         self._check_scheme_options()
         if self.ps and not any(_uses_ps(e.scheme) for e in self.entries):
             raise ValueError(
@@ -527,6 +289,8 @@ class Comparison:
         self.calibrated = planned is not None
         self.eval_every = PROVISIONAL_EVAL_EVERY if planned is None else planned
         self.runs: list[SchemeRun] = []
+        self.no_figure: str | None = None
+        """Why ``compare.png`` cannot be drawn (matplotlib missing); None when it can."""
 
     def _say(self, text: str) -> None:
         self.console.note(f"[compare] {text}")
@@ -534,6 +298,9 @@ class Comparison:
     def run(self) -> int:
         c = self.config
         (self.out / "runs").mkdir(parents=True, exist_ok=True)
+        self.no_figure = missing_figure_reason()
+        if self.no_figure is not None:  # said before the runs: install now or go without
+            self.console.error(f"distsgd compare: {self.no_figure}")
         how = (
             f"every {self.eval_every} local steps"
             if self.calibrated
@@ -648,9 +415,10 @@ class Comparison:
             eval_every=self.eval_every,
             threads_per_worker=first.threads_per_worker,
             machine=_machine(),
+            figure=self.no_figure is None,
         )
         paths = (
-            (self.out / FIGURE, write_figure),
+            *([(self.out / FIGURE, write_figure)] if context.figure else []),
             (self.out / TABLE, write_markdown),
             (self.out / DATA, write_json),
         )

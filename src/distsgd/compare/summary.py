@@ -1,4 +1,4 @@
-"""What ``distsgd compare`` reads from each run folder and writes for the whole comparison.
+"""What ``distsgd compare`` reads from each run folder: a :class:`SchemeRun` per entry.
 
 Everything here is a pure function of a run folder's ``metrics.jsonl`` and ``result.json``:
 
@@ -14,8 +14,8 @@ Everything here is a pure function of a run folder's ``metrics.jsonl`` and ``res
 * **Training loss** at each worker metrics line is the mean over workers of each worker's
   latest mini-batch loss, then a trailing moving average over a few lines.
 
-:func:`write_figure`, :func:`write_markdown` and :func:`write_json` turn the summaries into
-``compare.png``, ``compare.md`` and ``compare.json``.
+:mod:`distsgd.compare.report` and :mod:`distsgd.compare.figure` turn the summaries into
+``compare.md``, ``compare.json`` and ``compare.png``.
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ import json
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
-from distsgd.util import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -91,26 +90,6 @@ class SchemeRun:
     def __post_init__(self) -> None:
         if not self.label:
             object.__setattr__(self, "label", self.scheme)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Context:
-    """What the whole comparison was: shown above the table and in the figure's title."""
-
-    command: str
-    label: str
-    workers: int
-    ps: int | None
-    seed: int | None
-    """The seed of every run (None: unknown, or entries set their own)."""
-    target: float | None
-    target_source: str
-    eval_every: int
-    threads_per_worker: int
-    machine: dict[str, Any]
-
-
-# ------------------------------------------------------------------------------- reading
 
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -360,188 +339,3 @@ def default_target(runs: Sequence[SchemeRun]) -> float | None:
     if not finals:
         return None
     return math.floor(0.95 * max(finals) * 100) / 100
-
-
-# ------------------------------------------------------------------------------- writing
-
-
-def _megabytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    mb = n / 1e6
-    return f"{mb:.2f} MB" if mb < 10 else f"{mb:.1f} MB"
-
-
-def _number(value: float | None, digits: int = 4) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
-def _staleness(run: SchemeRun) -> str:
-    if run.mean_staleness is not None:
-        return f"{run.mean_staleness:.2f}"
-    if run.parameter_servers == 0 and run.status == "ok":
-        return "n/a (no parameter servers)"
-    return "n/a"
-
-
-def _steps(run: SchemeRun) -> str:
-    if run.global_step is None or run.local_steps is None:
-        return "n/a"
-    return f"{run.global_step} / {run.local_steps}"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _row(run: SchemeRun, target: float | None) -> str:
-    if run.status not in ("ok", "diverged"):
-        why = f"{run.status}: {run.reason}" if run.reason else run.status
-        cells = [f"`{run.label}`", f"**{why}**", *["" for _ in range(7)]]
-        return "| " + " | ".join(_cell(c) for c in cells) + " |"
-    if target is None:
-        reach = "n/a (no accuracy)"
-    elif run.seconds_to_target is None:
-        reach = "not reached"
-    else:
-        reach = f"{run.seconds_to_target:.1f}"
-    cells = [
-        f"`{run.label}`",
-        "ok" if run.status == "ok" else f"**diverged**: {run.reason}",
-        _number(run.final_accuracy),
-        _number(run.final_test_loss),
-        reach,
-        _number(run.train_seconds, 1),
-        _megabytes(run.bytes_sent),
-        _staleness(run),
-        _steps(run),
-    ]
-    return "| " + " | ".join(_cell(c) for c in cells) + " |"
-
-
-def _ps_text(context: Context, runs: Sequence[SchemeRun]) -> str:
-    counts = sorted({r.parameter_servers for r in runs if r.parameter_servers})
-    if not counts:
-        return "no parameter servers"
-    return f"{', '.join(map(str, counts))} ps (parameter-server schemes only)"
-
-
-def _seed_text(context: Context, runs: Sequence[SchemeRun]) -> str:
-    if context.seed is not None:
-        return f"seed {context.seed}"
-    seeds = sorted({r.seed for r in runs if r.seed is not None})
-    if len(seeds) > 1:
-        return f"seeds {', '.join(map(str, seeds))} (entries set their own)"
-    return f"seed {seeds[0]}" if seeds else "seed n/a"
-
-
-def markdown(context: Context, runs: Sequence[SchemeRun]) -> str:
-    """``compare.md``: one row per entry of ``--schemes``, then how the numbers were made."""
-    target = context.target
-    target_head = "s to target" if target is None else f"s to {target:.2f}"
-    head = [
-        "scheme",
-        "status",
-        "final accuracy",
-        "final test loss",
-        target_head,
-        "training s",
-        "sent (all workers)",
-        "mean staleness",
-        "steps (global / per worker)",
-    ]
-    machine = context.machine
-    lines = [
-        f"# distsgd compare: {', '.join(r.label for r in runs)}",
-        "",
-        f"{context.label}; {context.workers} workers, {_ps_text(context, runs)}; "
-        f"{_seed_text(context, runs)}.",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + " --- |" * len(head),
-        *[_row(r, target) for r in runs],
-        "",
-        f"- command: `{context.command}`",
-        f"- machine: {machine.get('cores')} cores ({machine.get('platform')}), "
-        f"{context.threads_per_worker} torch threads per worker, Python "
-        f"{machine.get('python')}, torch {machine.get('torch')}",
-        "- target accuracy: "
-        + ("n/a (the script reports no accuracy)" if target is None else f"{target:.2f} ")
-        + (f"({context.target_source})" if target is not None else ""),
-        f"- the chief evaluated every {context.eval_every} local steps"
-        if context.eval_every
-        else "- the chief evaluated only at the end",
-        "- seconds count from the start of training (start-up excluded); "
-        "training s ends at the final evaluation; sent = bytes all workers sent; "
-        "mean staleness = updates applied between a worker's pull and its push, "
-        "averaged over pushes (parameter-server schemes only); steps = global updates / "
-        "local steps of worker0",
-        "",
-        "![curves](compare.png)",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def write_markdown(path: Path, context: Context, runs: Sequence[SchemeRun]) -> None:
-    write_atomic(path, markdown(context, runs))
-
-
-def write_json(path: Path, context: Context, runs: Sequence[SchemeRun]) -> None:
-    """``compare.json``: the context and, per entry, its label, scheme, scheme options and
-    training overrides, the table's numbers and its curves."""
-    data = {"version": 1, **asdict(context), "schemes": [asdict(r) for r in runs]}
-    write_atomic(path, json.dumps(data, indent=1) + "\n")
-
-
-def write_figure(path: Path, context: Context, runs: Sequence[SchemeRun]) -> None:
-    """``compare.png``: accuracy (or test loss) and training loss, against seconds and samples."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    with_accuracy = any(r.curves.has_accuracy for r in runs)
-    fig = Figure(figsize=(13, 9), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2)
-    top = "test accuracy" if with_accuracy else "test loss (the script reports no accuracy)"
-    for run in runs:
-        c = run.curves
-        label = run.label if run.status == "ok" else f"{run.label} ({run.status})"
-        if with_accuracy:
-            pairs = [
-                (x, a) for x, a in zip(c.eval_seconds, c.accuracy, strict=True) if a is not None
-            ]
-            samples = [
-                (x, a) for x, a in zip(c.eval_samples, c.accuracy, strict=True) if a is not None
-            ]
-        else:
-            pairs = list(zip(c.eval_seconds, c.test_loss, strict=True))
-            samples = list(zip(c.eval_samples, c.test_loss, strict=True))
-        for ax, points in ((axes[0][0], pairs), (axes[0][1], samples)):
-            if points:
-                xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, marker="o", markersize=3, label=label)
-        axes[1][0].plot(c.loss_seconds, c.train_loss, label=label)
-        axes[1][1].plot(c.loss_samples, c.train_loss, label=label)
-    if with_accuracy and context.target is not None:
-        for ax in axes[0]:
-            ax.axhline(context.target, color="grey", linestyle="--", linewidth=0.8)
-    titles = (
-        (axes[0][0], f"{top} vs time", "seconds of training", top),
-        (axes[0][1], f"{top} vs samples", "samples seen (all workers)", top),
-        (axes[1][0], "training loss vs time", "seconds of training", "training loss"),
-        (axes[1][1], "training loss vs samples", "samples seen (all workers)", "training loss"),
-    )
-    for ax, title, xlabel, ylabel in titles:
-        ax.set_title(title)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        if ax.get_lines():
-            ax.legend()
-    fig.suptitle(
-        f"{context.label}: {context.workers} workers, {_ps_text(context, runs)} "
-        f"({context.machine.get('cores')} cores)"
-    )
-    fig.savefig(path, dpi=100)
-    log.debug("wrote %s", path)
