@@ -5,7 +5,8 @@ Layers, lowest first (a package imports only from those before it)::
     util -> cluster -> transport -> ps -> runtime -> schemes -> api -> launcher -> cli
 
 The user-facing API is :func:`train` (or :class:`Worker` for a loop of one's own),
-:class:`TrainConfig` and :func:`task`. They are imported
+:class:`TrainConfig` and :func:`task`; for data larger than memory :class:`ShardFolder`,
+:func:`write_shards` and :func:`data_part`. They are imported
 on first use: ``import distsgd.ps`` (a parameter-server process) must not pay for PyTorch.
 """
 
@@ -20,15 +21,18 @@ __all__ = [
     "Callback",
     "Every",
     "SetupError",
+    "ShardFolder",
     "StepInfo",
     "TaskInfo",
     "TrainConfig",
     "TrainResult",
     "Worker",
     "__version__",
+    "data_part",
     "seed_everything",
     "task",
     "train",
+    "write_shards",
 ]
 
 _EXPORTS = {
@@ -43,6 +47,9 @@ _EXPORTS = {
     "TaskInfo": "distsgd.runtime.task",
     "TrainConfig": "distsgd.runtime.config",
     "TrainResult": "distsgd.runtime.session",
+    "ShardFolder": "distsgd.runtime.shards",
+    "write_shards": "distsgd.runtime.shards",
+    "data_part": "distsgd.runtime.stream",
 }
 
 if TYPE_CHECKING:
@@ -51,6 +58,8 @@ if TYPE_CHECKING:
     from distsgd.runtime.config import TrainConfig
     from distsgd.runtime.errors import SetupError
     from distsgd.runtime.session import TrainResult
+    from distsgd.runtime.shards import ShardFolder, write_shards
+    from distsgd.runtime.stream import data_part
     from distsgd.runtime.task import TaskInfo
 
 

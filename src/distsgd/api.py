@@ -90,7 +90,8 @@ def _checked(
     train_set = None if train_data is None else as_dataset(train_data, "train_data")
     test_set = None if test_data is None else as_dataset(test_data, "test_data")
     if train_set is not None:
-        check_data(train_set, "train_data", batch_fn=batch_fn, model=model)
+        # streaming: train_data may be an IterableDataset (runtime/stream.py)
+        check_data(train_set, "train_data", batch_fn=batch_fn, model=model, stream=True)
     if test_set is not None:
         check_data(test_set, "test_data", batch_fn=batch_fn, model=model)
     check_metric_names(metrics or {})

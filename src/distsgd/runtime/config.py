@@ -121,6 +121,13 @@ class TrainConfig:
             "sync's replicas to aggregate, DOWNPOUR's default server rate, EASGD's moving rate)"
         },
     )
+    loader_workers: int = field(
+        default=0,
+        metadata={
+            "help": "DataLoader worker processes that read and collate each worker's batches "
+            "ahead of training (0 = read in the worker itself); they end with the worker"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed for model init, data order and sharding"})
     eval_every: int = field(
         default=0, metadata={"help": "chief evaluates every N local steps (0 = only at the end)"}
@@ -137,7 +144,12 @@ class TrainConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
-        for name, value in {"steps": self.steps, "eval_every": self.eval_every}.items():
+        zero_or_more = {
+            "steps": self.steps,
+            "eval_every": self.eval_every,
+            "loader_workers": self.loader_workers,
+        }
+        for name, value in zero_or_more.items():
             if value < 0:
                 raise ValueError(f"{name} must be 0 or more, got {value}")
         if self.steps == 0 and not self.epochs > 0:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
 
 DataLike = Dataset[Any] | Sequence[Any] | tuple[Any, Any]
 
@@ -37,6 +37,8 @@ model, a dict of keyword arguments, or one input."""
 
 TARGET_KEYS = ("target", "targets", "label", "labels", "y")
 """The keys under which a dict item holds its target."""
+
+_EMPTY = object()
 
 READABLE = (
     "distsgd reads (inputs, target) tuples, (x1, ..., target) tuples or dicts with a 'target' "
@@ -149,6 +151,9 @@ def fetch(dataset: Dataset[Any], indices: torch.Tensor) -> Any:
     """One batch by index (fast path for tensor datasets)."""
     if isinstance(dataset, TensorDataset):
         return tuple(t[indices] for t in dataset.tensors)
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems is not None:  # torch's batched read (e.g. ShardFolder: a shard's rows at once)
+        return default_collate(getitems([int(i) for i in indices]))
     return default_collate([dataset[int(i)] for i in indices])
 
 
@@ -187,14 +192,17 @@ class ShardedBatches:
         """Continue from a saved :attr:`position` (before iterating)."""
         self.epoch, self.batch = int(position[0]), int(position[1])
 
+    def order(self, epoch: int) -> torch.Tensor:
+        """The shard's indices in ``epoch``'s order (batch b is slice b of ``batch_size``)."""
+        return self.indices[
+            torch.randperm(
+                len(self.indices), generator=torch.Generator().manual_seed(self.seed + epoch)
+            )
+        ]
+
     def __iter__(self) -> Iterator[Any]:
         while True:
-            order = self.indices[
-                torch.randperm(
-                    len(self.indices),
-                    generator=torch.Generator().manual_seed(self.seed + self.epoch),
-                )
-            ]
+            order = self.order(self.epoch)
             while self.batch < self.steps_per_epoch:
                 b = self.batch
                 self.batch += 1
@@ -209,14 +217,23 @@ def check_data(
     *,
     batch_fn: BatchFn | None = None,
     model: nn.Module | None = None,
+    stream: bool = False,
 ) -> None:
     """Refuse, with a ``ValueError`` naming what it got, a data set whose first item distsgd
     cannot read, or whose inputs ``model.forward`` cannot take: before the first step.
 
+    An ``IterableDataset`` is refused unless ``stream`` (training data may stream, see
+    :mod:`distsgd.runtime.stream`); its first item is read from a fresh iterator.
     Reading the item leaves the random generators as they were (an augmenting data set may
     draw from them), so a run is the same with the check as without it.
     """
-    if len(dataset) == 0:  # type: ignore[arg-type]
+    if isinstance(dataset, IterableDataset):
+        if not stream:
+            raise ValueError(
+                f"{name} is an IterableDataset, which distsgd cannot evaluate on (it needs a "
+                "length); give a map-style Dataset, e.g. distsgd.ShardFolder(path)"
+            )
+    elif len(dataset) == 0:  # type: ignore[arg-type]
         return
     py_state, np_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
@@ -230,10 +247,16 @@ def check_data(
 
 
 def _read_first(dataset: Dataset[Any], name: str, batch_fn: BatchFn | None) -> Batch:
+    if isinstance(dataset, IterableDataset):
+        first = next(iter(dataset), _EMPTY)
+        if first is _EMPTY:
+            raise ValueError(f"{name} yields no item; give it data")
+    else:
+        first = dataset[0]
     if batch_fn is None:
-        split_batch(dataset[0], None, f"{name} item")
+        split_batch(first, None, f"{name} item")
     try:
-        batch = fetch(dataset, torch.tensor([0]))
+        batch = default_collate([first])
     except (TypeError, RuntimeError) as exc:
         raise ValueError(
             f"{name} items cannot be batched by torch's default_collate "

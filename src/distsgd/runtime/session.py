@@ -54,7 +54,7 @@ from distsgd.runtime.checkpoint import (
 from distsgd.runtime.collective import Collective
 from distsgd.runtime.config import TrainConfig, lr_factor
 from distsgd.runtime.context import WorkerContext
-from distsgd.runtime.data import BatchFn, ShardedBatches
+from distsgd.runtime.data import BatchFn
 from distsgd.runtime.divergence import Diverged, DivergenceMonitor, accuracy_verdict
 from distsgd.runtime.errors import SetupError
 from distsgd.runtime.evaluate import LossFn, MetricFns, evaluate
@@ -63,6 +63,7 @@ from distsgd.runtime.metrics import MetricsWriter
 from distsgd.runtime.progress import AloneProgress
 from distsgd.runtime.run_folder import FINAL_PARAMS_FILE, METRICS_FILE, RESULT_FILE
 from distsgd.runtime.scheme import WorkerScheme
+from distsgd.runtime.stream import Batches, make_batches  # streaming
 from distsgd.runtime.task import TaskEnv
 from distsgd.runtime.work import LeasedBatches, wait_members_gone, work_spec
 from distsgd.transport.security import TlsConfig, load_secret
@@ -238,7 +239,7 @@ class WorkerSession:
         self._ps: ParameterClient | None = None
         self._heartbeat: Heartbeat | None = None
         self._collective: Collective | None = None
-        self._batches: ShardedBatches | LeasedBatches | None = None
+        self._batches: Batches | LeasedBatches | None = None  # streaming: Batches
         self._ckpt: Checkpointer | None = None
         self._eval_model: nn.Module | None = None
         self._prepared = False
@@ -300,13 +301,15 @@ class WorkerSession:
             and config.steps == 0
             and self.train_set is not None
         )
-        if self.train_set is not None and not leased:
-            self._batches = ShardedBatches(  # a worker joined past the registered ones: the
-                self.train_set,  # cluster's number of workers
-                rank=rank,
+        if self.train_set is not None:
+            # streaming: a stream, loader workers or a shard folder (runtime/stream.py); None
+            # when leased (built once registered)
+            self._batches = make_batches(
+                self.train_set,  # a worker joined past the registered ones: the
+                rank=rank,  # cluster's number of workers
                 world=world if rank < world else spec.num_workers,
-                batch_size=config.batch_size,
-                seed=config.seed,
+                config=config,
+                leased=leased,
             )
         scheme.check_config(config)
         if self.dynamic and not scheme.uses_parameter_servers:
@@ -405,7 +408,7 @@ class WorkerSession:
         batches = self._batches
         if config.steps:
             self.steps = config.steps
-        elif isinstance(batches, ShardedBatches):
+        elif batches is not None and not isinstance(batches, LeasedBatches):  # streaming
             self.steps = max(1, math.ceil(config.epochs * batches.steps_per_epoch))
         if ps is not None:
             self._heartbeat = _join(ps, self.metrics, ctx)

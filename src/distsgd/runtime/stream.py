@@ -1,0 +1,259 @@
+"""Training data that streams: an ``IterableDataset``, and batches read by DataLoader workers.
+
+**An IterableDataset** (``train(train_data=stream)``) is read by every distsgd worker, and
+each must train on its own part of it. Two ways, by the data set's choice:
+
+* by default distsgd splits it: every reader (a distsgd worker, or one of its DataLoader
+  worker processes) iterates the whole stream and keeps every ``parts``-th item, from item
+  ``part`` on (:func:`data_part`). Correct for any iterable, but each reader reads everything;
+* a data set that reads only its own part says so with the class attribute
+  ``reads_own_part = True``, and distsgd keeps every item it yields. It asks
+  :func:`data_part` (``distsgd.data_part()``) which part is its own, e.g. to open only the
+  files ``files[part::parts]``, as WebDataset's ``split_by_node`` and ``split_by_worker`` do.
+
+An *epoch* of a stream is one pass of this worker's part: its iterator runs out. Its length is
+not known before, so a stream needs ``--steps`` (steps per worker); a worker whose part runs
+out starts the next epoch (calling the data set's ``set_epoch(epoch)`` first, where it has one,
+so it can reshuffle). The last incomplete batch of a pass is dropped. The checkpointed
+position is (epoch, batches served of it); on resume a worker starts the pass again and skips
+that many batches, so the resumed run trains on what the uninterrupted one would have where
+the stream yields the same items for the same epoch. ``--world-size dynamic`` counted in epochs
+leases work units by index, which a stream has not: it is refused (use ``--steps``, or a
+map-style data set such as :class:`distsgd.ShardFolder`).
+
+**DataLoader workers** (``TrainConfig.loader_workers`` / ``--loader-workers K``): batches are
+read and collated by K child processes of the worker, a few batches ahead of training. For a
+map-style data set the order, epochs and positions are those of :class:`ShardedBatches`, the
+position counting the batches trained, not those read ahead. The children end with the worker
+(when its loop ends, and on Linux at once when the worker itself dies).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from distsgd.runtime.config import TrainConfig
+from distsgd.runtime.data import ShardedBatches
+
+log = logging.getLogger(__name__)
+
+UNKNOWN_LENGTH = 1 << 62
+"""``steps_per_epoch`` of a stream: its length is not known, so a step count splits into
+(epoch 0, that many batches), which :meth:`StreamBatches.seek` skips across passes."""
+
+PREFETCH = 2
+"""Batches each DataLoader worker reads ahead."""
+
+
+def data_part() -> tuple[int, int]:
+    """``(part, parts)``: which part of a stream the code calling it reads.
+
+    ``parts`` is the run's workers times each worker's DataLoader workers (1 without them);
+    ``part`` is ``rank * loader_workers + loader_worker_id``. Alone, ``(0, 1)``. A data set
+    with ``reads_own_part = True`` calls it in ``__iter__`` to pick its share, e.g.
+    ``files[part::parts]``."""
+    from distsgd.runtime.task import TaskEnv
+
+    env = TaskEnv.from_environ()
+    rank, world = (0, 1) if env is None else (env.task_index, env.num_workers)
+    info = get_worker_info()
+    if info is None:
+        return rank, world
+    return rank * info.num_workers + info.id, world * info.num_workers
+
+
+class _Part(IterableDataset[Any]):
+    """This reader's part of a stream: every item, when the data set reads only its own part,
+    else every ``parts``-th from ``part`` on."""
+
+    def __init__(self, dataset: IterableDataset[Any], rank: int, world: int) -> None:
+        self.dataset = dataset
+        self.rank, self.world = rank, world
+        self.own = bool(getattr(dataset, "reads_own_part", False))
+
+    def __iter__(self) -> Iterator[Any]:
+        items = iter(self.dataset)
+        if self.own:
+            return items
+        info = get_worker_info()
+        loaders, loader = (1, 0) if info is None else (info.num_workers, info.id)
+        part, parts = self.rank * loaders + loader, self.world * loaders
+        return itertools.islice(items, part, None, parts)
+
+
+def _die_with_parent(worker_id: int) -> None:
+    """(In each DataLoader worker) on Linux, be killed when the process that forked it dies,
+    so no reader outlives a killed worker; torch's own check notices only every few seconds."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _loader(dataset: Dataset[Any], workers: int, **kwargs: Any) -> DataLoader[Any]:
+    return DataLoader(
+        dataset,
+        num_workers=workers,
+        prefetch_factor=PREFETCH if workers else None,
+        worker_init_fn=_die_with_parent if workers else None,
+        **kwargs,
+    )
+
+
+class StreamBatches:
+    """Endless batches of worker ``rank``'s part of an ``IterableDataset`` (module docstring);
+    ``position`` is (epoch, batches served of it)."""
+
+    steps_per_epoch = UNKNOWN_LENGTH
+
+    def __init__(
+        self,
+        dataset: IterableDataset[Any],
+        *,
+        rank: int,
+        world: int,
+        batch_size: int,
+        loader_workers: int = 0,
+    ) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.loader_workers = loader_workers
+        self.part = _Part(dataset, rank, world)
+        self.epoch = 0
+        self.batch = 0
+        self.skip = 0
+        """Batches still to skip (after a :meth:`seek`), across passes if need be."""
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, batches of it already served)."""
+        return self.epoch, self.batch
+
+    def seek(self, position: tuple[int, int]) -> None:
+        """Continue from a saved :attr:`position` (before iterating): the pass of that epoch
+        starts again and its first ``position[1]`` batches are skipped (a count beyond the pass
+        goes on into the next ones)."""
+        self.epoch, self.skip = int(position[0]), int(position[1])
+        self.batch = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            set_epoch = getattr(self.dataset, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)
+            # A new loader a pass: its workers fork with the data set as set_epoch left it.
+            loader = _loader(
+                self.part, self.loader_workers, batch_size=self.batch_size, drop_last=True
+            )
+            served = False
+            for batch in loader:
+                served = True
+                if self.skip:
+                    self.skip -= 1
+                    self.batch += 1
+                    continue
+                self.batch += 1
+                yield batch
+            if not served:
+                raise ValueError(
+                    f"train_data's part for this worker yields fewer than {self.batch_size} "
+                    f"items (epoch {self.epoch}); give it more data or lower --batch-size"
+                )
+            self.epoch += 1
+            self.batch = 0
+
+
+class _Orders:
+    """The index lists of :class:`ShardedBatches`'s batches from a position on, for a
+    DataLoader's ``batch_sampler`` (the loader reads ahead of the position)."""
+
+    def __init__(self, batches: ShardedBatches) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        b = self.batches
+        epoch, start = b.epoch, b.batch
+        while True:
+            order = b.order(epoch)
+            for i in range(start, b.steps_per_epoch):
+                yield order[i * b.batch_size : (i + 1) * b.batch_size].tolist()
+            epoch, start = epoch + 1, 0
+
+
+class LoaderBatches(ShardedBatches):
+    """:class:`ShardedBatches` read by ``loader_workers`` DataLoader processes: the same
+    batches in the same order, the position counting those served."""
+
+    def __init__(self, dataset: Dataset[Any], *, loader_workers: int, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.loader_workers = loader_workers
+
+    def __iter__(self) -> Iterator[Any]:
+        loader = _loader(self.dataset, self.loader_workers, batch_sampler=_Orders(self))
+        for batch in loader:
+            yield batch
+            self.batch += 1
+            if self.batch == self.steps_per_epoch:
+                self.epoch += 1
+                self.batch = 0
+
+
+Batches = ShardedBatches | StreamBatches
+"""What :func:`make_batches` builds."""
+
+
+def make_batches(
+    dataset: Dataset[Any], *, rank: int, world: int, config: TrainConfig, leased: bool
+) -> Batches | None:
+    """This worker's batches of ``dataset``: :class:`StreamBatches` for an IterableDataset,
+    :class:`LoaderBatches` with ``config.loader_workers``, else :class:`ShardedBatches`; None
+    when the run leases work units (``leased``: the loop builds them once registered).
+
+    Raises:
+        ValueError: a stream without ``steps`` or under work units, or loader workers with
+            work units.
+    """
+    if isinstance(dataset, IterableDataset):
+        if leased:
+            raise ValueError(
+                "train_data is an IterableDataset, and --world-size dynamic counted in epochs "
+                "leases work units by index; pass --steps N, or give a map-style data set "
+                "(e.g. distsgd.ShardFolder(path))"
+            )
+        if config.steps == 0:
+            raise ValueError(
+                "train_data is an IterableDataset of unknown length, so --epochs cannot say "
+                "when to stop; pass --steps N (steps per worker; an epoch is one pass of each "
+                "worker's part)"
+            )
+        return StreamBatches(
+            dataset,
+            rank=rank,
+            world=world,
+            batch_size=config.batch_size,
+            loader_workers=config.loader_workers,
+        )
+    if leased:
+        if config.loader_workers:
+            raise ValueError(
+                "--loader-workers with --world-size dynamic counted in epochs: work units are "
+                "read in the worker itself; use --loader-workers 0, or --steps"
+            )
+        return None
+    common: dict[str, Any] = {
+        "rank": rank,
+        "world": world,
+        "batch_size": config.batch_size,
+        "seed": config.seed,
+    }
+    if config.loader_workers:
+        return LoaderBatches(dataset, loader_workers=config.loader_workers, **common)
+    return ShardedBatches(dataset, **common)
