@@ -290,6 +290,10 @@ class ShardFolder(Dataset[Any]):
             fields in name order, then the target field.
         decode: (tar shards) ``decode(sample) -> item`` for a sample's members (extension ->
             bytes), instead of the built-in decoding; ``fields`` is then unused for them.
+        window: shards a worker reads at a time: each epoch shuffles the shards and the
+            samples within each window of this many (``runtime/stream.py``,
+            ``WindowedBatches``), so the disk is read in long stretches; 0 = one global
+            shuffle, as for data in memory (fine while the folder fits the page cache).
 
     Raises:
         ValueError: a folder with no shard, shards with other fields, fields of different
@@ -302,7 +306,11 @@ class ShardFolder(Dataset[Any]):
         *,
         fields: Sequence[str] | None = None,
         decode: Decode | None = None,
+        window: int = 4,
     ) -> None:
+        if window < 0:
+            raise ValueError(f"window must be 0 (a global shuffle) or more, got {window}")
+        self.window = window
         self.path = Path(path)
         if not self.path.is_dir():
             raise ValueError(f"{self.path}: not a folder; give the folder holding the shards")

@@ -26,6 +26,13 @@ read and collated by K child processes of the worker, a few batches ahead of tra
 map-style data set the order, epochs and positions are those of :class:`ShardedBatches`, the
 position counting the batches trained, not those read ahead. The children end with the worker
 (when its loop ends, and on Linux at once when the worker itself dies).
+
+**A shard folder's order** (:class:`WindowedBatches`): a global shuffle of data larger than the
+page cache makes every sample a random read from the disk (measured: 117 samples/s against
+over 2,000 in memory, docs/large-data.md). So a :class:`ShardFolder` is shuffled by shards
+and within windows of a few shards (``ShardFolder(path, window=4)``), which reads each shard
+in one stretch; ``window=0`` shuffles it globally, as data in memory, giving the very batches
+the same data in memory gives.
 """
 
 from __future__ import annotations
@@ -38,10 +45,12 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.data import ShardedBatches
+from distsgd.runtime.shards import ShardFolder
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +180,63 @@ class StreamBatches:
             self.batch = 0
 
 
+class WindowedBatches(ShardedBatches):
+    """:class:`ShardedBatches` of a :class:`ShardFolder` in an order that reads the disk in few
+    places at a time: what data larger than the page cache needs, where a global shuffle would
+    make every sample a random read from the disk.
+
+    Each epoch the shards are put in an order seeded by (seed, epoch), the same on every
+    worker, and the samples so lined up are cut into ``world`` equal, disjoint ranges, one a
+    worker (so a worker reads other shards each epoch). A worker then takes its range in
+    windows of ``window`` consecutive shards (pieces of them), in that order, each window's
+    samples shuffled. Every sample of a worker's range is served once an epoch, every worker
+    serves the same number of batches, and (epoch, batch) is a position as exact as
+    :class:`ShardedBatches`'s."""
+
+    def __init__(
+        self, dataset: ShardFolder, *, rank: int, world: int, batch_size: int, seed: int
+    ) -> None:
+        n = len(dataset)
+        self.per = n // world
+        if self.per < batch_size:
+            raise ValueError(
+                f"batch_size {batch_size} is larger than each worker's shard of {self.per} "
+                f"samples ({n} samples / {world} workers); lower --batch-size or use fewer "
+                "workers"
+            )
+        self.dataset = self.folder = dataset
+        self.rank = rank
+        self.window = dataset.window
+        self.batch_size = batch_size
+        self.steps_per_epoch = self.per // batch_size
+        self.run_seed = seed
+        self.seed = seed * 1000 + rank
+        self.epoch = 0
+        self.batch = 0
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """This worker's indices in ``epoch``'s order (see the class docstring)."""
+        starts = self.folder.starts
+        shared = torch.Generator().manual_seed(self.run_seed * 1_000_003 + epoch)
+        lo, hi = self.rank * self.per, (self.rank + 1) * self.per
+        pieces: list[tuple[int, int]] = []
+        at = 0
+        for shard in torch.randperm(len(starts) - 1, generator=shared).tolist():
+            begin, length = starts[shard], starts[shard + 1] - starts[shard]
+            first, last = max(lo, at), min(hi, at + length)
+            if first < last:
+                pieces.append((begin + first - at, begin + last - at))
+            at += length
+        own = torch.Generator().manual_seed(self.seed + epoch)
+        out = []
+        for w in range(0, len(pieces), self.window):
+            window = torch.cat([torch.arange(a, b) for a, b in pieces[w : w + self.window]])
+            out.append(window[torch.randperm(len(window), generator=own)])
+        return torch.cat(out)
+
+
 class _Orders:
-    """The index lists of :class:`ShardedBatches`'s batches from a position on, for a
+    """The index lists of a :class:`ShardedBatches`'s batches from its position on, for a
     DataLoader's ``batch_sampler`` (the loader reads ahead of the position)."""
 
     def __init__(self, batches: ShardedBatches) -> None:
@@ -188,34 +252,52 @@ class _Orders:
             epoch, start = epoch + 1, 0
 
 
-class LoaderBatches(ShardedBatches):
-    """:class:`ShardedBatches` read by ``loader_workers`` DataLoader processes: the same
-    batches in the same order, the position counting those served."""
+class LoaderBatches:
+    """The batches of ``inner`` (a :class:`ShardedBatches` or :class:`WindowedBatches`), read
+    by ``loader_workers`` DataLoader processes: the same batches in the same order, the
+    position counting those served, not those read ahead."""
 
-    def __init__(self, dataset: Dataset[Any], *, loader_workers: int, **kwargs: Any) -> None:
-        super().__init__(dataset, **kwargs)
+    def __init__(self, inner: ShardedBatches, loader_workers: int) -> None:
+        self.inner = inner
         self.loader_workers = loader_workers
+        self.steps_per_epoch = inner.steps_per_epoch
+
+    @property
+    def epoch(self) -> int:
+        return self.inner.epoch
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, batches of it already served)."""
+        return self.inner.position
+
+    def seek(self, position: tuple[int, int]) -> None:
+        """Continue from a saved :attr:`position` (before iterating)."""
+        self.inner.seek(position)
 
     def __iter__(self) -> Iterator[Any]:
-        loader = _loader(self.dataset, self.loader_workers, batch_sampler=_Orders(self))
+        b = self.inner
+        loader = _loader(b.dataset, self.loader_workers, batch_sampler=_Orders(b))
         for batch in loader:
+            b.batch += 1  # served (as ShardedBatches counts): a checkpoint now skips it
             yield batch
-            self.batch += 1
-            if self.batch == self.steps_per_epoch:
-                self.epoch += 1
-                self.batch = 0
+            if b.batch == b.steps_per_epoch:
+                b.epoch += 1
+                b.batch = 0
 
 
-Batches = ShardedBatches | StreamBatches
+Batches = ShardedBatches | StreamBatches | LoaderBatches
 """What :func:`make_batches` builds."""
 
 
 def make_batches(
     dataset: Dataset[Any], *, rank: int, world: int, config: TrainConfig, leased: bool
 ) -> Batches | None:
-    """This worker's batches of ``dataset``: :class:`StreamBatches` for an IterableDataset,
-    :class:`LoaderBatches` with ``config.loader_workers``, else :class:`ShardedBatches`; None
-    when the run leases work units (``leased``: the loop builds them once registered).
+    """This worker's batches of ``dataset``: :class:`StreamBatches` for an IterableDataset;
+    else :class:`WindowedBatches` for a :class:`ShardFolder` with a ``window``, otherwise
+    :class:`ShardedBatches`, read through :class:`LoaderBatches` with
+    ``config.loader_workers``; None when the run leases work units (``leased``: the loop
+    builds them once registered).
 
     Raises:
         ValueError: a stream without ``steps`` or under work units, or loader workers with
@@ -254,6 +336,9 @@ def make_batches(
         "batch_size": config.batch_size,
         "seed": config.seed,
     }
-    if config.loader_workers:
-        return LoaderBatches(dataset, loader_workers=config.loader_workers, **common)
-    return ShardedBatches(dataset, **common)
+    batches = (
+        WindowedBatches(dataset, **common)
+        if isinstance(dataset, ShardFolder) and dataset.window
+        else ShardedBatches(dataset, **common)
+    )
+    return LoaderBatches(batches, config.loader_workers) if config.loader_workers else batches
