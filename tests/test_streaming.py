@@ -452,6 +452,13 @@ def _limited(command: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_data_twice_the_memory_limit_trains_to_the_in_memory_accuracy(tmp_path: Path) -> None:
+    """The guide's script: 768 MiB of shards, generated and trained under a RLIMIT_DATA of
+    384 MiB on every process (launcher, server, workers, their loader processes), reaches the
+    accuracy of the same data loaded into memory (which the limit refuses).
+
+    RLIMIT_DATA counts what a process allocates, not read-only file maps or the page cache:
+    the data is not in the run's memory, but the kernel may cache its pages. The guide's
+    cgroup run (docs/large-data.md) limits that too, at a scale too slow for CI."""
     script, data = _guide_script(tmp_path), tmp_path / "data"
     made = _limited([sys.executable, str(script), "generate", str(data), str(SAMPLES)])
     assert made.returncode == 0, made.stderr[-2000:]
@@ -463,29 +470,20 @@ def test_data_twice_the_memory_limit_trains_to_the_in_memory_accuracy(tmp_path: 
     load += f"(pathlib.Path({str(train)!r}))"
     loaded = _limited([sys.executable, "-c", load])
     assert loaded.returncode != 0 and "MemoryError" in loaded.stderr, loaded.stderr[-2000:]
-    args = ["run", "--workers", "2", "--scheme", "sync", "--quiet"]
+    # batches of 512 (the guide's 128 x 4, lr x 4): 48 steps a worker, to keep CI short
+    args = ["run", "--workers", "2", "--quiet", "--batch-size", "512", "--lr", "0.08"]
+
+    def run(name: str, *flags: str) -> list[str]:
+        return distsgd_cmd(*args, *flags, "--run-dir", str(tmp_path / name), str(script), "train")
+
     memory = subprocess.run(
-        distsgd_cmd(
-            *args, "--run-dir", str(tmp_path / "memory"), str(script), "train", str(data), "memory"
-        ),
+        [*run("memory"), str(data), "memory"],
         capture_output=True,
         text=True,
         timeout=240,
         stdin=subprocess.DEVNULL,
     )
-    streamed = _limited(
-        distsgd_cmd(
-            *args,
-            "--loader-workers",
-            "1",
-            "--run-dir",
-            str(tmp_path / "shards"),
-            str(script),
-            "train",
-            str(data),
-            "shards",
-        )
-    )
+    streamed = _limited([*run("shards", "--loader-workers", "1"), str(data), "shards"])
     in_memory, from_shards = final_accuracy(memory), final_accuracy(streamed)
     assert in_memory > 0.5  # well above chance (0.1): the rule was learnt
     assert abs(from_shards - in_memory) <= 0.02, (in_memory, from_shards)

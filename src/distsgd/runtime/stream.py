@@ -27,12 +27,12 @@ map-style data set the order, epochs and positions are those of :class:`ShardedB
 position counting the batches trained, not those read ahead. The children end with the worker
 (when its loop ends, and on Linux at once when the worker itself dies).
 
-**A shard folder's order** (:class:`WindowedBatches`): a global shuffle of data larger than the
-page cache makes every sample a random read from the disk (measured: 117 samples/s against
-over 2,000 in memory, docs/large-data.md). So a :class:`ShardFolder` is shuffled by shards
-and within windows of a few shards (``ShardFolder(path, window=4)``), which reads each shard
-in one stretch; ``window=0`` shuffles it globally, as data in memory, giving the very batches
-the same data in memory gives.
+**A shard folder's order** (:class:`WindowedBatches`): a global shuffle of data larger than
+the page cache makes every sample a random read from the disk (measured: 117 samples/s
+against about 5,500 in windows of 4 shards, docs/large-data.md). So a :class:`ShardFolder` is
+shuffled by shards and within windows of a few shards (``ShardFolder(path, window=4)``), which
+reads each shard in one stretch; ``window=0`` shuffles it globally, as data in memory, giving
+the very batches the same data in memory gives.
 """
 
 from __future__ import annotations
