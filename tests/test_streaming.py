@@ -272,6 +272,44 @@ def test_train_with_loader_workers_leaves_no_process(tmp_path: Path) -> None:
     assert psutil.wait_procs([p for p in _children() if p.pid not in before], timeout=10)[1] == []
 
 
+_HOLDS_A_LOADER = """
+import sys, time
+from distsgd.runtime.data import ShardedBatches
+from distsgd.runtime.shards import ShardFolder
+from distsgd.runtime.stream import LoaderBatches
+inner = ShardedBatches(ShardFolder(sys.argv[1]), rank=0, world=1, batch_size=8, seed=0)
+batches = iter(LoaderBatches(inner, 2))
+next(batches)
+print("reading", flush=True)
+time.sleep(60)
+"""
+
+
+def test_loader_processes_die_at_once_with_a_killed_worker(tmp_path: Path) -> None:
+    """SIGKILL a process that reads through 2 loader processes: they go within 2 s (torch's
+    own check of the parent notices only every 5 s)."""
+    x, y = _arrays(200)
+    write_shards(tmp_path, {"x": x, "y": y}, per_shard=50)
+    holder = psutil.Popen(
+        [sys.executable, "-c", _HOLDS_A_LOADER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    loaders: list[psutil.Process] = []
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "reading"
+        loaders = holder.children()
+        assert len(loaders) >= 2
+        holder.kill()
+        holder.wait(10)
+        assert psutil.wait_procs(loaders, timeout=2)[1] == []
+    finally:
+        for process in [holder, *loaders]:
+            if process.is_running():
+                process.kill()
+
+
 # --------------------------------------------------------------------------- streams
 
 
