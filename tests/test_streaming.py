@@ -70,6 +70,12 @@ def test_folder_reads_every_kind_of_shard_like_the_arrays(kind: str, tmp_path: P
         data[300]
 
 
+def test_the_names_are_exported_lazily() -> None:
+    assert distsgd.ShardFolder is ShardFolder and distsgd.write_shards is write_shards
+    assert distsgd.data_part is data_part and data_part() == (0, 1)  # alone: all of it
+    assert {"ShardFolder", "write_shards", "data_part"} <= set(dir(distsgd))
+
+
 def test_folder_fields_order_and_extra_fields(tmp_path: Path) -> None:
     x, y = _arrays(40)
     write_shards(tmp_path, {"b": x, "a": x * 2, "label": y}, per_shard=16)

@@ -39,6 +39,7 @@ TARGET_KEYS = ("target", "targets", "label", "labels", "y")
 """The keys under which a dict item holds its target."""
 
 _EMPTY = object()
+"""What ``next`` gives for a stream with no item."""
 
 READABLE = (
     "distsgd reads (inputs, target) tuples, (x1, ..., target) tuples or dicts with a 'target' "
