@@ -131,7 +131,9 @@ def train(
             trains on its own disjoint shard of it. An item is ``(inputs, target)``,
             ``(x1, ..., target)`` (``model(x1, ...)``) or a dict with a ``"target"`` key (also
             ``"targets"``, ``"label"``, ``"labels"`` or ``"y"``) whose other keys are the
-            model's keyword arguments (:mod:`distsgd.runtime.data`).
+            model's keyword arguments (:mod:`distsgd.runtime.data`). Larger than memory: a
+            :class:`distsgd.ShardFolder`, or an ``IterableDataset`` (each worker reads its part,
+            ``--steps`` required; :mod:`distsgd.runtime.stream`, docs/large-data.md).
         test_data: held-out data the chief evaluates (loss, and accuracy for class labels).
         config: the script's defaults; flags given to ``distsgd run`` override them.
         batch_fn: reads any other batch: ``batch_fn(batch) -> (inputs, target)``, the batch

@@ -23,9 +23,11 @@ map-style data set such as :class:`distsgd.ShardFolder`).
 
 **DataLoader workers** (``TrainConfig.loader_workers`` / ``--loader-workers K``): batches are
 read and collated by K child processes of the worker, a few batches ahead of training. For a
-map-style data set the order, epochs and positions are those of :class:`ShardedBatches`, the
-position counting the batches trained, not those read ahead. The children end with the worker
-(when its loop ends, and on Linux at once when the worker itself dies).
+map-style data set (:class:`LoaderBatches`) the order, epochs and positions are those of the
+batches it wraps, the position counting the batches trained, not those read ahead; the
+children live for the whole run. A stream starts new ones for each pass, so that the data
+set's ``set_epoch`` reaches their copies of it. The children end with the worker (when its
+loop ends, and on Linux at once when the worker itself dies).
 
 **A shard folder's order** (:class:`WindowedBatches`): a global shuffle of data larger than
 the page cache makes every sample a random read from the disk (measured: 117 samples/s
@@ -340,5 +342,8 @@ def make_batches(
         WindowedBatches(dataset, **common)
         if isinstance(dataset, ShardFolder) and dataset.window
         else ShardedBatches(dataset, **common)
+    )
+    log.info(
+        "worker%d: %s, %d loader processes", rank, type(batches).__name__, config.loader_workers
     )
     return LoaderBatches(batches, config.loader_workers) if config.loader_workers else batches
