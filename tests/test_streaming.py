@@ -531,3 +531,24 @@ def test_data_twice_the_memory_limit_trains_to_the_in_memory_accuracy(tmp_path: 
     in_memory, from_shards = final_accuracy(memory), final_accuracy(streamed)
     assert in_memory > 0.5  # well above chance (0.1): the rule was learnt
     assert abs(from_shards - in_memory) <= 0.02, (in_memory, from_shards)
+
+
+def test_a_loop_of_ones_own_reads_a_stream_through_worker_batches() -> None:
+    """distsgd.Worker: batches() gives this worker's part of a stream through loader
+    processes, for --steps; a stream without --steps is a SetupError before any step."""
+    with pytest.raises(distsgd.SetupError, match="pass --steps N"):
+        distsgd.Worker(torch.nn.Linear(1, 3), train_data=Numbers(60))
+    model = torch.nn.Linear(1, 3)
+    worker = distsgd.Worker(
+        model, train_data=Numbers(60), config=TrainConfig(batch_size=6, steps=12, loader_workers=1)
+    )
+    seen = []
+    for inputs, target in worker.batches():
+        with worker.step() as step:
+            loss = torch.nn.functional.cross_entropy(worker.model(inputs / 60), target)
+            loss.backward()
+            step.loss = loss
+        seen += inputs.flatten().tolist()
+    result = worker.finish()
+    assert result.local_steps == 12 and len(seen) == 72  # 10 batches a pass: into the second
+    assert sum(v >= 1000 for v in seen) == 12  # set_epoch(1) reached the loader's copy
