@@ -52,6 +52,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.data import ShardedBatches
+from distsgd.runtime.errors import SetupError
 from distsgd.runtime.shards import ShardFolder
 
 log = logging.getLogger(__name__)
@@ -173,8 +174,8 @@ class StreamBatches:
                     continue
                 self.batch += 1
                 yield batch
-            if not served:
-                raise ValueError(
+            if not served:  # (a SetupError: the same data would fail the same way again)
+                raise SetupError(
                     f"train_data's part for this worker yields fewer than {self.batch_size} "
                     f"items (epoch {self.epoch}); give it more data or lower --batch-size"
                 )
