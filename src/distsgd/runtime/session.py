@@ -63,7 +63,7 @@ from distsgd.runtime.metrics import MetricsWriter
 from distsgd.runtime.progress import AloneProgress
 from distsgd.runtime.run_folder import FINAL_PARAMS_FILE, METRICS_FILE, RESULT_FILE
 from distsgd.runtime.scheme import WorkerScheme
-from distsgd.runtime.stream import Batches, make_batches  # streaming
+from distsgd.runtime.stream import UNKNOWN_LENGTH, Batches, make_batches  # streaming
 from distsgd.runtime.task import TaskEnv
 from distsgd.runtime.work import LeasedBatches, wait_members_gone, work_spec
 from distsgd.transport.security import TlsConfig, load_secret
@@ -420,7 +420,9 @@ class WorkerSession:
             if isinstance(batches, LeasedBatches)
             else ("the loop's" if self.steps == UNBOUNDED else self.steps),
             config.batch_size,
-            "" if batches is None else f" ({batches.steps_per_epoch} per epoch)",
+            ""
+            if batches is None or batches.steps_per_epoch == UNKNOWN_LENGTH
+            else f" ({batches.steps_per_epoch} per epoch)",
         )
         self.faults = FaultInjector(env.faults)
         ctx.faults = self.faults
