@@ -21,6 +21,7 @@ from distsgd.ps.client import ParameterClient
 from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.divergence import Diverged
 from distsgd.runtime.faults import FaultInjector
+from distsgd.runtime.modules import exchanged_parameters, is_exchanged
 from distsgd.runtime.timing import PhaseClock
 from distsgd.transport.client import PushResult
 from distsgd.transport.errors import PushReject
@@ -52,7 +53,7 @@ class WorkerContext:
         self.rank = rank
         self.num_workers = num_workers
         self.device = device
-        self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        self.params: dict[str, nn.Parameter] = exchanged_parameters(model)  # float, trainable
         self._ps = ps
         self._collective = collective
         self.faults: FaultInjector | None = None
@@ -121,8 +122,12 @@ class WorkerContext:
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """(Runtime) the user's own optimizer: the first :meth:`make_optimizer` returns it
-        instead of making one. It must hold exactly the replica's parameters."""
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        instead of making one. It must hold exactly the replica's parameters (those not
+        exchanged, such as frozen ones or Keras's BatchNorm statistics, may be there too:
+        they get no gradient)."""
+        held = {
+            id(p) for group in optimizer.param_groups for p in group["params"] if is_exchanged(p)
+        }
         if held != {id(p) for p in self.params.values()}:
             raise ValueError(
                 "optimizer= must hold exactly the model's parameters (build it with "

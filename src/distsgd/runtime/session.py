@@ -60,6 +60,7 @@ from distsgd.runtime.errors import SetupError
 from distsgd.runtime.evaluate import LossFn, MetricFns, evaluate
 from distsgd.runtime.faults import FaultInjector
 from distsgd.runtime.metrics import MetricsWriter
+from distsgd.runtime.modules import as_torch_module, exchanged_parameters, load_eval_state
 from distsgd.runtime.progress import AloneProgress
 from distsgd.runtime.run_folder import FINAL_PARAMS_FILE, METRICS_FILE, RESULT_FILE
 from distsgd.runtime.scheme import WorkerScheme
@@ -207,7 +208,8 @@ class WorkerSession:
     ) -> None:
         if test_set is not None and loss_fn is None:
             raise ValueError("test_data needs loss_fn= to evaluate with; pass both or neither")
-        self.model = model
+        # a Keras 3 model: wrapped (runtime/keras_models.py); any other as it is
+        self.model = model = as_torch_module(model)
         self.loss_fn = loss_fn
         self.train_set = train_set
         self.test_set = test_set
@@ -332,7 +334,7 @@ class WorkerSession:
                 raise ValueError(
                     f"scheme {env.scheme!r} needs parameter servers; run with --ps 1 or more"
                 )
-            arrays = {n: p.detach().cpu().numpy() for n, p in model.named_parameters()}
+            arrays = {n: p.detach().cpu().numpy() for n, p in exchanged_parameters(model).items()}
             plan = PartitionPlan.from_arrays(arrays, spec.num_ps)
             ps = self._ps = ParameterClient(
                 list(spec.ps),
@@ -968,10 +970,6 @@ def _shard_saver(ps: ParameterClient, root: Path) -> Callable[[int], None]:
 
 
 def _load_eval_params(ctx: WorkerContext, scheme: WorkerScheme, target: nn.Module) -> None:
-    if scheme.evaluate_on == "server":
-        _, arrays = ctx.ps.pull(record=False)
-        with torch.no_grad():
-            for n, p in target.named_parameters():
-                p.copy_(torch.from_numpy(arrays[n]))
-    else:
-        target.load_state_dict(ctx.model.state_dict())
+    # the replica's whole state (its BatchNorm statistics), then the servers' weights over it
+    server = ctx.ps.pull(record=False)[1] if scheme.evaluate_on == "server" else None
+    load_eval_state(target, ctx.model, server)
