@@ -28,6 +28,7 @@ from typing import Any
 from distsgd import schemes
 from distsgd.cluster import ClusterSpec, TaskId
 from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.keras_env import keras_environment
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.progress import Console, Progress
 from distsgd.launcher.scale import LAUNCHER_FILE, read_scale_request
@@ -402,6 +403,10 @@ class LocalRun:
         env = {**self.worker_env, ENV_VAR: task_env.to_json()}
         if self.gpus:  # each worker its own GPU (in turn, when there are more workers)
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[index % len(self.gpus)]
+        # Keras 3 scripts: KERAS_BACKEND=torch, KERAS_TORCH_DEVICE where it trains (unless set)
+        env.update(
+            keras_environment(c.device, gpu=bool(self.gpus) if c.ray is None else None, environ=env)
+        )
         return self._start(f"worker{index}", argv, env)
 
     def _new_rendezvous(self) -> None:
