@@ -37,6 +37,7 @@ from distsgd.ps import (
 from distsgd.ps.rules import MAX_OPTIONS_BYTES, parse_options_json
 from distsgd.runtime import TaskEnv, TrainConfig, WorkerContext, run_worker
 from distsgd.runtime.data import ShardedBatches
+from distsgd.runtime.modules import exchanged_parameters
 from distsgd.schemes import make_server_rule
 from distsgd.schemes.downpour import DownpourOptions, DownpourWorker
 from distsgd.schemes.easgd import EasgdOptions, EasgdWorker, ElasticServer
@@ -514,7 +515,8 @@ def _reference_sgd(
 ) -> dict[str, np.ndarray]:
     """Single-process SGD on the mean gradient of every worker's batch (the large batch)."""
     model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+    trained = [p for p in model.parameters() if p.requires_grad]  # a frozen one stays
+    opt = torch.optim.SGD(trained, lr=config.lr, momentum=config.momentum)
     iters = [
         iter(
             ShardedBatches(
@@ -529,8 +531,8 @@ def _reference_sgd(
             x, y = next(it)
             model.zero_grad()
             _loss(model(x), y).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for i, p in enumerate(model.parameters()):
+            grads.append([p.grad.clone() for p in trained])
+        for i, p in enumerate(trained):
             p.grad = torch.stack([g[i] for g in grads]).mean(0)
         opt.step()
     return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
@@ -584,7 +586,7 @@ def _run_workers(
 
 
 def _server_params(address: str, model: nn.Module) -> tuple[int, dict[str, np.ndarray]]:
-    arrays = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    arrays = {n: p.detach().numpy() for n, p in exchanged_parameters(model).items()}
     client = ParameterClient(
         [address], PartitionPlan.from_arrays(arrays, 1), worker=-1, retry_seconds=5.0
     )
@@ -685,6 +687,21 @@ def _in_shared_memory(tensor: torch.Tensor) -> bool:
     return False
 
 
+def _hogwild_alone(
+    address: str, model: nn.Module, data: TensorDataset, config: TrainConfig
+) -> list[nn.Module]:
+    spec = schemes.get("hogwild")
+    return _run_workers(
+        address=address,
+        scheme_name="hogwild",
+        make_scheme=lambda rank: spec.worker(spec.options(), 1),
+        model=model,
+        data=data,
+        config=config,
+        world=1,
+    )
+
+
 @pytest.mark.parametrize("shared_memory", ["auto", "off"])
 def test_hogwild_one_worker_equals_plain_sgd(ps_server, shared_memory: str) -> None:
     """Exact through the stream and through shared memory, where backward writes the
@@ -694,16 +711,7 @@ def test_hogwild_one_worker_equals_plain_sgd(ps_server, shared_memory: str) -> N
     config = TrainConfig(
         batch_size=4, steps=5, lr=0.1, momentum=0.9, log_every=1, shared_memory=shared_memory
     )
-    spec = schemes.get("hogwild")
-    models = _run_workers(
-        address=address,
-        scheme_name="hogwild",
-        make_scheme=lambda rank: spec.worker(spec.options(), 1),
-        model=model,
-        data=data,
-        config=config,
-        world=1,
-    )
+    models = _hogwild_alone(address, model, data, config)
     expected = _reference_sgd(model, data, world=1, config=config)
     version, server = _server_params(address, model)
     assert version == config.steps
@@ -711,6 +719,24 @@ def test_hogwild_one_worker_equals_plain_sgd(ps_server, shared_memory: str) -> N
     _assert_close(_params(models[0]), expected)
     grads = [p.grad for p in models[0].parameters()]
     assert all(g is not None and _in_shared_memory(g) for g in grads) is (shared_memory == "auto")
+
+
+def test_a_frozen_parameter_is_not_exchanged(ps_server) -> None:
+    """requires_grad=False: not registered on the servers, never pushed nor pulled; it keeps
+    the value the worker built, and the rest trains as torch SGD trains it."""
+    address, service = ps_server
+    model, data = _problem()
+    model.weight.requires_grad_(False)
+    built = model.weight.detach().clone()
+    config = TrainConfig(batch_size=4, steps=5, lr=0.1, momentum=0.0, log_every=1)
+    models = _hogwild_alone(address, model, data, config)
+    expected = _reference_sgd(model, data, world=1, config=config)
+    version, server = _server_params(address, model)
+    assert version == config.steps
+    assert list(service.shard.snapshot()[1]) == ["bias#0"]  # the one piece the servers hold
+    _assert_close(server, {"bias": expected["bias"]})
+    assert torch.equal(models[0].weight, built)
+    _assert_close(_params(models[0]), expected)
 
 
 @pytest.mark.parametrize("shared_memory", ["auto", "off"])
