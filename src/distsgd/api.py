@@ -126,6 +126,7 @@ def train(
 
     Args:
         model: an ordinary ``torch.nn.Module``; every worker must build the same architecture.
+            A built Keras 3 model on the PyTorch backend works too (docs/keras.md).
         loss_fn: ``loss_fn(model(inputs), targets)`` -> scalar tensor.
         train_data: a ``torch.utils.data.Dataset`` or an ``(inputs, targets)`` pair; each worker
             trains on its own disjoint shard of it. An item is ``(inputs, target)``,
