@@ -264,10 +264,23 @@ def test_torch_models_keep_their_parameters() -> None:
     assert len(exchanged_parameters(model)) == len(exchanged) - 1
 
 
-def test_unbuilt_keras_model_is_refused() -> None:
+def test_unbuilt_keras_model_is_refused_before_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    import distsgd
+
+    monkeypatch.delenv("DISTSGD_TASK", raising=False)
     model = keras.Sequential([keras.layers.Dense(2)])
     with pytest.raises(ValueError, match=r"not built.*keras\.Input"):
-        as_torch_module(model)
+        distsgd.train(
+            model=model,
+            loss_fn=nn.functional.cross_entropy,
+            train_data=(torch.randn(8, 3), torch.zeros(8, dtype=torch.long)),
+        )
+
+
+def test_keras_on_another_backend_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(ValueError, match="KERAS_BACKEND=torch"):
+        as_torch_module(build().keras_model)
 
 
 def test_a_model_on_another_device_than_keras_is_refused() -> None:

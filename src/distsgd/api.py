@@ -27,6 +27,7 @@ from distsgd.runtime.callbacks import Callback
 from distsgd.runtime.data import BatchFn, as_dataset, check_data, to_device
 from distsgd.runtime.errors import SetupError
 from distsgd.runtime.evaluate import LossFn, MetricFns, check_metric_names
+from distsgd.runtime.modules import as_torch_module
 from distsgd.runtime.run_folder import new_run_folder, runs_root
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.session import WorkerSession
@@ -87,6 +88,7 @@ def _checked(
     config = (config or TrainConfig()).replace(**env.overrides)
     spec = schemes.get(env.scheme)
     scheme = spec.worker(spec.parse_options(env.scheme_options), env.num_workers)
+    model = as_torch_module(model)  # a Keras 3 model: checked (built, torch backend), wrapped
     train_set = None if train_data is None else as_dataset(train_data, "train_data")
     test_set = None if test_data is None else as_dataset(test_data, "test_data")
     if train_set is not None:
@@ -149,7 +151,8 @@ def train(
 
     Raises:
         ValueError: before training, when the first item of ``train_data`` or ``test_data``
-            is of a shape distsgd cannot read, or its inputs do not fit ``model.forward``.
+            is of a shape distsgd cannot read, or its inputs do not fit ``model.forward``; or
+            ``model`` is a Keras model not built yet or not on the PyTorch backend.
 
     Returns:
         This worker's :class:`TrainResult`; on the chief it carries the test scores.
@@ -203,6 +206,8 @@ class Worker:
 
     Args:
         model: the ``torch.nn.Module`` to train; every worker must build the same one.
+            A built Keras 3 model (PyTorch backend) too: run forward through
+            :attr:`model`, which passes Keras's ``training`` flag (docs/keras.md).
         train_data: the training set (as for :func:`train`) for :meth:`batches` to shard;
             None when the loop reads data of its own: each worker then must read its own part
             (``distsgd.task().rank`` of ``.num_workers``) and the run lasts ``--steps`` local

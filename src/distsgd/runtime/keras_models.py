@@ -53,7 +53,7 @@ AUTO_NAME = re.compile(r"variable(_\d+)?")
 """Keras's name for a variable made without one (numbered per process)."""
 
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-RESERVED = frozenset({"layers", "training"})
+RESERVED = frozenset({"layers", "extra", "training"})
 """Names a variable cannot take in its layer's module (the sublayers' list, nn.Module's)."""
 
 
@@ -186,12 +186,11 @@ def _check_device(module: KerasModule) -> None:
     except ImportError:  # another layout of keras: nothing to compare with
         return
     wanted = torch.device(get_device())
-    for p in module.parameters():
-        if p.device.type != wanted.type:
-            raise ValueError(
-                f"the Keras model's weights are on {p.device} but Keras makes its tensors on "
-                f"{wanted} (KERAS_TORCH_DEVICE={wanted.type!r} when keras was imported); set "
-                f"KERAS_TORCH_DEVICE={p.device.type} before importing keras, or train on "
-                f"--device {wanted.type}"
-            )
-        return
+    first = next(module.parameters(), None)
+    if first is not None and first.device.type != wanted.type:
+        raise ValueError(
+            f"the Keras model's weights are on {first.device} but Keras makes its tensors on "
+            f"{wanted} (KERAS_TORCH_DEVICE when keras was imported); set "
+            f"KERAS_TORCH_DEVICE={first.device.type} before importing keras, or train on "
+            f"--device {wanted.type}"
+        )

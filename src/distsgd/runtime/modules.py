@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +31,7 @@ def is_keras_model(model: object) -> bool:
     return isinstance(layer, type) and isinstance(model, layer)
 
 
-def as_torch_module(model: Any) -> nn.Module:
+def as_torch_module(model: nn.Module) -> nn.Module:
     """The module distsgd trains for ``model``: a Keras 3 model wrapped in a
     :class:`~distsgd.runtime.keras_models.KerasModule`, an ``nn.Module`` as it is (an already
     wrapped one too).
@@ -44,7 +43,7 @@ def as_torch_module(model: Any) -> nn.Module:
         from distsgd.runtime.keras_models import KerasModule
 
         return KerasModule(model)
-    return model  # type: ignore[no-any-return]
+    return model
 
 
 def is_exchanged(param: torch.Tensor) -> bool:
