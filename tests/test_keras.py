@@ -264,6 +264,38 @@ def test_torch_models_keep_their_parameters() -> None:
     assert len(exchanged_parameters(model)) == len(exchanged) - 1
 
 
+def test_own_loop_worker_runs_keras_through_its_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """distsgd.Worker: worker.model is the wrapper (Dropout on in the loop), and an optimizer
+    over all of the Keras model's parameters (non-trainable ones too) is taken."""
+    import distsgd
+
+    monkeypatch.delenv("DISTSGD_TASK", raising=False)
+    module = build()
+    model = module.keras_model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = images(64), torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(0))
+    before = bn_stats(module)
+    worker = distsgd.Worker(
+        model,
+        train_data=(x, y),
+        test_data=(x, y),
+        loss_fn=nn.functional.cross_entropy,
+        config=distsgd.TrainConfig(batch_size=16, steps=4),
+        optimizer=optimizer,
+    )
+    assert isinstance(worker.model, KerasModule)
+    for inputs, target in worker.batches():
+        with worker.step() as step:
+            first = worker.model(inputs)
+            assert not torch.equal(first, worker.model(inputs))  # training: Dropout on
+            loss = nn.functional.cross_entropy(first, target)
+            loss.backward()
+            step.loss = loss
+    result = worker.finish()
+    assert result.local_steps == 4 and result.test_accuracy is not None
+    assert all(not torch.equal(before[n], p) for n, p in bn_stats(module).items())
+
+
 def test_unbuilt_keras_model_is_refused_before_training(monkeypatch: pytest.MonkeyPatch) -> None:
     import distsgd
 
