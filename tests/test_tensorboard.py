@@ -210,6 +210,8 @@ def test_a_restarted_worker_replaces_the_steps_it_does_again(run_dir: Path) -> N
     # SIGKILL: no close. Restarted from the checkpoint at 20, with other losses after it.
     clock.now += 5.0
     second = MetricsWriter(run_dir / METRICS_FILE, "worker1", clock=clock)
+    # As run_worker logs them: the join (before the resume: at local step 0), the resume.
+    second.log(step=40, local_step=0, event="membership", ps=0, epoch=3, members=[0, 1])
     second.log(step=40, local_step=20, event="resumed", file="ckpt-20")
     for step in (30, 40, 50):
         clock.now += 1.0
@@ -224,6 +226,8 @@ def test_a_restarted_worker_replaces_the_steps_it_does_again(run_dir: Path) -> N
     acc = accumulator(directory)
     assert series(acc, "train/loss") == sorted(last.items())
     assert series(acc, "train/loss")[-1] == (50, f32(0.55))
+    assert [s for s, _ in series(acc, "train/samples")] == [10, 20, 30, 40, 50]
+    assert series(acc, "membership/ps0/epoch") == [(0, 3.0)]  # the new process's join
 
 
 def test_a_failing_event_file_never_costs_a_metrics_line(
@@ -320,6 +324,8 @@ def test_a_demo_run_folder_reads_back_like_its_metrics(tmp_path: Path) -> None:
         acc = accumulator(root / task)
         train = [r for r in lines(run, task) if "loss" in r]
         assert series(acc, "train/loss")[-1] == (train[-1]["local_step"], f32(train[-1]["loss"]))
+        last = {r["local_step"]: f32(r["loss"]) for r in train}  # a step's newest line
+        assert series(acc, "train/loss") == sorted(last.items())  # worker1's from both files
         assert series(acc, "train/samples_per_s")[-1][1] > 0
         assert series(acc, "time/compute_s")[-1][1] > 0
         assert series(acc, "membership/ps0/workers")[0][1] >= 1

@@ -347,6 +347,7 @@ class BoardWriter:
         self._series = Series()
         self._fd: int | None = None
         self._closed = False
+        self._started = False
         self._lock = threading.Lock()
 
     def write(self, record: Mapping[str, Any], wall_time: float) -> None:
@@ -358,11 +359,12 @@ class BoardWriter:
             if not points.scalars and not points.texts:
                 return
             data = _framed(self._encode(points))
+            if not self._started and "loss" in record and "event" not in record:
+                # The first training line: this process trained the steps up to it anew.
+                self._started = True
+                data = self._session_start(points) + data
             if self._fd is None:
-                # An event says where a process stands (resumed, continued at ...): only the
-                # steps after it are done again.
-                start = points.step + (1 if "event" in record else 0)
-                data = self._open(wall_time, start) + data
+                data = self._open(wall_time) + data
             _write_all(self._fd, data)
 
     def close(self) -> None:
@@ -373,26 +375,31 @@ class BoardWriter:
                 os.close(self._fd)
                 self._fd = None
 
-    def _open(self, wall_time: float, start: int) -> bytes:
+    def _open(self, wall_time: float) -> bytes:
         """Make the file (a new one: a restarted task's goes beside its old one); returns its
-        first records: the file version, and a session start at ``start``, which tells
-        TensorBoard's Python reader to drop the points of the run at that step and after
-        (those of an earlier process of this task that this one does again; the Rust reader
-        drops them per tag as new points come)."""
+        first record, the file version."""
         self.directory.mkdir(parents=True, exist_ok=True)
         host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
         name = f"events.out.tfevents.{int(wall_time):010d}.{host}.{os.getpid()}.{next(_files)}"
         path = self.directory / name
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
         self.path = path
+        version = self._protos.event.Event(wall_time=wall_time, file_version="brain.Event:2")
+        return _framed(version.SerializeToString())
+
+    def _session_start(self, points: Points) -> bytes:
+        """A session start at the step of this process's first training line. TensorBoard's
+        Python reader then drops the run's points at that step and after: those of an earlier
+        process of this task (killed, restarted) that this one trained again. (The Rust reader
+        drops them per tag, as each new point comes.) Events before it, such as the join at
+        step 0 or ``resumed`` at the checkpoint's step, are at earlier steps and stay."""
         event = self._protos.event
-        version = event.Event(wall_time=wall_time, file_version="brain.Event:2")
-        session = event.Event(
-            wall_time=wall_time,
-            step=start,
+        start = event.Event(
+            wall_time=points.wall_time,
+            step=points.step,
             session_log=event.SessionLog(status=event.SessionLog.START),
         )
-        return _framed(version.SerializeToString()) + _framed(session.SerializeToString())
+        return _framed(start.SerializeToString())
 
     def _encode(self, points: Points) -> bytes:
         event = self._protos.event.Event(wall_time=points.wall_time, step=points.step)
