@@ -16,8 +16,9 @@ chart, and ``--logdir`` of a ``distsgd compare`` folder overlays the schemes (it
 **Steps.** A worker's series are over its own step (``local_step``: the same for every scheme,
 unlike the servers' version); the launcher's over the global step it reports. A record without
 its step (an event) takes the step of the record before. A restarted worker's new process adds
-a file to the same directory; points at steps it does again replace the old ones (TensorBoard
-drops the points of a tag at steps not before a new point's).
+a file to the same directory; points at steps it does again replace the old ones (the Rust
+reader drops a tag's points at steps not before a new point's, the Python reader those at and
+after the session start written before a process's first training line).
 
 **Tags** (docs/tensorboard.md): ``train/loss``, ``train/samples_per_s`` (from this line and
 the one before), ``train/global_step``, ``train/progress``, ``train/epoch``, ``train/samples``;
