@@ -438,4 +438,5 @@ def open_board(run_dir: Path, task: str) -> BoardWriter | None:
             _missing_noted = True
             log.info("%s: no TensorBoard events (pip install 'distsgd[tensorboard]')", protos)
         return None
+    _crc_blocks()  # now, not in the first write (which may be the launcher's, restarting a task)
     return BoardWriter(run_dir / TENSORBOARD_DIR / task, protos)
