@@ -1,31 +1,67 @@
-"""``metrics.jsonl``: one JSON object per line, appended by every task of a run."""
+"""``metrics.jsonl``: one JSON object per line, appended by every task of a run.
+
+Every record also goes to the task's TensorBoard run (:mod:`distsgd.runtime.board`) where
+tensorboard is installed: one funnel, so both always hold the same records.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from distsgd.runtime.board import BoardWriter, open_board
+
+log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
     """Appends lines with ``time`` and ``task``; each line is one ``write`` on an O_APPEND file,
-    so lines from concurrent tasks never interleave. A writer with no path drops everything."""
+    so lines from concurrent tasks never interleave. A writer with no path drops everything.
 
-    def __init__(self, path: Path | None, task: str) -> None:
+    Each line is then written to ``tensorboard/<task>/`` beside the file (see
+    :mod:`distsgd.runtime.board`); a failure there is logged once and ends the TensorBoard
+    events of this writer, never its lines. ``clock`` gives the time of a line (tests)."""
+
+    def __init__(
+        self, path: Path | None, task: str, *, clock: Callable[[], float] = time.time
+    ) -> None:
         self.task = task
+        self._clock = clock
         self._fd = (
             None if path is None else os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         )
+        self._board: BoardWriter | None = None if path is None else open_board(path.parent, task)
+
+    @property
+    def board(self) -> BoardWriter | None:
+        """The TensorBoard writer of this task (None: no events are written)."""
+        return self._board
 
     def log(self, **fields: Any) -> None:
         if self._fd is None:
             return
-        record = {"time": round(time.time(), 3), "task": self.task, **fields}
+        now = self._clock()
+        record = {"time": round(now, 3), "task": self.task, **fields}
         os.write(self._fd, (json.dumps(record) + "\n").encode())
+        board = self._board
+        if board is not None:
+            try:
+                board.write(record, now)
+            except Exception as exc:  # a view of the metrics: it never stops the run
+                log.warning(
+                    "%s: no more TensorBoard events (%s: %s)", self.task, type(exc).__name__, exc
+                )
+                self._board = None
+                board.close()
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._board is not None:
+            self._board.close()

@@ -12,6 +12,8 @@ RESULT_FILE = "result.json"
 """The chief's :class:`~distsgd.runtime.loop.TrainResult` and the training config."""
 FINAL_PARAMS_FILE = "final_model.pt"
 """The final parameters, a ``state_dict`` of tensors (``torch.load(weights_only=True)``)."""
+TENSORBOARD_DIR = "tensorboard"
+"""TensorBoard event files, a folder (one TensorBoard run) per task (``runtime.board``)."""
 
 RUNS_ENV = "DISTSGD_RUNS"
 """Environment variable: the folder new run folders go in (default ``./distsgd-runs``); ``off``
