@@ -313,8 +313,11 @@ def test_a_demo_run_folder_reads_back_like_its_metrics(tmp_path: Path) -> None:
     """A real run, a worker killed and restarted: every worker's final loss, the chief's final
     accuracy and the launcher's fault events read back as metrics.jsonl has them."""
     run = tmp_path / "run"
-    args = ["demo", "--scheme", "hogwild", "--workers", "2", "--steps", "150", "--quiet"]
-    args += ["--inject-fault", "kill:worker:1@step=30", "--run-dir", str(run)]
+    args = ["demo", "--scheme", "sync", "--workers", "2", "--steps", "200", "--quiet"]
+    # Synchronous: step 20 needs both workers' pushes, so worker1 has joined and logged by the
+    # kill (its process has an event file of its own), and 180 steps left to be killed in (the
+    # launcher sees the step within a quarter second).
+    args += ["--inject-fault", "kill:worker:1@step=20", "--run-dir", str(run)]
     done = run_distsgd(args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     root = run / TENSORBOARD_DIR
