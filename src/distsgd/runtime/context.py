@@ -21,7 +21,6 @@ from distsgd.ps.client import ParameterClient
 from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.divergence import Diverged
 from distsgd.runtime.faults import FaultInjector
-from distsgd.runtime.modules import exchanged_parameters, is_exchanged
 from distsgd.runtime.timing import PhaseClock
 from distsgd.transport.client import PushResult
 from distsgd.transport.errors import PushReject
@@ -53,6 +52,8 @@ class WorkerContext:
         self.rank = rank
         self.num_workers = num_workers
         self.device = device
+        from distsgd.runtime.modules import exchanged_parameters  # torch: not at import
+
         self.params: dict[str, nn.Parameter] = exchanged_parameters(model)  # float, trainable
         self._ps = ps
         self._collective = collective
@@ -125,6 +126,8 @@ class WorkerContext:
         instead of making one. It must hold exactly the replica's parameters (those not
         exchanged, such as frozen ones or Keras's BatchNorm statistics, may be there too:
         they get no gradient)."""
+        from distsgd.runtime.modules import is_exchanged
+
         held = {
             id(p) for group in optimizer.param_groups for p in group["params"] if is_exchanged(p)
         }
