@@ -14,27 +14,33 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, SCRIPTS, alive, metrics, run_distsgd, task_pids, wait_for
 
+from distsgd import api as api_module
 from distsgd import schemes
 from distsgd.cli import main as cli_main
 from distsgd.cli.main import main
 from distsgd.compare import run as compare_module
 from distsgd.compare.entries import FOLDER_LIMIT, parse_entry, split_schemes
-from distsgd.compare.figure import missing_figure_reason, write_figure
+from distsgd.compare.figure import band, legend_label, missing_figure_reason, write_figure
 from distsgd.compare.report import Context, markdown, write_json
 from distsgd.compare.run import CompareConfig, _calibrated, _Capture
 from distsgd.compare.summary import (
+    Curves,
     SchemeRun,
     build_curves,
     mean_staleness,
     seconds_to,
     training_origin,
+    with_target,
 )
+from distsgd.compare.tune import Trial, parse_tune, pick_best
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.progress import Console
 from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
+from distsgd.runtime.validation import split_validation, validation_indices
 
 BLOBS = str(SCRIPTS / "blobs.py")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -241,7 +247,11 @@ def test_compare_refuses_a_non_empty_out_folder(
 def test_unknown_key_of_a_variant_lists_the_schemes_options_and_allows_train_fields(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    train = ", ".join(f.name for f in dataclasses.fields(TrainConfig) if f.name != "eval_every")
+    train = ", ".join(
+        f.name
+        for f in dataclasses.fields(TrainConfig)
+        if f.name not in ("eval_every", "validation")
+    )
     for scheme in ("downpour", "hogwild"):
         assert main(["compare", "--schemes", f"{scheme}(speed=2)", BLOBS]) == 2
         err = capsys.readouterr().err.strip()
@@ -693,3 +703,313 @@ def test_only_the_figure_module_imports_matplotlib_and_only_in_a_function() -> N
                 found.setdefault(rel, []).append(id(node) in in_functions)
     assert set(found) == {"distsgd/compare/figure.py"}, found
     assert all(all(inside) for inside in found.values()), found
+
+
+# ----------------------------------------------------------------------------- fair comparisons
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--tune", "speed=1,2"], "--tune speed: 'speed' is no training field and no option of"),
+        (["--tune", "lr=0.1,fast"], "--tune lr: 'fast' is not a number; give numbers"),
+        (["--tune", "batch_size=16,2.5"], "--tune batch_size: '2.5' is not an integer"),
+        (["--tune", "lr"], "--tune 'lr': no '='; write KEY=V1,V2,..., e.g. lr=0.03,0.1,0.3"),
+        (["--tune", "lr=0.1,,0.3"], "--tune 'lr=0.1,,0.3': an empty value"),
+        (["--tune", "lr=0.1,0.1"], "a value is listed twice; give each value once"),
+        (["--tune", "lr=0.1", "--tune", "lr=0.2"], "--tune lr is given twice"),
+        (["--tune", "seed=1,2"], "--tune seed: not tunable (--repeats K runs each entry"),
+        (["--tune", "lr=0.1,-1"], "sync with --tune lr=-1.0: lr must be positive"),
+        (["--repeats", "0"], "--repeats must be at least 1, got 0; give --repeats 1"),
+        (["--validation", "0.3"], "--validation is the held-out fraction of --tune's runs"),
+        (["--baseline", "--workers", "1"], "--baseline with --workers 1: every run is one"),
+    ],
+)
+def test_bad_fair_comparison_flags_say_cause_and_fix_in_one_line(
+    flags: list[str], expected: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = ["compare", "--schemes", "sync,hogwild", "--out", str(tmp_path / "o"), *flags, BLOBS]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and expected in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_tune_keys_make_a_grid_and_apply_where_they_fit() -> None:
+    """A training field is tuned for every entry, a scheme option for the schemes that have it;
+    an entry that fixes a key keeps it; the baseline is tuned like the others."""
+    config = CompareConfig(
+        schemes=("downpour", "hogwild(lr=0.15)"),
+        script=BLOBS,
+        tune=("lr=0.05,0.3", "server_lr=1,2"),
+        baseline=True,
+    )
+    assert [k.name for k in config.tune_keys] == ["lr", "server_lr"]
+    assert config.tune_keys[1].option and config.tune_keys[1].values == (1.0, 2.0)
+    downpour, hogwild, baseline = config.entries
+    assert config.grid_for(downpour) == [
+        {"lr": 0.05, "server_lr": 1.0},
+        {"lr": 0.05, "server_lr": 2.0},
+        {"lr": 0.3, "server_lr": 1.0},
+        {"lr": 0.3, "server_lr": 2.0},
+    ]
+    assert config.grid_for(hogwild) == []  # fixes lr itself, has no server_lr
+    assert baseline.baseline and config.grid_for(baseline) == [{"lr": 0.05}, {"lr": 0.3}]
+    run = config.launch_config(downpour, Path("."), 4, setting={"lr": 0.3, "server_lr": 2.0})
+    assert run.scheme_options == {"server_lr": 2.0} and run.overrides["lr"] == 0.3
+    assert config.validation_fraction == 0.2
+    assert parse_tune(["momentum=0,0.9"], ["sync"])[0].values == (0.0, 0.9)
+
+
+def test_the_baseline_runs_one_worker_over_the_same_samples() -> None:
+    config = CompareConfig(
+        schemes=("hogwild",), script=BLOBS, workers=4, baseline=True, overrides={"steps": 30}
+    )
+    baseline = config.entries[-1]
+    assert baseline.label == compare_module.BASELINE_LABEL and baseline.scheme == "allreduce"
+    run = config.launch_config(baseline, Path("."), 5)
+    assert run.workers == 1 and run.overrides["steps"] == 120 and run.overrides["eval_every"] == 20
+    assert config.launch_config(config.entries[0], Path("."), 5).overrides["steps"] == 30
+
+
+def test_seeds_of_the_repeats() -> None:
+    entry = parse_entry("sync")
+    seeds = CompareConfig(schemes=("sync",), script=BLOBS, repeats=3).seeds
+    assert seeds(entry) == [0, 1, 2]
+    with_seed = CompareConfig(schemes=("sync",), script=BLOBS, repeats=2, overrides={"seed": 7})
+    assert with_seed.seeds(entry) == [7, 8]
+    assert CompareConfig(schemes=("sync",), script=BLOBS).seeds(entry) == [None]  # the script's
+
+
+def test_selection_picks_the_best_validation_score_of_finished_runs() -> None:
+    trials = [
+        Trial(setting={"lr": 0.05}, status="ok", accuracy=0.91, loss=0.3),
+        Trial(setting={"lr": 0.15}, status="ok", accuracy=0.95, loss=0.2),
+        Trial(setting={"lr": 0.2}, status="ok", accuracy=0.95, loss=0.1),  # a tie: first wins
+        Trial(setting={"lr": 0.3}, status="diverged", accuracy=0.99, loss=0.05),
+        Trial(setting={"lr": 0.6}, status="failed"),
+    ]
+    best = pick_best(trials)
+    assert best is not None and best.setting == {"lr": 0.15}
+    by_loss = [  # a script without accuracy: the lowest validation loss
+        Trial(setting={"lr": 0.05}, status="ok", loss=0.3),
+        Trial(setting={"lr": 0.15}, status="ok", loss=0.2),
+    ]
+    assert pick_best(by_loss) == by_loss[1]
+    assert pick_best([Trial(setting={"lr": 1}, status="diverged", accuracy=0.5)]) is None
+
+
+class _Untouchable(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A test set that fails the test if anything reads it."""
+
+    def __len__(self) -> int:
+        raise AssertionError("the test set was read")
+
+    def __getitem__(self, index: int) -> object:
+        raise AssertionError("the test set was read")
+
+
+def test_the_validation_split_is_fixed_disjoint_and_never_reads_the_test_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keep, held = validation_indices(100, 0.2)
+    assert len(held) == 20 and len(keep) == 80
+    assert sorted(keep.tolist() + held.tolist()) == list(range(100))
+    again = validation_indices(100, 0.2)  # another worker, another seed: the same samples
+    torch.manual_seed(123)
+    assert torch.equal(again[1], held) and torch.equal(validation_indices(100, 0.2)[1], held)
+    with pytest.raises(ValueError, match="leaves no training or no validation"):
+        validation_indices(3, 0.01 / 10**6 + 0.999)
+
+    x, y = torch.arange(50.0).reshape(50, 1), torch.arange(50)
+    train, val = split_validation(torch.utils.data.TensorDataset(x, y), 0.2)
+    assert isinstance(train, torch.utils.data.TensorDataset) and len(val) == 10
+    subset_train, subset_val = split_validation(_Listed(50), 0.2)
+    assert [subset_val[i] for i in range(10)] == [int(v) for v in val.tensors[1]]
+    assert len(subset_train) == 40
+
+    monkeypatch.setenv("DISTSGD_RUNS", "off")
+    model = torch.nn.Linear(1, 50)
+    _, config, _, got_train, got_test = api_module._checked(
+        model, (x, y), _Untouchable(), TrainConfig(validation=0.2), None, None
+    )
+    assert config.validation == 0.2
+    assert got_test.tensors[1].tolist() == val.tensors[1].tolist()  # held-out train samples
+    assert got_train.tensors[1].tolist() == train.tensors[1].tolist()
+    with pytest.raises(ValueError, match="validation must be a fraction"):
+        TrainConfig(validation=1.0)
+
+
+class _Listed(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def _repeat_run(label: str, seed: int, accuracy: float, **fields: object) -> SchemeRun:
+    curves = Curves(
+        eval_seconds=[1.0, 2.0],
+        eval_samples=[100, 200],
+        accuracy=[accuracy - 0.1, accuracy],
+        test_loss=[1.0, 0.5],
+        loss_seconds=[1.0, 2.0],
+        loss_samples=[100, 200],
+        train_loss=[1.0, 0.6],
+        bytes_seconds=[1.0, 2.0],
+        bytes_samples=[100, 200],
+        bytes_sent=[10**6, 2 * 10**6],
+    )
+    return SchemeRun(
+        scheme=str(fields.pop("scheme", "hogwild")),
+        label=label,
+        status=str(fields.pop("status", "ok")),
+        seed=seed,
+        final_accuracy=accuracy,
+        final_test_loss=0.5,
+        train_seconds=10.0 + seed,
+        curves=curves,
+        train_config={"lr": 0.15, "momentum": 0.0, "batch_size": 32, "seed": seed},
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def test_reports_show_mean_and_std_the_baseline_and_every_entrys_settings(tmp_path: Path) -> None:
+    trials = [
+        Trial(setting={"lr": 0.05}, status="ok", accuracy=0.9),
+        Trial(setting={"lr": 0.15}, status="ok", accuracy=0.95),
+        Trial(setting={"lr": 0.3}, status="diverged", accuracy=0.1),
+    ]
+    tuned = {"tuned": {"lr": 0.15}, "trials": trials, "workers": 4}
+    runs = [
+        *[_repeat_run("hogwild", s, a, repeat=s, **tuned) for s, a in enumerate((0.8, 0.9, 0.85))],
+        *[
+            _repeat_run(
+                "downpour(server_lr=2)",
+                s,
+                0.7,
+                scheme="downpour",
+                scheme_options={"server_lr": 2.0, "window": 5},  # window 5 is its default
+                overrides={"momentum": 0.0, "eval_every": 4, "seed": s},
+                workers=4,
+            )
+            for s in range(3)
+        ],
+        *[
+            _repeat_run(
+                compare_module.BASELINE_LABEL, s, 0.97, scheme="allreduce", baseline=True, workers=1
+            )
+            for s in range(3)
+        ],
+    ]
+    context = dataclasses.replace(
+        _context(command="distsgd compare", label="demo", workers=4),
+        seed=None,
+        repeats=3,
+        tune=("lr=0.05,0.15,0.3",),
+        validation=0.2,
+        target=0.85,
+    )
+    runs = [with_target(r, 0.85) for r in runs]
+    text = markdown(context, runs)
+    rows = _rows(text)
+    assert list(rows) == ["hogwild", "downpour(server_lr=2)", compare_module.BASELINE_LABEL]
+    header = next(line for line in text.splitlines() if line.startswith("| scheme"))
+    assert "final accuracy (mean ± std)" in header and "settings (* = tuned)" in header
+    assert "tuned on validation (0.2 of train)" in header
+    hogwild = rows["hogwild"]
+    assert hogwild[0] == "ok (3 runs)"
+    assert hogwild[1] == "0.8500 ± 0.0500"  # mean, sample std of 0.8, 0.9, 0.85
+    assert hogwild[3] == "2.0 ± 0.0 (2/3 reached)"  # 0.8 never reached 0.85
+    assert hogwild[8] == "lr=0.15*, momentum=0, batch_size=32, 4 workers"
+    assert hogwild[9] == "**lr=0.15** (lr=0.05: 0.9000; lr=0.15: 0.9500; lr=0.3: diverged)"
+    assert rows["downpour(server_lr=2)"][8] == (
+        "lr=0.15, momentum=0, batch_size=32, server_lr=2, 4 workers"  # no default window
+    )
+    assert rows[compare_module.BASELINE_LABEL][8].endswith("1 worker")
+    assert "sample standard deviation over an entry's 3 runs" in text
+    assert "the test set was never read while tuning" in text
+    assert "1 worker (allreduce): the same script on one worker" in text
+    assert "seeds 0, 1, 2 (--repeats 3: --seed + i)" in text
+    assert text.startswith("# distsgd compare: hogwild, downpour(server_lr=2), 1 worker")
+
+    write_json(tmp_path / "c.json", context, runs)
+    data = json.loads((tmp_path / "c.json").read_text())
+    first = data["entries"][0]
+    assert first["tuned"] == {"lr": 0.15} and first["seeds"] == [0, 1, 2]
+    assert first["final_accuracy"]["low"] == 0.8 and first["final_accuracy"]["high"] == 0.9
+    assert first["final_accuracy"]["n"] == 3
+    assert [e["baseline"] for e in data["entries"]] == [False, False, True]
+    assert len(data["schemes"]) == 9
+
+    assert legend_label(runs[:3]) == (
+        "hogwild: lr=0.15*, momentum=0, batch_size=32, 4 workers, mean of 3 runs"
+    )
+    assert band([[(1.0, 0.5), (2.0, 0.7)], [(3.0, 0.7), (4.0, 0.9), (5.0, 1.0)]]) == (
+        [2.0, 3.0],
+        [0.6, 0.8],
+        [0.5, 0.7],
+        [0.7, 0.9],
+    )
+    pytest.importorskip("matplotlib")
+    write_figure(tmp_path / "c.png", context, runs)
+    assert (tmp_path / "c.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def _scored_launch(config: LaunchConfig, console: Console) -> int:
+    """:func:`_fake_launch` whose accuracy peaks at lr 0.15 and is lower on validation."""
+    _fake_launch(config, console)
+    lr = float(config.overrides.get("lr", 0.05))
+    accuracy = 0.95 - abs(lr - 0.15) - (0.05 if config.overrides.get("validation") else 0.0)
+    result = json.loads((config.run_dir / RESULT_FILE).read_text())
+    result.update(test_accuracy=accuracy, config={"lr": lr, "seed": config.overrides.get("seed")})
+    (config.run_dir / RESULT_FILE).write_text(json.dumps(result))
+    (config.run_dir / "launch.json").write_text(json.dumps(dataclasses.asdict(config), default=str))
+    return 0
+
+
+def test_a_tuned_repeated_comparison_with_a_baseline_without_processes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(compare_module, "launch", _scored_launch)
+    out, said = tmp_path / "out", io.StringIO()
+    config = CompareConfig(
+        schemes=("hogwild", "allreduce"),
+        script=BLOBS,
+        out=out,
+        overrides={"steps": 12},
+        tune=("lr=0.05,0.15,0.3",),
+        repeats=2,
+        baseline=True,
+    )
+    assert compare_module.compare(config, Console(said, errors=io.StringIO())) == 0
+    assert "1/3 hogwild: chose lr=0.15 (accuracy 0.9000 on validation)" in said.getvalue()
+    launched = {
+        str(p.parent.relative_to(out)): json.loads(p.read_text()) for p in out.rglob("launch.json")
+    }
+    tuning = [k for k in launched if k.startswith("tune/")]
+    assert len(tuning) == 9 and "tune/hogwild/lr=0.3" in tuning
+    assert all(launched[k]["overrides"]["validation"] == 0.2 for k in tuning)
+    finals = sorted(k for k in launched if k.startswith("runs/"))
+    assert finals == [
+        "runs/allreduce/seed0",
+        "runs/allreduce/seed1",
+        "runs/baseline-1-worker/seed0",
+        "runs/baseline-1-worker/seed1",
+        "runs/hogwild/seed0",
+        "runs/hogwild/seed1",
+    ]
+    for key in finals:  # the whole training set and the test set, the chosen lr, seed + i
+        overrides = launched[key]["overrides"]
+        assert "validation" not in overrides and overrides["lr"] == 0.15
+        assert overrides["seed"] == int(key[-1])
+    assert launched["runs/baseline-1-worker/seed0"]["workers"] == 1
+    assert launched["runs/baseline-1-worker/seed0"]["overrides"]["steps"] == 24
+    rows = _rows((out / "compare.md").read_text())
+    assert rows["hogwild"][:2] == ["ok (2 runs)", "0.9500 ± 0.0000"]
+    assert rows["hogwild"][9] == "**lr=0.15** (lr=0.05: 0.8000; lr=0.15: 0.9000; lr=0.3: 0.7500)"
+    assert compare_module.BASELINE_LABEL in rows

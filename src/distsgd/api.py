@@ -32,6 +32,7 @@ from distsgd.runtime.run_folder import new_run_folder, runs_root
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.session import WorkerSession
 from distsgd.runtime.task import TaskInfo
+from distsgd.runtime.validation import split_validation
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,10 @@ def _checked(
     model = as_torch_module(model)  # a Keras 3 model: checked (built, torch backend), wrapped
     train_set = None if train_data is None else as_dataset(train_data, "train_data")
     test_set = None if test_data is None else as_dataset(test_data, "test_data")
+    if config.validation:  # tuning: evaluate on a held-out part of train_data, not test_data
+        if train_set is None:
+            raise ValueError("validation needs train_data to hold a part of it out; pass it")
+        train_set, test_set = split_validation(train_set, config.validation)
     if train_set is not None:
         # streaming: train_data may be an IterableDataset (runtime/stream.py)
         check_data(train_set, "train_data", batch_fn=batch_fn, model=model, stream=True)

@@ -179,6 +179,36 @@ def _add_compare_command(sub: Any) -> None:
         metavar="ACC",
         help="report seconds to this test accuracy (default 95%% of the best final accuracy)",
     )
+    fair = compare.add_argument_group(
+        "fair comparisons (tuning on a validation split, repeats, a one-worker baseline)"
+    )
+    fair.add_argument(
+        "--tune",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="run each entry with every value (repeat the flag for a grid) on the training set "
+        "less a held-out validation part (--validation, default 0.2; the test set is not "
+        "read), then its final runs with the best one; KEY is a training field (lr, "
+        "momentum, batch_size, ...) or an option of a listed scheme (tuned for the schemes "
+        "that have it); an entry that sets KEY itself keeps its value. E.g. --tune "
+        "lr=0.05,0.15,0.3",
+    )
+    fair.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="K",
+        help="final runs per entry, with seeds --seed + i (--seed default 0); the table shows "
+        "their mean ± sample standard deviation, the figure the mean curve and the min-max "
+        "band (default 1)",
+    )
+    fair.add_argument(
+        "--baseline",
+        action="store_true",
+        help="add a row '1 worker (allreduce)': the same script on one worker over the same "
+        "total samples (tuned too, under --tune)",
+    )
     _add_launch_flags(compare, compare=True)
     compare.add_argument("script", nargs="?", help="training script (default: the bundled demo)")
     compare.add_argument(
@@ -420,6 +450,7 @@ def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     steps, seconds = _checkpoint_every(args.checkpoint_every)
     script = args.script or str(DEMO_SCRIPT)
+    overrides = collect(args, "train.")
     config = CompareConfig(
         schemes=split_schemes(args.schemes),
         script=script,
@@ -428,7 +459,11 @@ def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
         workers=args.workers,
         ps=args.ps,
         scheme_options=collect(args, "scheme."),
-        overrides=collect(args, "train."),
+        overrides={k: v for k, v in overrides.items() if k != "validation"},
+        validation=float(overrides.get("validation", 0.0)),
+        tune=tuple(args.tune),
+        repeats=args.repeats,
+        baseline=args.baseline,
         out=args.out,
         target=args.target,
         threads=args.threads,

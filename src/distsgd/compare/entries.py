@@ -22,7 +22,7 @@ from distsgd.runtime.config import TrainConfig
 FORM = "NAME or NAME(KEY=VALUE,...), e.g. downpour(server_lr=1)"
 """How an entry of ``--schemes`` is written (for error messages)."""
 
-PER_COMPARISON = {"eval_every": "--eval-every N"}
+PER_COMPARISON = {"eval_every": "--eval-every N", "validation": "--tune and --validation X"}
 """TrainConfig fields a variant may not set: every run of a comparison shares them."""
 
 _KINDS: dict[str, type] = {"int": int, "float": float, "str": str}
@@ -47,6 +47,8 @@ class SchemeEntry:
     """(field name, value as written) of each setting, in order; names the run folder."""
     folder: str = ""
     """Its run folder under ``OUT/runs`` (unique within the comparison)."""
+    baseline: bool = False
+    """The one-worker baseline of ``--baseline`` (allreduce alone, the same total samples)."""
 
     @property
     def is_variant(self) -> bool:
@@ -197,7 +199,13 @@ def parse_entry(text: str) -> SchemeEntry:
     )
 
 
+BASELINE_FOLDER = "baseline-1-worker"
+"""The run folder of the ``--baseline`` entry."""
+
+
 def _folder(entry: SchemeEntry) -> str:
+    if entry.baseline:
+        return BASELINE_FOLDER
     if not entry.is_variant:
         return entry.scheme
     text = "_".join([entry.scheme, *(f"{key}={value}" for key, value in entry.settings)])

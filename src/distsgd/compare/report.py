@@ -1,17 +1,24 @@
 """The tables of ``distsgd compare``: ``compare.md`` (one row per entry of ``--schemes``, then
 how the numbers were made) and ``compare.json`` (the same numbers and the curves), from the
 runs' summaries (:mod:`distsgd.compare.summary`).
+
+The runs of one entry (its ``--repeats``, several seeds) share its label: :func:`groups`
+gathers them, and the row shows their mean ± the sample standard deviation (min and max are
+in ``compare.json``'s ``entries``). Every row ends with the entry's effective settings
+(:func:`settings_text`) and what ``--tune`` chose on the validation split.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from distsgd import schemes
 from distsgd.compare.summary import SchemeRun
+from distsgd.compare.tune import Spread, Trial, setting_text, spread
 from distsgd.util import write_atomic
 
 
@@ -32,6 +39,90 @@ class Context:
     machine: dict[str, Any]
     figure: bool = True
     """Whether ``compare.png`` was drawn (it needs matplotlib, the ``compare`` extra)."""
+    repeats: int = 1
+    """Final runs per entry (seeds ``--seed + i``)."""
+    tune: tuple[str, ...] = ()
+    """The ``--tune`` flags as parsed (``lr=0.05,0.15``)."""
+    validation: float = 0.0
+    """The held-out fraction of the training set the tuning runs scored on (0: no tuning)."""
+
+
+SPREAD = "mean ± std"
+"""What a cell of several runs shows: their mean ± the sample standard deviation (n - 1)."""
+
+_SHOWN = ("lr", "momentum", "batch_size")
+"""TrainConfig fields every row's settings show (others only when given)."""
+_HIDDEN = {"eval_every", "seed", "validation"}
+
+
+def groups(runs: Sequence[SchemeRun]) -> list[list[SchemeRun]]:
+    """The runs of each entry (same label), in the order the entries first appear."""
+    by_label: dict[str, list[SchemeRun]] = {}
+    for run in runs:
+        by_label.setdefault(run.label, []).append(run)
+    return list(by_label.values())
+
+
+def _option_defaults(scheme: str) -> dict[str, Any]:
+    try:
+        options = schemes.get(scheme).options
+    except ValueError:
+        return {}
+    return {f.name: f.default for f in fields(options)}
+
+
+def _short(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def settings_text(run: SchemeRun, workers: int | None = None) -> str:
+    """The run's effective settings: lr, momentum, batch size (its ``result.json``'s
+    TrainConfig, else the flags), other training fields given, scheme options that differ
+    from the scheme's defaults, the workers; a tuned value is marked with ``*``."""
+    config = {**run.train_config}
+    given = {k: v for k, v in run.overrides.items() if k not in _HIDDEN}
+    parts = []
+    for key in _SHOWN:
+        value = config.get(key, given.get(key))
+        if value is not None:
+            parts.append(f"{key}={_short(value)}{'*' if key in run.tuned else ''}")
+    for key, value in given.items():
+        if key not in _SHOWN:
+            parts.append(f"{key}={_short(value)}{'*' if key in run.tuned else ''}")
+    defaults = _option_defaults(run.scheme)
+    for key, value in run.scheme_options.items():
+        if key in run.tuned or defaults.get(key, object()) != value:
+            parts.append(f"{key}={_short(value)}{'*' if key in run.tuned else ''}")
+    count = run.workers or workers
+    if count:
+        parts.append(f"{count} worker{'s' if count != 1 else ''}")
+    return ", ".join(parts)
+
+
+def _trial_score(trial: Trial) -> str:
+    if trial.status != "ok":
+        return trial.status
+    if trial.accuracy is not None:
+        return f"{trial.accuracy:.4f}"
+    return f"loss {trial.loss:.4f}" if trial.loss is not None else "no score"
+
+
+def tuning_text(run: SchemeRun) -> str:
+    """What ``--tune`` chose for the run's entry, and each setting's validation score."""
+    if not run.trials:
+        return ""
+    tried = "; ".join(f"{setting_text(t.setting)}: {_trial_score(t)}" for t in run.trials)
+    chosen = setting_text(run.tuned) if run.tuned else "none finished"
+    return f"**{chosen}** ({tried})"
+
+
+def _mean(values: Sequence[float | None], digits: int, many: bool) -> str:
+    got = spread(values)
+    if got is None:
+        return "n/a"
+    if not many:
+        return f"{got.mean:.{digits}f}"
+    return f"{got.mean:.{digits}f} ± {got.std:.{digits}f}"
 
 
 def _megabytes(n: int | None) -> str:
@@ -63,10 +154,14 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _row(run: SchemeRun, target: float | None) -> str:
+def _row(group: Sequence[SchemeRun], target: float | None, workers: int | None = None) -> str:
+    run = group[0]
+    tail = [settings_text(run, workers), tuning_text(run)]
+    if len(group) > 1:
+        return _group_row(group, target, tail)
     if run.status not in ("ok", "diverged"):
         why = f"{run.status}: {run.reason}" if run.reason else run.status
-        cells = [f"`{run.label}`", f"**{why}**", *["" for _ in range(7)]]
+        cells = [f"`{run.label}`", f"**{why}**", *["" for _ in range(7)], *tail]
         return "| " + " | ".join(_cell(c) for c in cells) + " |"
     if target is None:
         reach = "n/a (no accuracy)"
@@ -84,8 +179,75 @@ def _row(run: SchemeRun, target: float | None) -> str:
         _megabytes(run.bytes_sent),
         _staleness(run),
         _steps(run),
+        *tail,
     ]
     return "| " + " | ".join(_cell(c) for c in cells) + " |"
+
+
+def _status(group: Sequence[SchemeRun]) -> str:
+    counts: dict[str, int] = {}
+    for run in group:
+        counts[run.status] = counts.get(run.status, 0) + 1
+    if set(counts) == {"ok"}:
+        return f"ok ({len(group)} runs)"
+    text = ", ".join(f"{n} {status}" for status, n in counts.items())
+    reasons = sorted({r.reason for r in group if r.status != "ok" and r.reason})
+    return f"**{text}**" + (f": {reasons[0]}" if reasons else "")
+
+
+def _group_row(group: Sequence[SchemeRun], target: float | None, tail: list[str]) -> str:
+    done = [r for r in group if r.status in ("ok", "diverged")]
+    if target is None:
+        reach = "n/a (no accuracy)"
+    else:
+        reached = [r.seconds_to_target for r in done if r.seconds_to_target is not None]
+        reach = (
+            f"{_mean(reached, 1, True)} ({len(reached)}/{len(group)} reached)"
+            if reached
+            else "not reached"
+        )
+    sent = spread([r.bytes_sent for r in done])
+    stale = spread([r.mean_staleness for r in done])
+    cells = [
+        f"`{group[0].label}`",
+        _status(group),
+        _mean([r.final_accuracy for r in done], 4, True),
+        _mean([r.final_test_loss for r in done], 4, True),
+        reach,
+        _mean([r.train_seconds for r in done], 1, True),
+        _megabytes(None if sent is None else round(sent.mean)),
+        "n/a" if stale is None else f"{stale.mean:.2f}",
+        _steps(done[0]) if done else "n/a",
+        *tail,
+    ]
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
+
+
+def entry_summary(group: Sequence[SchemeRun]) -> dict[str, Any]:
+    """compare.json's ``entries`` item: an entry's label, settings, tuning and the spread
+    (mean, sample std, min, max, n) of its runs' final numbers."""
+    run = group[0]
+
+    def numbers(values: Sequence[float | None]) -> dict[str, Any] | None:
+        got: Spread | None = spread(values)
+        return None if got is None else asdict(got)
+
+    done = [r for r in group if r.status in ("ok", "diverged")]
+    return {
+        "label": run.label,
+        "scheme": run.scheme,
+        "baseline": run.baseline,
+        "settings": settings_text(run),
+        "tuned": run.tuned,
+        "trials": [asdict(t) for t in run.trials],
+        "seeds": [r.seed for r in group],
+        "statuses": [r.status for r in group],
+        "final_accuracy": numbers([r.final_accuracy for r in done]),
+        "final_test_loss": numbers([r.final_test_loss for r in done]),
+        "train_seconds": numbers([r.train_seconds for r in done]),
+        "seconds_to_target": numbers([r.seconds_to_target for r in done]),
+        "bytes_sent": numbers([r.bytes_sent for r in done]),
+    }
 
 
 def ps_text(context: Context, runs: Sequence[SchemeRun]) -> str:
@@ -99,6 +261,8 @@ def _seed_text(context: Context, runs: Sequence[SchemeRun]) -> str:
     if context.seed is not None:
         return f"seed {context.seed}"
     seeds = sorted({r.seed for r in runs if r.seed is not None})
+    if len(seeds) > 1 and context.repeats > 1:
+        return f"seeds {', '.join(map(str, seeds))} (--repeats {context.repeats}: --seed + i)"
     if len(seeds) > 1:
         return f"seeds {', '.join(map(str, seeds))} (entries set their own)"
     return f"seed {seeds[0]}" if seeds else "seed n/a"
@@ -108,27 +272,51 @@ def markdown(context: Context, runs: Sequence[SchemeRun]) -> str:
     """``compare.md``: one row per entry of ``--schemes``, then how the numbers were made."""
     target = context.target
     target_head = "s to target" if target is None else f"s to {target:.2f}"
+    grouped = groups(runs)
+    many = any(len(g) > 1 for g in grouped)
+    each = f" ({SPREAD})" if many else ""
     head = [
         "scheme",
         "status",
-        "final accuracy",
-        "final test loss",
-        target_head,
-        "training s",
+        f"final accuracy{each}",
+        f"final test loss{each}",
+        f"{target_head}{each}",
+        f"training s{each}",
         "sent (all workers)",
         "mean staleness",
         "steps (global / per worker)",
+        "settings (* = tuned)",
+        f"tuned on validation ({context.validation:g} of train)" if context.tune else "tuned",
     ]
+    fair = []
+    if many:
+        fair.append(
+            f"- {SPREAD}: the mean and sample standard deviation over an entry's "
+            f"{context.repeats} runs, seeds --seed + i (min and max: compare.json, entries)"
+        )
+    if context.tune:
+        fair.append(
+            f"- --tune {' --tune '.join(context.tune)}: each entry ran every setting on the "
+            f"training set less a held-out {context.validation:g} of it (the same samples for "
+            "all runs), scored by the final validation accuracy (loss without accuracy), and "
+            "its final runs used the best one, the whole training set and the test set; "
+            "the test set was never read while tuning"
+        )
+    if any(r.baseline for r in runs):
+        fair.append(
+            "- 1 worker (allreduce): the same script on one worker, over the same total "
+            "samples (--steps times the workers; --epochs count all workers together)"
+        )
     machine = context.machine
     lines = [
-        f"# distsgd compare: {', '.join(r.label for r in runs)}",
+        f"# distsgd compare: {', '.join(g[0].label for g in grouped)}",
         "",
         f"{context.label}; {context.workers} workers, {ps_text(context, runs)}; "
         f"{_seed_text(context, runs)}.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + " --- |" * len(head),
-        *[_row(r, target) for r in runs],
+        *[_row(g, target, context.workers) for g in grouped],
         "",
         f"- command: `{context.command}`",
         f"- machine: {machine.get('cores')} cores ({machine.get('platform')}), "
@@ -145,6 +333,7 @@ def markdown(context: Context, runs: Sequence[SchemeRun]) -> str:
         "mean staleness = updates applied between a worker's pull and its push, "
         "averaged over pushes (parameter-server schemes only); steps = global updates / "
         "local steps of worker0",
+        *fair,
         "",
         *(["![curves](compare.png)", ""] if context.figure else []),
     ]
@@ -156,7 +345,13 @@ def write_markdown(path: Path, context: Context, runs: Sequence[SchemeRun]) -> N
 
 
 def write_json(path: Path, context: Context, runs: Sequence[SchemeRun]) -> None:
-    """``compare.json``: the context and, per entry, its label, scheme, scheme options and
-    training overrides, the table's numbers and its curves."""
-    data = {"version": 1, **asdict(context), "schemes": [asdict(r) for r in runs]}
+    """``compare.json``: the context; ``entries``, per entry its settings, tuning and the
+    spread of its runs (:func:`entry_summary`); ``schemes``, per run its label, scheme, scheme
+    options and training overrides, the table's numbers and its curves."""
+    data = {
+        "version": 1,
+        **asdict(context),
+        "entries": [entry_summary(g) for g in groups(runs)],
+        "schemes": [asdict(r) for r in runs],
+    }
     write_atomic(path, json.dumps(data, indent=1) + "\n")

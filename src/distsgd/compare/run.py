@@ -33,10 +33,25 @@ from pathlib import Path
 from typing import Any, TextIO, cast
 
 from distsgd import schemes
-from distsgd.compare.entries import SchemeEntry, check_duplicates, parse_entry, with_folders
+from distsgd.compare.entries import (
+    _UNSAFE,
+    SchemeEntry,
+    check_duplicates,
+    parse_entry,
+    with_folders,
+)
 from distsgd.compare.figure import missing_figure_reason, write_figure
 from distsgd.compare.report import Context, write_json, write_markdown
 from distsgd.compare.summary import SchemeRun, default_target, summarize, with_target
+from distsgd.compare.tune import (
+    DEFAULT_VALIDATION,
+    Trial,
+    TuneKey,
+    grid,
+    parse_tune,
+    pick_best,
+    setting_text,
+)
 from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, DEFAULT_MAX_RESTARTS, LaunchConfig
 from distsgd.launcher.progress import Console
 from distsgd.launcher.run import (
@@ -55,6 +70,9 @@ PROVISIONAL_EVAL_EVERY = 16
 """Evaluation interval of the first run when the step count is not known in advance."""
 
 FIGURE, TABLE, DATA = "compare.png", "compare.md", "compare.json"
+
+BASELINE_LABEL = "1 worker (allreduce)"
+"""The label of the ``--baseline`` row."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,16 +123,64 @@ class CompareConfig:
     faults: tuple[str, ...] = field(default=(), metadata={"help": "--inject-fault specs"})
     tls: TlsConfig | None = field(default=None, metadata={"help": "mutual TLS for every task"})
     command: str = field(default="", metadata={"help": "the command line, for the report"})
+    tune: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "--tune KEY=V1,V2,... flags: each entry runs every combination on a "
+            "validation split and keeps its best (distsgd.compare.tune)"
+        },
+    )
+    validation: float = field(
+        default=0.0,
+        metadata={"help": "fraction of train_data the tuning runs hold out (0 = 0.2 with tune)"},
+    )
+    repeats: int = field(
+        default=1, metadata={"help": "final runs per entry, with seeds --seed + i (default 0)"}
+    )
+    baseline: bool = field(
+        default=False,
+        metadata={"help": "add a one-worker allreduce run over the same total samples"},
+    )
     entries: tuple[SchemeEntry, ...] = field(init=False, repr=False, compare=False)
-    """``schemes`` parsed, each with its run folder."""
+    """``schemes`` parsed, each with its run folder; the baseline last when asked for."""
+    tune_keys: tuple[TuneKey, ...] = field(init=False, repr=False, compare=False)
+    """``tune`` parsed."""
 
     def __post_init__(self) -> None:
         if not self.schemes:
             raise ValueError("no schemes to compare; give --schemes A,B (see distsgd schemes)")
         entries = [parse_entry(text) for text in self.schemes]
         check_duplicates(entries)
+        if self.baseline:
+            if self.workers == 1:
+                raise ValueError(
+                    "--baseline with --workers 1: every run is one worker already; drop "
+                    "--baseline or give --workers N (N > 1)"
+                )
+            entries.append(SchemeEntry(label=BASELINE_LABEL, scheme="allreduce", baseline=True))
         object.__setattr__(self, "entries", with_folders(entries))
         self._check_scheme_options()
+        if self.repeats < 1:
+            raise ValueError(
+                f"--repeats must be at least 1, got {self.repeats}; give --repeats 1 (one run "
+                "per entry) or more"
+            )
+        object.__setattr__(
+            self, "tune_keys", parse_tune(self.tune, [e.scheme for e in self.entries])
+        )
+        if self.validation and not self.tune_keys:
+            raise ValueError(
+                "--validation is the held-out fraction of --tune's runs; add --tune KEY=V1,V2 "
+                "or drop --validation"
+            )
+        if not 0.0 <= self.validation < 1.0:
+            raise ValueError(
+                f"--validation must be a fraction in (0, 1), got {self.validation}; e.g. 0.2"
+            )
+        if "validation" in self.overrides:
+            raise ValueError(
+                "validation is set by --tune's runs only (give --validation X with --tune)"
+            )
         if self.ps and not any(_uses_ps(e.scheme) for e in self.entries):
             raise ValueError(
                 f"--ps {self.ps}: none of {', '.join(self.schemes)} uses parameter servers; "
@@ -129,10 +195,14 @@ class CompareConfig:
                 f"--out {self.out} exists and is not empty; give a new or empty folder"
             )
         for entry in self.entries:
-            try:
-                self.launch_config(entry, Path("."), self.planned_eval_every() or 1)
-            except ValueError as exc:
-                raise ValueError(f"{entry.label}: {exc}") from None
+            for setting in self.grid_for(entry) or [{}]:
+                try:
+                    self.launch_config(
+                        entry, Path("."), self.planned_eval_every() or 1, setting=setting
+                    )
+                except ValueError as exc:
+                    where = f" with --tune {setting_text(setting)}" if setting else ""
+                    raise ValueError(f"{entry.label}{where}: {exc}") from None
 
     def _check_scheme_options(self) -> None:
         for option in self.scheme_options:
@@ -164,6 +234,35 @@ class CompareConfig:
         entry = self.entry(entry) if isinstance(entry, str) else entry
         return {**self.overrides, **entry.overrides}
 
+    def tuned_keys(self, entry: SchemeEntry) -> tuple[TuneKey, ...]:
+        """The ``--tune`` keys of an entry: its scheme's options and the TrainConfig fields,
+        less those the entry fixes itself."""
+        own = _option_names(entry.scheme)
+        return tuple(
+            k
+            for k in self.tune_keys
+            if (not k.option or k.name in own)
+            and k.name not in entry.options
+            and k.name not in entry.overrides
+        )
+
+    def grid_for(self, entry: SchemeEntry) -> list[dict[str, Any]]:
+        """The settings an entry's tuning runs try ([] = it is not tuned)."""
+        return grid(self.tuned_keys(entry))
+
+    @property
+    def validation_fraction(self) -> float:
+        """The held-out fraction of the tuning runs."""
+        return self.validation or DEFAULT_VALIDATION
+
+    def seeds(self, entry: SchemeEntry) -> list[int | None]:
+        """The seed of each final run of an entry: ``--seed`` (or the entry's, default 0) + i;
+        a single run without ``--seed`` keeps the script's own (None)."""
+        base = self.overrides_for(entry).get("seed")
+        if self.repeats == 1:
+            return [None if base is None else int(base)]
+        return [int(base or 0) + i for i in range(self.repeats)]
+
     def planned_eval_every(self) -> int | None:
         """``eval_every`` when it is known before any run: given, or ``steps / points``."""
         if "eval_every" in self.overrides:
@@ -171,16 +270,42 @@ class CompareConfig:
         steps = int(self.overrides.get("steps", 0))
         return max(1, round(steps / self.points)) if steps else None
 
-    def launch_config(self, entry: SchemeEntry, run_dir: Path, eval_every: int) -> LaunchConfig:
-        """The run of an entry (validated by :class:`LaunchConfig`)."""
+    def launch_config(
+        self,
+        entry: SchemeEntry,
+        run_dir: Path,
+        eval_every: int,
+        *,
+        setting: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> LaunchConfig:
+        """The run of an entry (validated by :class:`LaunchConfig`), with a tuned ``setting``
+        (scheme options and TrainConfig fields) and ``extra`` TrainConfig fields (seed,
+        validation). The baseline runs one worker ``workers`` times as many steps (given
+        ``--steps``; ``--epochs`` already count all workers' passes together), evaluating
+        ``workers`` times less often per step: the same samples and evaluations."""
+        own = _option_names(entry.scheme)
+        setting = setting or {}
+        options = {**self.options_for(entry), **{k: v for k, v in setting.items() if k in own}}
+        overrides = {
+            **self.overrides_for(entry),
+            **{k: v for k, v in setting.items() if k not in own},
+            **(extra or {}),
+        }
+        workers = self.workers
+        if entry.baseline:
+            workers = 1
+            if overrides.get("steps"):
+                overrides["steps"] = int(overrides["steps"]) * self.workers
+            eval_every *= self.workers
         return LaunchConfig(
             script=self.script,
             script_args=self.script_args,
-            workers=self.workers,
+            workers=workers,
             ps=self.ps if _uses_ps(entry.scheme) else None,
             scheme=entry.scheme,
-            scheme_options=self.options_for(entry),
-            overrides={**self.overrides_for(entry), "eval_every": eval_every},
+            scheme_options=options,
+            overrides={**overrides, "eval_every": eval_every},
             run_dir=run_dir,
             threads=self.threads,
             checkpoint_every=self.checkpoint_every,
@@ -306,60 +431,150 @@ class Comparison:
             if self.calibrated
             else f"every {self.eval_every} local steps until the first run tells the step count"
         )
+        fair = ""
+        if c.tune_keys:
+            fair += (
+                f"; tuning {', '.join(k.name for k in c.tune_keys)} on a "
+                f"{c.validation_fraction:g} validation split of the training set"
+            )
+        if c.repeats > 1:
+            fair += f"; {c.repeats} runs per entry (seeds --seed + i)"
         self._say(
-            f"{len(c.schemes)} schemes, {c.workers} workers, {c.script}; the chief evaluates "
-            f"{how}; output in {self.out}"
+            f"{len(c.entries)} entries, {c.workers} workers, {c.script}; the chief evaluates "
+            f"{how}{fair}; output in {self.out}"
         )
-        interrupted = False
+        self.interrupted = False
         for index, entry in enumerate(c.entries):
-            if interrupted:
-                self.runs.append(
-                    SchemeRun(
-                        scheme=entry.scheme,
-                        label=entry.label,
-                        status="not run",
-                        reason="interrupted",
-                        scheme_options=c.options_for(entry),
-                        overrides=c.overrides_for(entry),
-                    )
-                )
-                continue
-            run = self._run_scheme(index, entry)
-            if run.status == "ok" and not self.calibrated:
-                run = self._calibrate(index, entry, run)
-            self.runs.append(run)
-            interrupted = run.status == "interrupted"
+            self.runs.extend(self._entry(index, entry))
         self._write_reports()
-        if interrupted:
+        if self.interrupted:
             return EXIT_INTERRUPTED
         if any(r.status not in ("ok", "diverged") for r in self.runs):
             return EXIT_FAILED
         return EXIT_DIVERGED if any(r.status == "diverged" for r in self.runs) else EXIT_OK
 
-    def _calibrate(self, index: int, entry: SchemeEntry, run: SchemeRun) -> SchemeRun:
-        self.calibrated = True
-        steps = run.local_steps or 0
-        better = _calibrated(steps, self.eval_every, self.config.points)
-        if better is None:
-            return run
-        self._say(
-            f"{entry.label} ran {steps} local steps per worker: evaluating every "
-            f"{self.eval_every} gave {steps // self.eval_every} points; running "
-            f"{entry.label} again evaluating every {better} (use --eval-every to skip this)"
-        )
-        pilot = self.out / "pilot" / entry.folder
-        pilot.parent.mkdir(exist_ok=True)
-        shutil.move(run.run_dir, pilot)
-        self.eval_every = better
-        return self._run_scheme(index, entry)
-
-    def _run_scheme(self, index: int, entry: SchemeEntry) -> SchemeRun:
+    def _not_run(self, entry: SchemeEntry, reason: str, **fields: Any) -> SchemeRun:
         c = self.config
-        run_dir = self.out / "runs" / entry.folder
-        launch_config = c.launch_config(entry, run_dir, self.eval_every)
+        return SchemeRun(
+            scheme=entry.scheme,
+            label=entry.label,
+            status="not run",
+            reason=reason,
+            scheme_options=c.options_for(entry),
+            overrides=c.overrides_for(entry),
+            baseline=entry.baseline,
+            **fields,
+        )
+
+    def _entry(self, index: int, entry: SchemeEntry) -> list[SchemeRun]:
+        """An entry's tuning runs (if any), then its final runs."""
+        c = self.config
         where = f"{index + 1}/{len(c.entries)} {entry.label}"
+        if self.interrupted:
+            return [self._not_run(entry, "interrupted")]
+        settings = c.grid_for(entry)
+        chosen: dict[str, Any] = {}
+        trials: list[Trial] = []
+        if settings:
+            seed = c.seeds(entry)[0]
+            for n, setting in enumerate(settings):
+                text = setting_text(setting)
+                extra: dict[str, Any] = {"validation": c.validation_fraction}
+                if seed is not None:
+                    extra["seed"] = seed
+                run = self._run(
+                    entry,
+                    f"{where} tune {n + 1}/{len(settings)} {text}",
+                    Path("tune") / entry.folder / _UNSAFE.sub("-", text),
+                    setting=setting,
+                    extra=extra,
+                )
+                trials.append(
+                    Trial(
+                        setting=setting,
+                        status=run.status,
+                        accuracy=run.final_accuracy,
+                        loss=run.final_test_loss,
+                        run_dir=run.run_dir,
+                    )
+                )
+                if run.status == "interrupted":
+                    self.interrupted = True
+                    return [self._not_run(entry, "interrupted", trials=trials)]
+            best = pick_best(trials)
+            if best is None:
+                self._say(f"{where}: no tuning run finished; its final runs are skipped")
+                return [self._not_run(entry, "no tuning run finished", trials=trials)]
+            chosen = best.setting
+            self._say(f"{where}: chose {setting_text(chosen)} ({_score(best)} on validation)")
+        runs: list[SchemeRun] = []
+        seeds = c.seeds(entry)
+        for i, seed in enumerate(seeds):
+            if self.interrupted:
+                runs.append(self._not_run(entry, "interrupted", tuned=chosen, trials=trials))
+                continue
+            folder = Path("runs") / entry.folder
+            if len(seeds) > 1:
+                folder = folder / f"seed{seed}"
+            label = where if len(seeds) == 1 else f"{where} seed {seed} ({i + 1}/{len(seeds)})"
+            run = self._run(
+                entry,
+                label,
+                folder,
+                setting=chosen,
+                extra={} if seed is None else {"seed": seed},
+            )
+            run = dataclasses.replace(run, tuned=chosen, trials=trials, repeat=i)
+            runs.append(run)
+            self.interrupted = run.status == "interrupted"
+        return runs
+
+    def _run(
+        self,
+        entry: SchemeEntry,
+        where: str,
+        folder: Path,
+        *,
+        setting: dict[str, Any],
+        extra: dict[str, Any],
+    ) -> SchemeRun:
+        """One run of an entry into ``OUT/folder``; the first run of a comparison without a
+        planned ``eval_every`` calibrates it (and is repeated if it must)."""
+        run = self._launch(entry, where, folder, setting=setting, extra=extra)
+        if run.status == "ok" and not self.calibrated:
+            self.calibrated = True
+            steps = run.local_steps or 0
+            better = _calibrated(steps, self.eval_every, self.config.points)
+            if better is not None:
+                self._say(
+                    f"{entry.label} ran {steps} local steps per worker: evaluating every "
+                    f"{self.eval_every} gave {steps // self.eval_every} points; running it "
+                    f"again evaluating every {better} (use --eval-every to skip this)"
+                )
+                pilot = self.out / "pilot" / folder.relative_to(folder.parts[0])
+                pilot.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(run.run_dir, pilot)
+                self.eval_every = better
+                run = self._launch(entry, where, folder, setting=setting, extra=extra)
+        return run
+
+    def _launch(
+        self,
+        entry: SchemeEntry,
+        where: str,
+        folder: Path,
+        *,
+        setting: dict[str, Any],
+        extra: dict[str, Any],
+    ) -> SchemeRun:
+        c = self.config
+        run_dir = self.out / folder
+        launch_config = c.launch_config(
+            entry, run_dir, self.eval_every, setting=setting, extra=extra
+        )
         self._say(
-            f"{where}: starting ({c.workers} workers, {launch_config.num_ps} ps) in {run_dir}"
+            f"{where}: starting ({launch_config.workers} workers, {launch_config.num_ps} ps) "
+            f"in {run_dir}"
         )
         run_dir.mkdir(parents=True, exist_ok=True)
         capture = _Capture(run_dir / "launcher.log")
@@ -387,10 +602,11 @@ class Comparison:
             status=status,
             reason=reason,
             parameter_servers=launch_config.num_ps,
-            eval_every=self.eval_every,
+            eval_every=launch_config.overrides["eval_every"],
             wall_seconds=wall,
         )
-        self._say(f"{where}: {_outcome(run)}")
+        run = dataclasses.replace(run, baseline=entry.baseline, workers=launch_config.workers)
+        self._say(f"{where}: {_outcome(run, validation='validation' in extra)}")
         return run
 
     def _write_reports(self) -> None:
@@ -399,7 +615,7 @@ class Comparison:
         target = c.target if c.target is not None and measured else default_target(self.runs)
         self.runs = [with_target(r, target) for r in self.runs]
         seeds = sorted({r.seed for r in self.runs if r.seed is not None})
-        varied = any("seed" in e.overrides for e in c.entries)
+        varied = c.repeats > 1 or any("seed" in e.overrides for e in c.entries)
         seed = None if varied else c.overrides.get("seed", seeds[0] if seeds else None)
         first = c.launch_config(c.entries[0], self.out, self.eval_every)
         context = Context(
@@ -416,6 +632,9 @@ class Comparison:
             threads_per_worker=first.threads_per_worker,
             machine=_machine(),
             figure=self.no_figure is None,
+            repeats=c.repeats,
+            tune=tuple(setting_text({k.name: ",".join(map(str, k.values))}) for k in c.tune_keys),
+            validation=c.validation_fraction if c.tune_keys else 0.0,
         )
         paths = (
             *([(self.out / FIGURE, write_figure)] if context.figure else []),
@@ -427,13 +646,20 @@ class Comparison:
             self._say(f"wrote {path}")
 
 
-def _outcome(run: SchemeRun) -> str:
+def _score(trial: Trial) -> str:
+    if trial.accuracy is not None:
+        return f"accuracy {trial.accuracy:.4f}"
+    return f"loss {trial.loss:.4f}" if trial.loss is not None else "no score"
+
+
+def _outcome(run: SchemeRun, *, validation: bool = False) -> str:
     wall = f"{run.wall_seconds:.0f}s" if run.wall_seconds is not None else "?"
+    on = "validation" if validation else "test"
     if run.status in ("ok", "diverged"):
         score = (
-            f"test accuracy {run.final_accuracy:.4f}"
+            f"{on} accuracy {run.final_accuracy:.4f}"
             if run.final_accuracy is not None
-            else f"test loss {run.final_test_loss:.4f}"
+            else f"{on} loss {run.final_test_loss:.4f}"
             if run.final_test_loss is not None
             else "no test score"
         )
@@ -441,7 +667,7 @@ def _outcome(run: SchemeRun) -> str:
         done = "done" if run.status == "ok" else f"DIVERGED ({run.reason})"
         return f"{done}, {score}, {train} of training ({wall} with start-up)"
     if run.status == "interrupted":
-        return f"interrupted after {wall}; the remaining schemes are skipped"
+        return f"interrupted after {wall}; the remaining runs are skipped"
     return f"FAILED after {wall}: {run.reason}"
 
 

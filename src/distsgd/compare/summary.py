@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from distsgd.compare.tune import Trial
 from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ class Curves:
     loss_seconds: list[float] = field(default_factory=list)
     loss_samples: list[int] = field(default_factory=list)
     train_loss: list[float] = field(default_factory=list)
+    bytes_seconds: list[float] = field(default_factory=list)
+    bytes_samples: list[int] = field(default_factory=list)
+    bytes_sent: list[int] = field(default_factory=list)
+    """Bytes all workers sent so far (each worker's latest cumulative ``bytes_sent``, summed)
+    at each worker metrics line that carries one."""
 
     @property
     def has_accuracy(self) -> bool:
@@ -85,6 +91,18 @@ class SchemeRun:
     local_steps: int | None = None
     samples: int | None = None
     seed: int | None = None
+    train_config: dict[str, Any] = field(default_factory=dict)
+    """The run's effective TrainConfig (the script's, then the flags), from ``result.json``."""
+    workers: int = 0
+    """Worker tasks of the run (0 = unknown: the comparison's ``--workers``)."""
+    baseline: bool = False
+    """The one-worker baseline of ``--baseline``."""
+    tuned: dict[str, Any] = field(default_factory=dict)
+    """The setting ``--tune`` chose for its entry (and this run used)."""
+    trials: list[Trial] = field(default_factory=list)
+    """The entry's tuning runs and their validation scores."""
+    repeat: int = 0
+    """Which of the entry's ``--repeats`` runs this is (0 first)."""
     curves: Curves = field(default_factory=Curves)
 
     def __post_init__(self) -> None:
@@ -210,6 +228,7 @@ def build_curves(records: Sequence[dict[str, Any]]) -> Curves:
         return Curves()
     clock = SampleClock(records)
     losses: dict[str, float] = {}
+    sent: dict[str, int] = {}
     curves = Curves()
     raw_loss: list[float] = []
     for record in records:
@@ -219,6 +238,11 @@ def build_curves(records: Sequence[dict[str, Any]]) -> Curves:
             loss = float(record["loss"])
             if math.isfinite(loss):
                 losses[str(record["task"])] = loss
+            if "bytes_sent" in record:
+                sent[str(record["task"])] = int(record["bytes_sent"])
+                curves.bytes_seconds.append(seconds)
+                curves.bytes_samples.append(clock.at(t))
+                curves.bytes_sent.append(sum(sent.values()))
             if losses:
                 curves.loss_seconds.append(seconds)
                 curves.loss_samples.append(clock.at(t))
@@ -231,6 +255,7 @@ def build_curves(records: Sequence[dict[str, Any]]) -> Curves:
             curves.test_loss.append(float(record["test_loss"]))
     smooth = _moving_average(raw_loss, max(1, len(raw_loss) // 40))
     keep = _thin(len(smooth), LOSS_POINTS)
+    thin_bytes = _thin(len(curves.bytes_sent), LOSS_POINTS)
     return Curves(
         eval_seconds=curves.eval_seconds,
         eval_samples=curves.eval_samples,
@@ -239,6 +264,9 @@ def build_curves(records: Sequence[dict[str, Any]]) -> Curves:
         loss_seconds=[curves.loss_seconds[i] for i in keep],
         loss_samples=[curves.loss_samples[i] for i in keep],
         train_loss=[smooth[i] for i in keep],
+        bytes_seconds=[curves.bytes_seconds[i] for i in thin_bytes],
+        bytes_samples=[curves.bytes_samples[i] for i in thin_bytes],
+        bytes_sent=[curves.bytes_sent[i] for i in thin_bytes],
     )
 
 
@@ -324,6 +352,7 @@ def summarize(
         local_steps=result.get("local_steps"),
         samples=curves.loss_samples[-1] if curves.loss_samples else None,
         seed=config.get("seed") if isinstance(config, dict) else None,
+        train_config=dict(config) if isinstance(config, dict) else {},
         curves=curves,
     )
 

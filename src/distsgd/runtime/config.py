@@ -134,6 +134,14 @@ class TrainConfig:
     )
     log_every: int = field(default=10, metadata={"help": "metrics line every N local steps"})
     eval_batch_size: int = field(default=512, metadata={"help": "batch size for evaluation"})
+    validation: float = field(
+        default=0.0,
+        metadata={
+            "help": "hold out this fraction of train_data (fixed samples, the same on every "
+            "worker and seed) and evaluate on it instead of test_data, which is then not read; "
+            "0 = off (distsgd compare --tune sets it)"
+        },
+    )
 
     def __post_init__(self) -> None:
         positive = {
@@ -182,6 +190,11 @@ class TrainConfig:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.world_size not in WORLD_SIZES:
             raise ValueError(f"world_size must be fixed or dynamic, got {self.world_size!r}")
+        if not 0.0 <= self.validation < 1.0:
+            raise ValueError(
+                f"validation must be a fraction in [0, 1) (0 = off, e.g. 0.2), "
+                f"got {self.validation}"
+            )
         if not DEVICE.fullmatch(self.device):
             raise ValueError(
                 f"device must be auto, cpu, cuda or cuda:N ('' = the model's), got {self.device!r}"
