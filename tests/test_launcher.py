@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
 import pytest
 from conftest import SCRIPTS, alive, metrics, run_distsgd, task_pids, wait_for
+
+from distsgd.launcher.lifeline import PARENT_ENV
 
 pytestmark = pytest.mark.slow
 BLOBS = str(SCRIPTS / "blobs.py")
@@ -120,3 +124,24 @@ def test_sigkill_of_launcher_takes_tasks_down(spawn, tmp_path: Path) -> None:
     proc.kill()
     proc.wait(timeout=10)
     assert wait_for(lambda: alive(tree) == [], 15), f"left behind: {alive(tree)}"
+
+
+def test_the_reaper_removes_the_scratch_folder_of_a_group_that_ended_with_its_launcher(
+    tmp_path: Path,
+) -> None:
+    """The Ray instance's processes may all end by themselves once the launcher is killed,
+    before the reaper's next look: the scratch folder must go all the same (it was left in
+    /tmp once)."""
+    group = subprocess.Popen(["sleep", "0"], start_new_session=True)
+    group.wait()  # the group is gone before the reaper starts
+    launcher = subprocess.Popen(["sleep", "0"])
+    launcher.wait()  # so is the launcher (its pid is no longer the reaper's parent)
+    scratch = tmp_path / "dray-test"
+    (scratch / "session").mkdir(parents=True)
+    (scratch / "session" / "log").write_text("x")
+    reaper = subprocess.run(
+        [sys.executable, "-m", "distsgd.launcher.reaper", str(group.pid), str(scratch)],
+        env={**os.environ, PARENT_ENV: str(launcher.pid)},
+        timeout=60,
+    )
+    assert reaper.returncode == 0 and not scratch.exists()

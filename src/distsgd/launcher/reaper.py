@@ -69,10 +69,23 @@ def main(argv: list[str] | None = None) -> int:
     while group_alive(pgid):
         if woken.wait(0.5) or os.getppid() != parent:
             end_group(pgid)
-            if scratch is not None:
-                shutil.rmtree(scratch, ignore_errors=True)
+            remove(scratch)
             return 0
+    if os.getppid() != parent:  # the group ended by itself after its launcher died
+        remove(scratch)
     return 0
+
+
+def remove(scratch: str | None, tries: int = 5) -> None:
+    """Remove the scratch folder; again if a process of the ending group still wrote into it
+    while it was removed (an ``rmtree`` that ignores errors can leave the folder behind)."""
+    if scratch is None:
+        return
+    for _ in range(tries):
+        shutil.rmtree(scratch, ignore_errors=True)
+        if not os.path.exists(scratch):
+            return
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":
