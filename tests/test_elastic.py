@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -96,8 +96,9 @@ def test_scale_refuses_a_number_outside_the_bounds_of_a_running_run(spawn, tmp_p
     done = run_distsgd(["scale", str(run_dir), "--workers", "4"], timeout=30)
     assert done.returncode == 2 and "ask for a number in 2..3" in done.stderr, done.stderr
     assert not (run_dir / "scale.json").exists()
-    _finish(launcher)
-    time.sleep(0.2)
+    launcher.send_signal(signal.SIGINT)  # the run stops (no need to wait for its end)
+    launcher.communicate(timeout=STEP_TIMEOUT)
+    assert launcher.returncode == 130
     assert not (run_dir / "launcher.pid").exists()
     done = run_distsgd(["scale", str(run_dir), "--workers", "3"], timeout=30)
     assert done.returncode == 2 and "no launcher is running" in done.stderr, done.stderr

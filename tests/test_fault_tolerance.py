@@ -1,16 +1,14 @@
 """Training survives SIGKILLed workers and parameter servers, and resumes after a crash.
 
-Every scheme: an undisturbed demo run on 4 workers (the convergence test: at least 0.95), then the
-same training (same seed, model, data and config) with worker 1 and ps 0 killed mid-run (collective
-schemes have no ps: worker 1 only), written as a loop of the user's own (tests/scripts/own_loop.py,
-``distsgd.Worker``): so every scheme trains a plain PyTorch loop on 4 workers too, with its faults.
-The disturbed run must finish, log each fault and its restart, reach 0.95 too, and lose at most
-0.03 of test accuracy against the undisturbed one. Why 0.03: runs of one scheme with the same seed
-differ because the order in which asynchronous pushes arrive differs from run to run. Measured:
-undisturbed agn 0.9694 and 0.9833, sync 0.9722 and 0.9806, dynsgd 0.9722, 0.9806, 0.9806 and
-0.9833; dynsgd with kills 0.9778 three times, and once 0.9583 in CI (a spread of 0.025 between two
-single runs, 9 of the 360 test digits). The bar of 0.95 holds for every run. A fault that lost the
-servers' or a worker's state costs far more.
+Every scheme: the demo's training (its seed, model, data and config, 4 workers), written as a
+loop of the user's own (tests/scripts/own_loop.py, ``distsgd.Worker``), with worker 1 and ps 0
+SIGKILLed mid-run (collective schemes have no ps: worker 1 only). So every scheme trains a plain
+PyTorch loop on 4 workers, with its faults. The run must finish, log each fault and its restart,
+write its run folder as documented, and reach 0.95: the bar of an undisturbed demo run. Measured
+undisturbed (``distsgd demo --workers 4``, one run each; a run of this test once also made an
+undisturbed run per scheme, dropped to keep CI short): 0.9667 to 0.9833; with the kills 0.9583 to
+0.9833 (dynsgd 0.9778 three times, and once 0.9583 in CI). A fault that lost the servers' or a
+worker's state costs far more: it ends near chance or below 0.9.
 """
 
 from __future__ import annotations
@@ -31,30 +29,25 @@ FOUR_WORKERS = {"hogwild": ["--lr", "0.15"], "eamsgd": ["--lr", "0.15"]}
 at the full rate, and EAMSGD's momentum multiplies it by about 1 / (1 - delta); at the demo's
 lr 0.3 each fell below 0.95 in 1 of 3 runs with 4 workers (Hogwild to chance: it diverged)."""
 
+GLOBAL_STEPS = {"hogwild": 1320, "dynsgd": 1320, "downpour": 264, "sagn": 83}
+"""The demo's global steps on 4 workers (330 local steps each: 30 epochs of 1,437 samples in
+batches of 32 per worker), as its undisturbed runs counted them (docs/schemes/results/): every
+worker's update under hogwild and dynsgd, a push of 5 steps under downpour, one of all workers'
+sums under sagn, and about one per local step for the others. The kills land at 30% and 60%."""
+
 
 @pytest.mark.xdist_group("demo-runs")  # one xdist worker runs these in turn: 5 processes each
 @pytest.mark.parametrize("scheme", schemes.names())
-def test_demo_reaches_95_percent_and_kills_cost_at_most_three_points(
+def test_a_plain_loop_reaches_95_percent_on_4_workers_with_a_worker_and_a_ps_killed(
     scheme: str, tmp_path: Path
 ) -> None:
     flags = ["--scheme", scheme, "--workers", "4", "--quiet", *FOUR_WORKERS.get(scheme, [])]
-    calm_dir = tmp_path / "calm"  # as a user runs it: no checkpoints, nothing injected
-    calm = final_accuracy(run_distsgd(["demo", *flags, "--run-dir", str(calm_dir)]))
-    # The demo as a user runs it: at least 0.95, and metrics.jsonl as documented.
-    assert calm >= 0.95, f"{scheme}: {calm}"
-    records = metrics(calm_dir)
-    final = [r for r in records if r.get("final")]
-    assert final and abs(final[0]["accuracy"] - calm) < 1e-4
-    assert all({"time", "step", "task"} <= set(r) for r in records)
-    assert (calm_dir / "final_model.pt").exists()
-    result = json.loads((calm_dir / "result.json").read_text())
-    assert result["scheme"] == scheme and result["test_accuracy"] == pytest.approx(calm, abs=1e-4)
-    total = result["global_step"]
+    total = GLOBAL_STEPS.get(scheme, 330)
     kills = ["--inject-fault", f"kill:worker:1@step={int(0.3 * total)}"]
     uses_ps = schemes.get(scheme).uses_parameter_servers
     if uses_ps:
         kills += ["--inject-fault", f"kill:ps:0@step={int(0.6 * total)}"]
-    hit_dir = tmp_path / "hit"
+    run_dir = tmp_path / "hit"
     hit = final_accuracy(
         run_distsgd(
             [
@@ -66,12 +59,13 @@ def test_demo_reaches_95_percent_and_kills_cost_at_most_three_points(
                 "3",
                 *kills,
                 "--run-dir",
-                str(hit_dir),
+                str(run_dir),
                 str(SCRIPTS / "own_loop.py"),  # the demo's training in a loop of its own
             ]
         )
     )
-    events = [r for r in metrics(hit_dir) if r.get("task") == "launcher"]
+    records = metrics(run_dir)
+    events = [r for r in records if r.get("task") == "launcher"]
     injected = {e["target"] for e in events if e.get("event") == "fault_injected"}
     restarted = {
         e["target"]
@@ -80,10 +74,18 @@ def test_demo_reaches_95_percent_and_kills_cost_at_most_three_points(
     }
     expected = {"worker1", "ps0"} if uses_ps else {"worker1"}
     assert injected == expected and restarted == expected, events
-    print(f"{scheme}: undisturbed {calm:.4f}, with kills {hit:.4f}")
-    assert hit >= 0.95 and hit >= calm - 0.03, (
-        f"{scheme}: undisturbed {calm:.4f}, with kills {hit:.4f}"
-    )
+    print(f"{scheme}: with kills {hit:.4f}")
+    assert hit >= 0.95, f"{scheme}: with kills {hit:.4f}"
+    # The run folder as documented: metrics.jsonl's final line, result.json, the model.
+    final = [r for r in records if r.get("final")]
+    assert final and abs(final[0]["accuracy"] - hit) < 1e-4
+    assert all({"time", "task"} <= set(r) for r in records)
+    assert all("step" in r for r in records if "loss" in r)
+    assert (run_dir / "final_model.pt").exists()
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["scheme"] == scheme and result["test_accuracy"] == pytest.approx(hit, abs=1e-4)
+    # the kills came mid-run: the run's length is the one they were timed for
+    assert 0.9 * total <= result["global_step"] <= 1.2 * total, (result["global_step"], total)
 
 
 def test_kill_during_checkpoint_writes_then_resume(tmp_path: Path) -> None:
