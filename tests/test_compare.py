@@ -185,6 +185,56 @@ def test_sigint_stops_the_current_run_and_skips_the_rest(spawn, tmp_path: Path) 
     assert rows["allreduce"][0].startswith("**not run")
 
 
+@pytest.mark.slow
+def test_a_real_tuned_repeated_comparison(tmp_path: Path) -> None:
+    """``--tune`` and ``--repeats`` with real processes (small: blobs.py, 2 workers, 20 steps):
+    the tuning runs hold out the validation part and pick the lr that learns, the final runs
+    train on all of train_data with the chosen lr and seeds 0 and 1, and the table, the JSON
+    and the figure show the choice and the mean ± std of the two final runs."""
+    out, done = _compare(
+        tmp_path,
+        *("--schemes", "hogwild", "--tune", "lr=0.0001,0.2", "--repeats", "2", "--eval-every", "5"),
+        *(BLOBS, "--steps", "20"),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1/1 hogwild: chose lr=0.2 (accuracy" in done.stdout, done.stdout[-3000:]
+    configs = {
+        str(p.parent.relative_to(out)): json.loads(p.read_text())["config"]
+        for p in out.rglob(RESULT_FILE)
+    }
+    assert sorted(configs) == [
+        "runs/hogwild/seed0",
+        "runs/hogwild/seed1",
+        "tune/hogwild/lr=0.0001",
+        "tune/hogwild/lr=0.2",
+    ]
+    for key, config in configs.items():
+        tuning = key.startswith("tune/")
+        assert config["validation"] == (0.2 if tuning else 0.0), (key, config)
+        if not tuning:
+            assert config["lr"] == 0.2 and config["seed"] == int(key[-1]), (key, config)
+    assert configs["tune/hogwild/lr=0.0001"]["lr"] == 0.0001
+    finals = [
+        json.loads((out / "runs" / "hogwild" / f"seed{i}" / RESULT_FILE).read_text())
+        for i in (0, 1)
+    ]
+    accuracies = [r["test_accuracy"] for r in finals]
+    rows = _rows((out / "compare.md").read_text())
+    hogwild = rows["hogwild"]
+    assert hogwild[0] == "ok (2 runs)"
+    mean, std = torch.tensor(accuracies).mean().item(), torch.tensor(accuracies).std().item()
+    assert hogwild[1] == f"{mean:.4f} ± {std:.4f}", (hogwild[1], accuracies)
+    assert hogwild[9].startswith("**lr=0.2** (lr=0.0001: "), hogwild[9]
+    data = json.loads((out / "compare.json").read_text())
+    entry = data["entries"][0]
+    assert entry["tuned"] == {"lr": 0.2} and entry["seeds"] == [0, 1]
+    assert entry["final_accuracy"]["n"] == 2
+    if missing_figure_reason() is None:
+        assert (out / "compare.png").read_bytes()[:8] == PNG_MAGIC
+    for run_dir in out.glob("*/hogwild/*"):
+        _no_process_left(run_dir)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

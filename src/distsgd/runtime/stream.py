@@ -40,8 +40,10 @@ the very batches the same data in memory gives.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -101,13 +103,16 @@ class _Part(IterableDataset[Any]):
         return itertools.islice(items, part, None, parts)
 
 
-def _die_with_parent(worker_id: int) -> None:
-    """(In each DataLoader worker) on Linux, be killed when the process that forked it dies,
-    so no reader outlives a killed worker; torch's own check notices only every few seconds."""
+def _die_with_parent(worker_id: int, parent: int) -> None:
+    """(In each DataLoader worker) on Linux, be killed when the process that forked it
+    (``parent``) dies, so no reader outlives a killed worker; torch's own check notices only
+    every few seconds. A parent that died before the request was made is seen at once."""
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != parent:  # it died before prctl: no signal will come
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _loader(dataset: Dataset[Any], workers: int, **kwargs: Any) -> DataLoader[Any]:
@@ -115,7 +120,7 @@ def _loader(dataset: Dataset[Any], workers: int, **kwargs: Any) -> DataLoader[An
         dataset,
         num_workers=workers,
         prefetch_factor=PREFETCH if workers else None,
-        worker_init_fn=_die_with_parent if workers else None,
+        worker_init_fn=functools.partial(_die_with_parent, parent=os.getpid()) if workers else None,
         **kwargs,
     )
 
