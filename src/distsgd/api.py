@@ -58,6 +58,18 @@ def task() -> TaskInfo:
     return TaskEnv.standalone().info(standalone=True) if env is None else env.info()
 
 
+@contextmanager
+def _setup_errors() -> Iterator[None]:
+    """A ValueError raised while a task sets itself up is a user mistake: a
+    :class:`SetupError`, which the launcher reports in one line and does not restart."""
+    try:
+        yield
+    except SetupError:
+        raise
+    except ValueError as exc:
+        raise SetupError(str(exc)) from exc
+
+
 def _prepare(
     model: nn.Module,
     train_data: Any,
@@ -68,23 +80,7 @@ def _prepare(
 ) -> tuple[TaskEnv, TrainConfig, WorkerScheme, Any, Any]:
     """This task's environment, its config (the command line's flags over the script's),
     its scheme's worker half, and the data sets checked against the model; a mistake in them
-    raises :class:`SetupError` (a ValueError)."""
-    try:
-        return _checked(model, train_data, test_data, config, batch_fn, metrics)
-    except SetupError:
-        raise
-    except ValueError as exc:
-        raise SetupError(str(exc)) from exc
-
-
-def _checked(
-    model: nn.Module,
-    train_data: Any,
-    test_data: Any,
-    config: TrainConfig | None,
-    batch_fn: BatchFn | None,
-    metrics: MetricFns | None,
-) -> tuple[TaskEnv, TrainConfig, WorkerScheme, Any, Any]:
+    raises ValueError (under :func:`_setup_errors`: a :class:`SetupError`)."""
     env = TaskEnv.from_environ() or _alone()
     config = (config or TrainConfig()).replace(**env.overrides)
     spec = schemes.get(env.scheme)
@@ -164,9 +160,10 @@ def train(
     """
     global calls
     calls += 1
-    env, config, scheme, train_set, test_set = _prepare(
-        model, train_data, test_data, config, batch_fn, metrics
-    )
+    with _setup_errors():
+        env, config, scheme, train_set, test_set = _prepare(
+            model, train_data, test_data, config, batch_fn, metrics
+        )
     return run_worker(
         model=model,
         loss_fn=loss_fn,
@@ -252,9 +249,10 @@ class Worker:
             )
         global calls
         calls += 1
-        env, self.config, scheme, train_set, test_set = _prepare(
-            model, train_data, test_data, config, batch_fn, metrics
-        )
+        with _setup_errors():
+            env, self.config, scheme, train_set, test_set = _prepare(
+                model, train_data, test_data, config, batch_fn, metrics
+            )
         self._session = WorkerSession(
             model=model,
             loss_fn=loss_fn,
