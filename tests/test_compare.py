@@ -646,6 +646,43 @@ def test_a_diverged_run_is_marked_in_table_and_legend(tmp_path: Path) -> None:
     assert [e["status"] for e in entries] == ["ok", "diverged"]
 
 
+def test_a_run_that_did_not_learn_is_named_so(tmp_path: Path) -> None:
+    """A run at chance whose parameters barely moved (``"stalled"`` in result.json): the
+    capture finds the launcher's 'did not learn' line, the table and the progress line say
+    'did not learn', and a tuning trial so is never chosen."""
+    capture = _Capture(tmp_path / "launcher.log")
+    capture.write(
+        "distsgd: the run did not learn: the final test accuracy 0.1000 is no better than "
+        "chance (0.1167, ...), and the parameters moved only 0.03% of their size from where "
+        "training started; raise --lr, or train longer (--epochs or --steps)\n"
+    )
+    reason = capture.reason()
+    capture.close()
+    assert reason.startswith("the final test accuracy 0.1000") and "raise --lr" not in reason
+    (tmp_path / RESULT_FILE).write_text(json.dumps({"test_accuracy": 0.1, "stalled": True}))
+    (tmp_path / METRICS_FILE).write_text("")
+    run = compare_module.summarize(
+        "sync",
+        tmp_path,
+        label="sync",
+        status="diverged",
+        reason=reason,
+        parameter_servers=1,
+        eval_every=4,
+        wall_seconds=3.0,
+    )
+    assert run.stalled
+    context = _context(command="distsgd compare --schemes sync", label="demo", workers=8)
+    assert _rows(markdown(context, [run]))["sync"][0].startswith("**did not learn**: the final")
+    assert compare_module._outcome(run).startswith("DID NOT LEARN (the final test accuracy")
+    trials = [
+        Trial(setting={"lr": 0.03}, status=compare_module.STALLED, accuracy=0.1),
+        Trial(setting={"lr": 0.3}, status="ok", accuracy=0.9),
+    ]
+    best = pick_best(trials)
+    assert best is not None and best.setting == {"lr": 0.3}
+
+
 # ----------------------------------------------------------------------------- matplotlib, an extra
 
 
@@ -880,7 +917,7 @@ def test_the_validation_split_is_fixed_disjoint_and_never_reads_the_test_set(
 
     monkeypatch.setenv("DISTSGD_RUNS", "off")
     model = torch.nn.Linear(1, 50)
-    _, config, _, got_train, got_test = api_module._checked(
+    _, config, _, got_train, got_test = api_module._prepare(
         model, (x, y), _Untouchable(), TrainConfig(validation=0.2), None, None
     )
     assert config.validation == 0.2

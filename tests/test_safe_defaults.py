@@ -9,10 +9,12 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import SCRIPTS, alive, final_accuracy, metrics, run_distsgd, task_pids, wait_for
 
 from distsgd.launcher.run import EXIT_DIVERGED
+from distsgd.runtime.divergence import relative_movement
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +64,39 @@ def test_divergence_is_named_and_exits_nonzero(tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].endswith("; lower --lr"), done.stderr
     result = json.loads((run_dir / "result.json").read_text())
     assert result["diverged"] is True and result["divergence"] in lines[0]
+
+
+@pytest.mark.parametrize("scheme", ["allreduce", "hogwild"])
+def test_a_run_that_did_not_learn_is_told_to_raise_the_lr_not_lower_it(
+    scheme: str, tmp_path: Path
+) -> None:
+    """At lr 1e-4 for one epoch the demo ends at chance with its parameters where they
+    started: it did not learn (it was told 'lower --lr' before). lr 3 ends at chance too, but
+    blown up: diverged, 'lower --lr'."""
+    run_dir = tmp_path / "small"
+    args = ["demo", "--scheme", scheme, "--workers", "1", "--epochs", "1", "--quiet"]
+    done = run_distsgd([*args, "--lr", "0.0001", "--run-dir", str(run_dir)])
+    assert done.returncode == EXIT_DIVERGED, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("distsgd: ")]
+    assert len(lines) == 1 and lines[0].startswith("distsgd: the run did not learn: "), lines
+    assert "no better than chance" in lines[0] and "the parameters moved only 0.0" in lines[0]
+    assert lines[0].endswith("; raise --lr, or train longer (--epochs or --steps)")
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["stalled"] is True and result["diverged"] is True
+    if scheme != "allreduce":
+        return
+    big = run_distsgd([*args, "--lr", "3", "--run-dir", str(tmp_path / "big")])
+    assert big.returncode == EXIT_DIVERGED, big.stdout[-2000:] + big.stderr[-2000:]
+    assert "distsgd: the run diverged: " in big.stderr and big.stderr.strip().endswith("lower --lr")
+    assert "stalled" not in json.loads((tmp_path / "big" / "result.json").read_text())
+
+
+def test_relative_movement() -> None:
+    start = [np.array([3.0, 0.0]), np.array([4.0])]
+    assert relative_movement(start, start) == 0.0
+    assert relative_movement(start, [np.array([3.0, 0.0]), np.array([4.5])]) == 0.1
+    assert relative_movement([np.zeros(2)], [np.zeros(2)]) == 0.0
+    assert relative_movement([np.zeros(2)], [np.ones(2)]) == float("inf")
 
 
 def test_nonfinite_loss_stops_the_run_without_restarts(tmp_path: Path) -> None:

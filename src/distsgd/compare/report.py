@@ -171,7 +171,9 @@ def _row(group: Sequence[SchemeRun], target: float | None, workers: int | None =
         reach = f"{run.seconds_to_target:.1f}"
     cells = [
         f"`{run.label}`",
-        "ok" if run.status == "ok" else f"**diverged**: {run.reason}",
+        "ok"
+        if run.status == "ok"
+        else f"**{'did not learn' if run.stalled else 'diverged'}**: {run.reason}",
         _number(run.final_accuracy),
         _number(run.final_test_loss),
         reach,

@@ -45,6 +45,7 @@ from distsgd.compare.report import Context, write_json, write_markdown
 from distsgd.compare.summary import SchemeRun, default_target, summarize, with_target
 from distsgd.compare.tune import (
     DEFAULT_VALIDATION,
+    STALLED,
     Trial,
     TuneKey,
     grid,
@@ -60,6 +61,7 @@ from distsgd.launcher.run import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    STALLED_PREFIX,
     launch,
 )
 from distsgd.transport.security import TlsConfig
@@ -367,9 +369,10 @@ class _Capture:
     def reason(self) -> str:
         """'task worker1 failed (exit code 1): <its last log line>' from the launcher's error."""
         lines = [line for line in self.lines if line.strip()]
-        diverged = [line for line in lines if line.startswith(DIVERGED_PREFIX)]
-        if diverged:
-            return diverged[-1].removeprefix(DIVERGED_PREFIX).split("; ")[0]
+        for prefix in (DIVERGED_PREFIX, STALLED_PREFIX):
+            said = [line for line in lines if line.startswith(prefix)]
+            if said:
+                return said[-1].removeprefix(prefix).split("; ")[0]
         errors = [i for i, line in enumerate(lines) if line.startswith("distsgd: error: ")]
         if not errors:
             return lines[-1].strip() if lines else "no output"
@@ -492,7 +495,7 @@ class Comparison:
                 trials.append(
                     Trial(
                         setting=setting,
-                        status=run.status,
+                        status=STALLED if run.stalled else run.status,
                         accuracy=run.final_accuracy,
                         loss=run.final_test_loss,
                         run_dir=run.run_dir,
@@ -664,7 +667,8 @@ def _outcome(run: SchemeRun, *, validation: bool = False) -> str:
             else "no test score"
         )
         train = f"{run.train_seconds:.1f}s" if run.train_seconds is not None else "?"
-        done = "done" if run.status == "ok" else f"DIVERGED ({run.reason})"
+        bad = "DID NOT LEARN" if run.stalled else "DIVERGED"
+        done = "done" if run.status == "ok" else f"{bad} ({run.reason})"
         return f"{done}, {score}, {train} of training ({wall} with start-up)"
     if run.status == "interrupted":
         return f"interrupted after {wall}; the remaining runs are skipped"

@@ -103,6 +103,9 @@ class SchemeRun:
     """The entry's tuning runs and their validation scores."""
     repeat: int = 0
     """Which of the entry's ``--repeats`` runs this is (0 first)."""
+    stalled: bool = False
+    """A diverged run that ended at chance while its parameters barely moved: it did not
+    learn."""
     curves: Curves = field(default_factory=Curves)
 
     def __post_init__(self) -> None:
@@ -339,6 +342,7 @@ def summarize(
         overrides=dict(overrides or {}),
         status=status,
         reason=reason,
+        stalled=bool(result.get("stalled")),
         run_dir=str(run_dir),
         parameter_servers=parameter_servers,
         eval_every=eval_every,

@@ -44,6 +44,11 @@ DEFAULT_VALIDATION = 0.2
 _KINDS: dict[str, type] = {"int": int, "float": float, "str": str}
 
 
+STALLED = "did not learn"
+"""A tuning run's status when it ended at chance while its parameters barely moved (a setting
+too small or too short to learn; never chosen, like a diverged one)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TuneKey:
     """One ``--tune`` flag: a key and the values to try, in the order given."""

@@ -63,7 +63,8 @@ from distsgd.util import write_atomic
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-"""Exit codes of ``distsgd run``/``demo``: 3 means training finished or stopped but diverged."""
+"""Exit codes of ``distsgd run``/``demo``: 3 means training finished or stopped but diverged
+(or did not learn: ended at chance while its parameters barely moved)."""
 CONFIG_FILE = "config.json"
 LAUNCHER_LOG = "launcher.log"
 """What the launcher said (its notes, progress, results and errors), in the run folder."""
@@ -73,6 +74,8 @@ LEAVE_GRACE_SECONDS = 30.0
 
 DIVERGED_PREFIX = "distsgd: the run diverged: "
 """How the launcher's line about a diverged run begins (then the reason and the fix)."""
+STALLED_PREFIX = "distsgd: the run did not learn: "
+"""The same for a run that ended at chance while its parameters barely moved (``"stalled"``)."""
 
 
 class RunFailed(RuntimeError):
@@ -84,7 +87,12 @@ class Interrupted(Exception):
 
 
 class Diverged(RuntimeError):
-    """Training diverged (a non-finite loss, or a result no better than chance)."""
+    """Training diverged (a non-finite loss, or a result no better than chance); ``stalled``:
+    it ended at chance while its parameters barely moved (it did not learn)."""
+
+    def __init__(self, reason: str, *, stalled: bool = False) -> None:
+        super().__init__(reason)
+        self.stalled = stalled
 
 
 def launch(config: LaunchConfig, console: Console | None = None) -> int:
@@ -132,7 +140,11 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         console.error(f"distsgd: error: {exc}")
         return EXIT_FAILED
     except Diverged as exc:
-        console.error(f"{DIVERGED_PREFIX}{exc}; {schemes.get(config.scheme).divergence_fix()}")
+        spec = schemes.get(config.scheme)
+        if exc.stalled:
+            console.error(f"{STALLED_PREFIX}{exc}; {spec.stall_fix()}")
+        else:
+            console.error(f"{DIVERGED_PREFIX}{exc}; {spec.divergence_fix()}")
         return EXIT_DIVERGED
     finally:
         launcher_file.unlink(missing_ok=True)
@@ -811,7 +823,7 @@ class LocalRun:
             if not result.get("diverged"):  # another worker's loss ended above its start
                 result.update(diverged=True, divergence=reason)
                 write_atomic(result_path, json.dumps(result, indent=2) + "\n")
-            raise Diverged(str(reason))
+            raise Diverged(str(reason), stalled=bool(result.get("stalled")))
         return EXIT_OK
 
 

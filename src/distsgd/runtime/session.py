@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -55,7 +56,15 @@ from distsgd.runtime.collective import Collective
 from distsgd.runtime.config import TrainConfig, lr_factor
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.data import BatchFn
-from distsgd.runtime.divergence import Diverged, DivergenceMonitor, accuracy_verdict
+from distsgd.runtime.divergence import (
+    MOVEMENT_SAMPLE,
+    STALL_MOVEMENT,
+    Diverged,
+    DivergenceMonitor,
+    accuracy_verdict,
+    relative_movement,
+    stalled_verdict,
+)
 from distsgd.runtime.errors import SetupError
 from distsgd.runtime.evaluate import LossFn, MetricFns, evaluate
 from distsgd.runtime.faults import FaultInjector
@@ -94,6 +103,10 @@ class TrainResult:
     """True when training diverged (see :mod:`distsgd.runtime.divergence`)."""
     divergence: str | None = None
     """Why it counts as diverged, or None."""
+    stalled: bool = False
+    """(Chief) True when the run ended at chance while its parameters barely moved: it did not
+    diverge but did not learn (steps too small or too few); ``diverged`` is True too (a failed
+    run)."""
     time_split: dict[str, float] = dataclasses.field(default_factory=dict)
     """This worker's seconds per phase (see :mod:`distsgd.runtime.timing`): compute, pull, ..."""
     work: dict[str, Any] | None = None
@@ -500,6 +513,11 @@ class WorkerSession:
                 wait=env.wait_timeout,
             )
         self.watch = DivergenceMonitor(self.name, from_start=self.start_step == 0)
+        # where training started (the chief's, from step 0): a run at chance that barely
+        # moved from here stalled rather than diverged
+        self._start_point = (
+            _parameter_sample(model) if self.chief and self.start_step == 0 else None
+        )
         if self.chief and self.test_set is not None and config.eval_every:
             self._eval_model = copy.deepcopy(model)
         self.started = time.monotonic()
@@ -816,9 +834,21 @@ class WorkerSession:
                 else accuracy_verdict(scores.get("accuracy"), scores.get("chance"))
             )
             if verdict is not None and not result.diverged:
+                moved = (
+                    relative_movement(self._start_point, _parameter_sample(model))
+                    if self._start_point is not None and math.isfinite(scores["loss"])
+                    else math.inf
+                )
+                stalled = moved < STALL_MOVEMENT
+                if stalled:
+                    verdict = stalled_verdict(verdict, moved)
                 log.warning("diverged: %s", verdict)
-                self.metrics.log(step=ctx.global_step, event="diverged", reason=verdict)
-                result = dataclasses.replace(result, diverged=True, divergence=verdict)
+                self.metrics.log(
+                    step=ctx.global_step, event="diverged", reason=verdict, stalled=stalled
+                )
+                result = dataclasses.replace(
+                    result, diverged=True, divergence=verdict, stalled=stalled
+                )
             self._log_scores(scores, final=True)
             log.info("test loss %.4f, accuracy %s", scores["loss"], scores.get("accuracy"))
             for callback in self.callbacks:
@@ -894,6 +924,16 @@ def _work_counts(status: Any) -> dict[str, Any]:
     }
 
 
+def _parameter_sample(model: nn.Module) -> list[np.ndarray]:
+    """Up to MOVEMENT_SAMPLE evenly strided elements of each exchanged parameter (float64)."""
+    out = []
+    for p in exchanged_parameters(model).values():
+        flat = p.detach().reshape(-1)
+        stride = max(1, flat.numel() // MOVEMENT_SAMPLE)
+        out.append(flat[::stride][:MOVEMENT_SAMPLE].double().cpu().numpy().copy())
+    return out
+
+
 def _result_fields(result: TrainResult) -> dict[str, Any]:
     """result.json's fields: ``work`` and ``left`` only where they say something."""
     fields = asdict(result)
@@ -903,6 +943,8 @@ def _result_fields(result: TrainResult) -> dict[str, Any]:
         del fields["left"]
     if not fields["metrics"]:
         del fields["metrics"]
+    if not fields["stalled"]:
+        del fields["stalled"]
     return fields
 
 

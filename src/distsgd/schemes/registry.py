@@ -36,7 +36,14 @@ class SchemeSpec:
 
     def divergence_fix(self) -> str:
         """What to lower when a run of this scheme diverged, as flags."""
-        return "lower " + " or ".join(f"--{name.replace('_', '-')}" for name in self.step_size)
+        return "lower " + self._step_flags()
+
+    def stall_fix(self) -> str:
+        """What to do when a run of this scheme did not learn (it stalled at chance)."""
+        return f"raise {self._step_flags()}, or train longer (--epochs or --steps)"
+
+    def _step_flags(self) -> str:
+        return " or ".join(f"--{name.replace('_', '-')}" for name in self.step_size)
 
     @property
     def uses_parameter_servers(self) -> bool:
