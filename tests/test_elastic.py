@@ -108,9 +108,21 @@ def _members_seen(run_dir: Path, count: int) -> bool:
     return any(len(r.get("members", [])) == count for r in _events(run_dir, "membership"))
 
 
-def _demo(scheme: str, run_dir: Path, *flags: str) -> list[str]:
+EPOCHS = "40"
+PACE = "50ms"
+"""Every step of every worker (those that join later too) sleeps this long: a scripted run
+must last while its changes of size happen (about 40 s), and sleeping costs no CPU, where the
+100 epochs these runs used to train for the same purpose cost a minute of it each."""
+
+
+def _demo(scheme: str, run_dir: Path, *flags: str, paced: bool = True) -> list[str]:
+    """A demo run of EPOCHS epochs; ``paced``: each worker it may have (up to --max-workers,
+    else --workers) delayed by PACE."""
+    counts = [int(flags[i + 1]) for i, f in enumerate(flags) if f in ("--workers", "--max-workers")]
+    pace = [f"--inject-fault=delay:worker:{i}={PACE}" for i in range(max(counts, default=1))]
     return [
-        *("demo", "--scheme", scheme, "--epochs", "100", "--quiet", "--run-dir", str(run_dir)),
+        *("demo", "--scheme", scheme, "--epochs", EPOCHS, "--quiet", "--run-dir", str(run_dir)),
+        *(pace if paced else []),
         *flags,
     ]
 
@@ -140,14 +152,15 @@ def test_run_grows_and_shrinks_2_4_1_3_without_losing_a_sample(
     work = json.loads((run_dir / "result.json").read_text())["work"]
     assert work["finished"] and work["units_done"] == work["total_units"]
     assert work["trained_twice"] == 0 and work["never_trained"] == 0, work
-    assert work["trained_once"] == work["total_units"] == 100 * work["units_per_epoch"]
+    assert work["trained_once"] == work["total_units"] == int(EPOCHS) * work["units_per_epoch"]
     assert alive(list(task_pids(run_dir).values())) == []
     assert elastic >= 0.95, elastic
     if scheme != "hogwild":  # the comparison with fixed runs once: it costs two more runs
         return
     references = []  # two fixed runs of 3 workers: their own spread shows on a busy machine
     for i in range(2):
-        fixed = run_distsgd(_demo(scheme, tmp_path / f"fixed{i}", "--workers", "3"), timeout=240)
+        fixed_run = _demo(scheme, tmp_path / f"fixed{i}", "--workers", "3", paced=False)
+        fixed = run_distsgd(fixed_run, timeout=240)
         assert fixed.returncode == 0, fixed.stderr[-3000:]
         references.append(_accuracy(fixed.stdout))
     assert elastic >= 0.95, (elastic, references)
@@ -161,7 +174,7 @@ def test_a_worker_out_of_restarts_is_dropped_while_min_workers_remain(tmp_path: 
     run_dir = tmp_path / "run"
     done = run_distsgd(
         [
-            *_demo("hogwild", run_dir, "--workers", "3", "--min-workers", "2"),
+            *_demo("hogwild", run_dir, "--workers", "3", "--min-workers", "2", paced=False),
             *("--max-workers", "3", "--world-size", "dynamic", "--max-restarts", "0"),
             *("--inject-fault", "kill:worker:2@step=300"),
         ],

@@ -72,6 +72,28 @@ def test_launch_config_bounds_and_world_size() -> None:
     assert LaunchConfig(script=SCRIPT, workers=2, max_workers=3, scheme="allreduce").elastic
 
 
+def test_faults_may_name_the_workers_a_run_can_grow_to() -> None:
+    """--inject-fault delay:worker:3 is for worker3: one a run of 2 workers may start when it
+    grows to --max-workers 4, and none a fixed run of 2 has."""
+    dynamic = {"world_size": "dynamic"}
+    faults = ["delay:worker:3=50ms"]
+    grows = LaunchConfig(
+        script=SCRIPT, workers=2, max_workers=4, scheme="hogwild", overrides=dynamic, faults=faults
+    )
+    assert grows.faults == faults
+    with pytest.raises(ValueError, match=r"no worker4 \(4 worker tasks at most\); use an index"):
+        LaunchConfig(
+            script=SCRIPT,
+            workers=2,
+            max_workers=4,
+            scheme="hogwild",
+            overrides=dynamic,
+            faults=["delay:worker:4=50ms"],
+        )
+    with pytest.raises(ValueError, match=r"no worker3 \(2 worker tasks\); use an index below 2"):
+        LaunchConfig(script=SCRIPT, workers=2, scheme="hogwild", faults=faults)
+
+
 def test_scale_request_is_answered_by_its_sequence_number(tmp_path: Path) -> None:
     run = _run_folder(tmp_path)
 

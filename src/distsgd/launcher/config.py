@@ -152,11 +152,13 @@ class LaunchConfig:
             )
         for spec_text in self.faults:
             fault = Fault.parse(spec_text)
-            count = self.num_ps if fault.job == "ps" else self.workers
+            # a run that may grow (--max-workers) has its later workers' indices too
+            count = self.num_ps if fault.job == "ps" else self.highest_workers
             if fault.index >= count:
+                most = " at most" if fault.job == "worker" and self.elastic else ""
                 raise ValueError(
                     f"--inject-fault {spec_text}: there is no {fault.task} "
-                    f"({count} {fault.job} tasks); use an index below {count}"
+                    f"({count} {fault.job} tasks{most}); use an index below {count}"
                 )
         if self.resume and self.run_dir is None:
             raise ValueError("--resume needs the run folder to continue")
