@@ -145,3 +145,19 @@ def test_the_reaper_removes_the_scratch_folder_of_a_group_that_ended_with_its_la
         timeout=60,
     )
     assert reaper.returncode == 0 and not scratch.exists()
+
+
+def test_a_signal_handler_sets_its_event_even_while_the_main_thread_holds_its_lock() -> None:
+    """The handler may run while the main thread is inside ``event.wait()`` holding the
+    event's lock (a plain ``event.set()`` there deadlocked a reaper): it returns at once and
+    the event is set once the lock is free."""
+    import threading
+
+    from distsgd.util.signals import setter
+
+    event = threading.Event()
+    handle = setter(event)
+    with event._cond:  # type: ignore[attr-defined]  # as inside wait()
+        handle(signal.SIGTERM, None)  # a plain event.set() would block here forever
+        assert not event.is_set()
+    assert event.wait(5)

@@ -42,7 +42,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from distsgd.cluster import kube
@@ -52,6 +51,7 @@ from distsgd.launcher.progress import Console, Progress
 from distsgd.launcher.supervisor import Supervisor, Task
 from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
 from distsgd.util import write_atomic
+from distsgd.util.signals import setter
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -544,12 +544,9 @@ def run_local(
     cluster = LocalCluster(out_dir, folder, console)
     previous: dict[signal.Signals, Any] = {}
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        cluster.stop.set()
-
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, on_signal)
+            previous[sig] = signal.signal(sig, setter(cluster.stop))
     try:
         console.note(
             f"[k8s local] JobSet {cluster.name}: "

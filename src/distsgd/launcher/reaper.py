@@ -18,6 +18,7 @@ import threading
 import time
 
 from distsgd.launcher.lifeline import PARENT_ENV, PR_SET_PDEATHSIG
+from distsgd.util.signals import setter
 
 
 def group_alive(pgid: int) -> bool:
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = args[1] if len(args) == 2 else None
     parent = int(os.environ.get(PARENT_ENV, os.getppid()))
     woken = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: woken.set())
+    signal.signal(signal.SIGTERM, setter(woken))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     if sys.platform.startswith("linux"):
         import ctypes

@@ -22,7 +22,6 @@ import time
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from distsgd import schemes
@@ -59,6 +58,7 @@ from distsgd.transport.security import (
     write_secret_file,
 )
 from distsgd.util import write_atomic
+from distsgd.util.signals import setter
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +121,9 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
     local = LocalRun(config, console, run_dir, supervisor, stop)
     previous: dict[signal.Signals, Any] = {}
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, on_signal)
+            previous[sig] = signal.signal(sig, setter(stop))
     launcher_file = run_dir / LAUNCHER_FILE
     try:
         write_atomic(launcher_file, f"{os.getpid()}\n")  # distsgd scale checks it is running

@@ -34,6 +34,7 @@ from distsgd.transport.security import (
     trusted_network,
 )
 from distsgd.util import write_atomic
+from distsgd.util.signals import setter
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ def serve(
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, setter(stop))
     server, bound, service = start_server(
         address=address,
         shard_index=shard_index,

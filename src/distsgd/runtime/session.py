@@ -78,6 +78,7 @@ from distsgd.runtime.task import TaskEnv
 from distsgd.runtime.work import LeasedBatches, wait_members_gone, work_spec
 from distsgd.transport.security import TlsConfig, load_secret
 from distsgd.util import write_atomic, write_bytes_atomic
+from distsgd.util.signals import setter
 
 log = logging.getLogger(__name__)
 
@@ -891,11 +892,10 @@ def _stop_on_sigterm(stop: threading.Event) -> Callable[[], None] | None:
     if threading.current_thread() is not threading.main_thread():
         return None
 
-    def handle(signum: int, frame: object) -> None:
+    def said() -> None:
         log.info("SIGTERM: leaving the run after this step")
-        stop.set()
 
-    previous = signal.signal(signal.SIGTERM, handle)
+    previous = signal.signal(signal.SIGTERM, setter(stop, before=said))
 
     def restore() -> None:
         signal.signal(signal.SIGTERM, previous)
