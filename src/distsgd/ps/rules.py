@@ -302,8 +302,9 @@ class UpdateRule(ABC):
     def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
         """Apply one push of piece arrays to ``shard.values``, in place.
 
-        The payload's arrays may be views of a shared-memory segment or a receive buffer that
-        the next push overwrites: copy whatever the rule keeps after it returns."""
+        The payload's arrays may be views of the server's receive buffer (the copy of a
+        shared-memory push, a tensor socket's bytes) that the next push overwrites: copy
+        whatever the rule keeps after it returns."""
 
     def on_leave(self, shard: Shard, worker: int) -> None:  # noqa: B027 - optional hook
         """A worker finished or left; synchronous rules adjust how many pushes close a step."""

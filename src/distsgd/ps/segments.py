@@ -81,7 +81,8 @@ class Attached:
     sock: socket.socket | None = None
     """Its data channel, once presented (a tensor socket's is its only way in)."""
     scratch: np.ndarray | None = None
-    """(Tensor socket) where pushed bytes land, as big as the push area."""
+    """Server-private memory where a push's bytes land before they are checked and applied
+    (a tensor socket's received bytes, a segment's push area copied): made once, reused."""
     _pull_views: dict[str, np.ndarray] | None = None
     _push_views: dict[str, np.ndarray] | None = None
 
@@ -116,6 +117,14 @@ class Attached:
 
     def push_offset(self, key: str) -> int:
         return self.layout.push_at[key]
+
+    def scratch_of(self, nbytes: int) -> np.ndarray:
+        """:attr:`scratch`, at least ``nbytes`` long: allocated once as big as the push area
+        (again only if a push needs more). Call under :attr:`lock`."""
+        if self.scratch is None or self.scratch.size < nbytes:
+            push_area = self.layout.size - self.layout.push[0] if self.layout.push else 0
+            self.scratch = np.empty(max(nbytes, push_area), np.uint8)
+        return self.scratch
 
 
 class SegmentTable:

@@ -5,6 +5,13 @@ refused as a whole with a documented status code and leaves the shard exactly as
 is validated whole (header, lr_scale, every key, dtype and shape, then every value finite)
 before the rule sees any of it. An exception no check foresaw is answered INTERNAL and logged,
 never UNKNOWN.
+
+What is validated is what is applied: the rule only ever reads server-private memory that no
+peer can write once the checks begin. A stream's chunks are assembled into buffers of the call
+(``ChunkAssembler``); a data-channel frame is read into bytes of its own; a tensor socket's
+payload is received into the entry's ``scratch``; and a shared-memory push, whose segment the
+worker (or any process mapping it) can still write, is first copied, exactly the announced
+bytes, into that same ``scratch`` under the entry's lock, and checked and applied from there.
 """
 
 from __future__ import annotations
@@ -1045,21 +1052,26 @@ class ParameterService(pb_grpc.ParameterServerServicer):
     ) -> pb.PushResponse:
         assert entry.segment is not None
         lr_scale = self._check_shared_push(shard, request, context)
+        sizes = [
+            self._encoded_size(shard, spec, context) if is_encoded(spec) else nbytes_of(spec)
+            for spec in request.tensors
+        ]
         with entry.lock:
+            # The push area stays writable by the worker (and any process mapping the segment):
+            # copy exactly the announced bytes into server-private memory first, so the bytes
+            # checked (finite, decodable) are the bytes applied.
+            scratch = entry.scratch_of(sum(shm.align(size) for size in sizes))
             payload: dict[str, np.ndarray] = {}
-            views = entry.push_views()
-            for spec in request.tensors:
-                offset = entry.push_offset(spec.key)
-                if not is_encoded(spec):
-                    view = views[spec.key]  # the layout is the registered pieces' ...
-                    if view.shape != tuple(spec.shape) or dtype_name(view.dtype) != spec.dtype:
-                        view = entry.segment.array(  # ... unless registered again since
-                            offset, np.dtype(spec.dtype), tuple(spec.shape)
-                        )
-                    payload[spec.key] = view
-                    continue
-                size = self._encoded_size(shard, spec, context)
-                payload[spec.key] = entry.segment.raw(offset, size)
+            start = 0
+            for spec, size in zip(request.tensors, sizes, strict=True):
+                part = scratch[start : start + size]
+                start = shm.align(start + size)
+                np.copyto(part, entry.segment.raw(entry.push_offset(spec.key), size))
+                payload[spec.key] = (
+                    part
+                    if is_encoded(spec)
+                    else part.view(np.dtype(spec.dtype)).reshape(tuple(spec.shape))
+                )
             payload = self._decode(request.tensors, payload, context)
             return self._apply_push(shard, request, lr_scale, payload)
 
@@ -1106,9 +1118,7 @@ class ParameterService(pb_grpc.ParameterServerServicer):
             for spec in request.tensors
         ]
         with entry.lock:
-            if entry.scratch is None:
-                entry.scratch = np.empty(sum(v.nbytes for v in shard.values.values()), np.uint8)
-            raw = entry.scratch[: sum(sizes)]
+            raw = entry.scratch_of(sum(sizes))[: sum(sizes)]
             try:
                 bulk.recv_into(entry.sock, raw, deadline=time.monotonic() + RPC_BYTES_SECONDS)
             except bulk.SocketClosed as exc:
