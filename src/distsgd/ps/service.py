@@ -619,10 +619,10 @@ class ParameterService(pb_grpc.ParameterServerServicer):
             )
             return pb.RegisterResponse(created=True, version=0)
 
-    def _await_version(
+    def _check_pull(
         self, request: pb.PullRequest, context: grpc.ServicerContext
     ) -> tuple[Shard, float]:
-        """The checks of a pull, then its wait for ``min_version``: (shard, seconds waited)."""
+        """The checks of a pull, which change nothing: (shard, seconds it may wait)."""
         self._check(request.header, context)
         shard = self._registered(context)
         wait = self._wait_seconds(request.wait_seconds, context)
@@ -630,39 +630,48 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         if remaining is not None:
             wait = min(wait, remaining)
         self._unless_closing(context)
-        shard.see(request.header.worker, request.header.incarnation)
+        return shard, wait
+
+    def _await_version(
+        self, shard: Shard, wait: float, request: pb.PullRequest, context: grpc.ServicerContext
+    ) -> float:
+        """A checked pull (:meth:`_check_pull`) makes its worker a member, then waits for
+        ``min_version``: the seconds waited. A pull refused BUSY changes nothing."""
         restarted = request.server_incarnation not in (0, self.incarnation)
-        waited = 0.0
-        if not restarted and shard.version < request.min_version:
-            if not self._start_waiting():
-                _abort(
-                    context,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"ps{self.shard_index} already holds {self.max_waiting_pulls} waiting pulls; "
-                    "retry later, or start the server with more threads",
-                    Refusal.BUSY,
-                )
-            began = time.monotonic()
-            try:
-                reached = shard.wait_for(request.min_version, wait)
-            finally:
-                self._stop_waiting()
-                waited = time.monotonic() - began
-            self._unless_closing(context)
-            if not reached:
-                _abort(
-                    context,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"shard {self.shard_index} still at version {shard.version} after {wait:.1f}s "
-                    f"waiting for version {request.min_version}",
-                )
-        return shard, waited
+        if restarted or shard.version >= request.min_version:
+            shard.see(request.header.worker, request.header.incarnation)
+            return 0.0
+        if not self._start_waiting():
+            _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"ps{self.shard_index} already holds {self.max_waiting_pulls} waiting pulls; "
+                "retry later, or start the server with more threads",
+                Refusal.BUSY,
+            )
+        began = time.monotonic()
+        try:
+            shard.see(request.header.worker, request.header.incarnation)
+            reached = shard.wait_for(request.min_version, wait)
+        finally:
+            self._stop_waiting()
+            waited = time.monotonic() - began
+        self._unless_closing(context)
+        if not reached:
+            _abort(
+                context,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"shard {self.shard_index} still at version {shard.version} after {wait:.1f}s "
+                f"waiting for version {request.min_version}",
+            )
+        return waited
 
     @_guarded
     def Pull(
         self, request: pb.PullRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.PullResponse]:
-        shard, waited = self._await_version(request, context)
+        shard, wait = self._check_pull(request, context)
+        waited = self._await_version(shard, wait, request, context)
         # A locked rule's values are copied under its lock (one version); an unlocked rule's
         # are streamed as they are, each chunk copied as it goes, as its readers expect.
         version, values = shard.snapshot() if shard.rule.locked else shard.live()
@@ -1007,8 +1016,9 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         self, request: pb.PullRequest, context: grpc.ServicerContext, via: Attached | None
     ) -> tuple[pb.PullHeader, list[np.ndarray]]:
         """A PullShared: its answer, and (tensor socket) the values to send after it."""
-        shard, waited = self._await_version(request, context)
+        shard, wait = self._check_pull(request, context)
         entry = self._own_entry(request.segment, request.header, context, via)
+        waited = self._await_version(shard, wait, request, context)
         arrays: list[np.ndarray] = []
         with entry.lock:
             if entry.segment is not None:

@@ -1,0 +1,94 @@
+"""Refused calls change nothing, and malformed ones are answered INVALID_ARGUMENT (issue 18,
+item 2)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from distsgd.ps import start_server, stop_server
+from distsgd.ps.service import ParameterService
+from distsgd.schemes import make_server_rule
+from distsgd.transport import PROTOCOL_VERSION, Refusal, ShardClient
+from distsgd.transport.proto import distsgd_pb2 as pb
+from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
+
+RUN = "refuse" + os.urandom(4).hex()
+
+
+@contextlib.contextmanager
+def _shard(
+    max_workers: int = 4,
+) -> Iterator[tuple[str, ParameterService, pb_grpc.ParameterServerStub]]:
+    """A registered one-piece hogwild shard of 1 worker that takes worker indexes up to
+    ``max_workers``; its address, service and a raw stub."""
+    srv, address, service = start_server(
+        address="127.0.0.1:0",
+        shard_index=0,
+        rule_factory=make_server_rule,
+        max_workers=max_workers,
+    )
+    try:
+        with ShardClient(address, worker=0, run_id=RUN, timeout=10.0) as client:
+            client.register(
+                shard_index=0,
+                scheme="hogwild",
+                options_json=json.dumps({"lr": 0.1}),
+                num_workers=1,
+                tensors={"w#0": np.ones(10, np.float32)},
+            )
+        with grpc.insecure_channel(address) as channel:
+            yield address, service, pb_grpc.ParameterServerStub(channel)
+    finally:
+        stop_server(srv, service, grace=0.1)
+
+
+def _header(worker: int) -> pb.RequestHeader:
+    return pb.RequestHeader(
+        protocol_version=PROTOCOL_VERSION, run_id=RUN, worker=worker, incarnation=7
+    )
+
+
+def test_a_refused_pull_shared_makes_no_member() -> None:
+    """A PullShared naming no segment (or another worker's) is refused NO_SEGMENT and leaves
+    the membership as it was: the caller is not made a member, the epoch does not move."""
+    with _shard() as (_, service, stub):
+        before = stub.Info(pb.InfoRequest(header=_header(-1)), timeout=5)
+        assert list(before.members) == [0]
+        other = stub.Attach(pb.AttachRequest(header=_header(0)), timeout=5)
+        for segment in (0, 12345, other.segment):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.PullShared(pb.PullRequest(header=_header(2), segment=segment), timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert Refusal.from_metadata(info.value.trailing_metadata()) is Refusal.NO_SEGMENT
+        after = stub.Info(pb.InfoRequest(header=_header(-1)), timeout=5)
+        assert after.membership_epoch == before.membership_epoch
+        assert list(after.members) == [0]
+        assert service.shard is not None and 2 not in service.shard.incarnations
+        # A pull that is not refused does make its worker a member.
+        list(stub.Pull(pb.PullRequest(header=_header(2)), timeout=5))
+        joined = stub.Info(pb.InfoRequest(header=_header(-1)), timeout=5)
+        assert joined.membership_epoch == before.membership_epoch + 1
+        assert list(joined.members) == [0, 2]
+
+
+def test_a_pull_refused_busy_makes_no_member() -> None:
+    """A pull that would wait while every waiting place is taken is refused BUSY, and the
+    caller is not made a member."""
+    with _shard() as (_, service, stub):
+        service.max_waiting_pulls = 1
+        service._waiting = 1  # every place taken
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Pull(pb.PullRequest(header=_header(3), min_version=5), timeout=5))
+        finally:
+            service._waiting = 0
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        after = stub.Info(pb.InfoRequest(header=_header(-1)), timeout=5)
+        assert list(after.members) == [0] and after.membership_epoch == 0
