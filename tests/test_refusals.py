@@ -6,16 +6,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
+from conftest import wait_for
 
 from distsgd.ps import start_server, stop_server
 from distsgd.ps.service import ParameterService
 from distsgd.schemes import make_server_rule
-from distsgd.transport import PROTOCOL_VERSION, Refusal, ShardClient
+from distsgd.transport import PROTOCOL_VERSION, Refusal, ShardClient, bulk
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
 
@@ -92,3 +94,34 @@ def test_a_pull_refused_busy_makes_no_member() -> None:
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         after = stub.Info(pb.InfoRequest(header=_header(-1)), timeout=5)
         assert list(after.members) == [0] and after.membership_epoch == 0
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        pytest.param(bulk.FRAME.pack(pb.CHANNEL_FRAME_PULL, 1000) + b"x" * 10, id="short-body"),
+        pytest.param(bulk.FRAME.pack(pb.CHANNEL_FRAME_PULL, 1000)[:2], id="partial-head"),
+    ],
+)
+def test_a_frame_that_stops_coming_closes_its_data_channel(monkeypatch, sent: bytes) -> None:
+    """A data-channel frame whose head announces 1000 bytes followed by 10 (or a head cut
+    short) loses its channel once the frame's deadline passes: the server closes the
+    connection and drops its segment instead of holding a thread."""
+    monkeypatch.setattr(bulk, "FRAME_SECONDS", 0.5, raising=False)
+    with _shard() as (address, service, stub):
+        reply = stub.Attach(pb.AttachRequest(header=_header(0), socket=True), timeout=5)
+        sock = bulk.connect(address.rsplit(":", 1)[0], reply.port, reply.segment, reply.token, 5)
+        try:
+            began = time.monotonic()
+            sock.sendall(sent)
+            sock.settimeout(10)
+            try:
+                closed = sock.recv(1) == b""
+            except ConnectionResetError:
+                closed = True
+            took = time.monotonic() - began
+        finally:
+            sock.close()
+        assert closed
+        assert took < 5, f"the server held the channel {took:.1f}s"
+        assert wait_for(lambda: service._segments.get(reply.segment, 0) is None, 5)

@@ -6,6 +6,12 @@ one-time token. The connection's own thread reads one request frame at a time an
 the service's handler, the same code that serves the gRPC call, with a :class:`ChannelContext`
 standing in for gRPC's: an abort there becomes an error frame with the code, message and
 refusal gRPC would have carried. Any error closes the channel.
+
+Every read has a deadline: a channel may idle as long as it likes between requests (the wait
+for a frame's first byte gives up only when the server closes), but once a frame has begun, its
+head and message must arrive within :data:`~distsgd.transport.bulk.FRAME_SECONDS`, or the
+channel is closed and its thread freed (a tensor socket's pushed bytes then within the
+request's ``seconds``).
 """
 
 from __future__ import annotations

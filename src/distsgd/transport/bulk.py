@@ -39,6 +39,10 @@ FRAME = struct.Struct("<BI")
 """A frame's head: its kind (``ChannelFrame``) and the length of the message that follows."""
 MAX_FRAME_BYTES = 64 << 20
 """Longest message a frame may announce."""
+FRAME_SECONDS = 10.0
+"""How long a frame may take once its first byte has come: the rest of its head and its whole
+message (a peer that announces more than it sends is dropped after this, not waited for). The
+wait for a frame's first byte is the caller's (a data channel idles between requests)."""
 
 
 class SocketClosed(ConnectionError):
@@ -120,10 +124,13 @@ def send_frame(sock: socket.socket, kind: int, body: bytes, timeout: float) -> N
 def recv_frame(
     sock: socket.socket, *, deadline: float, give_up: Callable[[], bool] | None = None
 ) -> tuple[int, bytes]:
-    """One frame: (kind, message bytes). :class:`SocketClosed` as :func:`recv_into`, and for a
-    frame announcing more than :data:`MAX_FRAME_BYTES`."""
+    """One frame: (kind, message bytes). Its first byte may come until ``deadline``, the rest
+    within :data:`FRAME_SECONDS` of it (and ``deadline``). :class:`SocketClosed` as
+    :func:`recv_into`, and for a frame announcing more than :data:`MAX_FRAME_BYTES`."""
     head = np.empty(FRAME.size, np.uint8)
-    recv_into(sock, head, deadline=deadline, give_up=give_up)
+    recv_into(sock, head[:1], deadline=deadline, give_up=give_up)
+    deadline = min(deadline, time.monotonic() + FRAME_SECONDS)
+    recv_into(sock, head[1:], deadline=deadline)
     kind, length = FRAME.unpack(head.tobytes())
     if length > MAX_FRAME_BYTES:
         raise SocketClosed(f"a frame announces {length} bytes (at most {MAX_FRAME_BYTES})")
