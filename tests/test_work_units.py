@@ -620,3 +620,45 @@ def test_workers_two_four_one_three_lose_no_unit(tmp_path: Path, scheme_name: st
         "worker2",
         "worker3",
     ]
+
+
+def test_info_and_lease_work_cost_no_time_per_unit_with_millions_of_units() -> None:
+    """With 2^22 units, what Info and LeaseWork do under the shard's lock (the WorkStatus, a
+    lease with reports) takes well under a millisecond, not time proportional to the units
+    (cc7a4d7: 0.2-0.9 s a call), and the queue holds a byte per unit (cc7a4d7: 32 MiB)."""
+    import statistics
+    import tracemalloc
+
+    from distsgd.ps.service import work_status
+
+    tracemalloc.start()
+    try:
+        queue = WorkQueue(WorkSpec(samples=1 << 22, unit_size=1, epochs=1.0))
+        memory = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert memory < 8 << 20, f"the queue of 2^22 units takes {memory / 2**20:.1f} MiB"
+    held = queue.lease(0, 1, done=[], want=MAX_LEASE).units
+    seconds = []
+    for _ in range(5):
+        began = time.perf_counter()
+        held = queue.lease(0, 1, done=held[:4], want=4).units
+        status = work_status(queue)
+        seconds.append(time.perf_counter() - began)
+    assert statistics.median(seconds) < 0.02, f"{statistics.median(seconds) * 1e3:.1f} ms a call"
+    assert status.units_done == 20 and status.total_units == 1 << 22
+    assert list(status.trained_once) == [20] and list(status.never_trained) == [(1 << 22) - 20]
+
+
+def test_a_work_spec_beyond_the_unit_cap_is_refused_naming_the_fix(
+    work_server: tuple[str, ParameterService],
+) -> None:
+    from distsgd.ps.work import MAX_TOTAL_UNITS
+
+    with pytest.raises(ValueError, match="raise the unit size"):
+        WorkSpec(samples=MAX_TOTAL_UNITS, unit_size=1, epochs=2.0)
+    address, service = work_server
+    with pytest.raises(RemoteError) as bad:
+        _register(address, pb.WorkSpec(samples=MAX_TOTAL_UNITS + 1, unit_size=1, epochs=1.0))
+    assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(MAX_TOTAL_UNITS) in bad.value.message and service.shard is None

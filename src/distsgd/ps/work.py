@@ -1,7 +1,7 @@
 """Work units: shard 0 hands out the training data in units so that a change of the workers
 loses no sample and trains none twice in an epoch.
 
-Standard library only. The rules of the wire protocol's "Work units" section
+Standard library and numpy only. The rules of the wire protocol's "Work units" section
 (``transport/proto/distsgd.proto``):
 
 * the chief registers a :class:`WorkSpec` (samples N, unit size B, epochs E, seed) with shard 0;
@@ -17,7 +17,12 @@ Standard library only. The rules of the wire protocol's "Work units" section
 * a unit counts as trained each time a worker reports it done while it holds its lease; a
   report of a unit it does not hold (any more) changes nothing and is answered as ``ignored``.
 
-The shard owns one :class:`WorkQueue` (shard 0 only) and calls it under its lock.
+The shard owns one :class:`WorkQueue` (shard 0 only) and calls it under its lock, so every
+call is short whatever the run's size: a done unit and a leased unit cost O(1) (per-unit counts
+live in one byte array, the per-epoch tallies are kept up to date as units are counted, a
+lease's units in an ordered dict), and a :meth:`WorkQueue.tally` (every Info and LeaseWork
+answer) copies the per-epoch tallies, never visiting a unit. A run has at most
+:data:`MAX_TOTAL_UNITS` units: one byte each.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 MAX_LEASE = 16
 """Most units one LeaseWork may ask for (``want``)."""
@@ -38,7 +45,10 @@ MAX_DONE = 1024
 """Most units one LeaseWork may report done."""
 
 MAX_TOTAL_UNITS = 1 << 26
-"""Most units a run may have (epochs x units per epoch): the counts live in memory."""
+"""Most units a run may have (epochs x units per epoch): their counts live in memory, one byte
+each (64 MiB at most); Register refuses a larger work spec INVALID_ARGUMENT."""
+MAX_COUNT = 255
+"""Reports of one unit counted at most (a count saturates here: the tally tells 0, 1, 2+)."""
 
 MAX_EPOCHS = 1e6
 """Largest ``epochs`` a work spec may ask for."""
@@ -68,8 +78,8 @@ class WorkSpec:
             raise ValueError(f"work epochs must be in (0, {MAX_EPOCHS:g}], got {self.epochs!r}")
         if self.total_units > MAX_TOTAL_UNITS:
             raise ValueError(
-                f"work of {self.total_units} units exceeds {MAX_TOTAL_UNITS}; raise the unit "
-                "size or train fewer epochs"
+                f"work of {self.total_units} units exceeds the server's cap of {MAX_TOTAL_UNITS} "
+                "units; raise the unit size (--batch-size) or train fewer epochs"
             )
 
     @property
@@ -112,8 +122,8 @@ class WorkSpec:
 @dataclass
 class Lease:
     incarnation: int
-    units: list[Unit] = field(default_factory=list)
-    """Leased and not reported done, in the order handed out."""
+    units: dict[Unit, None] = field(default_factory=dict)
+    """Leased and not reported done, in the order handed out (a dict: O(1) to find one)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,8 +144,13 @@ class WorkQueue:
 
     def __init__(self, spec: WorkSpec) -> None:
         self.spec = spec
-        self.counts: list[list[int]] = [[0] * spec.units_in(e) for e in range(spec.num_epochs)]
-        """Per epoch, per unit: how many times it was reported done."""
+        self._counts = np.zeros(spec.total_units, np.uint8)
+        """Per unit, epoch-major: how many times it was reported done (at most MAX_COUNT)."""
+        epochs = spec.num_epochs
+        self._once = np.zeros(epochs, np.int64)
+        self._twice = np.zeros(epochs, np.int64)
+        self._never = np.array([spec.units_in(e) for e in range(epochs)], np.int64)
+        """Per epoch: units counted once, twice or more, never (kept up to date)."""
         self.units_done = 0
         """Distinct units reported done at least once."""
         self.next_fresh = 0
@@ -143,6 +158,34 @@ class WorkQueue:
         self.returned: deque[Unit] = deque()
         """Units given back by workers that went away; leased again before fresh ones."""
         self.leases: dict[int, Lease] = {}
+
+    @property
+    def counts(self) -> list[list[int]]:
+        """Per epoch, per unit: how many times it was reported done (built on each call: a
+        unit at a time is O(total units), for checkpoints and tests)."""
+        per = self.spec.units_per_epoch
+        return [
+            self._counts[e * per : e * per + self.spec.units_in(e)].tolist()
+            for e in range(self.spec.num_epochs)
+        ]
+
+    def count(self, unit: Unit) -> int:
+        """How many times ``unit`` was reported done."""
+        return int(self._counts[unit[0] * self.spec.units_per_epoch + unit[1]])
+
+    def _counted(self, unit: Unit) -> None:
+        """One more report of ``unit`` done: its count and its epoch's tally, in O(1)."""
+        epoch, index = unit
+        at = epoch * self.spec.units_per_epoch + index
+        count = int(self._counts[at])
+        if count == 0:
+            self.units_done += 1
+            self._never[epoch] -= 1
+            self._once[epoch] += 1
+        elif count == 1:
+            self._once[epoch] -= 1
+            self._twice[epoch] += 1
+        self._counts[at] = min(count + 1, MAX_COUNT)
 
     @property
     def finished(self) -> bool:
@@ -177,13 +220,14 @@ class WorkQueue:
         lease = self.leases.pop(worker, None)
         if lease is None:
             return []
-        self.returned.extendleft(reversed(lease.units))
-        return lease.units
+        units = list(lease.units)
+        self.returned.extendleft(reversed(units))
+        return units
 
     def _take(self) -> Unit | None:
         while self.returned:
             unit = self.returned.popleft()
-            if self.counts[unit[0]][unit[1]] == 0:  # not trained by anyone meanwhile
+            if self.count(unit) == 0:  # not trained by anyone meanwhile
                 return unit
         if self.next_fresh >= self.spec.total_units:
             return None
@@ -212,27 +256,26 @@ class WorkQueue:
             if unit not in lease.units:
                 ignored.append(unit)
                 continue
-            lease.units.remove(unit)
-            epoch, index = unit
-            if self.counts[epoch][index] == 0:
-                self.units_done += 1
-            self.counts[epoch][index] += 1
+            del lease.units[unit]
+            self._counted(unit)
         limit = min(MAX_HELD, len(lease.units) + want)
         while member and len(lease.units) < limit:
             fresh = self._take()
             if fresh is None:
                 break
-            lease.units.append(fresh)
+            lease.units[fresh] = None
         if not lease.units:
             del self.leases[worker]
         return LeaseResult(units=list(lease.units), ignored=ignored)
 
     def tally(self) -> dict[str, list[int]]:
-        """Per epoch: units trained once, twice or more, never (so far)."""
-        once = [sum(1 for c in counts if c == 1) for counts in self.counts]
-        twice = [sum(1 for c in counts if c >= 2) for counts in self.counts]
-        never = [sum(1 for c in counts if c == 0) for counts in self.counts]
-        return {"trained_once": once, "trained_twice": twice, "never_trained": never}
+        """Per epoch: units trained once, twice or more, never (so far): a copy of the tallies
+        kept as units are counted, O(epochs) and no unit visited."""
+        return {
+            "trained_once": self._once.tolist(),
+            "trained_twice": self._twice.tolist(),
+            "never_trained": self._never.tolist(),
+        }
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -253,14 +296,23 @@ class WorkQueue:
         """The queue :meth:`state_dict` saved; ValueError (or KeyError, TypeError) if damaged."""
         queue = cls(WorkSpec(**state["spec"]))
         counts = [[int(c) for c in epoch] for epoch in state["counts"]]
-        if [len(c) for c in counts] != [len(c) for c in queue.counts]:
+        spec = queue.spec
+        if [len(c) for c in counts] != [spec.units_in(e) for e in range(spec.num_epochs)]:
             raise ValueError("work counts do not match the work spec")
-        queue.counts = counts
-        queue.units_done = sum(1 for epoch in counts for c in epoch if c)
+        flat = np.fromiter((c for epoch in counts for c in epoch), np.int64, spec.total_units)
+        if (flat < 0).any():
+            raise ValueError("a negative work count")
+        queue._counts = np.minimum(flat, MAX_COUNT).astype(np.uint8)
+        for e, epoch in enumerate(counts):
+            row = np.asarray(epoch, np.int64)
+            queue._once[e] = np.count_nonzero(row == 1)
+            queue._twice[e] = np.count_nonzero(row >= 2)
+            queue._never[e] = np.count_nonzero(row == 0)
+        queue.units_done = int(np.count_nonzero(flat))
         queue.next_fresh = int(state["next_fresh"])
         queue.returned = deque((int(e), int(u)) for e, u in state["returned"])
         queue.leases = {
-            int(w): Lease(int(inc), [(int(e), int(u)) for e, u in units])
+            int(w): Lease(int(inc), {(int(e), int(u)): None for e, u in units})
             for w, (inc, units) in state["leases"].items()
         }
         return queue
