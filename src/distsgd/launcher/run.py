@@ -147,8 +147,9 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         launcher_file.unlink(missing_ok=True)
         supervisor.close()
         # Segments are unlinked once a worker maps them; a server killed before that leaves a
-        # name behind, which carries this run's prefix.
-        shm.remove_leftovers(shm.run_prefix(local.run_id))
+        # name behind, which it recorded in its checkpoint folder before creating it.
+        records = local.ckpt_root.glob("ps*.segments")
+        shm.remove_leftovers(records, shm.run_prefix(local.run_id))
         local.store = None
         local.events.close()
         for sig, handler in previous.items():

@@ -99,6 +99,12 @@ def push_nbytes(spec: pb.TensorSpec) -> int:
         raise WireError(f"{_clip(spec.key)}: {exc}") from None
 
 
+def segment_record(checkpoint_dir: Path | None, shard_index: int) -> Path | None:
+    """The file where ps ``shard_index`` records the names of the segments it creates: in its
+    checkpoint folder (the run's, under ``distsgd run``), or None without one."""
+    return None if checkpoint_dir is None else checkpoint_dir / f"ps{shard_index}.segments"
+
+
 def work_status(queue: WorkQueue) -> pb.WorkStatus:
     """The queue's state as the wire's WorkStatus (call under the shard's lock)."""
     spec = queue.spec
@@ -246,6 +252,9 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         self.host = host
         self.tls = tls
         self._bulk: bulk.Listener | None = None
+        self.segment_record = segment_record(checkpoint_dir, shard_index)
+        """Where each segment's name is recorded before it is created (None: nowhere), so that
+        the launcher removes exactly the names a killed server left (``shm.remove_leftovers``)."""
 
     @property
     def waiting_pulls(self) -> int:
@@ -965,7 +974,9 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 Refusal.NO_SHARED_MEMORY,
             )
         try:
-            segment = shm.Segment.create(shm.run_prefix(shard.run_id), layout.size)
+            segment = shm.Segment.create(
+                shm.run_prefix(shard.run_id), layout.size, record=self.segment_record
+            )
         except shm.SegmentError as exc:
             _abort(
                 context,

@@ -8,8 +8,11 @@ with SIGBUS at its first write), and a random nonce in its first 16 bytes. The w
 by name, reads the nonce back to the server, and the server then unlinks the name: from then on
 the memory has no name, and the kernel frees it when the last process mapping it exits, however
 it exits (SIGKILL included). A segment whose name was never removed (a server killed between
-creating it and the worker's confirmation) carries the run's prefix, and the launcher removes
-what is left under that prefix when the run ends (:func:`remove_leftovers`).
+creating it and the worker's confirmation) is removed by the launcher when the run ends, by
+exact name: a server given a record file appends each name there before it creates the
+segment (:func:`record_name`), and :func:`remove_leftovers` removes only the recorded names
+that still exist under the run's prefix, as regular files of this user. Nothing else under
+``/dev/shm`` is touched, whatever its name (a launcher running as root included).
 
 Linux only (``/dev/shm``); elsewhere :func:`available` is False and tensors go over gRPC.
 """
@@ -23,6 +26,8 @@ import mmap
 import os
 import re
 import secrets
+import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -75,15 +80,19 @@ class Segment:
         self._buffer = np.frombuffer(self._map, dtype=np.uint8)
 
     @classmethod
-    def create(cls, prefix: str, size: int) -> Segment:
-        """A new segment of ``size`` bytes named ``<prefix><random>``, with a fresh nonce.
+    def create(cls, prefix: str, size: int, *, record: Path | None = None) -> Segment:
+        """A new segment of ``size`` bytes named ``<prefix><random>``, with a fresh nonce; its
+        name is appended to ``record`` first (:func:`record_name`).
 
-        :class:`SegmentError` when shared memory has no room (ENOSPC) or cannot be used.
+        :class:`SegmentError` when shared memory has no room (ENOSPC) or cannot be used, or the
+        name cannot be recorded.
         """
         if not prefix.startswith(NAME_PREFIX):
             raise ValueError(f"segment prefix must start with {NAME_PREFIX!r}, got {prefix!r}")
         size = max(size, HEADER_BYTES)
         name = f"{prefix}{secrets.token_hex(8)}"
+        if record is not None:
+            record_name(record, name)
         path = SHM_DIR / name
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -159,16 +168,45 @@ class Segment:
             self._map.close()
 
 
-def remove_leftovers(prefix: str) -> list[str]:
-    """Remove every segment name under ``prefix`` (a run's, see :func:`run_prefix`); the names
-    removed. Memory still mapped by a live process stays theirs until they exit."""
+def record_name(record: Path, name: str) -> None:
+    """Append ``name`` as one line to ``record`` (created 0600, its folder 0700): one
+    ``O_APPEND`` write, so servers sharing a file never mix their lines. :class:`SegmentError`
+    if it cannot."""
+    try:
+        record.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+        fd = os.open(record, flags, 0o600)
+        try:
+            os.write(fd, f"{name}\n".encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        why = f"cannot record a segment in {record}: {exc.strerror}"
+        raise SegmentError(exc.errno, why) from None
+
+
+def remove_leftovers(records: Iterable[Path], prefix: str) -> list[str]:
+    """Remove the segment names the ``records`` (:func:`record_name`) list that still exist:
+    each a valid segment name (:data:`NAME`) under ``prefix`` (a run's, see :func:`run_prefix`)
+    and a regular file of this user; the names removed. Memory still mapped by a live process
+    stays theirs until they exit. Nothing not recorded is removed."""
     if not prefix.startswith(NAME_PREFIX) or len(prefix) <= len(NAME_PREFIX) or not available():
         return []
     removed = []
-    for path in SHM_DIR.glob(f"{prefix}*"):
-        with contextlib.suppress(OSError):
-            path.unlink()
-            removed.append(path.name)
+    for record in records:
+        try:
+            lines = record.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for name in dict.fromkeys(lines):
+            if not (NAME.fullmatch(name) and name.startswith(prefix)):
+                continue
+            path = SHM_DIR / name
+            with contextlib.suppress(OSError):
+                info = path.lstat()
+                if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                    path.unlink()
+                    removed.append(name)
     if removed:
         log.info("removed %d leftover shared-memory segments of this run", len(removed))
     return removed
