@@ -33,6 +33,7 @@ from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.session import WorkerSession
 from distsgd.runtime.task import TaskInfo
 from distsgd.runtime.validation import split_validation
+from distsgd.util import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,8 @@ def _alone() -> TaskEnv:
     if root is None:
         return env
     folder = new_run_folder("alone", root)
-    folder.mkdir(parents=True)
+    private_dir(folder.parent)
+    folder.mkdir(mode=0o700)
     log.info("run folder %s", folder)
     return dataclasses.replace(env, run_dir=str(folder))
 

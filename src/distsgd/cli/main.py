@@ -22,6 +22,7 @@ from distsgd.cli.flags import (
 )
 from distsgd.cluster import ClusterSpecError, resolve_cluster
 from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, DEFAULT_MAX_RESTARTS
+from distsgd.util import private_dir
 
 DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
 DEBUG_ENV = "DISTSGD_DEBUG"
@@ -587,7 +588,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         tls=[] if tls is None else [str(tls.cert), str(tls.key), str(tls.ca)],
     )
     if args.run_dir:
-        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        private_dir(Path(args.run_dir))
     _run_task(env, args.script, args.script_args)
     return 0  # not reached
 

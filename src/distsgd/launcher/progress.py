@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -11,6 +12,7 @@ from typing import TextIO
 
 from distsgd.runtime.progress import Rate, format_progress
 from distsgd.runtime.timing import split_from_metrics, split_line
+from distsgd.util import open_private
 
 KEPT_STATUS_SECONDS = 10.0
 """How often the progress line goes into the kept copy of the console (``launcher.log``)."""
@@ -39,7 +41,8 @@ class Console:
     def keep(self, path: Path) -> None:
         """Also append what the launcher says (its notes, results, errors, and the progress
         line every :data:`KEPT_STATUS_SECONDS`) to ``path``; task lines have their own logs."""
-        self._kept = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        fd = open_private(path, os.O_WRONLY | os.O_APPEND)
+        self._kept = os.fdopen(fd, "a", encoding="utf-8")
 
     def close(self) -> None:
         """Close the kept copy (the console itself stays usable)."""

@@ -39,6 +39,7 @@ from typing import Any
 
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.reaper import end_group
+from distsgd.util import open_private, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +281,7 @@ class RaySupervisor:
         old = self.tasks.get(name)
         if old is not None:  # a restart: its bundle is free once the old actor is gone
             self._kill_actor(old)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.log_dir)
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=self.group, placement_group_bundle_index=self.index[name]
         )
@@ -306,7 +307,8 @@ class RaySupervisor:
     def _relay(self, task: RayTask) -> None:
         """Fetch the task's output into its log, the console and its tail, until it exits."""
         got = 0
-        with open(task.log_path, "a", encoding="utf-8") as log_file:
+        fd = open_private(task.log_path, os.O_WRONLY | os.O_APPEND)
+        with os.fdopen(fd, "a", encoding="utf-8") as log_file:
             while not task.gone.is_set():
                 try:
                     lines, code = self.ray.get(task.actor.read.remote(got), timeout=RAY_TIMEOUT)

@@ -57,7 +57,7 @@ from distsgd.transport.security import (
     load_secret,
     write_secret_file,
 )
-from distsgd.util import write_atomic
+from distsgd.util import private_dir, write_atomic
 from distsgd.util.signals import setter
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
             f"run folder {run_dir} already holds a secret file that a new run would trust; "
             "give a new --run-dir (a fresh run makes its own secret)"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(run_dir)
     if keep:
         console.keep(run_dir / LAUNCHER_LOG)
     stop = threading.Event()

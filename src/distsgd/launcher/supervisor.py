@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
+from distsgd.util import open_private, private_dir
+
 log = logging.getLogger(__name__)
 
 
@@ -97,7 +99,7 @@ class Supervisor:
     def start(
         self, name: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: Path | None = None
     ) -> Task:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.log_dir)
         log_path = self.log_dir / f"{name}.log"
         process = subprocess.Popen(
             list(argv),
@@ -120,7 +122,7 @@ class Supervisor:
     def _relay(self, task: Task) -> None:
         stream: IO[bytes] | None = task.process.stdout
         assert stream is not None
-        with open(task.log_path, "ab") as log_file:
+        with os.fdopen(open_private(task.log_path, os.O_WRONLY | os.O_APPEND), "ab") as log_file:
             for raw in iter(stream.readline, b""):
                 log_file.write(raw)
                 log_file.flush()

@@ -61,6 +61,7 @@ import numpy as np
 
 from distsgd.runtime.run_folder import TENSORBOARD_DIR
 from distsgd.runtime.timing import COMM_PHASES, PHASES, split_from_metrics
+from distsgd.util import open_private, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -385,11 +386,11 @@ class BoardWriter:
     def _open(self, wall_time: float) -> bytes:
         """Make the file (a new one: a restarted task's goes beside its old one); returns its
         first record, the file version."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory)
         host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
         name = f"events.out.tfevents.{int(wall_time):010d}.{host}.{os.getpid()}.{next(_files)}"
         path = self.directory / name
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        self._fd = open_private(path, os.O_WRONLY | os.O_APPEND | os.O_EXCL)
         self.path = path
         version = self._protos.event.Event(wall_time=wall_time, file_version="brain.Event:2")
         return _framed(version.SerializeToString())

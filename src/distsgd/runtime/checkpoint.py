@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from distsgd.ps.shard import CHECKPOINT_FORMAT as SHARD_FORMAT
-from distsgd.util import write_atomic, write_bytes_atomic
+from distsgd.util import private_dir, write_atomic, write_bytes_atomic
 
 log = logging.getLogger(__name__)
 
@@ -692,7 +692,7 @@ class Checkpointer:
             return
         finally:
             self.seconds += time.monotonic() - started
-        (self.root / name).mkdir(parents=True, exist_ok=True)
+        private_dir(self.root / name)
         self.writer.complete(name, self.due_step, shards, extra)
 
     def close(self, timeout: float = 5.0) -> None:

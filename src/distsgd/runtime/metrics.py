@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.runtime.board import BoardWriter, open_board
+from distsgd.util import open_private
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,7 @@ class MetricsWriter:
     ) -> None:
         self.task = task
         self._clock = clock
-        self._fd = (
-            None if path is None else os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        )
+        self._fd = None if path is None else open_private(path, os.O_WRONLY | os.O_APPEND)
         self._board: BoardWriter | None = None if path is None else open_board(path.parent, task)
 
     @property
