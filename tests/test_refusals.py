@@ -125,3 +125,37 @@ def test_a_frame_that_stops_coming_closes_its_data_channel(monkeypatch, sent: by
         assert closed
         assert took < 5, f"the server held the channel {took:.1f}s"
         assert wait_for(lambda: service._segments.get(reply.segment, 0) is None, 5)
+
+
+GARBAGE = b"\xff\xff\xff\xff"
+"""Not a protobuf message of any type (a field tag that never ends)."""
+
+
+@pytest.mark.parametrize(
+    ("method", "kind"),
+    [
+        ("Info", "unary_unary"),
+        ("Join", "unary_unary"),
+        ("PushShared", "unary_unary"),
+        ("Pull", "unary_stream"),
+        ("Register", "stream_unary"),
+        ("Push", "stream_unary"),
+    ],
+)
+def test_an_unparseable_request_is_answered_invalid_argument(method: str, kind: str) -> None:
+    """Bytes that are not the method's request message are answered INVALID_ARGUMENT (not
+    grpcio's INTERNAL "Exception deserializing request!"), unary and streamed alike, and the
+    shard is unchanged."""
+    with _shard() as (address, service, _), grpc.insecure_channel(address) as channel:
+        path = f"/{pb.DESCRIPTOR.services_by_name['ParameterServer'].full_name}/{method}"
+        call = getattr(channel, kind)(path)  # no serializers: raw bytes both ways
+        with pytest.raises(grpc.RpcError) as info:
+            if kind == "unary_unary":
+                call(GARBAGE, timeout=5)
+            elif kind == "unary_stream":
+                list(call(GARBAGE, timeout=5))
+            else:
+                call(iter([GARBAGE]), timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "malformed" in (info.value.details() or "")
+        assert service.shard is not None and service.shard.version == 0

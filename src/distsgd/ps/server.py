@@ -21,12 +21,12 @@ from typing import Any
 
 import grpc
 
+from distsgd.ps import handlers
 from distsgd.ps.auth import SecretInterceptor
 from distsgd.ps.membership import DEFAULT_EVICT_AFTER
 from distsgd.ps.rules import RuleFactory
 from distsgd.ps.service import ParameterService
 from distsgd.transport.client import GRPC_OPTIONS
-from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
 from distsgd.transport.security import (
     TlsConfig,
     exposure_warning,
@@ -126,7 +126,7 @@ def start_server(
         options=SERVER_OPTIONS,
         interceptors=interceptors,
     )
-    pb_grpc.add_ParameterServerServicer_to_server(service, server)
+    handlers.add_to_server(service, server)  # unparseable requests: INVALID_ARGUMENT
     try:
         if tls is not None:
             bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls))
