@@ -62,6 +62,7 @@ def _handler(method: Any, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler
     request = getattr(pb, method.input_type.name)
     response = getattr(pb, method.output_type.name)
     name = method.input_type.name
+    wrapped: Callable[[Any, grpc.ServicerContext], Any]
     if method.client_streaming:
 
         def streamed(messages: Iterator[Any], context: grpc.ServicerContext) -> Any:
@@ -96,4 +97,6 @@ def add_to_server(servicer: Any, server: grpc.Server) -> None:
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
     )
-    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+    register = getattr(server, "add_registered_method_handlers", None)  # grpcio >= 1.63
+    if register is not None:
+        register(SERVICE.full_name, handlers)
