@@ -34,6 +34,11 @@ from distsgd.runtime import TrainConfig, WorkerContext
 from distsgd.runtime.data import ShardedBatches
 from distsgd.runtime.scheme import WorkerScheme
 
+RATE_AS_GIVEN = "none"
+"""The references below replay each scheme's math at the rate its workers apply; ``--lr-rule``
+(the scheme's default factor on N workers, tests/test_defaults.py) is off so that rate is
+``lr``."""
+
 
 def test_dynsgd_scales_each_gradient_by_one_over_staleness_plus_one() -> None:
     shard = _shard("dynsgd", {"lr": 1.0}, 3)
@@ -50,7 +55,7 @@ def test_dynsgd_scales_each_gradient_by_one_over_staleness_plus_one() -> None:
 def test_dynsgd_one_worker_equals_plain_sgd(ps_server) -> None:  # noqa: F811
     address, _ = ps_server
     model, data = _problem()
-    config = TrainConfig(batch_size=4, steps=6, lr=0.1, log_every=1)
+    config = TrainConfig(lr_rule=RATE_AS_GIVEN, batch_size=4, steps=6, lr=0.1, log_every=1)
     spec = schemes.get("dynsgd")
     _run_workers(
         address=address,
@@ -222,7 +227,7 @@ def test_window_schemes_in_a_forced_order_equal_the_reference(
     optimizer: str,
 ) -> None:
     address, _ = ps_server
-    config = TrainConfig(batch_size=4, steps=5, lr=0.1, log_every=1)
+    config = TrainConfig(lr_rule=RATE_AS_GIVEN, batch_size=4, steps=5, lr=0.1, log_every=1)
     spec = schemes.get(name)
     parsed = spec.options(**options)
     model, data, (version, server) = _run_in_turns(address, name, parsed, config, 2)
@@ -314,7 +319,7 @@ def test_downpour_overlap_in_a_forced_order_equals_the_reference(ps_server) -> N
     """--overlap: each window's update is sent in the background and the worker continues
     from the fetched parameters plus its progress since; exact against the math."""
     address, _ = ps_server
-    config = TrainConfig(batch_size=4, steps=5, lr=0.1, log_every=1)
+    config = TrainConfig(lr_rule=RATE_AS_GIVEN, batch_size=4, steps=5, lr=0.1, log_every=1)
     options = schemes.get("downpour").options(window=2, server_lr=0.5, overlap=True)
     model, data, (version, server) = _run_in_turns(
         address, "downpour", options, config, 2, turns=_SettledTurns
@@ -355,7 +360,7 @@ def _reference_hogwild_overlap(
 
 def test_hogwild_overlap_in_a_forced_order_equals_the_reference(ps_server) -> None:  # noqa: F811
     address, _ = ps_server
-    config = TrainConfig(batch_size=4, steps=5, lr=0.1, log_every=1)
+    config = TrainConfig(lr_rule=RATE_AS_GIVEN, batch_size=4, steps=5, lr=0.1, log_every=1)
     options = schemes.get("hogwild").options(overlap=True)
     model, data, (version, server) = _run_in_turns(
         address, "hogwild", options, config, 2, turns=_SettledTurns
@@ -373,7 +378,7 @@ def test_elastic_averaging_in_a_forced_order_equals_the_reference(
     """EAMSGD (Algorithm 2); with delta = 0 its worker step is plain SGD: EASGD (Algorithm 1)."""
     address, _ = ps_server
     world, tau, alpha = 2, 2, 0.3
-    config = TrainConfig(batch_size=4, steps=5, lr=0.05, log_every=1)
+    config = TrainConfig(lr_rule=RATE_AS_GIVEN, batch_size=4, steps=5, lr=0.05, log_every=1)
     extra = {"delta": delta} if name == "eamsgd" else {}
     options = schemes.get(name).options(tau=tau, alpha=alpha, **extra)
     model, data, (_, server) = _run_in_turns(address, name, options, config, world)
@@ -407,7 +412,7 @@ def test_sagn_equals_the_reference(ps_server) -> None:  # noqa: F811
     """Synchronous: any interleaving gives the same rounds, so no forced order is needed."""
     address, _ = ps_server
     world, window, server_lr = 2, 2, 0.7
-    config = TrainConfig(batch_size=4, steps=5, lr=0.1, log_every=1)
+    config = TrainConfig(lr_rule=RATE_AS_GIVEN, batch_size=4, steps=5, lr=0.1, log_every=1)
     spec = schemes.get("sagn")
     model, data = _problem()
     _run_workers(
@@ -443,7 +448,7 @@ def test_sagn_equals_the_reference(ps_server) -> None:  # noqa: F811
 def test_sync_with_per_worker_learning_rates_equals_the_reference(ps_server) -> None:  # noqa: F811
     address, service = ps_server
     world, rates = 2, [0.05, 0.2]
-    config = TrainConfig(batch_size=4, steps=4, lr=0.1, log_every=1)
+    config = TrainConfig(lr_rule=RATE_AS_GIVEN, batch_size=4, steps=4, lr=0.1, log_every=1)
     spec = schemes.get("sync")
     model, data = _problem()
     _run_workers(

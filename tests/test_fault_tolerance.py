@@ -24,10 +24,11 @@ from distsgd.launcher.run import EXIT_DIVERGED
 
 pytestmark = pytest.mark.slow
 
-FOUR_WORKERS = {"hogwild": ["--lr", "0.15"], "eamsgd": ["--lr", "0.15"]}
-"""Run options for 4 workers (the guide's pages say why): Hogwild applies every worker's gradient
-at the full rate, and EAMSGD's momentum multiplies it by about 1 / (1 - delta); at the demo's
-lr 0.3 each fell below 0.95 in 1 of 3 runs with 4 workers (Hogwild to chance: it diverged)."""
+FOUR_WORKERS: dict[str, list[str]] = {}
+"""Run options for 4 workers: none. Hogwild and EAMSGD once needed ``--lr 0.15`` here (at the
+demo's lr 0.3 each fell below 0.95 in 1 of 3 runs with 4 workers, Hogwild to chance); their
+default ``--lr-rule inverse-sqrt`` now applies 0.3 / sqrt(4) = 0.15 by itself
+(docs/schemes/defaults.md)."""
 
 GLOBAL_STEPS = {"hogwild": 1320, "dynsgd": 1320, "downpour": 264, "sagn": 83}
 """The demo's global steps on 4 workers (330 local steps each: 30 epochs of 1,437 samples in

@@ -46,6 +46,10 @@ from distsgd.transport import PushReject
 
 ATOL = 1e-5
 
+RATE_AS_GIVEN = "none"
+"""The references replay each scheme's math at the rate its workers apply; ``--lr-rule`` (the
+scheme's default factor on N workers, tests/test_defaults.py) is off so that rate is ``lr``."""
+
 
 # --------------------------------------------------------------------------- helpers
 
@@ -616,7 +620,9 @@ def test_sync_all_replicas_equals_large_batch_sgd(ps_server) -> None:
     address, service = ps_server
     world = 2
     model, data = _problem()
-    config = TrainConfig(batch_size=4, steps=5, lr=0.1, momentum=0.0, log_every=1)
+    config = TrainConfig(
+        lr_rule=RATE_AS_GIVEN, batch_size=4, steps=5, lr=0.1, momentum=0.0, log_every=1
+    )
     spec = schemes.get("sync")
     barrier = threading.Barrier(world)
     models = _run_workers(
@@ -645,7 +651,9 @@ def test_sync_equals_large_batch_sgd_when_a_worker_is_slow_on_the_last_step(ps_s
     address, service = ps_server
     world = 2
     model, data = _problem()
-    config = TrainConfig(batch_size=4, steps=3, lr=0.1, momentum=0.0, log_every=1)
+    config = TrainConfig(
+        lr_rule=RATE_AS_GIVEN, batch_size=4, steps=3, lr=0.1, momentum=0.0, log_every=1
+    )
     spec = schemes.get("sync")
 
     def slow_last_step(rank: int) -> Callable[..., torch.Tensor]:
@@ -709,7 +717,13 @@ def test_hogwild_one_worker_equals_plain_sgd(ps_server, shared_memory: str) -> N
     address, _ = ps_server
     model, data = _problem()
     config = TrainConfig(
-        batch_size=4, steps=5, lr=0.1, momentum=0.9, log_every=1, shared_memory=shared_memory
+        lr_rule=RATE_AS_GIVEN,
+        batch_size=4,
+        steps=5,
+        lr=0.1,
+        momentum=0.9,
+        log_every=1,
+        shared_memory=shared_memory,
     )
     models = _hogwild_alone(address, model, data, config)
     expected = _reference_sgd(model, data, world=1, config=config)
@@ -728,7 +742,9 @@ def test_a_frozen_parameter_is_not_exchanged(ps_server) -> None:
     model, data = _problem()
     model.weight.requires_grad_(False)
     built = model.weight.detach().clone()
-    config = TrainConfig(batch_size=4, steps=5, lr=0.1, momentum=0.0, log_every=1)
+    config = TrainConfig(
+        lr_rule=RATE_AS_GIVEN, batch_size=4, steps=5, lr=0.1, momentum=0.0, log_every=1
+    )
     models = _hogwild_alone(address, model, data, config)
     expected = _reference_sgd(model, data, world=1, config=config)
     version, server = _server_params(address, model)
@@ -748,7 +764,13 @@ def test_downpour_one_worker_equals_plain_sgd_including_remainder_window(
     address, _ = ps_server
     model, data = _problem()
     config = TrainConfig(
-        batch_size=4, steps=5, lr=0.1, momentum=0.0, log_every=1, shared_memory=shared_memory
+        lr_rule=RATE_AS_GIVEN,
+        batch_size=4,
+        steps=5,
+        lr=0.1,
+        momentum=0.0,
+        log_every=1,
+        shared_memory=shared_memory,
     )
     spec = schemes.get("downpour")
     models = _run_workers(
@@ -770,7 +792,9 @@ def test_downpour_one_worker_equals_plain_sgd_including_remainder_window(
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_allreduce_world_of_one_equals_plain_sgd(momentum: float) -> None:
     model, data = _problem()
-    config = TrainConfig(batch_size=4, steps=5, lr=0.1, momentum=momentum, log_every=1)
+    config = TrainConfig(
+        lr_rule=RATE_AS_GIVEN, batch_size=4, steps=5, lr=0.1, momentum=momentum, log_every=1
+    )
     spec = schemes.get("allreduce")
     trained = copy.deepcopy(model)
     result = run_worker(

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
-from distsgd.runtime.config import TrainConfig
+from distsgd.runtime.config import TrainConfig, lr_multiplier
 from distsgd.runtime.faults import Fault
 from distsgd.runtime.run_folder import new_run_folder, runs_root
 from distsgd.transport.security import TlsConfig
@@ -186,6 +186,15 @@ class LaunchConfig:
     def elastic(self) -> bool:
         """Whether the run may change size while it runs (``distsgd scale``)."""
         return self.lowest_workers != self.highest_workers
+
+    @property
+    def lr_rule(self) -> tuple[str, float]:
+        """The ``--lr-rule`` the workers apply (auto: the scheme's default) and its factor on
+        ``--lr`` at ``--workers`` workers (runtime/config.py ``lr_multiplier``)."""
+        chosen = str(self.overrides.get("lr_rule", "auto"))
+        default = getattr(schemes.get(self.scheme).worker, "lr_rule", "none")
+        rule = default if chosen == "auto" else chosen
+        return rule, lr_multiplier(rule, self.workers)
 
     @property
     def num_ps(self) -> int:

@@ -488,10 +488,12 @@ class LocalRun:
             self.events.log(step=checkpoint.step, event="resume", checkpoint=checkpoint.path.name)
         self._write_config()
         self.start_cluster(checkpoint, fresh_ports=True)
+        rule, factor = self.config.lr_rule
         self.console.note(
             f"[distsgd] run {self.run_dir}: scheme {self.config.scheme}, "
             f"{self.config.workers} workers, "
-            f"{self.num_ps} ps, {self.threads} threads per worker"
+            f"{self.num_ps} ps, {self.threads} threads per worker, "
+            f"lr x {factor:.4g} (--lr-rule {rule})"
         )
         self.supervise()
         return self.finish()

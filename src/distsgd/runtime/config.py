@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LR_SCHEDULES = ("constant", "cosine")
+LR_RULES = ("auto", "none", "sqrt", "linear", "inverse-sqrt")
+"""What ``TrainConfig.lr_rule`` may be: auto (the scheme's default) or a rule by name."""
 WIRE_DTYPES = ("float32", "bf16", "fp16", "int8")
 """What ``TrainConfig.wire_dtype`` may be: the dtype pushed updates travel in."""
 SHARED_MEMORY = ("auto", "off")
@@ -34,6 +36,79 @@ def lr_factor(schedule: str, step: int, total: int, warmup: float = 0.0) -> floa
     return 1.0
 
 
+def lr_multiplier(rule: str, workers: int) -> float:
+    """The factor a rule of ``TrainConfig.lr_rule`` puts on ``lr`` at ``workers`` workers.
+
+    ``none``: 1. ``sqrt``: sqrt(N), for schemes whose N workers together take 1/N of the
+    steps on N-fold batches (sync, allreduce; Krizhevsky 2014, Hoffer et al. 2017). ``linear``:
+    N (Goyal et al. 2017). ``inverse-sqrt``: 1/sqrt(N), for Hogwild, whose N workers take all
+    the steps but each on parameters about N - 1 updates old. One worker: 1 under every rule.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if rule == "none":
+        return 1.0
+    if rule == "sqrt":
+        return math.sqrt(workers)
+    if rule == "linear":
+        return float(workers)
+    if rule == "inverse-sqrt":
+        return 1.0 / math.sqrt(workers)
+    raise ValueError(f"lr_rule must be one of {', '.join(LR_RULES[1:])}, got {rule!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LrScaling:
+    """How a run's ``lr`` became the rate its scheme applies (``result.json``'s
+    ``lr_scaling``)."""
+
+    lr: float
+    """``TrainConfig.lr``: the rate as given, the one that trains a single process."""
+    rule: str
+    """The rule applied (``auto`` resolved to the scheme's default)."""
+    workers: int
+    """The workers the run started with."""
+    by_default: bool
+    """Whether the rule is the scheme's default (``lr_rule`` auto) rather than chosen."""
+
+    @classmethod
+    def resolve(cls, config: TrainConfig, default_rule: str, workers: int) -> LrScaling:
+        """The rule of ``config.lr_rule``, ``default_rule`` (the scheme's) when it is auto."""
+        auto = config.lr_rule == "auto"
+        rule = default_rule if auto else config.lr_rule
+        lr_multiplier(rule, workers)  # a rule by its name, or ValueError
+        return cls(lr=config.lr, rule=rule, workers=workers, by_default=auto)
+
+    @property
+    def factor(self) -> float:
+        return lr_multiplier(self.rule, self.workers)
+
+    @property
+    def effective_lr(self) -> float:
+        return self.lr * self.factor
+
+    def describe(self) -> str:
+        """One line for the log: what was applied, and how to turn it off."""
+        if self.factor == 1.0:
+            return f"lr {self.lr:g} as given (--lr-rule {self.rule}, {self.workers} worker(s))"
+        whose = "the scheme's default" if self.by_default else "chosen"
+        return (
+            f"lr {self.lr:g} x {self.factor:.4g} ({self.rule}, {self.workers} workers) = "
+            f"{self.effective_lr:.4g} (--lr-rule {self.rule}, {whose}; --lr-rule none keeps "
+            f"{self.lr:g})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "lr": self.lr,
+            "rule": self.rule,
+            "workers": self.workers,
+            "factor": self.factor,
+            "effective_lr": self.effective_lr,
+            "by_default": self.by_default,
+        }
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """How to train; the same fields are CLI flags of ``distsgd run`` (``--batch-size`` ...).
@@ -53,6 +128,14 @@ class TrainConfig:
     )
     lr: float = field(
         default=0.05, metadata={"help": "learning rate of the worker (or server) optimizer"}
+    )
+    lr_rule: str = field(
+        default="auto",
+        metadata={
+            "help": "how --lr, the rate that trains one process, becomes the rate applied on N "
+            "workers: auto (the scheme's default rule, see its guide page), none (as given), "
+            "sqrt (x sqrt N), linear (x N) or inverse-sqrt (/ sqrt N)"
+        },
     )
     momentum: float = field(default=0.0, metadata={"help": "heavy-ball momentum of that optimizer"})
     lr_schedule: str = field(
@@ -164,6 +247,8 @@ class TrainConfig:
             raise ValueError(f"epochs must be positive (or set steps), got {self.epochs}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.lr_rule not in LR_RULES:
+            raise ValueError(f"lr_rule must be one of {', '.join(LR_RULES)}, got {self.lr_rule!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(
                 f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}"

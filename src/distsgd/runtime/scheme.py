@@ -40,6 +40,11 @@ class WorkerScheme(ABC):
     evaluate_on: ClassVar[Literal["server", "local"]] = "server"
     """Which parameters the chief evaluates: the servers' (the center) or its own replica."""
 
+    lr_rule: ClassVar[str] = "none"
+    """What ``--lr-rule auto`` makes of ``--lr`` on N workers: a rule of
+    :func:`~distsgd.runtime.config.lr_multiplier` (none, sqrt, linear, inverse-sqrt). Each
+    scheme sets its own in its module; its guide page says what the default guarantees."""
+
     def server_options(self, config: TrainConfig) -> dict[str, Any]:
         """Options sent to the scheme's server rule at registration (JSON-serialisable)."""
         return {"lr": config.lr, "momentum": config.momentum}

@@ -53,7 +53,7 @@ from distsgd.runtime.checkpoint import (
     prune_shard_dirs,
 )
 from distsgd.runtime.collective import Collective
-from distsgd.runtime.config import TrainConfig, lr_factor
+from distsgd.runtime.config import LrScaling, TrainConfig, lr_factor
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.data import BatchFn
 from distsgd.runtime.divergence import (
@@ -227,7 +227,11 @@ class WorkerSession:
         self.loss_fn = loss_fn
         self.train_set = train_set
         self.test_set = test_set
-        self.config = config
+        self.given_config = config
+        """The config as the script and the command line gave it (``result.json``'s)."""
+        self.lr_scaling = LrScaling.resolve(config, scheme.lr_rule, env.num_workers)
+        self.config = config.replace(lr=self.lr_scaling.effective_lr)
+        """What the run applies: ``lr`` is the scheme's rate on this many workers."""
         self.env = env
         self.scheme = scheme
         self.batch_fn = batch_fn
@@ -428,6 +432,8 @@ class WorkerSession:
             self.steps = max(1, math.ceil(config.epochs * batches.steps_per_epoch))
         if ps is not None:
             self._heartbeat = _join(ps, self.metrics, ctx)
+        if self.chief:
+            log.info("%s", self.lr_scaling.describe())
         log.info(
             "%s: scheme %s, %s steps of batch %d%s",
             self.name,
@@ -860,7 +866,14 @@ class WorkerSession:
             write_bytes_atomic(self.run_dir / FINAL_PARAMS_FILE, buf.getvalue())
             write_atomic(
                 self.run_dir / RESULT_FILE,
-                json.dumps({**_result_fields(result), "config": self.config.to_dict()}, indent=2)
+                json.dumps(
+                    {
+                        **_result_fields(result),
+                        "config": self.given_config.to_dict(),
+                        "lr_scaling": self.lr_scaling.to_dict(),
+                    },
+                    indent=2,
+                )
                 + "\n",
             )
         return result

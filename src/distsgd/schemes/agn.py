@@ -48,6 +48,9 @@ class AgnOptions:
 
 
 class AgnWorker(DownpourWorker):
+    lr_rule = "sqrt"
+    """N workers take 1/N of the local steps, each push one normalized step: --lr x sqrt(N)."""
+
     def __init__(self, options: AgnOptions, num_workers: int) -> None:
         super().__init__(
             DownpourOptions(window=options.window, server_lr=options.server_lr), num_workers

@@ -66,6 +66,8 @@ class AllreduceOptions:
 class AllreduceWorker(WorkerScheme):
     uses_parameter_servers = False
     evaluate_on = "local"
+    lr_rule = "sqrt"
+    """N workers take 1/N of the steps, each on the mean of N batches: --lr x sqrt(N)."""
 
     def __init__(self, options: AllreduceOptions, num_workers: int) -> None:
         self.options = options

@@ -123,6 +123,10 @@ class DownpourServer(UpdateRule):
 
 
 class DownpourWorker(WorkerScheme):
+    lr_rule = "sqrt"
+    """N workers take 1/N of the steps; the servers move by the mean of their windows (server_lr
+    1/N): --lr x sqrt(N), as for sync's mean of N gradients."""
+
     def __init__(self, options: DownpourOptions, num_workers: int) -> None:
         self.options = options
         self.server_lr = options.server_lr or 1.0 / num_workers

@@ -52,6 +52,10 @@ class DynsgdServer(UpdateRule):
 
 
 class DynsgdWorker(WorkerScheme):
+    lr_rule = "sqrt"
+    """The server divides each gradient by its staleness + 1, about N on N workers: --lr x
+    sqrt(N) leaves about --lr / sqrt(N) per update, Hogwild's default, fresh gradients more."""
+
     """Hogwild's worker; every push carries the version it was computed on (the runtime's
     ``mean_staleness`` metric reports what the server divided by)."""
 

@@ -50,6 +50,10 @@ class EamsgdOptions:
 
 
 class EamsgdWorker(EasgdWorker):
+    lr_rule = "inverse-sqrt"
+    """Momentum delta multiplies each step by about 1 / (1 - delta), and N workers push
+    elastic differences at the center: --lr / sqrt(N) (measured: docs/schemes/defaults.md)."""
+
     def __init__(self, options: EamsgdOptions, num_workers: int) -> None:
         super().__init__(EasgdOptions(tau=options.tau, alpha=options.alpha), num_workers)
         self.delta = options.delta

@@ -73,6 +73,10 @@ class ElasticServer(UpdateRule):
 
 
 class EasgdWorker(WorkerScheme):
+    lr_rule = "sqrt"
+    """N workers take 1/N of the steps and the center follows their elastic average: --lr x
+    sqrt(N)."""
+
     def __init__(self, options: EasgdOptions, num_workers: int) -> None:
         self.options = options
         self.alpha = options.alpha or 0.9 / num_workers

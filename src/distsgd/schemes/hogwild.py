@@ -69,6 +69,9 @@ class HogwildServer(UpdateRule):
 
 
 class HogwildWorker(WorkerScheme):
+    lr_rule = "inverse-sqrt"
+    """Every gradient is applied, on parameters about N - 1 updates old: --lr / sqrt(N)."""
+
     def __init__(self, options: HogwildOptions, num_workers: int) -> None:
         self.options = options
 

@@ -42,6 +42,9 @@ class LocalsgdOptions:
 
 
 class LocalsgdWorker(WorkerScheme):
+    lr_rule = "sqrt"
+    """N workers take 1/N of the steps, their replicas averaged every period: --lr x sqrt(N)."""
+
     uses_parameter_servers = False
     evaluate_on = "local"
 

@@ -63,6 +63,10 @@ class SagnServer(SyncServer):
 
 
 class SagnWorker(AgnWorker):
+    lr_rule = "sqrt"
+    """N workers take 1/N of the local steps, each round the sum of N normalized steps:
+    --lr x sqrt(N)."""
+
     def __init__(self, options: SagnOptions, num_workers: int) -> None:
         super().__init__(
             AgnOptions(window=options.window, server_lr=options.server_lr), num_workers

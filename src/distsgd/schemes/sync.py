@@ -253,6 +253,9 @@ class SyncServer(UpdateRule):
 
 
 class SyncWorker(WorkerScheme):
+    lr_rule = "sqrt"
+    """N workers take 1/N of the steps, each on the mean of N batches: --lr x sqrt(N)."""
+
     def __init__(self, options: SyncOptions, num_workers: int) -> None:
         self.options = options
         self.required = options.required(num_workers)
