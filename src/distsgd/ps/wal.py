@@ -524,3 +524,62 @@ def _apply_members(shard: Shard, state: dict[str, Any]) -> None:
         shard.finished = {int(w) for w in state["finished"]}
         if state["hook"]:
             shard.rule.on_membership(shard, m.live)
+
+
+def begin(folder: Path, shard: Shard) -> WriteAheadLog | None:
+    """Start logging ``shard`` in ``folder`` at the next generation (a server that registers
+    or restores it); None, with the error logged, if the folder cannot be written (the server
+    then runs without a log, as with ``--wal off``)."""
+    try:
+        return WriteAheadLog.start(folder, shard, next_generation(folder))
+    except OSError as exc:
+        log.error(
+            "write-ahead log %s: cannot start (%s); shard %d runs without one: free space "
+            "or fix the folder's permissions, or run with --wal off",
+            folder,
+            exc.strerror or exc,
+            shard.index,
+        )
+        return None
+
+
+def resume(
+    folder: Path,
+    restored: Shard | None,
+    rule_factory: RuleFactory,
+    *,
+    shard_index: int,
+    max_workers: int = 0,
+    evict_after: float = DEFAULT_EVICT_AFTER,
+) -> Shard | None:
+    """The shard a starting server serves: the one recovered from ``folder`` or ``restored``
+    (a checkpoint), whichever is newer (the log on a tie), logging from then on; None when
+    there is neither (the run registers it). :class:`WalError` if the folder holds state that
+    cannot be read and there is no checkpoint."""
+    try:
+        recovery = recover(folder, rule_factory, max_workers=max_workers, evict_after=evict_after)
+    except WalError as exc:
+        if restored is None:
+            raise
+        log.warning("%s; starting from the checkpoint", exc)
+        recovery = None
+    shard = restored
+    if recovery is not None:
+        if recovery.shard.index != shard_index:
+            raise WalError(
+                f"{folder} holds shard {recovery.shard.index}, not shard {shard_index}; "
+                "give each server its own --wal-dir"
+            )
+        if restored is None or recovery.shard.version >= restored.version:
+            shard = recovery.shard
+        else:
+            log.warning(
+                "shard %d: the checkpoint (version %d) is newer than the write-ahead log "
+                "(version %d); starting from the checkpoint",
+                shard_index,
+                restored.version,
+                recovery.shard.version,
+            )
+    if shard is not None:
+        begin(folder, shard)
+    return shard
