@@ -557,10 +557,6 @@ def _cmd_server(args: argparse.Namespace) -> int:
         wal_dir = None
     tie_to_parent()
     setup_logging()
-    if wal_dir is None and args.wal == "on":
-        logging.getLogger("distsgd.ps.wal").info(
-            "no write-ahead log: give --wal-dir or --checkpoint-dir to keep every update"
-        )
     address = alias_address(args.address or spec.address(task), host_aliases())
     serve(
         address=address,
