@@ -227,3 +227,57 @@ def test_a_failed_write_empties_the_folder_and_stops_logging(tmp_path: Path) -> 
     assert log.broken and not wal.has_state(tmp_path)
     _push(live, 2, 0)  # the shard goes on without its log
     assert live.version == 2
+
+
+def test_a_server_restarted_on_its_folder_serves_the_shard_it_had(tmp_path: Path) -> None:
+    """In process, over gRPC: Register writes the base snapshot, pushes are logged, and a new
+    server on the same folder comes up registered at the same version with the same values."""
+    from distsgd.ps import start_server, stop_server
+    from distsgd.transport import ShardClient
+
+    folder = tmp_path / "wal" / "ps0"
+    arrays = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(3)}
+    srv, address, service = start_server(
+        address="127.0.0.1:0", shard_index=0, rule_factory=make_server_rule, wal_dir=folder
+    )
+    try:
+        with ShardClient(address, worker=0, timeout=10.0, retry_seconds=0.0) as client:
+            client.register(
+                shard_index=0,
+                scheme="hogwild",
+                options_json=json.dumps(SCHEMES["hogwild"]),
+                num_workers=2,
+                tensors=arrays,
+            )
+            assert wal.has_state(folder)
+            for i in range(5):
+                grad = {"w": np.full((3, 4), i, dtype=np.float32)}
+                assert client.push(base_version=i, tensors=grad).accepted
+            version, before = client.pull(min_version=5)
+    finally:
+        stop_server(srv, service)
+    srv, address, service = start_server(
+        address="127.0.0.1:0", shard_index=0, rule_factory=make_server_rule, wal_dir=folder
+    )
+    try:
+        with ShardClient(address, worker=0, timeout=10.0, retry_seconds=0.0) as client:
+            info = client.info()
+            assert info.registered and info.version == info.restored_version == version == 5
+            _, after = client.pull(min_version=0)
+        for key in arrays:
+            np.testing.assert_array_equal(before[key], after[key])
+    finally:
+        stop_server(srv, service)
+
+
+def test_a_newer_checkpoint_wins_over_an_older_log(tmp_path: Path) -> None:
+    live = _shard("hogwild")
+    wal.WriteAheadLog.start(tmp_path, live)
+    _push(live, 1, 0)
+    ahead = _shard("hogwild")
+    for i in range(4):
+        _push(ahead, i, 0)
+    served = wal.resume(tmp_path, ahead, make_server_rule, shard_index=0)
+    assert served is ahead and served.wal is not None
+    assert _recover(tmp_path, "hogwild").version == 4  # and the log goes on from there
+    assert wal.resume(tmp_path, _shard("hogwild"), make_server_rule, shard_index=0).version == 4
