@@ -134,15 +134,17 @@ def test_dynamic_membership_is_replayed(tmp_path: Path) -> None:
     assert again.membership.live == [0, 2]
 
 
-def _log(folder: Path) -> Path:
-    (path,) = folder.glob("log-*.wal")
-    return path
+def _log(folder: Path, generation: int = 0) -> Path:
+    return folder / f"log-{generation % 2}.wal"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+@pytest.mark.parametrize("damage", ["truncate", "no header", "flip", "magic", "stale"])
 def test_a_torn_or_corrupt_last_record_is_dropped(tmp_path: Path, damage: str) -> None:
+    """A process killed mid-record leaves its body short, or a body without its header (the
+    header is written last); a damaged header fails its CRC; an older generation's record ends
+    the log."""
     live, reference = _shard("sync"), _shard("sync")
-    wal.WriteAheadLog.start(tmp_path, live)
+    log = wal.WriteAheadLog.start(tmp_path, live)
     for i in range(7):
         _push(live, i, i % 3)
         if i < 6:
@@ -150,16 +152,21 @@ def test_a_torn_or_corrupt_last_record_is_dropped(tmp_path: Path, damage: str) -
     path = _log(tmp_path)
     size = path.stat().st_size
     record = wal.HEAD.size + 4 + 4 * 3 + (20 + 4) * 4 + 3 * 8
+    last = size - record
     data = bytearray(path.read_bytes())
     if damage == "truncate":
         data = data[: size - record // 2]
+    elif damage == "no header":
+        data[last : last + wal.HEAD.size] = bytes(wal.HEAD.size)
     elif damage == "flip":
-        data[size - 10] ^= 0x40
+        data[last + 40] ^= 0x40  # the version
+    elif damage == "magic":
+        data[last + 1] ^= 0xFF
     else:
-        data[size - record + 1] ^= 0xFF  # the magic
+        data[last + 16] = log.generation + 2  # as if left by generation 2 before
     path.write_bytes(bytes(data))
     recovery = wal.recover(tmp_path, make_server_rule)
-    assert recovery is not None and recovery.torn
+    assert recovery is not None and recovery.records == 1 + 6  # the members, 6 pushes
     _assert_same(recovery.shard, reference)
 
 
@@ -172,10 +179,17 @@ def test_compaction_starts_a_new_generation_and_recovery_stays_exact(tmp_path: P
         log.bound = 1
         assert log.maybe_compact(live)
         assert sorted(p.name for p in folder.iterdir()) == [
-            "log-00000001.wal",
+            "log-0.wal",
+            "log-1.wal",
             "snapshot-00000001.npz",
         ]
         _drive(live, 5)
+        _assert_same(live, _recover(folder, scheme))
+        for _ in range(3):  # each log file is written over, older records left behind it
+            log.compact(live)
+            _push(live, 77, 0)
+        assert log.generation == 4 and (folder / "snapshot-00000004.npz").exists()
+        assert _log(folder, 4).stat().st_size > log.size  # generation 2 left more behind
         _assert_same(live, _recover(folder, scheme))
 
 
@@ -185,15 +199,19 @@ def test_a_lost_new_snapshot_replays_both_logs(tmp_path: Path) -> None:
     live = _shard("sync")
     log = wal.WriteAheadLog.start(tmp_path, live)
     _drive(live, 4)
-    keep = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    first = (tmp_path / "snapshot-00000000.npz").read_bytes()
     log.compact(live)
     _drive(live, 4)
     (tmp_path / "snapshot-00000001.npz").unlink()
-    for name, data in keep.items():
-        if name.startswith("snapshot"):
-            (tmp_path / name).write_bytes(data)
-        else:  # generation 0's log, whole
-            (tmp_path / name).write_bytes(data)
+    (tmp_path / "snapshot-00000000.npz").write_bytes(first)
+    recovery = wal.recover(tmp_path, make_server_rule)
+    assert recovery is not None and (recovery.snapshot, recovery.generation) == (0, 1)
+    _assert_same(live, recovery.shard)
+    # a server started on it goes on past both generations
+    again = wal.resume(tmp_path, None, make_server_rule, shard_index=0)
+    assert again is not None and again.wal is not None and again.wal.generation == 2
+    _push(again, 5, 0)
+    _push(live, 5, 0)
     _assert_same(live, _recover(tmp_path, "sync"))
 
 
@@ -201,12 +219,12 @@ def test_a_refused_payload_is_never_logged(tmp_path: Path) -> None:
     live = _shard("hogwild")
     log = wal.WriteAheadLog.start(tmp_path, live)
     _push(live, 1, 0)
-    size, records = _log(tmp_path).stat().st_size, log.records
+    size, records = log.size, log.records
     bad = _payload(live, 2)
     bad["w"][1, 1] = np.nan
     outcome, _ = live.push(bad, PushMeta(worker=0, incarnation=7, base_version=live.version))
     assert not outcome.accepted
-    assert (_log(tmp_path).stat().st_size, log.records) == (size, records)
+    assert (log.size, log.records) == (size, records)
     _assert_same(live, _recover(tmp_path, "hogwild"), rejected=False)
 
 

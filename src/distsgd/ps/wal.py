@@ -1,8 +1,11 @@
 """A write-ahead log per shard: a server killed at any moment comes back where it was.
 
 A shard's folder holds ``snapshot-G.npz`` (:meth:`Shard.to_bytes` at the start of generation
-``G``) and ``log-G.wal``, the records appended since. Each change of state a rule depends on is
-appended *before* the shard applies it:
+``G``) and two log files, ``log-0.wal`` and ``log-1.wal``: generation ``G`` writes its records
+into ``log-{G % 2}.wal`` from its start, over whatever an older generation left there (pages
+already in the page cache are rewritten about ten times faster than a growing file's new ones
+on the project's machine; every record names its generation, so an older one ends the log).
+Each change of state a rule depends on is appended *before* the shard applies it:
 
 * ``PUSH``: a payload that passed validation (NaN/Inf-free, registered keys, dtypes and shapes),
   the :class:`~distsgd.ps.rules.PushMeta` fields and the shard's version, then the pieces as raw
@@ -14,16 +17,23 @@ appended *before* the shard applies it:
 * ``MEMBERS``: the members, those that left, those finished, and the epoch, after any change
   (rules counting live members read them); the first record of every log holds them too.
 
-A record is a fixed header (magic, kind, body length, CRC32 of header and body, version,
-worker, incarnation, base version, lr scale) and its body, written with one ``os.writev``.
-Recovery (:func:`recover`) loads the newest readable snapshot and replays every log from its
-generation on through :meth:`Shard.push` and :meth:`Shard.leave` (the same code as the live
-server), stopping at the first torn or corrupt record. Nothing is fsynced: the log covers a
-killed process (its finished writes stay in the page cache), not a machine that loses power.
+A record is a fixed header (magic, kind, length, CRC32, generation, version, worker,
+incarnation, base version, lr scale) and a body. The body is written first and the header
+after it (two ``pwrite`` calls, under a lock): a process killed in between leaves no header, so
+the record does not exist. The CRC covers the header and the body's small part (a push's key
+list; all of the other kinds' bodies), not a push's payload: a killed process cannot tear a
+written body, and checksumming it cost more than the server's whole push (zlib's CRC32 runs at
+1.4 GB/s here). Nothing is fsynced. So the log covers a killed process (its writes stay in the
+page cache), not a machine that loses power or a disk that corrupts data.
+
+Recovery (:func:`recover`) loads the newest readable snapshot and replays the records of its
+generation (and of the next one, when the server died before that one's snapshot was written)
+through :meth:`Shard.push` and :meth:`Shard.leave`, the same code as the live server, up to the
+first record that is missing, torn, or of another generation.
 
 When a log outgrows :func:`compact_bound` the server starts the next generation
-(:meth:`WriteAheadLog.compact`): the state is copied under the locks and a new log opened at
-once, the snapshot written after, and older files removed when it is in place.
+(:meth:`WriteAheadLog.compact`): the state is copied under the locks and the other log file
+taken at once, the snapshot written after, and the older snapshot removed when it is in place.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import math
 import os
 import re
 import struct
+import tempfile
 import threading
 import zlib
 from collections.abc import Iterator, Mapping
@@ -47,7 +58,6 @@ import numpy as np
 
 from distsgd.ps.membership import DEFAULT_EVICT_AFTER, Member
 from distsgd.ps.rules import PushMeta, RuleFactory
-from distsgd.util import write_bytes_atomic
 
 if TYPE_CHECKING:
     from distsgd.ps.shard import Shard
@@ -55,11 +65,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAGIC = b"DWAL"
-HEAD = struct.Struct("<4sB3xIIqqqqd")
-"""magic, kind, body length, CRC32 (of the rest of the header and the body), version, worker,
-incarnation, base version, lr scale."""
+HEAD = struct.Struct("<4sB3xIIqqqqqd")
+"""magic, kind, body length, CRC32 (of the rest of the header and the body's small part),
+generation, version, worker, incarnation, base version, lr scale."""
+_CRC_AT = 12
 _CRC_FROM = 16
 """Offset of the header's fields after the CRC (covered by it)."""
+SLOTS = 2
+"""Log files a folder cycles through (generation G writes ``log-{G % SLOTS}.wal``)."""
 
 MIN_COMPACT_BYTES = 64 << 20
 """A log starts a new generation past max(this, :data:`COMPACT_FACTOR` x the shard's bytes)."""
@@ -69,7 +82,6 @@ MAX_META_BYTES = 1 << 20
 """Largest non-payload body (a MEMBERS record's JSON) a log may hold."""
 
 _SNAPSHOT = re.compile(r"snapshot-(\d{8})\.npz")
-_LOG = re.compile(r"log-(\d{8})\.wal")
 _IOV_MAX = 512
 
 
@@ -105,9 +117,12 @@ def _generations(folder: Path, pattern: re.Pattern[str]) -> list[int]:
 
 
 def next_generation(folder: Path) -> int:
-    """The generation a new log in ``folder`` takes: past every file there."""
-    folder = Path(folder)
-    return 1 + max([-1, *_generations(folder, _SNAPSHOT), *_generations(folder, _LOG)])
+    """The generation a new log in ``folder`` takes: past every snapshot there."""
+    return 1 + max([-1, *_generations(Path(folder), _SNAPSHOT)])
+
+
+def _log_path(folder: Path, generation: int) -> Path:
+    return folder / f"log-{generation % SLOTS}.wal"
 
 
 def has_state(folder: Path) -> bool:
@@ -179,7 +194,7 @@ class WriteAheadLog:
         self.gate = Gate()
         """Unlocked rules: pushes hold it shared (see :class:`Gate`)."""
         self._fd = fd
-        self._size = 0
+        self._offset = 0
         self._lock = threading.Lock()
         self._head = bytearray(HEAD.size)
         self._index = {k: i for i, k in enumerate(keys)}
@@ -194,14 +209,18 @@ class WriteAheadLog:
     @classmethod
     def start(cls, folder: Path, shard: Shard, generation: int = 0) -> WriteAheadLog:
         """Write ``shard``'s snapshot as ``generation`` into ``folder``, open its log, attach the
-        log to the shard and remove older generations. Call before the shard serves."""
+        log to the shard and remove older snapshots. Call before the shard serves. In a folder
+        without a snapshot (a new log) the log files start empty."""
         folder = Path(folder)
         make_private_dir(folder)
+        fresh = not has_state(folder)
         _, data = shard.to_bytes()
-        write_bytes_atomic(folder / f"snapshot-{generation:08d}.npz", data)
+        _write_snapshot(folder / f"snapshot-{generation:08d}.npz", data)
         nbytes = sum(v.nbytes for v in shard.values.values())
-        wal = cls(folder, generation, _open_log(folder, generation), list(shard.values), 0)
-        wal.bound = compact_bound(nbytes)
+        fd = _open_log(folder, generation, truncate=fresh)
+        if fresh:
+            _open_log(folder, generation + 1, truncate=True, keep=False)
+        wal = cls(folder, generation, fd, list(shard.values), compact_bound(nbytes))
         with shard.cond:
             wal._write(Kind.MEMBERS, shard.version, [_members_body(shard, False)])
         _remove_before(folder, generation)
@@ -216,33 +235,47 @@ class WriteAheadLog:
 
     # -- appending ------------------------------------------------------------------------------
     def _write(
-        self, kind: Kind, version: int, parts: list[Any], meta: PushMeta | None = None
+        self,
+        kind: Kind,
+        version: int,
+        checked: list[Any],
+        data: tuple[Any, ...] = (),
+        meta: PushMeta | None = None,
     ) -> None:
-        """Append one record of ``parts`` (buffers) atomically with respect to other appends."""
+        """Append one record: ``checked`` (small, under the CRC) then ``data`` (a payload),
+        body first and header last, atomically with respect to other appends."""
         if self.broken:
             return
+        parts = [*checked, *data]
         length = sum(memoryview(p).nbytes for p in parts)
-        fields = (
-            version,
-            -1 if meta is None else meta.worker,
-            0 if meta is None else meta.incarnation,
-            -1 if meta is None else meta.base_version,
-            1.0 if meta is None else meta.lr_scale,
-        )
-        tail = struct.pack("<qqqqd", *fields)
-        crc = zlib.crc32(tail)
-        for part in parts:
-            crc = zlib.crc32(part, crc)
         with self._lock:
             if self._fd < 0:
                 return
-            HEAD.pack_into(self._head, 0, MAGIC, kind, length, crc, *fields)
+            HEAD.pack_into(
+                self._head,
+                0,
+                MAGIC,
+                kind,
+                length,
+                0,
+                self.generation,
+                version,
+                -1 if meta is None else meta.worker,
+                0 if meta is None else meta.incarnation,
+                -1 if meta is None else meta.base_version,
+                1.0 if meta is None else meta.lr_scale,
+            )
+            crc = zlib.crc32(memoryview(self._head)[_CRC_FROM:])
+            for part in checked:
+                crc = zlib.crc32(part, crc)
+            struct.pack_into("<I", self._head, _CRC_AT, crc)
             try:
-                _write_all(self._fd, [self._head, *parts], HEAD.size + length)
+                _pwrite_all(self._fd, parts, self._offset + HEAD.size)
+                _pwrite_all(self._fd, [self._head], self._offset)  # the record exists now
             except OSError as exc:
                 self._fail(exc)
                 return
-            self._size += HEAD.size + length
+            self._offset += HEAD.size + length
             self.records += 1
 
     def _fail(self, exc: OSError) -> None:
@@ -259,17 +292,19 @@ class WriteAheadLog:
             os.close(self._fd)
         self._fd = -1
         _remove_before(self.folder, 1 << 40)
+        for slot in range(SLOTS):
+            _log_path(self.folder, slot).unlink(missing_ok=True)
 
     def append_push(self, shard: Shard, payload: Mapping[str, np.ndarray], meta: PushMeta) -> None:
         """A validated payload, before the rule applies it (under the shard's lock for a locked
         rule, under :attr:`gate` for an unlocked one)."""
-        arrays: list[Any] = []
         if list(payload) == self._keys:
             index: bytes = self._all
             keys = self._keys
         else:
             keys = sorted(payload, key=self._index.__getitem__)
             index = np.array([self._index[k] for k in keys], dtype="<u4").tobytes()
+        arrays: list[Any] = []
         for key in keys:
             have = shard.values[key]
             array = payload[key]
@@ -277,7 +312,7 @@ class WriteAheadLog:
                 array = np.ascontiguousarray(array, dtype=have.dtype)
             arrays.append(array.reshape(-1).view(np.uint8))
         count = struct.pack("<I", len(keys))
-        self._write(Kind.PUSH, shard.version, [count, index, *arrays], meta)
+        self._write(Kind.PUSH, shard.version, [count, index], tuple(arrays), meta)
 
     def append_leave(self, shard: Shard, worker: int) -> None:
         """Under the shard's lock, before :meth:`Shard.leave` changes anything."""
@@ -285,7 +320,7 @@ class WriteAheadLog:
 
     def append_tick(self, shard: Shard, before: int) -> None:
         """Under the shard's lock: the rule's tick moved the version on from ``before``."""
-        self._write(Kind.TICK, before, [b""])
+        self._write(Kind.TICK, before, [])
 
     def append_members(self, shard: Shard) -> None:
         """Under the shard's lock, after a membership change and before the rule hears of it."""
@@ -294,19 +329,19 @@ class WriteAheadLog:
     # -- compaction -----------------------------------------------------------------------------
     @property
     def size(self) -> int:
-        """Bytes in the current log."""
-        return self._size
+        """Bytes in the current generation's log."""
+        return self._offset
 
     def maybe_compact(self, shard: Shard) -> bool:
         """Start a new generation if the log is past :attr:`bound`; True if it did."""
-        if self.broken or self._size < self.bound:
+        if self.broken or self._offset < self.bound:
             return False
         self.compact(shard)
         return True
 
     def compact(self, shard: Shard) -> None:
-        """Copy the state and switch to a new log (under the locks: a copy and an open), then
-        write the snapshot and remove the older generation."""
+        """Copy the state and switch to the other log file (under the locks: a copy and an
+        open), then write the snapshot and remove the older one."""
         if not self._compacting.acquire(blocking=False):
             return  # another thread is at it
         try:
@@ -317,14 +352,14 @@ class WriteAheadLog:
                 generation = self.generation + 1
                 fd = _open_log(self.folder, generation)
                 with self._lock:
-                    old, self._fd, self._size = self._fd, fd, 0
+                    old, self._fd, self._offset = self._fd, fd, 0
                     self.generation = generation
                 self._write(Kind.MEMBERS, version, [members])
             if old >= 0:
                 os.close(old)
             data = shard.pack(arrays, header)
             try:
-                write_bytes_atomic(self.folder / f"snapshot-{generation:08d}.npz", data)
+                _write_snapshot(self.folder / f"snapshot-{generation:08d}.npz", data)
             except OSError as exc:
                 with self._lock:
                     if self._fd >= 0:
@@ -347,18 +382,21 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-def _open_log(folder: Path, generation: int) -> int:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
-    return os.open(folder / f"log-{generation:08d}.wal", flags, 0o600)
+def _open_log(folder: Path, generation: int, *, truncate: bool = False, keep: bool = True) -> int:
+    """The log file of ``generation`` (created 0600), written in place: no O_APPEND."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+    fd = os.open(_log_path(folder, generation), flags, 0o600)
+    if not keep:
+        os.close(fd)
+    return fd
 
 
-def _write_all(fd: int, parts: list[Any], total: int) -> None:
-    """``os.writev`` until every byte is written (a short write resumes where it stopped)."""
-    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
-    done = 0
-    while done < total:
-        written = os.writev(fd, views[:_IOV_MAX])
-        done += written
+def _pwrite_all(fd: int, parts: list[Any], offset: int) -> None:
+    """``os.pwritev`` at ``offset`` until every byte is written (a short write resumes)."""
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+    while views:
+        written = os.pwritev(fd, views[:_IOV_MAX], offset)
+        offset += written
         while views and written >= views[0].nbytes:
             written -= views[0].nbytes
             views.pop(0)
@@ -366,12 +404,25 @@ def _write_all(fd: int, parts: list[Any], total: int) -> None:
             views[0] = views[0][written:]
 
 
+def _write_snapshot(path: Path, data: bytes) -> None:
+    """Write ``data`` to a private temporary file beside ``path`` and rename it over ``path``:
+    atomic, and not fsynced (the log covers a killed process, whose writes the page cache
+    keeps; a flush per generation cost more than the log's writes on this machine)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _remove_before(folder: Path, generation: int) -> None:
-    """Remove the snapshots and logs of generations below ``generation``."""
-    for pattern, name in ((_SNAPSHOT, "snapshot-{:08d}.npz"), (_LOG, "log-{:08d}.wal")):
-        for old in _generations(folder, pattern):
-            if old < generation:
-                (folder / name.format(old)).unlink(missing_ok=True)
+    """Remove the snapshots of generations below ``generation``."""
+    for old in _generations(folder, _SNAPSHOT):
+        if old < generation:
+            (folder / f"snapshot-{old:08d}.npz").unlink(missing_ok=True)
 
 
 # -------------------------------------------------------------------------------- recovery
@@ -379,14 +430,14 @@ def _remove_before(folder: Path, generation: int) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class Recovery:
-    """A shard rebuilt from its folder: the snapshot's generation and version, the records
-    replayed, and whether the replay stopped at a torn or corrupt record."""
+    """A shard rebuilt from its folder: the snapshot's generation and version, the last
+    generation replayed, and the records replayed."""
 
     shard: Shard
+    snapshot: int
     generation: int
     snapshot_version: int
     records: int
-    torn: bool
 
 
 def recover(
@@ -423,46 +474,49 @@ def recover(
             f"{folder}: no readable snapshot; restore from a checkpoint, or remove the folder "
             "to start over"
         )
-    start, records, torn, last = shard.version, 0, False, generation
-    for gen in _generations(folder, _LOG):
-        if gen < generation:
-            continue
-        replayed, torn = _replay(folder / f"log-{gen:08d}.wal", shard)
-        records, last = records + replayed, gen
-        if torn:
+    start, records, last = shard.version, 0, generation
+    for gen in range(generation, generation + SLOTS):  # the next one: its snapshot was not out
+        replayed = _replay(folder, gen, shard)
+        if not replayed:
             break
+        records, last = records + replayed, gen
     shard.restored_version = shard.version
     log.info(
-        "shard %d recovered from %s: snapshot %d at version %d, %d records replayed, version %d%s",
+        "shard %d recovered from %s: snapshot %d at version %d, %d records replayed, version %d",
         shard.index,
         folder,
         generation,
         start,
         records,
         shard.version,
-        " (stopped at a torn record)" if torn else "",
     )
     return Recovery(
-        shard=shard, generation=last, snapshot_version=start, records=records, torn=torn
+        shard=shard, snapshot=generation, generation=last, snapshot_version=start, records=records
     )
 
 
-def _replay(path: Path, shard: Shard) -> tuple[int, bool]:
-    """Apply the records of one log to ``shard``; (records applied, stopped early)."""
+def _replay(folder: Path, generation: int, shard: Shard) -> int:
+    """Apply the records of ``generation`` to ``shard``; how many there were."""
+    path = _log_path(folder, generation)
     limit = MAX_META_BYTES + 8 + sum(4 + v.nbytes for v in shard.values.values())
     count = 0
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        return 0
+    with f:
         while True:
             head = f.read(HEAD.size)
-            if not head:
-                return count, False
             if len(head) < HEAD.size:
                 break
-            magic, kind, length, crc, *fields = HEAD.unpack(head)
-            if magic != MAGIC or kind not in Kind._value2member_map_ or length > limit:
+            magic, kind, length, crc, gen, *fields = HEAD.unpack(head)
+            if magic != MAGIC or gen != generation or kind not in Kind._value2member_map_:
                 break
-            body = f.read(length)
-            if len(body) < length or zlib.crc32(body, zlib.crc32(head[_CRC_FROM:])) != crc:
+            body = f.read(length) if length <= limit else b""
+            if len(body) < length or (len(body) < 4 and kind == Kind.PUSH):
+                break
+            checked = 4 + 4 * struct.unpack_from("<I", body)[0] if kind == Kind.PUSH else length
+            if checked > length or zlib.crc32(body[:checked], zlib.crc32(head[_CRC_FROM:])) != crc:
                 break
             try:
                 _apply(shard, Kind(kind), body, fields)
@@ -470,8 +524,7 @@ def _replay(path: Path, shard: Shard) -> tuple[int, bool]:
                 log.warning("write-ahead log %s: record %d unreadable (%s)", path, count, exc)
                 break
             count += 1
-    log.warning("write-ahead log %s: stopped at a torn or corrupt record after %d", path, count)
-    return count, True
+    return count
 
 
 def _apply(shard: Shard, kind: Kind, body: bytes, fields: list[Any]) -> None:
@@ -526,12 +579,14 @@ def _apply_members(shard: Shard, state: dict[str, Any]) -> None:
             shard.rule.on_membership(shard, m.live)
 
 
-def begin(folder: Path, shard: Shard) -> WriteAheadLog | None:
-    """Start logging ``shard`` in ``folder`` at the next generation (a server that registers
-    or restores it); None, with the error logged, if the folder cannot be written (the server
-    then runs without a log, as with ``--wal off``)."""
+def begin(folder: Path, shard: Shard, after: int = -1) -> WriteAheadLog | None:
+    """Start logging ``shard`` in ``folder`` at a new generation, past every snapshot and past
+    ``after`` (the last one replayed), for a server that registers or restores it; None, with
+    the error logged, if the folder cannot be written (the server then runs without a log, as
+    with ``--wal off``)."""
     try:
-        return WriteAheadLog.start(folder, shard, next_generation(folder))
+        generation = max(next_generation(folder), after + 1)
+        return WriteAheadLog.start(folder, shard, generation)
     except OSError as exc:
         log.error(
             "write-ahead log %s: cannot start (%s); shard %d runs without one: free space "
@@ -581,5 +636,5 @@ def resume(
                 recovery.shard.version,
             )
     if shard is not None:
-        begin(folder, shard)
+        begin(folder, shard, -1 if recovery is None else recovery.generation)
     return shard
