@@ -6,7 +6,8 @@ Three measurements, each side by side with the log off:
   ``distsgd demo --scheme hogwild`` (the digits CNN, 0.16 MB a push) and the benchmark suite's
   MLP (``benchmarks/mlp_script.py``, 2.7 MB a push), each with ``--wal on`` and ``--wal off``.
   Throughput: samples per second of all workers from the first to the last metrics line
-  (start-up excluded); the report gives the medians and their ratio.
+  (start-up excluded), and the chief's training time (``result.json``'s ``seconds``); the
+  report gives the medians and their ratios.
 * ``pushes``: the server alone, in process: ``Shard.push`` of each model's payload under the
   Hogwild rule, with and without a log (A B A B), the log in its steady state (both log files
   written once, a new generation with its snapshot whenever one is due); pushes per second and
@@ -69,6 +70,7 @@ def run_commands(args: argparse.Namespace) -> dict[str, list[str]]:
 
 def runs(args: argparse.Namespace) -> dict[str, Any]:
     rates: dict[str, dict[str, list[float]]] = {}
+    seconds: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for case, (name, command) in enumerate(run_commands(args).items()):
@@ -82,10 +84,12 @@ def runs(args: argparse.Namespace) -> dict[str, Any]:
                     started = time.monotonic()
                     subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
                     rate = samples_per_second(run_dir)
+                    trained = json.loads((run_dir / "result.json").read_text())["seconds"]
                     rates.setdefault(name, {"on": [], "off": []})[flag].append(rate)
+                    seconds.setdefault(name, {"on": [], "off": []})[flag].append(trained)
                     print(
                         f"round {round_ + 1} {name:20s} wal {flag:3s} {rate:8.0f} samples/s, "
-                        f"{time.monotonic() - started:.0f} s",
+                        f"chief trained {trained:.1f} s, run {time.monotonic() - started:.0f} s",
                         flush=True,
                     )
     return {
@@ -93,6 +97,11 @@ def runs(args: argparse.Namespace) -> dict[str, Any]:
             "on": [round(r, 1) for r in r_["on"]],
             "off": [round(r, 1) for r in r_["off"]],
             "ratio": round(statistics.median(r_["on"]) / statistics.median(r_["off"]), 4),
+            "seconds_on": [round(t, 2) for t in seconds[name]["on"]],
+            "seconds_off": [round(t, 2) for t in seconds[name]["off"]],
+            "seconds_ratio": round(
+                statistics.median(seconds[name]["on"]) / statistics.median(seconds[name]["off"]), 4
+            ),
         }
         for name, r_ in rates.items()
     }
@@ -203,7 +212,10 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for name, row in report.get("runs", {}).items():
         on, off = statistics.median(row["on"]), statistics.median(row["off"])
-        print(f"run    {name:20s} on {on:8.0f}  off {off:8.0f} samples/s  ratio {row['ratio']}")
+        print(
+            f"run    {name:20s} on {on:8.0f}  off {off:8.0f} samples/s  ratio {row['ratio']}; "
+            f"chief's training time on/off {row['seconds_ratio']}"
+        )
     for name, row in report["pushes"].items():
         print(
             f"server {name:20s} on {row['pushes_per_second_on']:8.0f}  "

@@ -352,11 +352,14 @@ class WriteAheadLog:
                 generation = self.generation + 1
                 fd = _open_log(self.folder, generation)
                 with self._lock:
-                    old, self._fd, self._offset = self._fd, fd, 0
-                    self.generation = generation
+                    old, closed = self._fd, self._fd < 0  # closed: the server stopped
+                    if not closed:
+                        self._fd, self._offset, self.generation = fd, 0, generation
+                if closed:
+                    os.close(fd)
+                    return
                 self._write(Kind.MEMBERS, version, [members])
-            if old >= 0:
-                os.close(old)
+            os.close(old)
             data = shard.pack(arrays, header)
             try:
                 _write_snapshot(self.folder / f"snapshot-{generation:08d}.npz", data)
