@@ -299,3 +299,21 @@ def test_a_newer_checkpoint_wins_over_an_older_log(tmp_path: Path) -> None:
     assert served is ahead and served.wal is not None
     assert _recover(tmp_path, "hogwild").version == 4  # and the log goes on from there
     assert wal.resume(tmp_path, _shard("hogwild"), make_server_rule, shard_index=0).version == 4
+
+
+def test_scalar_and_empty_pieces(tmp_path: Path) -> None:
+    values = {"s": np.array(2.0, dtype=np.float32), "e": np.zeros((0, 3)), "v": np.ones(3)}
+    live = Shard(
+        index=0,
+        scheme="hogwild",
+        options_json=json.dumps(SCHEMES["hogwild"]),
+        num_workers=1,
+        values=values,
+        rule=make_server_rule("hogwild", SCHEMES["hogwild"], 1),
+    )
+    wal.WriteAheadLog.start(tmp_path, live)
+    for i in range(3):
+        _push(live, i, 0)
+    _push(live, 5, 0)
+    live.push({"v": np.full(3, 0.5)}, PushMeta(worker=0, incarnation=7, base_version=4))
+    _assert_same(live, _recover(tmp_path, "hogwild"))

@@ -197,6 +197,7 @@ class WriteAheadLog:
         self._offset = 0
         self._lock = threading.Lock()
         self._head = bytearray(HEAD.size)
+        self._head_view = memoryview(self._head)
         self._index = {k: i for i, k in enumerate(keys)}
         self._keys = keys
         self._all = np.arange(len(keys), dtype="<u4").tobytes()
@@ -246,8 +247,8 @@ class WriteAheadLog:
         body first and header last, atomically with respect to other appends."""
         if self.broken:
             return
-        parts = [*checked, *data]
-        length = sum(memoryview(p).nbytes for p in parts)
+        parts = [memoryview(p).cast("B") for p in (*checked, *data)]
+        length = sum(p.nbytes for p in parts)
         with self._lock:
             if self._fd < 0:
                 return
@@ -271,7 +272,7 @@ class WriteAheadLog:
             struct.pack_into("<I", self._head, _CRC_AT, crc)
             try:
                 _pwrite_all(self._fd, parts, self._offset + HEAD.size)
-                _pwrite_all(self._fd, [self._head], self._offset)  # the record exists now
+                _pwrite_all(self._fd, [self._head_view], self._offset)  # the record exists now
             except OSError as exc:
                 self._fail(exc)
                 return
@@ -306,11 +307,11 @@ class WriteAheadLog:
             index = np.array([self._index[k] for k in keys], dtype="<u4").tobytes()
         arrays: list[Any] = []
         for key in keys:
-            have = shard.values[key]
             array = payload[key]
-            if array.dtype != have.dtype or not array.flags.c_contiguous:
-                array = np.ascontiguousarray(array, dtype=have.dtype)
-            arrays.append(array.reshape(-1).view(np.uint8))
+            if array.dtype != shard.values[key].dtype or not array.flags.c_contiguous:
+                array = np.ascontiguousarray(array, dtype=shard.values[key].dtype)
+            if array.size:  # an empty piece has no bytes (and no byte view)
+                arrays.append(array)
         count = struct.pack("<I", len(keys))
         self._write(Kind.PUSH, shard.version, [count, index], tuple(arrays), meta)
 
@@ -394,9 +395,12 @@ def _open_log(folder: Path, generation: int, *, truncate: bool = False, keep: bo
     return fd
 
 
-def _pwrite_all(fd: int, parts: list[Any], offset: int) -> None:
-    """``os.pwritev`` at ``offset`` until every byte is written (a short write resumes)."""
-    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+def _pwrite_all(fd: int, parts: list[memoryview], offset: int) -> None:
+    """``os.pwritev`` of byte views at ``offset`` until every byte is written (a short write,
+    or more than the system's limit of views, resumes)."""
+    if len(parts) <= _IOV_MAX and os.pwritev(fd, parts, offset) == sum(p.nbytes for p in parts):
+        return  # the usual case: one call
+    views = [v for v in parts if v.nbytes]
     while views:
         written = os.pwritev(fd, views[:_IOV_MAX], offset)
         offset += written
