@@ -780,6 +780,7 @@ class LocalRun:
         if shard_file is None and not logged:
             self._restart_all(f"ps{index}", code, step, "no checkpoint to restore the shard from")
             return
+        seen = self.seen_versions.pop(index, None)  # the dead server's, read before it died
         address = self.spec.address(self.spec.task("ps", index))
         try:
             self.start_ps(index, address=address, restore=shard_file)
@@ -789,7 +790,6 @@ class LocalRun:
         filed = -1 if shard_file is None else int(read_shard_header(shard_file)["version"])
         info = self._read_version(index)
         restored = filed if info is None else int(info.restored_version)
-        seen = self.seen_versions.get(index)
         source = "wal" if shard_file is None or restored > filed else shard_file.parent.name
         self._fault(
             f"ps{index}",

@@ -3,7 +3,7 @@
 A shard's folder holds ``snapshot-G.npz`` (:meth:`Shard.to_bytes` at the start of generation
 ``G``) and two log files, ``log-0.wal`` and ``log-1.wal``: generation ``G`` writes its records
 into ``log-{G % 2}.wal`` from its start, over whatever an older generation left there (pages
-already in the page cache are rewritten about ten times faster than a growing file's new ones
+already in the page cache are rewritten several times faster than a growing file's new ones
 on the project's machine; every record names its generation, so an older one ends the log).
 Each change of state a rule depends on is appended *before* the shard applies it:
 
