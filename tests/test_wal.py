@@ -103,6 +103,7 @@ def test_files_are_private(tmp_path: Path) -> None:
     folder = tmp_path / "wal" / "ps0"
     wal.WriteAheadLog.start(folder, _shard("hogwild"))
     assert folder.stat().st_mode & 0o777 == 0o700
+    assert folder.parent.stat().st_mode & 0o777 == 0o700
     for path in folder.iterdir():
         assert path.stat().st_mode & 0o777 == 0o600, path
 

@@ -104,8 +104,10 @@ def compact_bound(shard_bytes: int) -> int:
 
 
 def make_private_dir(folder: Path) -> None:
-    """Create ``folder`` (and parents) readable by its owner only (0700)."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create ``folder``, and each missing parent, readable by its owner only (0700)."""
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
+    for path in reversed(missing):
+        path.mkdir(mode=0o700, exist_ok=True)
     os.chmod(folder, 0o700)
 
 
