@@ -170,3 +170,21 @@ def test_nonfinite_gradient_policy(policy: str, tmp_path: Path) -> None:
     last = {r["task"]: r for r in metrics(run_dir) if "nonfinite_skipped" in r}
     assert sorted(r["nonfinite_skipped"] for r in last.values()) == [1, 1]  # each worker once
     assert json.loads((run_dir / "result.json").read_text())["test_accuracy"] > 0.9
+
+
+@pytest.mark.xdist_group("demo-runs")
+def test_a_ps_killed_before_any_checkpoint_comes_back_from_its_log(tmp_path: Path) -> None:
+    """The write-ahead log (on by default): ps0 SIGKILLed at the start, long before the first
+    checkpoint (30 s), is restarted alone from its log at the version it had, not the whole
+    cluster from step 0 (what --wal off does)."""
+    run_dir = tmp_path / "run"
+    args = ["demo", "--scheme", "hogwild", "--epochs", "10", "--quiet", "--run-dir", str(run_dir)]
+    accuracy = final_accuracy(run_distsgd([*args, "--inject-fault", "kill:ps:0@step=5"]))
+    faults = [r for r in metrics(run_dir) if r.get("event") == "fault"]
+    assert len(faults) == 1 and faults[0]["target"] == "ps0", faults
+    fault = faults[0]
+    assert fault["action"] == "restart" and fault["resumed_from"] == "wal", fault
+    assert fault["seen_version"] > 0 and fault["restored_version"] >= fault["seen_version"], fault
+    assert fault["lost_updates"] == 0, fault
+    assert accuracy >= 0.95
+    assert not (run_dir / "wal").exists(), "the logs outlived the run"

@@ -95,6 +95,14 @@ def _add_launch_flags(parser: argparse.ArgumentParser, *, compare: bool = False)
         help="checkpoint every N steps of each worker, or every N seconds with 's' (e.g. 50, "
         f"30s; default {DEFAULT_CHECKPOINT_SECONDS:.0f}s, 0 = off)",
     )
+    if not compare:
+        ft.add_argument(
+            "--wal",
+            choices=("on", "off"),
+            default="on",
+            help="each parameter server logs every update before applying it, so that a killed "
+            "one comes back without losing any (default on; see docs/fault-tolerance.md)",
+        )
     ft.add_argument(
         "--max-restarts",
         type=int,
@@ -262,6 +270,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(a restarted server: its container, or a pod)",
     )
     server.add_argument(
+        "--wal",
+        choices=("on", "off"),
+        default="on",
+        help="log every update before applying it, so that a killed server restarted on the "
+        "same folder loses none (default on; needs --wal-dir or --checkpoint-dir)",
+    )
+    server.add_argument(
+        "--wal-dir",
+        type=Path,
+        help="the write-ahead log's folder (default CHECKPOINT_DIR/wal/psN); a server started "
+        "on a folder that holds a shard serves it",
+    )
+    server.add_argument(
         "--evict-after",
         type=float,
         default=60.0,
@@ -387,6 +408,7 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
         "min_workers": args.min_workers,
         "max_workers": args.max_workers,
         "evict_after": args.evict_after,
+        "wal": args.wal == "on",
     }
     resume = getattr(args, "resume", None)
     if resume is not None:
@@ -529,6 +551,11 @@ def _cmd_server(args: argparse.Namespace) -> int:
     check_evict_after(args.evict_after)
     if not 0 <= args.max_workers <= MAX_WORKERS:
         raise ValueError(f"--max-workers must be in 0..{MAX_WORKERS}, got {args.max_workers}")
+    wal_dir = args.wal_dir
+    if wal_dir is None and args.checkpoint_dir is not None:
+        wal_dir = args.checkpoint_dir / "wal" / f"ps{index}"
+    if args.wal == "off":
+        wal_dir = None
     tie_to_parent()
     setup_logging()
     address = alias_address(args.address or spec.address(task), host_aliases())
@@ -543,6 +570,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
         tls=tls,
         max_workers=args.max_workers,
         evict_after=args.evict_after,
+        wal_dir=wal_dir,
     )
     from distsgd.launcher.bootstrap import exit_now
 

@@ -62,6 +62,13 @@ class LaunchConfig:
         default=DEFAULT_CHECKPOINT_SECONDS,
         metadata={"help": "checkpoint every N seconds (0 with checkpoint_every 0 = off)"},
     )
+    wal: bool = field(
+        default=True,
+        metadata={
+            "help": "each parameter server logs every update before applying it "
+            "(RUN_DIR/wal/psN): a killed one is restarted where it was, losing none"
+        },
+    )
     max_restarts: int = field(
         default=DEFAULT_MAX_RESTARTS,
         metadata={

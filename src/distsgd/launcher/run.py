@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -32,6 +33,7 @@ from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.progress import Console, Progress
 from distsgd.launcher.scale import LAUNCHER_FILE, read_scale_request
 from distsgd.launcher.supervisor import Supervisor, TaskHandle, Tasks
+from distsgd.ps import wal
 from distsgd.runtime.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -51,6 +53,7 @@ from distsgd.runtime.task import ENV_VAR, TaskEnv
 from distsgd.transport import shm
 from distsgd.transport.client import ShardClient
 from distsgd.transport.errors import RemoteError
+from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.security import (
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -146,6 +149,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
     finally:
         launcher_file.unlink(missing_ok=True)
         supervisor.close()
+        shutil.rmtree(local.wal_root, ignore_errors=True)  # only a restart in this launch reads it
         # Segments are unlinked once a worker maps them; a server killed before that leaves a
         # name behind, which it recorded in its checkpoint folder before creating it.
         records = local.ckpt_root.glob("ps*.segments")
@@ -228,6 +232,11 @@ class LocalRun:
         self.threads = config.threads_per_worker
         self.collective = self.num_ps == 0
         self.ckpt_root = run_dir / "checkpoints"
+        self.wal_root = run_dir / "wal"
+        self.seen_versions: dict[int, int] = {}
+        """Each server's version as the launcher last read it (Info, about once a second and
+        just before an injected kill): what a dead one had applied at least."""
+        self._next_poll = 0.0
         self.checkpointing = bool(config.checkpoint_every or config.checkpoint_seconds)
         self.run_id = config.run_id or secrets.token_hex(8)
         env = dict(os.environ)
@@ -352,6 +361,8 @@ class LocalRun:
             str(addr_file),
             "--checkpoint-dir",
             str(self.ckpt_root),
+            *(["--wal-dir", str(self.wal_root / f"ps{index}")] if self.config.wal else []),
+            *([] if self.config.wal else ["--wal", "off"]),
         ]
         if restore is not None:
             argv += ["--restore", str(restore)]
@@ -430,7 +441,12 @@ class LocalRun:
 
     def start_cluster(self, checkpoint: Checkpoint | None, *, fresh_ports: bool) -> None:
         """Start every task. The workers start while the servers do (both take seconds to
-        import); a worker reads each server's real address from its address file."""
+        import); a worker reads each server's real address from its address file. They start
+        from the checkpoint: logs of an earlier cluster are removed."""
+        shutil.rmtree(self.wal_root, ignore_errors=True)
+        self.seen_versions.clear()
+        if self.config.wal and self.num_ps:
+            wal.make_private_dir(self.wal_root)
         servers = []
         for i in range(self.num_ps):
             address = (
@@ -504,6 +520,7 @@ class LocalRun:
             if self.stop.wait(0.25):
                 raise Interrupted
             self.progress.poll()
+            self._poll_versions()
             self._inject_kills()
             if self.config.elastic:
                 self._poll_scale()
@@ -543,6 +560,9 @@ class LocalRun:
                 self.kills_pending.remove(fault)
                 task = self.supervisor.tasks.get(fault.task)
                 if task is not None and task.poll() is None:
+                    target = TaskId.parse(fault.task)
+                    if target.job == "ps":
+                        self._read_version(target.index)
                     self.console.note(
                         f"[distsgd] fault injected: SIGKILL {fault.task} (pid {task.pid}) "
                         f"at step {self.progress.step}"
@@ -725,27 +745,66 @@ class LocalRun:
         )
         self.start_worker(index, resume=resume, continue_at=reached)
 
+    def _poll_versions(self) -> None:
+        """About once a second: each live server's version (see :attr:`seen_versions`)."""
+        if self.collective or time.monotonic() < self._next_poll:
+            return
+        self._next_poll = time.monotonic() + 1.0
+        for index in range(self.num_ps):
+            self._read_version(index)
+
+    def _read_version(self, index: int) -> pb.InfoResponse | None:
+        """ps ``index``'s Info (None if it does not answer at once), its version remembered."""
+        task = self.supervisor.tasks.get(f"ps{index}")
+        if task is None or task.poll() is not None:
+            return None
+        try:
+            with ShardClient(
+                self.spec.address(self.spec.task("ps", index)),
+                run_id=self.run_id,
+                timeout=2.0,
+                retry_seconds=0.0,
+                secret=self.secret,
+                tls=self.config.tls,
+            ) as client:
+                reply = client.info(retry=False)
+        except RemoteError:
+            return None
+        if reply.registered:
+            self.seen_versions[index] = max(self.seen_versions.get(index, 0), reply.version)
+        return reply
+
     def _restart_ps(self, index: int, code: int, step: int) -> None:
+        """Restart ps ``index`` from its write-ahead log or its newest shard file (the server
+        takes the newer); the whole cluster when it has neither. The fault record compares the
+        version it comes back at with the one last read from the dead server."""
         shard_file = newest_shard_file(self.ckpt_root, index)
-        if shard_file is None:
+        logged = self.config.wal and wal.has_state(self.wal_root / f"ps{index}")
+        if shard_file is None and not logged:
             self._restart_all(f"ps{index}", code, step, "no checkpoint to restore the shard from")
             return
-        restored = int(read_shard_header(shard_file)["version"])
+        seen = self.seen_versions.pop(index, None)  # the dead server's, read before it died
+        address = self.spec.address(self.spec.task("ps", index))
+        try:
+            self.start_ps(index, address=address, restore=shard_file)
+        except RunFailed as exc:  # e.g. its old port was taken meanwhile, or an unreadable log
+            self._restart_all(f"ps{index}", code, step, f"ps{index} could not come back: {exc}")
+            return
+        filed = -1 if shard_file is None else int(read_shard_header(shard_file)["version"])
+        info = self._read_version(index)
+        restored = filed if info is None else int(info.restored_version)
+        source = "wal" if shard_file is None or restored > filed else shard_file.parent.name
         self._fault(
             f"ps{index}",
             code,
             step,
             "restart",
-            resumed_from=shard_file.parent.name,
+            resumed_from=source,
             restored_version=restored,
-            lost_updates=max(0, step - restored),
+            seen_version=seen,
+            lost_updates=max(0, (step if seen is None else seen) - restored),
         )
-        address = self.spec.address(self.spec.task("ps", index))
-        try:
-            self.start_ps(index, address=address, restore=shard_file)
-        except RunFailed as exc:  # e.g. its old port was taken meanwhile
-            self._restart_all(f"ps{index}", code, step, f"ps{index} could not come back: {exc}")
-            return
+        self.seen_versions[index] = restored
         self.restored_ps.add(index)
         self._tell_finished(index, sorted(TaskId.parse(name).index for name in self.done))
 

@@ -84,6 +84,7 @@ def start_server(
     restore: Path | None = None,
     max_workers: int = 0,
     evict_after: float = DEFAULT_EVICT_AFTER,
+    wal_dir: Path | None = None,
 ) -> tuple[grpc.Server, str, ParameterService]:
     """Start serving one shard on ``address`` ("host:port", port 0 = any free port).
 
@@ -95,7 +96,8 @@ def start_server(
     (None = no check; "" or fewer than 32 characters is refused as a mistake). ``tls``: listen
     with mutual TLS instead of plaintext. ``checkpoint_dir`` and ``restore`` go to
     :class:`ParameterService` (where Checkpoint writes; a shard file to start from), and so do
-    ``max_workers`` and ``evict_after`` (membership: see :mod:`distsgd.ps.membership`).
+    ``max_workers`` and ``evict_after`` (membership: see :mod:`distsgd.ps.membership`), and
+    ``wal_dir`` (the shard's write-ahead log: see :mod:`distsgd.ps.wal`).
 
     A port in use raises :class:`OSError` with a one-line message.
     """
@@ -120,6 +122,7 @@ def start_server(
         tls=tls is not None,
         max_workers=max_workers,
         evict_after=evict_after,
+        wal_dir=wal_dir,
     )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix=f"ps{shard_index}"),
@@ -152,6 +155,9 @@ def stop_server(
     for ``grace`` seconds, then cancel the rest. Returns within about ``grace`` + 0.5 s."""
     service.close()
     server.stop(grace=grace).wait(timeout=grace + 0.5)
+    shard = service.shard
+    if shard is not None and shard.wal is not None:
+        shard.wal.close()
 
 
 def serve(
@@ -167,11 +173,12 @@ def serve(
     restore: Path | None = None,
     max_workers: int = 0,
     evict_after: float = DEFAULT_EVICT_AFTER,
+    wal_dir: Path | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set); shutdown always runs.
 
-    ``secret``, ``tls``, ``checkpoint_dir``, ``restore``, ``max_workers`` and ``evict_after`` as
-    for :func:`start_server`. A warning
+    ``secret``, ``tls``, ``checkpoint_dir``, ``restore``, ``max_workers``, ``evict_after`` and
+    ``wal_dir`` as for :func:`start_server`. A warning
     is logged on any address without a run secret (on loopback every local user can connect),
     and on a non-loopback one without TLS (unless it has a secret and ``DISTSGD_TRUSTED_NETWORK``
     is 1). Returns within a second of ``stop`` (or the signal).
@@ -190,6 +197,7 @@ def serve(
         restore=restore,
         max_workers=max_workers,
         evict_after=evict_after,
+        wal_dir=wal_dir,
     )
     try:
         log.info(

@@ -34,7 +34,7 @@ from typing import Any, NoReturn, TypeVar, cast
 import grpc
 import numpy as np
 
-from distsgd.ps import channel, compression
+from distsgd.ps import channel, compression, wal
 from distsgd.ps.channel import Aborted as _Aborted
 from distsgd.ps.membership import DEFAULT_EVICT_AFTER, check_evict_after
 from distsgd.ps.rules import (
@@ -205,9 +205,12 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         tls: bool = False,
         max_workers: int = 0,
         evict_after: float = DEFAULT_EVICT_AFTER,
+        wal_dir: Path | None = None,
     ) -> None:
-        """``host``: the address the server listens on, where it offers tensor sockets ("" =
-        none); ``tls``: the server encrypts its calls, so it offers no tensor sockets.
+        """``wal_dir``: the shard's write-ahead log (None = none; see :mod:`distsgd.ps.wal`):
+        a shard found there is served (or ``restore``'s, if newer). ``host``: the address the
+        server listens on, where it offers tensor sockets ("" = none); ``tls``: the server
+        encrypts its calls, so it offers no tensor sockets.
         ``max_workers``: worker indexes up to this may join (0 = the registered number);
         ``evict_after``: seconds after which a silent member is evicted (see
         :mod:`distsgd.ps.membership`)."""
@@ -237,6 +240,16 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 )
             log.info(
                 "shard %d restored from %s at version %d", shard_index, restore, self.shard.version
+            )
+        self.wal_dir = wal_dir
+        if wal_dir is not None:
+            self.shard = wal.resume(
+                wal_dir,
+                self.shard,
+                rule_factory,
+                shard_index=shard_index,
+                max_workers=max_workers,
+                evict_after=evict_after,
             )
         self._stop = threading.Event()
         self._waiting = 0
@@ -293,6 +306,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
             shard = self.shard
             if shard is not None:
                 shard.tick()
+                if shard.wal is not None:
+                    shard.wal.maybe_compact(shard)
             self._segments.purge()
 
     # -- checks ---------------------------------------------------------------------------------
@@ -614,6 +629,8 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 evict_after=self.evict_after,
                 work=work,
             )
+            if self.wal_dir is not None:
+                wal.begin(self.wal_dir, shard)  # the base snapshot, before any push
             self.shard = shard
             if self.closing:  # close() ran while this call assembled: wake its pulls too
                 shard.close()

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from distsgd.ps.rules import (
 )
 from distsgd.ps.work import Unit, WorkQueue, WorkSpec
 from distsgd.transport.errors import PushReject
+
+if TYPE_CHECKING:
+    from distsgd.ps.wal import WriteAheadLog
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,10 @@ class Shard:
         """Live members and their epoch; read and changed under ``cond``."""
         self.work: WorkQueue | None = None if work is None else WorkQueue(work)
         """The work units (None: this shard hands out none); read and changed under ``cond``."""
+        self.wal: WriteAheadLog | None = None
+        """The write-ahead log every change is appended to before it is applied (None: off;
+        see :mod:`distsgd.ps.wal`)."""
+        self._leaving = False
 
     def bump(self, steps: int = 1) -> int:
         """Advance the version and wake readers waiting for it."""
@@ -198,6 +205,8 @@ class Shard:
     def _membership_changed(self, why: str) -> None:
         """Under ``cond``: log the new epoch and tell the rule."""
         members = self.membership.live
+        if self.wal is not None and not self._leaving:  # a logged leave replays its own change
+            self.wal.append_members(self)
         log.info(
             "shard %d: membership epoch %d (%s): %d members %s",
             self.index,
@@ -222,12 +231,20 @@ class Shard:
                     self.pushes_rejected += 1
                     refusal = PushOutcome.refused(PushReject.NONFINITE, f"NaN or Inf in {key}")
                     return refusal, self.version
+        wal = self.wal
         if self.rule.locked:
             with self.cond:
+                if wal is not None:
+                    wal.append_push(self, payload, meta)
                 outcome = self.rule.apply(self, payload, meta)
                 self._count(outcome)
                 return outcome, self.version
-        outcome = self.rule.apply(self, payload, meta)
+        if wal is None:
+            outcome = self.rule.apply(self, payload, meta)
+        else:
+            with wal.gate.shared():
+                wal.append_push(self, payload, meta)
+                outcome = self.rule.apply(self, payload, meta)
         with self.cond:
             self._count(outcome)
             return outcome, self.version
@@ -241,12 +258,18 @@ class Shard:
     def leave(self, worker: int) -> int:
         """Mark a worker finished and let the rule react (a sync step may now close)."""
         with self.cond:
-            if worker >= 0 and worker not in self.finished:
-                self.finished.add(worker)
-                self.rule.on_leave(self, worker)
-            self._work_released(worker, "left")
-            if self.membership.leave(worker):
-                self._membership_changed(f"worker {worker} left")
+            if self.wal is not None:
+                self.wal.append_leave(self, worker)
+            self._leaving = True
+            try:
+                if worker >= 0 and worker not in self.finished:
+                    self.finished.add(worker)
+                    self.rule.on_leave(self, worker)
+                self._work_released(worker, "left")
+                if self.membership.leave(worker):
+                    self._membership_changed(f"worker {worker} left")
+            finally:
+                self._leaving = False
             return self.version
 
     @property
@@ -269,11 +292,19 @@ class Shard:
                 for worker in evicted:
                     self._work_released(worker, "was evicted")
                 self._membership_changed(f"evicted {evicted}")
+            before = self.version
             self.rule.tick(self, time.monotonic())
+            if self.wal is not None and self.version != before:
+                self.wal.append_tick(self, before)  # its effect: replayed, not re-decided
 
     # -- checkpoints ----------------------------------------------------------------------------
     def to_bytes(self) -> tuple[int, bytes]:
         """(version, an ``.npz`` of the whole shard), taken under the lock: a consistent state."""
+        version, arrays, header = self.state_copy()
+        return version, self.pack(arrays, header)
+
+    def state_copy(self) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
+        """(version, arrays, header) for :meth:`pack`: copies taken under the lock."""
         with self.cond:
             rule_state = self.rule.state_dict()
             arrays = {f"values/{k}": v.copy() for k, v in self.values.items()}
@@ -300,11 +331,15 @@ class Shard:
                 "keys": list(self.values),
                 **({} if self.work is None else {"work": self.work.state_dict()}),
             }
-            version = self.version
-        arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+            return self.version, arrays, header
+
+    @staticmethod
+    def pack(arrays: dict[str, np.ndarray], header: dict[str, Any]) -> bytes:
+        """The ``.npz`` of a :meth:`state_copy` (outside the lock)."""
+        arrays = {**arrays, "header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)}
         buf = io.BytesIO()
         np.savez(buf, **arrays)  # type: ignore[arg-type]
-        return version, buf.getvalue()
+        return buf.getvalue()
 
     @classmethod
     def from_bytes(

@@ -1,0 +1,649 @@
+"""A write-ahead log per shard: a server killed at any moment comes back where it was.
+
+A shard's folder holds ``snapshot-G.npz`` (:meth:`Shard.to_bytes` at the start of generation
+``G``) and two log files, ``log-0.wal`` and ``log-1.wal``: generation ``G`` writes its records
+into ``log-{G % 2}.wal`` from its start, over whatever an older generation left there (pages
+already in the page cache are rewritten several times faster than a growing file's new ones
+on the project's machine; every record names its generation, so an older one ends the log).
+Each change of state a rule depends on is appended *before* the shard applies it:
+
+* ``PUSH``: a payload that passed validation (NaN/Inf-free, registered keys, dtypes and shapes),
+  the :class:`~distsgd.ps.rules.PushMeta` fields and the shard's version, then the pieces as raw
+  bytes in the shard's key order. A locked rule appends under the shard's lock, so log order is
+  apply order; an unlocked one (Hogwild, commutative) appends under the log's own lock.
+* ``LEAVE``: a worker finished (a synchronous step may close).
+* ``TICK``: a rule's time-based decision changed the parameters (a synchronous step closed
+  after its timeout): replayed as "the timeout has passed", never re-decided from the clock.
+* ``MEMBERS``: the members, those that left, those finished, and the epoch, after any change
+  (rules counting live members read them); the first record of every log holds them too.
+
+A record is a fixed header (magic, kind, length, CRC32, generation, version, worker,
+incarnation, base version, lr scale) and a body. The body is written first and the header
+after it (two ``pwrite`` calls, under a lock): a process killed in between leaves no header, so
+the record does not exist. The CRC covers the header and the body's small part (a push's key
+list; all of the other kinds' bodies), not a push's payload: a killed process cannot tear a
+written body, and checksumming it cost more than the server's whole push (zlib's CRC32 runs at
+1.4 GB/s here). Nothing is fsynced. So the log covers a killed process (its writes stay in the
+page cache), not a machine that loses power or a disk that corrupts data.
+
+Recovery (:func:`recover`) loads the newest readable snapshot and replays the records of its
+generation (and of the next one, when the server died before that one's snapshot was written)
+through :meth:`Shard.push` and :meth:`Shard.leave`, the same code as the live server, up to the
+first record that is missing, torn, or of another generation.
+
+When a log outgrows :func:`compact_bound` the server starts the next generation
+(:meth:`WriteAheadLog.compact`): the state is copied under the locks and the other log file
+taken at once, the snapshot written after, and the older snapshot removed when it is in place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import struct
+import tempfile
+import threading
+import zlib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from distsgd.ps.membership import DEFAULT_EVICT_AFTER, Member
+from distsgd.ps.rules import PushMeta, RuleFactory
+
+if TYPE_CHECKING:
+    from distsgd.ps.shard import Shard
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"DWAL"
+HEAD = struct.Struct("<4sB3xIIqqqqqd")
+"""magic, kind, body length, CRC32 (of the rest of the header and the body's small part),
+generation, version, worker, incarnation, base version, lr scale."""
+_CRC_AT = 12
+_CRC_FROM = 16
+"""Offset of the header's fields after the CRC (covered by it)."""
+SLOTS = 2
+"""Log files a folder cycles through (generation G writes ``log-{G % SLOTS}.wal``)."""
+
+MIN_COMPACT_BYTES = 64 << 20
+"""A log starts a new generation past max(this, :data:`COMPACT_FACTOR` x the shard's bytes)."""
+COMPACT_FACTOR = 4
+
+MAX_META_BYTES = 1 << 20
+"""Largest non-payload body (a MEMBERS record's JSON) a log may hold."""
+
+_SNAPSHOT = re.compile(r"snapshot-(\d{8})\.npz")
+_IOV_MAX = 512
+
+
+class Kind(IntEnum):
+    """What a record holds."""
+
+    PUSH = 1
+    LEAVE = 2
+    TICK = 3
+    MEMBERS = 4
+
+
+class WalError(ValueError):
+    """A write-ahead log folder that cannot be recovered; the message names it."""
+
+
+def compact_bound(shard_bytes: int) -> int:
+    """Log bytes past which the server writes a new snapshot and starts a new log."""
+    return max(MIN_COMPACT_BYTES, COMPACT_FACTOR * shard_bytes)
+
+
+def make_private_dir(folder: Path) -> None:
+    """Create ``folder``, and each missing parent, readable by its owner only (0700)."""
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
+    for path in reversed(missing):
+        path.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(folder, 0o700)
+
+
+def _generations(folder: Path, pattern: re.Pattern[str]) -> list[int]:
+    if not folder.is_dir():
+        return []
+    found = (pattern.fullmatch(p.name) for p in folder.iterdir())
+    return sorted(int(m.group(1)) for m in found if m is not None)
+
+
+def next_generation(folder: Path) -> int:
+    """The generation a new log in ``folder`` takes: past every snapshot there."""
+    return 1 + max([-1, *_generations(Path(folder), _SNAPSHOT)])
+
+
+def _log_path(folder: Path, generation: int) -> Path:
+    return folder / f"log-{generation % SLOTS}.wal"
+
+
+def has_state(folder: Path) -> bool:
+    """Whether ``folder`` holds a snapshot to recover from (readable or not)."""
+    return bool(_generations(Path(folder), _SNAPSHOT))
+
+
+class Gate:
+    """Shared/exclusive gate for an unlocked rule: pushes append and apply under ``shared``,
+    a compaction copies the state under ``exclusive`` (no push half-applied). Waiting writers
+    block new readers, so a compaction never starves."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._writer = True
+            while self._readers:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+def _members_body(shard: Shard, hook: bool) -> bytes:
+    """Under the shard's lock: its membership as a MEMBERS body."""
+    m = shard.membership
+    return json.dumps(
+        {
+            "epoch": m.epoch,
+            "members": [[w, m.members[w].incarnation] for w in sorted(m.members)],
+            "left": sorted(m.left),
+            "finished": sorted(shard.finished),
+            "hook": hook,
+        }
+    ).encode()
+
+
+class WriteAheadLog:
+    """The log of one shard; create it with :meth:`start`. Thread-safe."""
+
+    def __init__(self, folder: Path, generation: int, fd: int, keys: list[str], bound: int) -> None:
+        self.folder = folder
+        self.generation = generation
+        self.bound = bound
+        self.gate = Gate()
+        """Unlocked rules: pushes hold it shared (see :class:`Gate`)."""
+        self._fd = fd
+        self._offset = 0
+        self._lock = threading.Lock()
+        self._head = bytearray(HEAD.size)
+        self._head_view = memoryview(self._head)
+        self._index = {k: i for i, k in enumerate(keys)}
+        self._keys = keys
+        self._all = np.arange(len(keys), dtype="<u4").tobytes()
+        self._compacting = threading.Lock()
+        self.broken = False
+        """Set when a write failed: the folder was emptied and nothing more is logged."""
+        self.records = 0
+
+    # -- creating -------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, folder: Path, shard: Shard, generation: int = 0) -> WriteAheadLog:
+        """Write ``shard``'s snapshot as ``generation`` into ``folder``, open its log, attach the
+        log to the shard and remove older snapshots. Call before the shard serves. In a folder
+        without a snapshot (a new log) the log files start empty."""
+        folder = Path(folder)
+        make_private_dir(folder)
+        fresh = not has_state(folder)
+        _, data = shard.to_bytes()
+        _write_snapshot(folder / f"snapshot-{generation:08d}.npz", data)
+        nbytes = sum(v.nbytes for v in shard.values.values())
+        fd = _open_log(folder, generation, truncate=fresh)
+        if fresh:
+            _open_log(folder, generation + 1, truncate=True, keep=False)
+        wal = cls(folder, generation, fd, list(shard.values), compact_bound(nbytes))
+        with shard.cond:
+            wal._write(Kind.MEMBERS, shard.version, [_members_body(shard, False)])
+        _remove_before(folder, generation)
+        shard.wal = wal
+        return wal
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    # -- appending ------------------------------------------------------------------------------
+    def _write(
+        self,
+        kind: Kind,
+        version: int,
+        checked: list[Any],
+        data: tuple[Any, ...] = (),
+        meta: PushMeta | None = None,
+    ) -> None:
+        """Append one record: ``checked`` (small, under the CRC) then ``data`` (a payload),
+        body first and header last, atomically with respect to other appends."""
+        if self.broken:
+            return
+        parts = [memoryview(p).cast("B") for p in (*checked, *data)]
+        length = sum(p.nbytes for p in parts)
+        with self._lock:
+            if self._fd < 0:
+                return
+            HEAD.pack_into(
+                self._head,
+                0,
+                MAGIC,
+                kind,
+                length,
+                0,
+                self.generation,
+                version,
+                -1 if meta is None else meta.worker,
+                0 if meta is None else meta.incarnation,
+                -1 if meta is None else meta.base_version,
+                1.0 if meta is None else meta.lr_scale,
+            )
+            crc = zlib.crc32(memoryview(self._head)[_CRC_FROM:])
+            for part in checked:
+                crc = zlib.crc32(part, crc)
+            struct.pack_into("<I", self._head, _CRC_AT, crc)
+            try:
+                _pwrite_all(self._fd, parts, self._offset + HEAD.size)
+                _pwrite_all(self._fd, [self._head_view], self._offset)  # the record exists now
+            except OSError as exc:
+                self._fail(exc)
+                return
+            self._offset += HEAD.size + length
+            self.records += 1
+
+    def _fail(self, exc: OSError) -> None:
+        """Under ``_lock``: a write failed; stop logging and empty the folder, so that a restart
+        falls back to the last checkpoint instead of a log that misses updates."""
+        log.error(
+            "write-ahead log %s: cannot write (%s); logging stops for this server: free space "
+            "in its folder, or run with --wal off",
+            self.folder,
+            exc.strerror or exc,
+        )
+        self.broken = True
+        with suppress(OSError):  # the descriptor may be what failed
+            os.close(self._fd)
+        self._fd = -1
+        _remove_before(self.folder, 1 << 40)
+        for slot in range(SLOTS):
+            _log_path(self.folder, slot).unlink(missing_ok=True)
+
+    def append_push(self, shard: Shard, payload: Mapping[str, np.ndarray], meta: PushMeta) -> None:
+        """A validated payload, before the rule applies it (under the shard's lock for a locked
+        rule, under :attr:`gate` for an unlocked one)."""
+        if list(payload) == self._keys:
+            index: bytes = self._all
+            keys = self._keys
+        else:
+            keys = sorted(payload, key=self._index.__getitem__)
+            index = np.array([self._index[k] for k in keys], dtype="<u4").tobytes()
+        arrays: list[Any] = []
+        for key in keys:
+            array = payload[key]
+            if array.dtype != shard.values[key].dtype or not array.flags.c_contiguous:
+                array = np.ascontiguousarray(array, dtype=shard.values[key].dtype)
+            if array.size:  # an empty piece has no bytes (and no byte view)
+                arrays.append(array)
+        count = struct.pack("<I", len(keys))
+        self._write(Kind.PUSH, shard.version, [count, index], tuple(arrays), meta)
+
+    def append_leave(self, shard: Shard, worker: int) -> None:
+        """Under the shard's lock, before :meth:`Shard.leave` changes anything."""
+        self._write(Kind.LEAVE, shard.version, [struct.pack("<q", worker)])
+
+    def append_tick(self, shard: Shard, before: int) -> None:
+        """Under the shard's lock: the rule's tick moved the version on from ``before``."""
+        self._write(Kind.TICK, before, [])
+
+    def append_members(self, shard: Shard) -> None:
+        """Under the shard's lock, after a membership change and before the rule hears of it."""
+        self._write(Kind.MEMBERS, shard.version, [_members_body(shard, True)])
+
+    # -- compaction -----------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Bytes in the current generation's log."""
+        return self._offset
+
+    def maybe_compact(self, shard: Shard) -> bool:
+        """Start a new generation if the log is past :attr:`bound`; True if it did."""
+        if self.broken or self._offset < self.bound:
+            return False
+        self.compact(shard)
+        return True
+
+    def compact(self, shard: Shard) -> None:
+        """Copy the state and switch to the other log file (under the locks: a copy and an
+        open), then write the snapshot and remove the older one."""
+        if not self._compacting.acquire(blocking=False):
+            return  # another thread is at it
+        try:
+            gate = self.gate.exclusive() if not shard.rule.locked else _nothing()
+            with gate, shard.cond:
+                version, arrays, header = shard.state_copy()
+                members = _members_body(shard, False)
+                generation = self.generation + 1
+                fd = _open_log(self.folder, generation)
+                with self._lock:
+                    old, closed = self._fd, self._fd < 0  # closed: the server stopped
+                    if not closed:
+                        self._fd, self._offset, self.generation = fd, 0, generation
+                if closed:
+                    os.close(fd)
+                    return
+                self._write(Kind.MEMBERS, version, [members])
+            os.close(old)
+            data = shard.pack(arrays, header)
+            try:
+                _write_snapshot(self.folder / f"snapshot-{generation:08d}.npz", data)
+            except OSError as exc:
+                with self._lock:
+                    if self._fd >= 0:
+                        self._fail(exc)
+                return
+            _remove_before(self.folder, generation)
+            log.info(
+                "shard %d: write-ahead log at generation %d (version %d, snapshot %d bytes)",
+                shard.index,
+                generation,
+                version,
+                len(data),
+            )
+        finally:
+            self._compacting.release()
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def _open_log(folder: Path, generation: int, *, truncate: bool = False, keep: bool = True) -> int:
+    """The log file of ``generation`` (created 0600), written in place: no O_APPEND."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+    fd = os.open(_log_path(folder, generation), flags, 0o600)
+    if not keep:
+        os.close(fd)
+    return fd
+
+
+def _pwrite_all(fd: int, parts: list[memoryview], offset: int) -> None:
+    """``os.pwritev`` of byte views at ``offset`` until every byte is written (a short write,
+    or more than the system's limit of views, resumes)."""
+    if len(parts) <= _IOV_MAX and os.pwritev(fd, parts, offset) == sum(p.nbytes for p in parts):
+        return  # the usual case: one call
+    views = [v for v in parts if v.nbytes]
+    while views:
+        written = os.pwritev(fd, views[:_IOV_MAX], offset)
+        offset += written
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
+
+
+def _write_snapshot(path: Path, data: bytes) -> None:
+    """Write ``data`` to a private temporary file beside ``path`` and rename it over ``path``:
+    atomic, and not fsynced (the log covers a killed process, whose writes the page cache
+    keeps; a flush per generation cost more than the log's writes on this machine)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _remove_before(folder: Path, generation: int) -> None:
+    """Remove the snapshots of generations below ``generation``."""
+    for old in _generations(folder, _SNAPSHOT):
+        if old < generation:
+            (folder / f"snapshot-{old:08d}.npz").unlink(missing_ok=True)
+
+
+# -------------------------------------------------------------------------------- recovery
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recovery:
+    """A shard rebuilt from its folder: the snapshot's generation and version, the last
+    generation replayed, and the records replayed."""
+
+    shard: Shard
+    snapshot: int
+    generation: int
+    snapshot_version: int
+    records: int
+
+
+def recover(
+    folder: Path,
+    rule_factory: RuleFactory,
+    *,
+    max_workers: int = 0,
+    evict_after: float = DEFAULT_EVICT_AFTER,
+) -> Recovery | None:
+    """The shard as the dead server had it: the newest readable snapshot, then every record
+    logged after it. None if ``folder`` holds no snapshot; :class:`WalError` if none is
+    readable."""
+    from distsgd.ps.shard import CorruptCheckpoint, Shard
+
+    folder = Path(folder)
+    snapshots = _generations(folder, _SNAPSHOT)
+    if not snapshots:
+        return None
+    for generation in reversed(snapshots):
+        path = folder / f"snapshot-{generation:08d}.npz"
+        try:
+            shard = Shard.from_bytes(
+                path.read_bytes(),
+                rule_factory,
+                name=str(path),
+                max_workers=max_workers,
+                evict_after=evict_after,
+            )
+            break
+        except (CorruptCheckpoint, OSError) as exc:
+            log.warning("write-ahead log: skipping %s: %s", path, exc)
+    else:
+        raise WalError(
+            f"{folder}: no readable snapshot; restore from a checkpoint, or remove the folder "
+            "to start over"
+        )
+    start, records, last = shard.version, 0, generation
+    for gen in range(generation, generation + SLOTS):  # the next one: its snapshot was not out
+        replayed = _replay(folder, gen, shard)
+        if not replayed:
+            break
+        records, last = records + replayed, gen
+    shard.restored_version = shard.version
+    log.info(
+        "shard %d recovered from %s: snapshot %d at version %d, %d records replayed, version %d",
+        shard.index,
+        folder,
+        generation,
+        start,
+        records,
+        shard.version,
+    )
+    return Recovery(
+        shard=shard, snapshot=generation, generation=last, snapshot_version=start, records=records
+    )
+
+
+def _replay(folder: Path, generation: int, shard: Shard) -> int:
+    """Apply the records of ``generation`` to ``shard``; how many there were."""
+    path = _log_path(folder, generation)
+    limit = MAX_META_BYTES + 8 + sum(4 + v.nbytes for v in shard.values.values())
+    count = 0
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        return 0
+    with f:
+        while True:
+            head = f.read(HEAD.size)
+            if len(head) < HEAD.size:
+                break
+            magic, kind, length, crc, gen, *fields = HEAD.unpack(head)
+            if magic != MAGIC or gen != generation or kind not in Kind._value2member_map_:
+                break
+            body = f.read(length) if length <= limit else b""
+            if len(body) < length or (len(body) < 4 and kind == Kind.PUSH):
+                break
+            checked = 4 + 4 * struct.unpack_from("<I", body)[0] if kind == Kind.PUSH else length
+            if checked > length or zlib.crc32(body[:checked], zlib.crc32(head[_CRC_FROM:])) != crc:
+                break
+            try:
+                _apply(shard, Kind(kind), body, fields)
+            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                log.warning("write-ahead log %s: record %d unreadable (%s)", path, count, exc)
+                break
+            count += 1
+    return count
+
+
+def _apply(shard: Shard, kind: Kind, body: bytes, fields: list[Any]) -> None:
+    version, worker, incarnation, base_version, lr_scale = fields
+    if kind is Kind.PUSH:
+        if shard.rule.locked and version != shard.version:
+            log.warning(
+                "shard %d: a logged push saw version %d, the replay is at %d",
+                shard.index,
+                version,
+                shard.version,
+            )
+        meta = PushMeta(
+            worker=worker, incarnation=incarnation, base_version=base_version, lr_scale=lr_scale
+        )
+        shard.push(_payload(shard, body), meta)
+    elif kind is Kind.LEAVE:
+        shard.leave(struct.unpack("<q", body)[0])
+    elif kind is Kind.TICK:
+        with shard.cond:
+            shard.rule.tick(shard, math.inf)
+    else:
+        _apply_members(shard, json.loads(body))
+
+
+def _payload(shard: Shard, body: bytes) -> dict[str, np.ndarray]:
+    (count,) = struct.unpack_from("<I", body)
+    keys = list(shard.values)
+    index = np.frombuffer(body, dtype="<u4", count=count, offset=4)
+    offset = 4 + 4 * count
+    payload: dict[str, np.ndarray] = {}
+    for i in index:
+        have = shard.values[keys[int(i)]]
+        payload[keys[int(i)]] = np.frombuffer(
+            body, dtype=have.dtype, count=have.size, offset=offset
+        ).reshape(have.shape)
+        offset += have.nbytes
+    if offset != len(body):
+        raise ValueError(f"a push record of {len(body)} bytes holds {offset}")
+    return payload
+
+
+def _apply_members(shard: Shard, state: dict[str, Any]) -> None:
+    with shard.cond:
+        m = shard.membership
+        now = m.clock()
+        m.members = {int(w): Member(int(inc), now) for w, inc in state["members"]}
+        m.left = {int(w) for w in state["left"]}
+        m.epoch = int(state["epoch"])
+        shard.finished = {int(w) for w in state["finished"]}
+        if state["hook"]:
+            shard.rule.on_membership(shard, m.live)
+
+
+def begin(folder: Path, shard: Shard, after: int = -1) -> WriteAheadLog | None:
+    """Start logging ``shard`` in ``folder`` at a new generation, past every snapshot and past
+    ``after`` (the last one replayed), for a server that registers or restores it; None, with
+    the error logged, if the folder cannot be written (the server then runs without a log, as
+    with ``--wal off``)."""
+    try:
+        generation = max(next_generation(folder), after + 1)
+        return WriteAheadLog.start(folder, shard, generation)
+    except OSError as exc:
+        log.error(
+            "write-ahead log %s: cannot start (%s); shard %d runs without one: free space "
+            "or fix the folder's permissions, or run with --wal off",
+            folder,
+            exc.strerror or exc,
+            shard.index,
+        )
+        return None
+
+
+def resume(
+    folder: Path,
+    restored: Shard | None,
+    rule_factory: RuleFactory,
+    *,
+    shard_index: int,
+    max_workers: int = 0,
+    evict_after: float = DEFAULT_EVICT_AFTER,
+) -> Shard | None:
+    """The shard a starting server serves: the one recovered from ``folder`` or ``restored``
+    (a checkpoint), whichever is newer (the log on a tie), logging from then on; None when
+    there is neither (the run registers it). :class:`WalError` if the folder holds state that
+    cannot be read and there is no checkpoint."""
+    try:
+        recovery = recover(folder, rule_factory, max_workers=max_workers, evict_after=evict_after)
+    except WalError as exc:
+        if restored is None:
+            raise
+        log.warning("%s; starting from the checkpoint", exc)
+        recovery = None
+    shard = restored
+    if recovery is not None:
+        if recovery.shard.index != shard_index:
+            raise WalError(
+                f"{folder} holds shard {recovery.shard.index}, not shard {shard_index}; "
+                "give each server its own --wal-dir"
+            )
+        if restored is None or recovery.shard.version >= restored.version:
+            shard = recovery.shard
+        else:
+            log.warning(
+                "shard %d: the checkpoint (version %d) is newer than the write-ahead log "
+                "(version %d); starting from the checkpoint",
+                shard_index,
+                restored.version,
+                recovery.shard.version,
+            )
+    if shard is not None:
+        begin(folder, shard, -1 if recovery is None else recovery.generation)
+    return shard
