@@ -33,7 +33,6 @@ DEFAULT_RULES = {
     "agn": "sqrt",
     "sagn": "sqrt",
     "easgd": "sqrt",
-    "dynsgd": "sqrt",
     "hogwild": "inverse-sqrt",
     "eamsgd": "inverse-sqrt",
 }
