@@ -1,7 +1,7 @@
 """What a metrics line costs the training loop, with and without TensorBoard events (not CI).
 
 Logs a worker's training line (the demo's fields: loss, samples, bytes, staleness, the time
-split) through :class:`~distsgd.runtime.metrics.MetricsWriter` into a temporary run folder,
+split) through :class:`~distsgd.control.metrics.MetricsWriter` into a temporary run folder,
 ``--lines`` times per round, with TensorBoard events off (``DISTSGD_TENSORBOARD=0``) and on, in
 turn for ``--rounds`` rounds, and prints the median microseconds per line of each and the
 difference: what TensorBoard adds to every ``--log-every`` steps of a worker.
@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from distsgd.runtime.board import ENV_VAR
-from distsgd.runtime.metrics import MetricsWriter
+from distsgd.control.board import ENV_VAR
+from distsgd.control.metrics import MetricsWriter
 
 
 def line(step: int) -> dict[str, object]:

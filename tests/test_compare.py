@@ -36,10 +36,10 @@ from distsgd.compare.summary import (
     with_target,
 )
 from distsgd.compare.tune import Trial, parse_tune, pick_best
+from distsgd.control.config import TrainConfig
+from distsgd.control.folder import METRICS_FILE, RESULT_FILE
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.progress import Console
-from distsgd.runtime.config import TrainConfig
-from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
 from distsgd.runtime.validation import split_validation, validation_indices
 
 BLOBS = str(SCRIPTS / "blobs.py")

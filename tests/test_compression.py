@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from distsgd.control.config import WIRE_DTYPES
 from distsgd.ps import compression as comp
 from distsgd.ps.compression import (
     ENCODINGS,
@@ -23,7 +24,6 @@ from distsgd.ps.compression import (
     topk_count,
     wire_nbytes,
 )
-from distsgd.runtime.config import WIRE_DTYPES
 
 PIECE = 669_706
 """Elements of the piece the byte figures are quoted for (a 2.7 MB float32 piece)."""

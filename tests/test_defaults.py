@@ -21,9 +21,9 @@ from torch import nn
 
 import distsgd
 from distsgd import schemes
-from distsgd.runtime.config import LR_RULES, LrScaling, TrainConfig, lr_multiplier
+from distsgd.control.config import LR_RULES, LrScaling, TrainConfig, lr_multiplier
+from distsgd.control.task import TaskEnv
 from distsgd.runtime.session import WorkerSession
-from distsgd.runtime.task import TaskEnv
 
 DEFAULT_RULES = {
     "sync": "sqrt",

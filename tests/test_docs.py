@@ -33,6 +33,7 @@ LAYERS = (
     "cluster",
     "transport",
     "ps",
+    "control",
     "runtime",
     "schemes",
     "api",
@@ -215,7 +216,7 @@ def test_architecture_names_the_layers_and_the_protocol() -> None:
 
 
 def test_architecture_names_the_run_folder_files() -> None:
-    from distsgd.runtime.run_folder import FINAL_PARAMS_FILE, METRICS_FILE, RESULT_FILE
+    from distsgd.control.folder import FINAL_PARAMS_FILE, METRICS_FILE, RESULT_FILE
 
     doc = ARCHITECTURE.read_text(encoding="utf-8")
     for name in (METRICS_FILE, RESULT_FILE, FINAL_PARAMS_FILE, "cluster.json", "tasks.json"):

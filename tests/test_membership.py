@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from distsgd import schemes
+from distsgd.control.folder import METRICS_FILE
 from distsgd.ps import ParameterClient, PartitionPlan, PushMeta, Shard, start_server
 from distsgd.ps.client import Heartbeat
 from distsgd.ps.membership import Membership, check_evict_after
@@ -32,7 +33,6 @@ from distsgd.ps.rules import MAX_WORKERS
 from distsgd.ps.server import stop_server
 from distsgd.ps.service import ParameterService
 from distsgd.runtime import TaskEnv, TrainConfig, WorkerContext, run_worker
-from distsgd.runtime.run_folder import METRICS_FILE
 from distsgd.schemes import make_server_rule
 from distsgd.schemes.downpour import DownpourOptions, DownpourWorker
 from distsgd.schemes.easgd import EasgdOptions, EasgdWorker

@@ -22,6 +22,7 @@ import torch
 from conftest import SCRIPTS, run_distsgd
 
 from distsgd import schemes
+from distsgd.control.config import TrainConfig
 from distsgd.ps.shard import Shard
 from distsgd.runtime.checkpoint import (
     MANIFEST,
@@ -36,7 +37,6 @@ from distsgd.runtime.checkpoint import (
     save_worker_state,
     worker_state_step,
 )
-from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.transport.client import PushResult

@@ -24,7 +24,7 @@ import distsgd.cli.main
 from distsgd import schemes
 from distsgd.ps.rules import PushMeta
 from distsgd.ps.shard import Shard
-from distsgd.runtime.config import TrainConfig
+from distsgd.control.config import TrainConfig
 for name in schemes.names():
     spec = schemes.get(name)
     if spec.server is None:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPTS, run_distsgd
 
+from distsgd.control.metrics import MetricsWriter
 from distsgd.launcher.progress import Console
-from distsgd.runtime.metrics import MetricsWriter
 from distsgd.util import open_private, private_dir, write_atomic
 
 BLOBS = str(SCRIPTS / "blobs.py")

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from distsgd.control.config import lr_factor
+from distsgd.control.metrics import MetricsWriter
 from distsgd.runtime import TaskEnv, TrainConfig
-from distsgd.runtime.config import lr_factor
 from distsgd.runtime.data import ShardedBatches, as_dataset
-from distsgd.runtime.metrics import MetricsWriter
 
 
 def _dataset(n: int) -> TensorDataset:
@@ -149,7 +149,7 @@ def test_ps_addresses_are_read_from_the_servers_files(tmp_path: Path) -> None:
 
 def test_task_tells_a_script_who_it_is(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import distsgd
-    from distsgd.runtime.task import ENV_VAR
+    from distsgd.control.task import ENV_VAR
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     alone = distsgd.task()

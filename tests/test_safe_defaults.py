@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from conftest import SCRIPTS, alive, final_accuracy, metrics, run_distsgd, task_pids, wait_for
 
+from distsgd.control.divergence import relative_movement
 from distsgd.launcher.run import EXIT_DIVERGED
-from distsgd.runtime.divergence import relative_movement
 
 pytestmark = pytest.mark.slow
 

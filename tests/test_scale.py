@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from distsgd.cli.main import main
+from distsgd.control.folder import METRICS_FILE
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.join import join_env
 from distsgd.launcher.scale import (
@@ -21,7 +22,6 @@ from distsgd.launcher.scale import (
     read_scale_request,
     request_scale,
 )
-from distsgd.runtime.run_folder import METRICS_FILE
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "blobs.py")
 

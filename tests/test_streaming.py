@@ -23,7 +23,7 @@ from conftest import ROOT, distsgd_cmd, final_accuracy
 from torch.utils.data import IterableDataset, TensorDataset
 
 import distsgd
-from distsgd.runtime.config import TrainConfig
+from distsgd.control.config import TrainConfig
 from distsgd.runtime.data import ShardedBatches, check_data, fetch
 from distsgd.runtime.shards import ShardFolder, write_shards
 from distsgd.runtime.stream import (
@@ -356,7 +356,7 @@ def test_stream_parts_are_disjoint_and_cover_it(
     seen: list[int] = []
     for rank in range(2):
         env = _Env(rank, 2)
-        monkeypatch.setattr("distsgd.runtime.task.TaskEnv.from_environ", lambda env=env: env)
+        monkeypatch.setattr("distsgd.control.task.TaskEnv.from_environ", lambda env=env: env)
         batches = StreamBatches(
             Numbers(96, own_part), rank=rank, world=2, batch_size=4, loader_workers=loaders
         )

@@ -23,9 +23,9 @@ from conftest import metrics, run_distsgd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distsgd.runtime import board
-from distsgd.runtime.metrics import MetricsWriter
-from distsgd.runtime.run_folder import METRICS_FILE, TENSORBOARD_DIR
+from distsgd.control import board
+from distsgd.control.folder import METRICS_FILE, TENSORBOARD_DIR
+from distsgd.control.metrics import MetricsWriter
 
 
 def f32(value: float) -> float:
@@ -236,7 +236,7 @@ def test_a_failing_event_file_never_costs_a_metrics_line(
     pytest.importorskip("tensorboard")
     (tmp_path / TENSORBOARD_DIR).write_text("a file where the folder goes\n")
     writer = MetricsWriter(tmp_path / METRICS_FILE, "worker0")
-    with caplog.at_level(logging.WARNING, logger="distsgd.runtime.metrics"):
+    with caplog.at_level(logging.WARNING, logger="distsgd.control.metrics"):
         for step in (10, 20, 30):
             writer.log(**training_line(step))
     writer.close()
@@ -258,7 +258,7 @@ def test_without_tensorboard_nothing_is_written_and_nothing_fails(
 ) -> None:
     _hide_tensorboard(monkeypatch)
     monkeypatch.setattr(board, "_missing_noted", False)
-    with caplog.at_level(logging.INFO, logger="distsgd.runtime.board"):
+    with caplog.at_level(logging.INFO, logger="distsgd.control.board"):
         for task in ("worker0", "worker1"):
             writer = MetricsWriter(tmp_path / METRICS_FILE, task)
             assert writer.board is None
@@ -267,7 +267,7 @@ def test_without_tensorboard_nothing_is_written_and_nothing_fails(
             writer.close()
     assert len(metrics(tmp_path)) == 4
     assert not (tmp_path / TENSORBOARD_DIR).exists()
-    notes = [r for r in caplog.records if r.name == "distsgd.runtime.board"]
+    notes = [r for r in caplog.records if r.name == "distsgd.control.board"]
     assert len(notes) == 1 and notes[0].levelno == logging.INFO  # once a process
     assert "not installed" in notes[0].getMessage()
 
@@ -348,7 +348,7 @@ def test_user_values_become_user_series(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from distsgd.runtime.metrics import MetricsWriter
+    from distsgd.control.metrics import MetricsWriter
 
     writer = MetricsWriter(tmp_path / "metrics.jsonl", "worker0")
     writer.log(step=1, local_step=1, loss=0.5, samples=32)

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from distsgd import schemes
+from distsgd.control.folder import METRICS_FILE, RESULT_FILE
 from distsgd.ps import start_server
 from distsgd.ps.rules import RuleFactory
 from distsgd.ps.server import stop_server
@@ -35,7 +36,6 @@ from distsgd.ps.service import ParameterService
 from distsgd.ps.shard import Shard
 from distsgd.ps.work import MAX_LEASE, WorkQueue, WorkSpec
 from distsgd.runtime import TaskEnv, TrainConfig, run_worker
-from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
 from distsgd.runtime.session import _stop_on_sigterm
 from distsgd.runtime.work import LeasedBatches, epoch_order
 from distsgd.schemes import make_server_rule

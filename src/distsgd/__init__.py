@@ -41,11 +41,11 @@ _EXPORTS = {
     "Callback": "distsgd.runtime.callbacks",
     "Every": "distsgd.runtime.callbacks",
     "StepInfo": "distsgd.runtime.callbacks",
-    "SetupError": "distsgd.runtime.errors",
+    "SetupError": "distsgd.control.errors",
     "seed_everything": "distsgd.api",
     "task": "distsgd.api",
-    "TaskInfo": "distsgd.runtime.task",
-    "TrainConfig": "distsgd.runtime.config",
+    "TaskInfo": "distsgd.control.task",
+    "TrainConfig": "distsgd.control.config",
     "TrainResult": "distsgd.runtime.session",
     "ShardFolder": "distsgd.runtime.shards",
     "write_shards": "distsgd.runtime.shards",
@@ -54,13 +54,13 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from distsgd.api import Worker, seed_everything, task, train
+    from distsgd.control.config import TrainConfig
+    from distsgd.control.errors import SetupError
+    from distsgd.control.task import TaskInfo
     from distsgd.runtime.callbacks import Callback, Every, StepInfo
-    from distsgd.runtime.config import TrainConfig
-    from distsgd.runtime.errors import SetupError
     from distsgd.runtime.session import TrainResult
     from distsgd.runtime.shards import ShardFolder, write_shards
     from distsgd.runtime.stream import data_part
-    from distsgd.runtime.task import TaskInfo
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -22,16 +22,16 @@ import torch
 from torch import nn
 
 from distsgd import schemes
+from distsgd.control.errors import SetupError
+from distsgd.control.folder import new_run_folder, runs_root
+from distsgd.control.task import TaskInfo
 from distsgd.runtime import TaskEnv, TrainConfig, TrainResult, run_worker
 from distsgd.runtime.callbacks import Callback
 from distsgd.runtime.data import BatchFn, as_dataset, check_data, to_device
-from distsgd.runtime.errors import SetupError
 from distsgd.runtime.evaluate import LossFn, MetricFns, check_metric_names
 from distsgd.runtime.modules import as_torch_module
-from distsgd.runtime.run_folder import new_run_folder, runs_root
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.session import WorkerSession
-from distsgd.runtime.task import TaskInfo
 from distsgd.runtime.validation import split_validation
 from distsgd.util import private_dir
 

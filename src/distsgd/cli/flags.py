@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from distsgd import schemes
-from distsgd.runtime.config import TrainConfig
+from distsgd.control.config import TrainConfig
 
 _TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
 

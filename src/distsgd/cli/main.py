@@ -581,7 +581,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from distsgd.runtime import TaskEnv
+    from distsgd.control.task import TaskEnv
 
     spec, tf_task = resolve_cluster(
         cluster_file=args.cluster, ps_hosts=args.ps_hosts, worker_hosts=args.worker_hosts
@@ -623,9 +623,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 def _run_task(env: Any, script: str, script_args: Sequence[str]) -> None:
     """Run ``script`` as the task ``env`` describes, in this process, and exit with its code."""
+    from distsgd.control.task import ENV_VAR
     from distsgd.launcher.bootstrap import exit_now
     from distsgd.launcher.bootstrap import main as bootstrap_main
-    from distsgd.runtime import ENV_VAR
 
     os.environ[ENV_VAR] = env.to_json()
     exit_now(bootstrap_main([script, *script_args]))

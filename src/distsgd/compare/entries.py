@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distsgd import schemes
-from distsgd.runtime.config import TrainConfig
+from distsgd.control.config import TrainConfig
 
 FORM = "NAME or NAME(KEY=VALUE,...), e.g. downpour(server_lr=1)"
 """How an entry of ``--schemes`` is written (for error messages)."""

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.compare.tune import Trial
-from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
+from distsgd.control.folder import METRICS_FILE, RESULT_FILE
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distsgd import schemes
-from distsgd.runtime.config import TrainConfig
+from distsgd.control.config import TrainConfig
 
 FORM = "lr=0.03,0.1,0.3"
 """How a ``--tune`` flag is written (for error messages)."""

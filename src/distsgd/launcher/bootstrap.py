@@ -17,9 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from distsgd.control.divergence import DIVERGED_EXIT_CODE, Diverged
+from distsgd.control.errors import SETUP_ERROR_PREFIX, SETUP_EXIT_CODE, SetupError
 from distsgd.launcher.lifeline import limit_threads, tie_to_parent
-from distsgd.runtime.divergence import DIVERGED_EXIT_CODE, Diverged
-from distsgd.runtime.errors import SETUP_ERROR_PREFIX, SETUP_EXIT_CODE, SetupError
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

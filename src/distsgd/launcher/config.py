@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
-from distsgd.runtime.config import TrainConfig, lr_multiplier
-from distsgd.runtime.faults import Fault
-from distsgd.runtime.run_folder import new_run_folder, runs_root
+from distsgd.control.config import TrainConfig, lr_multiplier
+from distsgd.control.faults import Fault
+from distsgd.control.folder import new_run_folder, runs_root
 from distsgd.transport.security import TlsConfig
 
 DEFAULT_CHECKPOINT_SECONDS = 30.0
@@ -197,7 +197,7 @@ class LaunchConfig:
     @property
     def lr_rule(self) -> tuple[str, float]:
         """The ``--lr-rule`` the workers apply (auto: the scheme's default) and its factor on
-        ``--lr`` at ``--workers`` workers (runtime/config.py ``lr_multiplier``)."""
+        ``--lr`` at ``--workers`` workers (control/config.py ``lr_multiplier``)."""
         chosen = str(self.overrides.get("lr_rule", "auto"))
         default = getattr(schemes.get(self.scheme).worker, "lr_rule", "none")
         rule = default if chosen == "auto" else chosen

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 
 from distsgd import schemes
+from distsgd.control.task import TaskEnv
 from distsgd.launcher.scale import launcher_alive, read_run_json
-from distsgd.runtime.task import TaskEnv
 
 
 def _taken(run_dir: Path) -> set[int]:

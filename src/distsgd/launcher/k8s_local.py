@@ -45,11 +45,11 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.cluster import kube
+from distsgd.control.folder import METRICS_FILE, RESULT_FILE
 from distsgd.launcher.k8s import APP_DIR, JOBSET_FILE, SCRIPT_DIR, SECRET_FILE, _yaml
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.progress import Console, Progress
 from distsgd.launcher.supervisor import Supervisor, Task
-from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
 from distsgd.util import write_atomic
 from distsgd.util.signals import setter
 

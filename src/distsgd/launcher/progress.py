@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from distsgd.runtime.progress import Rate, format_progress
-from distsgd.runtime.timing import split_from_metrics, split_line
+from distsgd.control.progress import Rate, format_progress
+from distsgd.control.timing import split_from_metrics, split_line
 from distsgd.util import open_private
 
 KEPT_STATUS_SECONDS = 10.0

@@ -27,6 +27,12 @@ from typing import Any
 
 from distsgd import schemes
 from distsgd.cluster import ClusterSpec, TaskId
+from distsgd.control.divergence import DIVERGED_EXIT_CODE
+from distsgd.control.errors import SETUP_ERROR_PREFIX, SETUP_EXIT_CODE
+from distsgd.control.faults import Fault
+from distsgd.control.folder import METRICS_FILE, RESULT_FILE
+from distsgd.control.metrics import MetricsWriter
+from distsgd.control.task import ENV_VAR, TaskEnv
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.keras_env import keras_environment
 from distsgd.launcher.lifeline import PARENT_ENV
@@ -44,12 +50,6 @@ from distsgd.runtime.checkpoint import (
     read_shard_header,
     worker_state_step,
 )
-from distsgd.runtime.divergence import DIVERGED_EXIT_CODE
-from distsgd.runtime.errors import SETUP_ERROR_PREFIX, SETUP_EXIT_CODE
-from distsgd.runtime.faults import Fault
-from distsgd.runtime.metrics import MetricsWriter
-from distsgd.runtime.run_folder import METRICS_FILE, RESULT_FILE
-from distsgd.runtime.task import ENV_VAR, TaskEnv
 from distsgd.transport import shm
 from distsgd.transport.client import ShardClient
 from distsgd.transport.errors import RemoteError

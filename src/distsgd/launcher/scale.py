@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distsgd.runtime.run_folder import METRICS_FILE
+from distsgd.control.folder import METRICS_FILE
 from distsgd.util import write_atomic
 
 SCALE_FILE = "scale.json"

@@ -1,6 +1,6 @@
 """Worker runtime: the model replica, its data shard, and the one training loop (PyTorch).
 
-Names are imported on first use, so that a module below (``runtime.config``, ``runtime.scheme``)
+Names are imported on first use, so that a module below (``control.config``, ``runtime.scheme``)
 can be imported without the whole loop, and a parameter-server process without PyTorch.
 """
 
@@ -21,9 +21,9 @@ __all__ = [
 ]
 
 _EXPORTS = {
-    "ENV_VAR": "distsgd.runtime.task",
-    "TaskEnv": "distsgd.runtime.task",
-    "TrainConfig": "distsgd.runtime.config",
+    "ENV_VAR": "distsgd.control.task",
+    "TaskEnv": "distsgd.control.task",
+    "TrainConfig": "distsgd.control.config",
     "TrainResult": "distsgd.runtime.session",
     "WorkerContext": "distsgd.runtime.context",
     "WorkerScheme": "distsgd.runtime.scheme",
@@ -31,12 +31,12 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from distsgd.runtime.config import TrainConfig
+    from distsgd.control.config import TrainConfig
+    from distsgd.control.task import ENV_VAR, TaskEnv
     from distsgd.runtime.context import WorkerContext
     from distsgd.runtime.loop import run_worker
     from distsgd.runtime.scheme import WorkerScheme
     from distsgd.runtime.session import TrainResult
-    from distsgd.runtime.task import ENV_VAR, TaskEnv
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import torch  # used inside methods only: a parameter server imports this module without it
 
+from distsgd.control.config import TrainConfig
+from distsgd.control.divergence import Diverged
+from distsgd.control.faults import FaultInjector
+from distsgd.control.timing import PhaseClock
 from distsgd.ps.client import ParameterClient
-from distsgd.runtime.config import TrainConfig
-from distsgd.runtime.divergence import Diverged
-from distsgd.runtime.faults import FaultInjector
-from distsgd.runtime.timing import PhaseClock
 from distsgd.transport.client import PushResult
 from distsgd.transport.errors import PushReject
 

@@ -14,13 +14,13 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
+from distsgd.control.config import TrainConfig
+from distsgd.control.task import TaskEnv
 from distsgd.runtime.callbacks import Callback
-from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.data import BatchFn, split_batch
 from distsgd.runtime.evaluate import LossFn, MetricFns
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.session import TrainResult, WorkerSession
-from distsgd.runtime.task import TaskEnv
 
 __all__ = ["TrainResult", "run_worker"]
 

@@ -27,7 +27,7 @@ from distsgd.runtime.checkpoint import plain_state
 if TYPE_CHECKING:
     from torch import nn
 
-    from distsgd.runtime.config import TrainConfig
+    from distsgd.control.config import TrainConfig
     from distsgd.runtime.context import WorkerContext
 
 
@@ -42,7 +42,7 @@ class WorkerScheme(ABC):
 
     lr_rule: ClassVar[str] = "none"
     """What ``--lr-rule auto`` makes of ``--lr`` on N workers: a rule of
-    :func:`~distsgd.runtime.config.lr_multiplier` (none, sqrt, linear, inverse-sqrt). Each
+    :func:`~distsgd.control.config.lr_multiplier` (none, sqrt, linear, inverse-sqrt). Each
     scheme sets its own in its module; its guide page says what the default guarantees."""
 
     def server_options(self, config: TrainConfig) -> dict[str, Any]:

@@ -41,6 +41,22 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from distsgd.control.config import LrScaling, TrainConfig, lr_factor
+from distsgd.control.divergence import (
+    MOVEMENT_SAMPLE,
+    STALL_MOVEMENT,
+    Diverged,
+    DivergenceMonitor,
+    accuracy_verdict,
+    relative_movement,
+    stalled_verdict,
+)
+from distsgd.control.errors import SetupError
+from distsgd.control.faults import FaultInjector
+from distsgd.control.folder import FINAL_PARAMS_FILE, METRICS_FILE, RESULT_FILE
+from distsgd.control.metrics import MetricsWriter
+from distsgd.control.progress import AloneProgress
+from distsgd.control.task import TaskEnv
 from distsgd.ps.client import Heartbeat, ParameterClient
 from distsgd.ps.partition import PartitionPlan
 from distsgd.ps.rules import WORLD_SIZE_OPTION
@@ -53,28 +69,12 @@ from distsgd.runtime.checkpoint import (
     prune_shard_dirs,
 )
 from distsgd.runtime.collective import Collective
-from distsgd.runtime.config import LrScaling, TrainConfig, lr_factor
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.data import BatchFn
-from distsgd.runtime.divergence import (
-    MOVEMENT_SAMPLE,
-    STALL_MOVEMENT,
-    Diverged,
-    DivergenceMonitor,
-    accuracy_verdict,
-    relative_movement,
-    stalled_verdict,
-)
-from distsgd.runtime.errors import SetupError
 from distsgd.runtime.evaluate import LossFn, MetricFns, evaluate
-from distsgd.runtime.faults import FaultInjector
-from distsgd.runtime.metrics import MetricsWriter
 from distsgd.runtime.modules import as_torch_module, exchanged_parameters, load_eval_state
-from distsgd.runtime.progress import AloneProgress
-from distsgd.runtime.run_folder import FINAL_PARAMS_FILE, METRICS_FILE, RESULT_FILE
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.stream import UNKNOWN_LENGTH, Batches, make_batches  # streaming
-from distsgd.runtime.task import TaskEnv
 from distsgd.runtime.work import LeasedBatches, wait_members_gone, work_spec
 from distsgd.transport.security import TlsConfig, load_secret
 from distsgd.util import write_atomic, write_bytes_atomic
@@ -101,7 +101,7 @@ class TrainResult:
     test_loss: float | None = None
     test_accuracy: float | None = None
     diverged: bool = False
-    """True when training diverged (see :mod:`distsgd.runtime.divergence`)."""
+    """True when training diverged (see :mod:`distsgd.control.divergence`)."""
     divergence: str | None = None
     """Why it counts as diverged, or None."""
     stalled: bool = False
@@ -109,7 +109,7 @@ class TrainResult:
     diverge but did not learn (steps too small or too few); ``diverged`` is True too (a failed
     run)."""
     time_split: dict[str, float] = dataclasses.field(default_factory=dict)
-    """This worker's seconds per phase (see :mod:`distsgd.runtime.timing`): compute, pull, ..."""
+    """This worker's seconds per phase (see :mod:`distsgd.control.timing`): compute, pull, ..."""
     work: dict[str, Any] | None = None
     """(Chief of a run with work units) per epoch, the units trained once, twice, never."""
     left: bool = False

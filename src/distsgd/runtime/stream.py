@@ -52,9 +52,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from distsgd.runtime.config import TrainConfig
+from distsgd.control.config import TrainConfig
+from distsgd.control.errors import SetupError
 from distsgd.runtime.data import ShardedBatches
-from distsgd.runtime.errors import SetupError
 from distsgd.runtime.shards import ShardFolder
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def data_part() -> tuple[int, int]:
     ``part`` is ``rank * loader_workers + loader_worker_id``. Alone, ``(0, 1)``. A data set
     with ``reads_own_part = True`` calls it in ``__iter__`` to pick its share, e.g.
     ``files[part::parts]``."""
-    from distsgd.runtime.task import TaskEnv
+    from distsgd.control.task import TaskEnv
 
     env = TaskEnv.from_environ()
     rank, world = (0, 1) if env is None else (env.task_index, env.num_workers)

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from distsgd.runtime.config import TrainConfig
+from distsgd.control.config import TrainConfig
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.schemes.registry import SchemeSpec

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from distsgd.control.config import TrainConfig
 from distsgd.ps.rules import (
     ACCEPTED,
     MAX_RATE,
@@ -55,7 +56,6 @@ from distsgd.ps.rules import (
     bounded,
 )
 from distsgd.ps.shard import Shard
-from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.schemes.registry import SchemeSpec

@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from distsgd.control.config import TrainConfig
 from distsgd.ps.rules import UpdateRule
-from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.scheme import WorkerScheme
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from distsgd.runtime.config import TrainConfig
+from distsgd.control.config import TrainConfig
 from distsgd.runtime.context import WorkerContext
 from distsgd.schemes.agn import AgnOptions, AgnWorker
 from distsgd.schemes.registry import SchemeSpec

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from distsgd.control.config import TrainConfig
 from distsgd.ps.rules import (
     ACCEPTED,
     MAX_WORKERS,
@@ -46,7 +47,6 @@ from distsgd.ps.rules import (
     bounded,
 )
 from distsgd.ps.shard import Shard
-from distsgd.runtime.config import TrainConfig
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.schemes.registry import SchemeSpec

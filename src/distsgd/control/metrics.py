@@ -1,6 +1,6 @@
 """``metrics.jsonl``: one JSON object per line, appended by every task of a run.
 
-Every record also goes to the task's TensorBoard run (:mod:`distsgd.runtime.board`) where
+Every record also goes to the task's TensorBoard run (:mod:`distsgd.control.board`) where
 tensorboard is installed: one funnel, so both always hold the same records.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from distsgd.runtime.board import BoardWriter, open_board
+from distsgd.control.board import BoardWriter, open_board
 from distsgd.util import open_private
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ class MetricsWriter:
     so lines from concurrent tasks never interleave. A writer with no path drops everything.
 
     Each line is then written to ``tensorboard/<task>/`` beside the file (see
-    :mod:`distsgd.runtime.board`); a failure there is logged once and ends the TensorBoard
+    :mod:`distsgd.control.board`); a failure there is logged once and ends the TensorBoard
     events of this writer, never its lines. ``clock`` gives the time of a line (tests)."""
 
     def __init__(

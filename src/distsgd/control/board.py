@@ -1,6 +1,6 @@
 """TensorBoard event files: every ``metrics.jsonl`` record as series of its task's TensorBoard run.
 
-:class:`~distsgd.runtime.metrics.MetricsWriter` hands each record it appends to
+:class:`~distsgd.control.metrics.MetricsWriter` hands each record it appends to
 ``metrics.jsonl`` to a :class:`BoardWriter` too, so whatever writes metrics (a worker under
 ``distsgd run``, ``distsgd worker`` by hand or in a pod, the launcher) writes TensorBoard events
 as well, with no launcher needed to convert anything. Where ``tensorboard`` is not installed
@@ -23,7 +23,7 @@ after the session start written before a process's first training line).
 **Tags** (docs/tensorboard.md): ``train/loss``, ``train/samples_per_s`` (from this line and
 the one before), ``train/global_step``, ``train/progress``, ``train/epoch``, ``train/samples``;
 ``comm/bytes_sent``, ``comm/bytes_per_s``, ``comm/mean_staleness``, ``comm/lost_pushes``;
-``time/<phase>_s`` (cumulative seconds, see :mod:`distsgd.runtime.timing`) and
+``time/<phase>_s`` (cumulative seconds, see :mod:`distsgd.control.timing`) and
 ``time_share/<phase>``, ``time_share/communication`` (the phase's share of the time since the
 line before); ``eval/test_loss``, ``eval/accuracy``; ``membership/ps<N>/workers``,
 ``membership/ps<N>/epoch``, ``membership/workers`` (the launcher's after a scale);
@@ -59,8 +59,8 @@ from typing import Any
 
 import numpy as np
 
-from distsgd.runtime.run_folder import TENSORBOARD_DIR
-from distsgd.runtime.timing import COMM_PHASES, PHASES, split_from_metrics
+from distsgd.control.folder import TENSORBOARD_DIR
+from distsgd.control.timing import COMM_PHASES, PHASES, split_from_metrics
 from distsgd.util import open_private, private_dir
 
 log = logging.getLogger(__name__)

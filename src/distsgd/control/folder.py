@@ -7,13 +7,13 @@ import time
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
-"""One JSON object per line from every task (``runtime.metrics.MetricsWriter``)."""
+"""One JSON object per line from every task (``control.metrics.MetricsWriter``)."""
 RESULT_FILE = "result.json"
 """The chief's :class:`~distsgd.runtime.loop.TrainResult` and the training config."""
 FINAL_PARAMS_FILE = "final_model.pt"
 """The final parameters, a ``state_dict`` of tensors (``torch.load(weights_only=True)``)."""
 TENSORBOARD_DIR = "tensorboard"
-"""TensorBoard event files, a folder (one TensorBoard run) per task (``runtime.board``)."""
+"""TensorBoard event files, a folder (one TensorBoard run) per task (``control.board``)."""
 
 RUNS_ENV = "DISTSGD_RUNS"
 """Environment variable: the folder new run folders go in (default ``./distsgd-runs``); ``off``
