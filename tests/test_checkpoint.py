@@ -11,19 +11,18 @@ import pytest
 import torch
 
 from distsgd import schemes
-from distsgd.ps import PushMeta, Shard
-from distsgd.ps.shard import CorruptCheckpoint
-from distsgd.runtime.checkpoint import (
+from distsgd.control.checkpoint.errors import CheckpointError, IncompleteCheckpoint
+from distsgd.control.checkpoint.manifests import ManifestWriter
+from distsgd.control.checkpoint.store import (
     MANIFEST,
     SHARDS_PREFIX,
-    CheckpointError,
-    IncompleteCheckpoint,
-    ManifestWriter,
     latest_checkpoint,
     prune_shard_dirs,
-    save_worker_state,
     verify,
 )
+from distsgd.ps import PushMeta, Shard
+from distsgd.ps.shard import CorruptCheckpoint
+from distsgd.runtime.checkpoint import save_worker_state
 from distsgd.schemes.downpour import DownpourOptions, DownpourWorker
 
 

@@ -22,20 +22,20 @@ import torch
 from conftest import SCRIPTS, run_distsgd
 
 from distsgd import schemes
-from distsgd.control.config import TrainConfig
-from distsgd.ps.shard import Shard
-from distsgd.runtime.checkpoint import (
+from distsgd.control.checkpoint.errors import CheckpointError, UnsafeFileError
+from distsgd.control.checkpoint.store import (
     MANIFEST,
-    CheckpointError,
-    UnsafeFileError,
-    UnsavableStateError,
     latest_checkpoint,
-    load_worker_state,
     newest_shard_file,
     newest_worker_state,
-    read_shard_header,
-    save_worker_state,
     worker_state_step,
+)
+from distsgd.control.config import TrainConfig
+from distsgd.ps.shard import CorruptCheckpoint, Shard, read_shard_header
+from distsgd.runtime.checkpoint import (
+    UnsavableStateError,
+    load_worker_state,
+    save_worker_state,
 )
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
@@ -277,7 +277,7 @@ def test_inspect_of_junk_npz_is_one_line(tmp_path: Path, content: bytes) -> None
 def test_shard_file_with_object_arrays_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "ps0.npz"
     np.savez(path, header=np.array([{"format": 1}], dtype=object))
-    with pytest.raises(CheckpointError, match=r"not plain data.*give a psN\.npz"):
+    with pytest.raises(CorruptCheckpoint, match=r"not plain data.*give a psN\.npz"):
         read_shard_header(path)
 
 
@@ -287,7 +287,7 @@ def test_read_shard_header_and_the_highest_version_wins(tmp_path: Path) -> None:
     low = tmp_path / "ckpt-00000090" / "ps0.npz"
     low.parent.mkdir()
     low.write_bytes(data)
-    assert read_shard_header(low)["version"] == 0 and read_shard_header(low)["index"] == 0
+    assert read_shard_header(low).version == 0 and read_shard_header(low).index == 0
     # A higher version under a folder name that sorts first (server-only checkpoints).
     shard = Shard.from_bytes(data, schemes.make_server_rule)
     shard.bump(7)

@@ -2,44 +2,32 @@
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from distsgd.control.checkpoint.errors import CheckpointError
+from distsgd.control.checkpoint.store import MANIFEST, latest_checkpoint, verify
+from distsgd.ps.shard import CorruptCheckpoint, read_shard_arrays, read_shard_header
+from distsgd.runtime.checkpoint import load_worker_state
 
-from distsgd.runtime.checkpoint import (
-    MANIFEST,
-    CheckpointError,
-    latest_checkpoint,
-    load_worker_state,
-    read_shard_header,
-    verify,
-)
+
+def _count(value: int | None) -> str:
+    return "?" if value is None else str(value)
 
 
 def _shard_lines(path: Path) -> list[str]:
     header = read_shard_header(path)
     lines = [
-        f"  {path.name}: shard {header['index']}, scheme {header['scheme']}, "
-        f"version {header['version']}, "
-        f"{header['num_workers']} workers ({len(header['finished'])} finished), "
-        f"pushes {header.get('pushes_accepted', '?')} accepted / "
-        f"{header.get('pushes_rejected', '?')} rejected "
-        f"({header.get('nonfinite_rejected', '?')} non-finite)"
+        f"  {path.name}: shard {header.index}, scheme {header.scheme}, "
+        f"version {header.version}, "
+        f"{header.num_workers} workers ({len(header.finished)} finished), "
+        f"pushes {_count(header.pushes_accepted)} accepted / "
+        f"{_count(header.pushes_rejected)} rejected "
+        f"({_count(header.nonfinite_rejected)} non-finite)"
     ]
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            for key in header["keys"]:
-                a = npz[f"values/{key}"]
-                lines.append(f"    {key:40s} {a.dtype.name}{list(a.shape)}  {a.nbytes} bytes")
-            rule = [k[5:] for k in npz.files if k.startswith("rule/")] + list(header["rule"])
-    except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        # a missing parameter, an object array (it would need pickle), a damaged member
-        raise CheckpointError(
-            f"{path}: not a distsgd shard checkpoint ({type(exc).__name__} reading its "
-            "parameters); give a psN.npz of a checkpoint"
-        ) from None
+    arrays, rule = read_shard_arrays(path, header)
+    for a in arrays:
+        lines.append(f"    {a.name:40s} {a.dtype}{list(a.shape)}  {a.nbytes} bytes")
     lines.append(f"    rule state: {', '.join(rule) if rule else 'none'}")
     return lines
 
@@ -95,7 +83,7 @@ def inspect(path: Path) -> int:
         raise ValueError(f"{path}: no such file or folder; give a run folder or a checkpoint")
     try:
         lines = describe(path)
-    except CheckpointError as exc:
+    except (CheckpointError, CorruptCheckpoint) as exc:
         raise ValueError(str(exc)) from None
     for line in lines:
         print(line)

@@ -543,7 +543,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--restore {args.restore}: no such file; give a psN.npz of a checkpoint")
     restore = args.restore
     if args.restore_latest:
-        from distsgd.runtime.checkpoint import newest_shard_file
+        from distsgd.control.checkpoint.store import newest_shard_file
 
         if args.checkpoint_dir is None or args.restore is not None:
             raise ValueError("--restore-latest needs --checkpoint-dir, and no --restore")
@@ -599,7 +599,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         )
     resume = None
     if args.resume_latest:
-        from distsgd.runtime.checkpoint import newest_worker_state
+        from distsgd.control.checkpoint.store import newest_worker_state
 
         resume = newest_worker_state(Path(args.run_dir) / "checkpoints", index)
     env = TaskEnv(

@@ -27,6 +27,14 @@ from typing import Any
 
 from distsgd import schemes
 from distsgd.cluster import ClusterSpec, TaskId
+from distsgd.control.checkpoint.errors import CheckpointError, IncompleteCheckpoint
+from distsgd.control.checkpoint.store import (
+    Checkpoint,
+    latest_checkpoint,
+    newest_shard_file,
+    newest_worker_state,
+    worker_state_step,
+)
 from distsgd.control.divergence import DIVERGED_EXIT_CODE
 from distsgd.control.errors import SETUP_ERROR_PREFIX, SETUP_EXIT_CODE
 from distsgd.control.faults import Fault
@@ -40,16 +48,7 @@ from distsgd.launcher.progress import Console, Progress
 from distsgd.launcher.scale import LAUNCHER_FILE, read_scale_request
 from distsgd.launcher.supervisor import Supervisor, TaskHandle, Tasks
 from distsgd.ps import wal
-from distsgd.runtime.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    IncompleteCheckpoint,
-    latest_checkpoint,
-    newest_shard_file,
-    newest_worker_state,
-    read_shard_header,
-    worker_state_step,
-)
+from distsgd.ps.shard import read_shard_header
 from distsgd.transport import shm
 from distsgd.transport.client import ShardClient
 from distsgd.transport.errors import RemoteError
@@ -790,7 +789,7 @@ class LocalRun:
         except RunFailed as exc:  # e.g. its old port was taken meanwhile, or an unreadable log
             self._restart_all(f"ps{index}", code, step, f"ps{index} could not come back: {exc}")
             return
-        filed = -1 if shard_file is None else int(read_shard_header(shard_file)["version"])
+        filed = -1 if shard_file is None else read_shard_header(shard_file).version
         info = self._read_version(index)
         restored = filed if info is None else int(info.restored_version)
         source = "wal" if shard_file is None or restored > filed else shard_file.parent.name

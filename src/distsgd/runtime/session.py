@@ -41,6 +41,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from distsgd.control.checkpoint.errors import CheckpointError
+from distsgd.control.checkpoint.store import SHARDS_PREFIX, prune_shard_dirs
 from distsgd.control.config import LrScaling, TrainConfig, lr_factor
 from distsgd.control.divergence import (
     MOVEMENT_SAMPLE,
@@ -61,13 +63,7 @@ from distsgd.ps.client import Heartbeat, ParameterClient
 from distsgd.ps.partition import PartitionPlan
 from distsgd.ps.rules import WORLD_SIZE_OPTION
 from distsgd.runtime.callbacks import Callback, StepInfo, check_user_values
-from distsgd.runtime.checkpoint import (
-    SHARDS_PREFIX,
-    Checkpointer,
-    CheckpointError,
-    load_worker_state,
-    prune_shard_dirs,
-)
+from distsgd.runtime.checkpoint import Checkpointer, load_worker_state
 from distsgd.runtime.collective import Collective
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.data import BatchFn

@@ -1,0 +1,138 @@
+"""The chief's :class:`ManifestWriter`: completes checkpoints once every worker has saved."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from distsgd.control.checkpoint.store import (
+    FORMAT,
+    KEEP,
+    MANIFEST,
+    checkpoint_dirs,
+    sha256_file,
+    worker_files,
+    worker_state_step,
+)
+from distsgd.util import write_atomic
+
+log = logging.getLogger(__name__)
+
+
+class ManifestWriter:
+    """(Chief) completes checkpoints in the background, oldest first, on one thread.
+
+    A checkpoint of step k is complete when every worker has saved a state of step k or later
+    (asynchronous workers drift apart; a restarted one lags): those files are linked in and the
+    manifest is written last. A checkpoint still waiting after ``wait`` seconds is given up.
+    Only complete checkpoints count for :data:`KEEP`; pending ones never push a complete one out.
+    """
+
+    def __init__(self, root: Path, num_workers: int, wait: float = 60.0) -> None:
+        self.root = root
+        self.num_workers = num_workers
+        self.wait = wait
+        self._pending: list[tuple[str, int, list[dict[str, Any]], dict[str, Any], float]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="manifests", daemon=True)
+        self._thread.start()
+
+    def complete(
+        self, name: str, step: int, shards: list[dict[str, Any]], extra: dict[str, Any]
+    ) -> None:
+        with self._lock:
+            self._pending.append((name, step, shards, extra, time.monotonic() + self.wait))
+        self._wake.set()
+
+    def join(self, timeout: float) -> None:
+        """Finish what can be finished within ``timeout`` seconds, then stop."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending:
+                    break
+            time.sleep(0.05)
+        self._closing = True
+        self._wake.set()
+        self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+
+    def _run(self) -> None:
+        while not self._closing:
+            self._wake.wait(0.1)
+            self._wake.clear()
+            with self._lock:
+                pending = list(self._pending)
+            for item in pending:
+                name, step, shards, extra, give_up = item
+                done = self._try(name, step, shards, extra)
+                if done or time.monotonic() > give_up:
+                    if not done:
+                        log.warning(
+                            "checkpoint %s: not every worker reached step %d; given up", name, step
+                        )
+                    with self._lock:
+                        self._pending.remove(item)
+                    self._prune()
+
+    def _try(
+        self, name: str, step: int, shards: list[dict[str, Any]], extra: dict[str, Any]
+    ) -> bool:
+        newest: list[Path] = []
+        for rank in range(self.num_workers):
+            files = worker_files(self.root, rank)
+            if not files or worker_state_step(files[-1]) < step:
+                return False
+            # The state of exactly this step when it is still there: workers of a collective
+            # scheme move in lockstep and must resume at the same step.
+            exact = [f for f in files if worker_state_step(f) == step]
+            newest.append(exact[0] if exact else files[-1])
+        folder = self.root / name
+        workers = []
+        for rank, source in enumerate(newest):
+            target = folder / f"worker{rank}.pt"
+            target.unlink(missing_ok=True)
+            try:
+                os.link(source, target)
+            except FileNotFoundError:  # the worker pruned it meanwhile: try again
+                return False
+            workers.append(
+                {
+                    "file": target.name,
+                    "sha256": sha256_file(target),
+                    "bytes": target.stat().st_size,
+                    "step": worker_state_step(source),
+                }
+            )
+        manifest = {
+            "format": FORMAT,
+            "name": name,
+            "step": step,
+            "time": time.time(),
+            "shards": [{**s, "file": Path(s["file"]).name} for s in shards],
+            "workers": workers,
+            **extra,
+        }
+        write_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        log.info("checkpoint %s complete (%d shards, %d workers)", name, len(shards), len(workers))
+        return True
+
+    def _prune(self) -> None:
+        """Keep the newest KEEP complete checkpoints and whatever is newer than them."""
+        with self._lock:
+            waiting = {name for name, *_ in self._pending}
+        folders = checkpoint_dirs(self.root)
+        complete = [f for f in folders if (f / MANIFEST).exists()]
+        if len(complete) <= KEEP:
+            return
+        oldest_kept = complete[-KEEP]
+        for folder in folders:
+            if folder < oldest_kept and folder.name not in waiting:
+                shutil.rmtree(folder, ignore_errors=True)

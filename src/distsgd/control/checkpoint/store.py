@@ -1,0 +1,315 @@
+"""Checkpoints of a whole run on disk: the layout, finding the newest usable files, and
+verifying manifests, all without torch.
+
+Layout under ``<run dir>/checkpoints/``::
+
+    workers/worker<i>-<step>.pt   each worker's state, saved when due (newest 3 kept)
+    workers/worker<i>-<step>.json its sidecar: the state file's size and SHA-256
+    ckpt-<step>/ps<j>.npz         each shard's state (written by the shard on the chief's call)
+    ckpt-<step>/worker<i>.pt      hard links to the workers' state files the manifest names
+    ckpt-<step>/MANIFEST.json     written last: the files, their sizes and SHA-256 sums
+
+A checkpoint is complete only when its manifest exists and every file it names matches its
+checksum; a write killed halfway leaves no manifest (or a damaged file), and
+:func:`latest_checkpoint` falls back to the previous complete one. Every file is written to a
+temporary name, fsynced and renamed. A worker state file holding Python objects beyond tensors
+and plain containers is refused (:class:`UnsafeFileError`) by reading its pickle's opcodes
+(:mod:`distsgd.control.checkpoint.safety`); the shard file's own reader is
+:func:`distsgd.ps.shard.read_shard_header`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from distsgd.control.checkpoint.errors import (
+    CheckpointError,
+    IncompleteCheckpoint,
+    UnsafeFileError,
+    refuse_code,
+)
+from distsgd.control.checkpoint.safety import unsafe_globals
+from distsgd.ps import wal
+from distsgd.ps.shard import CorruptCheckpoint, read_shard_header, shard_file_intact
+from distsgd.util import write_atomic
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST.json"
+SHARDS_PREFIX = "shards-"
+"""Folders of server-only checkpoints (``shards-<version>/ps<j>.npz``, no manifest) that the
+chief takes while it waits for the other workers to finish."""
+KEEP = 3
+"""Complete checkpoints kept, and saved states kept per worker."""
+FORMAT = 1
+"""The manifest's format."""
+
+WORKER_FILE = re.compile(r"worker(\d+)-(\d+)\.pt")
+"""``workers/worker<i>-<step>.pt``: a worker's saved state (step zero-padded to 8 digits)."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -- worker files -------------------------------------------------------------------------------
+def worker_file(root: Path, rank: int, step: int) -> Path:
+    """Where worker ``rank`` saves its state of local step ``step`` under ``root``."""
+    return root / "workers" / f"worker{rank}-{step:08d}.pt"
+
+
+def worker_state_step(path: Path) -> int:
+    """The local step a ``workers/worker<i>-<step>.pt`` file was saved at, from its name alone
+    (nothing is read); :class:`CheckpointError` for another name."""
+    match = WORKER_FILE.fullmatch(path.name)
+    if match is None:
+        raise CheckpointError(
+            f"{path}: not a worker state file name (worker<i>-<step>.pt); give a file of "
+            "checkpoints/workers/"
+        )
+    return int(match.group(2))
+
+
+def worker_files(root: Path, rank: int) -> list[Path]:
+    """This worker's saved states, oldest first."""
+    return sorted(
+        path
+        for path in (root / "workers").glob(f"worker{rank}-*.pt")
+        if (match := WORKER_FILE.fullmatch(path.name)) and int(match.group(1)) == rank
+    )
+
+
+def sidecar(path: Path) -> Path:
+    """The JSON beside a worker state file: its size and SHA-256 as written."""
+    return path.with_suffix(".json")
+
+
+def write_sidecar(path: Path, data: bytes) -> None:
+    """Record the state file ``path`` just written with ``data``."""
+    digest = hashlib.sha256(data).hexdigest()
+    write_atomic(sidecar(path), json.dumps({"bytes": len(data), "sha256": digest}) + "\n")
+
+
+def _zip_intact(path: Path) -> bool:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip() is None
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
+        return False
+
+
+def check_worker_file(path: Path) -> None:
+    """Check a worker state file without torch: its size and SHA-256 against its sidecar (a
+    missing sidecar is derived once the zip's checksums pass), and its pickle for Python
+    objects (:class:`UnsafeFileError`); :class:`CheckpointError` for a damaged file."""
+    try:
+        recorded = json.loads(sidecar(path).read_text())
+        size, digest = int(recorded["bytes"]), str(recorded["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        size, digest = -1, ""
+    found = unsafe_globals(path)
+    if found:
+        raise refuse_code(path, found)
+    if digest:
+        if path.stat().st_size != size or sha256_file(path) != digest:
+            raise CheckpointError(f"{path}: damaged (size or SHA-256 differs from its sidecar)")
+        return
+    if not _zip_intact(path):
+        raise CheckpointError(f"{path}: damaged (a zip checksum fails)")
+    try:
+        write_sidecar(path, path.read_bytes())
+    except OSError as exc:  # a read-only copy of a run folder: derived again next time
+        log.debug("no sidecar for %s: %s", path, exc)
+
+
+def newest_worker_state(root: Path, rank: int) -> Path | None:
+    """The newest usable state of worker ``rank`` (damaged ones, and ones holding Python
+    objects, are skipped: a single worker's restart never loads them)."""
+    for path in reversed(worker_files(root, rank)):
+        try:
+            check_worker_file(path)
+            return path
+        except CheckpointError as exc:
+            log.warning("skipping %s", exc)
+    return None
+
+
+def prune_worker_files(root: Path, rank: int) -> None:
+    """Keep this worker's newest :data:`KEEP` states (and their sidecars)."""
+    for old in worker_files(root, rank)[:-KEEP]:
+        old.unlink(missing_ok=True)
+        sidecar(old).unlink(missing_ok=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerStateRef:
+    """A worker's saved state."""
+
+    path: Path
+    """The state file."""
+    step: int
+    """The local step it was saved at (from its name)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardRef:
+    """A shard file."""
+
+    path: Path
+    """The ``ps<j>.npz`` file."""
+    version: int
+    """The shard's version in it (from its header)."""
+
+
+# -- manifests ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete, verified checkpoint."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    def shard_file(self, index: int) -> Path:
+        return self.path / self.manifest["shards"][index]["file"]
+
+    def worker_file(self, rank: int) -> Path:
+        return self.path / self.manifest["workers"][rank]["file"]
+
+
+def _check_entries(path: Path, manifest: dict[str, Any]) -> None:
+    int(manifest["step"])
+    for entry in [*manifest["shards"], *manifest["workers"]]:
+        file = path / entry["file"]
+        if not file.exists():
+            raise CheckpointError(f"{file}: missing")
+        if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
+            raise CheckpointError(f"{file}: damaged (size or SHA-256 differs from the manifest)")
+    # The checksums only say the files are the ones the manifest names (whoever wrote one
+    # could write the other): each worker state's pickle is also read for Python objects.
+    for entry in manifest["workers"]:
+        file = path / entry["file"]
+        found = unsafe_globals(file)
+        if found:
+            raise UnsafeFileError(
+                f"{refuse_code(file, found)}; move {path} out of {path.parent} to use an "
+                "older checkpoint"
+            )
+
+
+def verify(path: Path) -> Checkpoint:
+    """Read and check one checkpoint folder; :class:`CheckpointError` naming what is wrong."""
+    manifest_path = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        raise IncompleteCheckpoint(
+            f"{path}: incomplete (no {MANIFEST}; still being written, or interrupted)"
+        ) from None
+    except ValueError as exc:
+        raise CheckpointError(f"{manifest_path}: damaged ({exc})") from None
+    try:
+        _check_entries(path, manifest)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise CheckpointError(f"{manifest_path}: damaged (bad field: {exc!r})") from None
+    return Checkpoint(path=path, manifest=manifest)
+
+
+def checkpoint_dirs(root: Path) -> list[Path]:
+    """Checkpoint folders under ``root`` (a run's ``checkpoints/``), oldest first."""
+    return sorted(p for p in root.glob("ckpt-*") if p.is_dir())
+
+
+def latest_checkpoint(root: Path) -> tuple[Checkpoint | None, list[CheckpointError]]:
+    """The newest complete checkpoint, and why each newer one was unusable.
+
+    A damaged or incomplete checkpoint is skipped for an older one; one holding a file with
+    Python objects raises :class:`UnsafeFileError` (a resume from it must not go on quietly).
+    """
+    problems: list[CheckpointError] = []
+    for path in reversed(checkpoint_dirs(root)):
+        try:
+            return verify(path), problems
+        except UnsafeFileError:
+            raise
+        except CheckpointError as exc:
+            problems.append(exc)
+    return None, problems
+
+
+# -- shard files --------------------------------------------------------------------------------
+def newest_shard_file(root: Path, index: int) -> Path | None:
+    """The intact ``ps<index>.npz`` under ``root`` (in any folder of it) whose header holds the
+    highest version, complete checkpoint or not.
+
+    Restarting one server wants its own newest state (each shard file is written atomically and
+    carries zip checksums); only a whole-run resume needs a manifest's consistent set. Headers
+    are read first; the zip checksums only of the chosen file (and of any that fail them).
+    """
+    found: list[tuple[int, Path]] = []
+    for path in root.glob(f"*/ps{index}.npz"):
+        try:
+            header = read_shard_header(path)
+        except CorruptCheckpoint as exc:
+            log.warning("skipping %s", exc)
+            continue
+        if header.index != index:
+            log.warning("skipping %s: it holds shard %d, not %d", path, header.index, index)
+            continue
+        found.append((header.version, path))
+    for _, path in sorted(found, reverse=True):  # highest version; a tie: the later folder
+        if shard_file_intact(path):
+            return path
+        log.warning("skipping damaged %s", path)
+    return None
+
+
+def prune_shard_dirs(root: Path, keep: int = 2) -> None:
+    """Keep the newest ``keep`` server-only checkpoints (:data:`SHARDS_PREFIX` folders)."""
+    folders = sorted(p for p in root.glob(f"{SHARDS_PREFIX}*") if p.is_dir())
+    for old in folders[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class DiskStore:
+    """The checkpoints of a run folder as the restart planner sees them
+    (:class:`distsgd.control.recovery.StoreView`)."""
+
+    def __init__(self, root: Path, wal_root: Path | None = None) -> None:
+        self.root = root
+        """The run's ``checkpoints/``."""
+        self.wal_root = wal_root
+        """Where each server's write-ahead log is (``ps<j>/``; None: no logs)."""
+
+    def latest(self) -> Checkpoint | None:
+        return latest_checkpoint(self.root)[0]
+
+    def newest_worker(self, index: int) -> WorkerStateRef | None:
+        path = newest_worker_state(self.root, index)
+        return None if path is None else WorkerStateRef(path=path, step=worker_state_step(path))
+
+    def newest_shard(self, index: int) -> ShardRef | None:
+        path = newest_shard_file(self.root, index)
+        return (
+            None if path is None else ShardRef(path=path, version=read_shard_header(path).version)
+        )
+
+    def has_wal(self, index: int) -> bool:
+        return self.wal_root is not None and wal.has_state(self.wal_root / f"ps{index}")
