@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from conftest import SCRIPTS, task_pids
 
+from distsgd.control.rendezvous import host_store
 from distsgd.runtime.collective import (
     TRUSTED_NETWORK_ENV,
     Collective,
     data_plane,
     exposure_warning,
-    host_store,
 )
 
 WAIT = timedelta(seconds=10)

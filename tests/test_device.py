@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import SCRIPTS, final_accuracy, run_distsgd
 
-from distsgd.launcher.run import worker_gpus
+from distsgd.launcher.tasks import worker_gpus
 from distsgd.runtime import TrainConfig
 from distsgd.runtime.session import resolve_device
 

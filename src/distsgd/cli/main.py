@@ -395,7 +395,7 @@ def _checkpoint_every(text: str | None) -> tuple[int, float]:
 
 def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence[str]) -> int:
     from distsgd.launcher import LaunchConfig, launch
-    from distsgd.launcher.run import load_run_config
+    from distsgd.launcher.saved import load_run_config
 
     steps, seconds = _checkpoint_every(args.checkpoint_every)
     common: dict[str, Any] = {
@@ -543,11 +543,13 @@ def _cmd_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--restore {args.restore}: no such file; give a psN.npz of a checkpoint")
     restore = args.restore
     if args.restore_latest:
-        from distsgd.control.checkpoint.store import newest_shard_file
+        from distsgd.control.checkpoint.store import DiskStore
+        from distsgd.control.recovery import resume_point
 
         if args.checkpoint_dir is None or args.restore is not None:
             raise ValueError("--restore-latest needs --checkpoint-dir, and no --restore")
-        restore = newest_shard_file(args.checkpoint_dir, index)
+        shard = resume_point(task, DiskStore(args.checkpoint_dir)).resume
+        restore = None if shard is None else shard.path
     check_evict_after(args.evict_after)
     if not 0 <= args.max_workers <= MAX_WORKERS:
         raise ValueError(f"--max-workers must be in 0..{MAX_WORKERS}, got {args.max_workers}")
@@ -599,9 +601,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         )
     resume = None
     if args.resume_latest:
-        from distsgd.control.checkpoint.store import newest_worker_state
+        from distsgd.control.checkpoint.store import DiskStore
+        from distsgd.control.recovery import resume_point
 
-        resume = newest_worker_state(Path(args.run_dir) / "checkpoints", index)
+        store = DiskStore(Path(args.run_dir) / "checkpoints")
+        state = resume_point(spec.task("worker", index), store).resume
+        resume = None if state is None else state.path
     env = TaskEnv(
         cluster=spec.to_dict(),
         task_index=index,

@@ -9,7 +9,7 @@ from pathlib import Path
 METRICS_FILE = "metrics.jsonl"
 """One JSON object per line from every task (``control.metrics.MetricsWriter``)."""
 RESULT_FILE = "result.json"
-"""The chief's :class:`~distsgd.runtime.loop.TrainResult` and the training config."""
+"""The chief's ``TrainResult`` (runtime/loop.py) and the training config."""
 FINAL_PARAMS_FILE = "final_model.pt"
 """The final parameters, a ``state_dict`` of tensors (``torch.load(weights_only=True)``)."""
 TENSORBOARD_DIR = "tensorboard"

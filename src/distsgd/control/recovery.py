@@ -198,14 +198,15 @@ def backoff(used: int) -> float:
 
 
 def restart_all(
-    store: StoreView, failure: TaskFailure, why: str, *, attempt: int = 1, wait: float = 0.0
+    store: StoreView, why: str, *, furthest: int, attempt: int = 1, wait: float = 0.0
 ) -> RestartAll:
-    """A whole restart from the newest complete checkpoint, with what it costs."""
+    """A whole restart from the newest complete checkpoint, losing the steps ``furthest`` (the
+    furthest worker's local step) is past it."""
     checkpoint = store.latest()
     at = 0 if checkpoint is None else checkpoint.step
     return RestartAll(
         checkpoint=checkpoint,
-        lost_steps=max(0, failure.furthest - at),
+        lost_steps=max(0, furthest - at),
         why=why,
         attempt=attempt,
         backoff=wait,
@@ -244,11 +245,11 @@ def plan_restart(
         shard = store.newest_shard(task.index)
         if shard is None and not store.has_wal(task.index):
             why = "no checkpoint to restore the shard from"
-            return restart_all(store, failure, why, attempt=attempt, wait=wait)
+            return restart_all(store, why, furthest=failure.furthest, attempt=attempt, wait=wait)
         return Restart(task=task, resume=shard, attempt=attempt, backoff=wait)
     if run.collective:
         why = "collective schemes restart every worker"
-        return restart_all(store, failure, why, attempt=attempt, wait=wait)
+        return restart_all(store, why, furthest=failure.furthest, attempt=attempt, wait=wait)
     state = store.newest_worker(task.index) if run.checkpointing else None
     return Restart(
         task=task, resume=state, continue_at=failure.reached, attempt=attempt, backoff=wait
@@ -276,3 +277,20 @@ def resume_point(task: TaskId, store: StoreView, *, checkpointing: bool = True) 
     )
     assert isinstance(plan, Restart)
     return plan
+
+
+class NothingStored:
+    """A :class:`StoreView` with nothing in it: for a caller whose tasks each find their own
+    files when they start again (the JobSet emulator's pods)."""
+
+    def latest(self) -> Checkpoint | None:
+        return None
+
+    def newest_worker(self, index: int) -> WorkerStateRef | None:
+        return None
+
+    def newest_shard(self, index: int) -> ShardRef | None:
+        return None
+
+    def has_wal(self, index: int) -> bool:
+        return False

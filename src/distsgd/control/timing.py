@@ -1,6 +1,6 @@
 """Where a worker's time goes: compute, pull, push, wait, all-reduce, checkpoints, evaluation.
 
-Every exchange a scheme makes goes through :class:`~distsgd.runtime.context.WorkerContext`,
+Every exchange a scheme makes goes through ``WorkerContext`` (runtime/context.py),
 which times it into a :class:`PhaseClock`; the loop times checkpoints and mid-run evaluation.
 Compute is what is left of the loop's wall time: forward, backward, local optimizer steps, data.
 

@@ -2,7 +2,7 @@
 
 Usage: ``python -m distsgd.launcher.bootstrap SCRIPT [ARGS...]``.
 
-The launcher puts the task's :class:`~distsgd.runtime.TaskEnv` in ``DISTSGD_TASK``; this module
+The launcher puts the task's :class:`~distsgd.control.task.TaskEnv` in ``DISTSGD_TASK``; this module
 ties the process to the launcher, applies the thread budget, sets up logging, and runs the
 script as ``__main__``. A script that never calls ``distsgd.train`` is an error (the rest of
 the cluster would wait for it forever).

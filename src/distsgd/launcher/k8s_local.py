@@ -22,7 +22,9 @@ and the processes are tied to this one (``DISTSGD_PARENT_PID``).
 The order is the JobSet's: a replicated job that ``dependsOn`` another (or follows it under
 ``startupPolicy: InOrder``) starts when that one's pods pass their readiness probe (a TCP
 connect to the pod's port). A pod that exits nonzero is restarted in place
-(``restartPolicy: OnFailure``) until its Job has used its ``backoffLimit``; then the run fails.
+(``restartPolicy: OnFailure``) until its Job has used its ``backoffLimit``; then the run fails
+(the restart planner, :func:`distsgd.control.recovery.plan_restart`, decides, with each pod
+restarted in place).
 The run is complete when the ``successPolicy``'s jobs have completed; every other pod is then
 stopped by its PID, as JobSet deletes the other Jobs. Ctrl-C and SIGTERM stop every pod.
 """
@@ -44,8 +46,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distsgd.cluster import kube
+from distsgd.cluster import TaskId, kube
 from distsgd.control.folder import METRICS_FILE, RESULT_FILE
+from distsgd.control.recovery import (
+    NothingStored,
+    RestartBudget,
+    RestartPlan,
+    RunTopology,
+    Stop,
+    TaskFailure,
+    plan_restart,
+)
 from distsgd.launcher.k8s import APP_DIR, JOBSET_FILE, SCRIPT_DIR, SECRET_FILE, _yaml
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.progress import Console, Progress
@@ -446,7 +457,7 @@ class LocalCluster:
                     self.console.note(f"[k8s local] pod {pod.name} completed")
                     continue
                 used = job.failures.get(pod.job_index, 0)
-                if used >= job.backoff_limit:
+                if isinstance(_plan(pod, code, used, job.backoff_limit), Stop):
                     tail = "\n".join(f"    {line}" for line in list(pod.task.tail)[-8:])
                     raise LocalRunError(
                         f"pod {pod.name} failed (exit code {code}) and Job {pod.job_name} has "
@@ -519,6 +530,19 @@ class LocalCluster:
         self.supervisor.stop()
         self._write_tasks()
         shutil.rmtree(self.private, ignore_errors=True)
+
+
+def _plan(pod: Pod, code: int, used: int, backoff_limit: int) -> RestartPlan:
+    """The restart planner's answer for a pod that exited with ``code`` (a restart in place
+    while its Job has backoff left; the pod finds its own newest state when it starts).
+    Replicated jobs other than ``ps`` restart as workers do."""
+    task = TaskId(job="ps" if pod.job == "ps" else "worker", index=pod.index)
+    return plan_restart(
+        TaskFailure(task=task, exit_code=code),
+        RunTopology(collective=False, workers=1, min_workers=1, in_place=True),
+        NothingStored(),
+        RestartBudget(used=used, max_restarts=backoff_limit),
+    )
 
 
 def _local_dir(out_dir: Path) -> Path:

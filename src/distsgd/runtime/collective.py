@@ -1,16 +1,16 @@
 """Collectives over torch.distributed (gloo on CPU, NCCL on GPU) for all-reduce style schemes.
 
 Every socket this module opens listens where the cluster spec says, never on all interfaces:
-:func:`host_store` binds the rendezvous store to its host, and the gloo device of each worker
-listens on that worker's own host (loopback for ``distsgd run``). The store's keys live under
-``distsgd/<run id>/``. Neither the store nor gloo can carry TLS or the run secret, so a
-rendezvous or data plane beyond loopback is logged as a warning (:func:`exposure_warning`)
-unless :data:`TRUSTED_NETWORK_ENV` says the network is trusted (docs/security.md).
+:func:`distsgd.control.rendezvous.host_store` binds the rendezvous store to its host, and the
+gloo device of each worker listens on that worker's own host (loopback for ``distsgd run``).
+The store's keys live under ``distsgd/<run id>/``. Neither the store nor gloo can carry TLS
+or the run secret, so a rendezvous or data plane beyond loopback is logged as a warning
+(:func:`exposure_warning`) unless :data:`TRUSTED_NETWORK_ENV` says the network is trusted
+(docs/security.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distsgd.control.rendezvous import host_store as open_store
 from distsgd.transport.security import TRUSTED_NETWORK_ENV, is_loopback
 
 log = logging.getLogger(__name__)
@@ -32,59 +33,6 @@ GLOO_BACKEND = "distsgd_gloo"
 """gloo, with the device (listening address) distsgd chose; registered with torch once."""
 
 _WILDCARDS = frozenset({"", "*", "0.0.0.0", "::"})
-
-
-def host_store(
-    host: str, timeout: timedelta, *, port: int = 0, world_size: int | None = None
-) -> tuple[dist.TCPStore, int]:
-    """A torch.distributed ``TCPStore`` server listening on ``host:port`` only, and its port.
-
-    ``TCPStore`` itself listens on every interface whatever host it is given, so the socket is
-    bound here and handed over (``master_listen_fd``); port 0 picks a free one.
-    """
-    name = host.strip().strip("[]")
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            name or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except socket.gaierror as exc:
-        raise ValueError(
-            f"rendezvous host {host!r} does not resolve ({exc.strerror}); "
-            "give an IP address or a name of this machine"
-        ) from exc
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(socket.SOMAXCONN)
-    except OSError as exc:
-        sock.close()
-        raise OSError(
-            exc.errno,
-            f"the rendezvous store cannot listen on {host}:{port} ({exc.strerror}); "
-            "free the port or give another address",
-        ) from exc
-    bound = int(sock.getsockname()[1])
-    fd = sock.detach()  # the store owns the socket from here on and closes it
-    try:
-        store = dist.TCPStore(
-            name if name not in _WILDCARDS else "127.0.0.1",
-            bound,
-            world_size,
-            True,
-            timeout,
-            wait_for_workers=False,
-            master_listen_fd=fd,
-        )
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        raise
-    log.info("rendezvous store listening on %s:%d", host, bound)
-    return store, bound
-
-
-_host_store = host_store  # Collective's parameter of the same name hides the function
 
 
 def _loopback_interface(name: str) -> bool:
@@ -189,7 +137,7 @@ class Collective:
         wait = timedelta(seconds=timeout)
         store: dist.Store
         if host_store:
-            store, _ = _host_store(host, wait, port=int(port), world_size=world_size)
+            store, _ = open_store(host, wait, port=int(port), world_size=world_size)
         else:
             store = dist.TCPStore(
                 host.strip("[]"), int(port), None, False, wait, wait_for_workers=False

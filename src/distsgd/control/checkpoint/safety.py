@@ -3,7 +3,7 @@ plain containers, found by reading its pickle's opcodes; nothing is unpickled an
 imported.
 
 This is the launcher's cheap check; a worker loads a state with ``torch.load(weights_only=True)``
-(:mod:`distsgd.runtime.checkpoint`), which refuses the same files.
+(the runtime's ``checkpoint`` module), which refuses the same files.
 """
 
 from __future__ import annotations

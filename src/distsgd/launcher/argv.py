@@ -1,0 +1,94 @@
+"""What the local launcher starts: a parameter server's command line, a worker's command line
+and its task description (``DISTSGD_TASK``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from distsgd.cluster import ClusterSpec
+from distsgd.control.faults import Fault
+from distsgd.control.task import TaskEnv
+from distsgd.launcher.config import LaunchConfig
+
+
+def server_argv(
+    config: LaunchConfig,
+    index: int,
+    *,
+    cluster_file: Path,
+    address: str,
+    address_file: Path,
+    checkpoint_dir: Path,
+    wal_dir: Path,
+    restore: Path | None,
+) -> list[str]:
+    """``distsgd server`` for ps ``index`` listening on ``address`` (port 0: any), writing the
+    address it bound to ``address_file``, starting from ``restore`` when given."""
+    argv = [
+        *(sys.executable, "-m", "distsgd", "server", "--job", "ps", "--task", str(index)),
+        *("--cluster", str(cluster_file), "--address", address),
+        *("--address-file", str(address_file), "--checkpoint-dir", str(checkpoint_dir)),
+        *(["--wal-dir", str(wal_dir)] if config.wal else ["--wal", "off"]),
+    ]
+    if restore is not None:
+        argv += ["--restore", str(restore)]
+    if config.elastic:
+        argv += ["--max-workers", str(config.highest_workers)]
+    if config.evict_after:
+        argv += ["--evict-after", f"{config.evict_after:g}"]
+    if config.tls is not None:
+        tls = config.tls
+        argv += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
+    return argv
+
+
+def worker_argv(config: LaunchConfig) -> list[str]:
+    """The bootstrap running the user's script (the task comes in ``DISTSGD_TASK``)."""
+    return [sys.executable, "-m", "distsgd.launcher.bootstrap", config.script, *config.script_args]
+
+
+def worker_task(
+    config: LaunchConfig,
+    index: int,
+    *,
+    spec: ClusterSpec,
+    run_dir: Path,
+    run_id: str,
+    rendezvous: str,
+    ps_address_files: list[Path],
+    active: int,
+    resume: Path | None,
+    continue_at: int = 0,
+    reshard: bool = False,
+) -> TaskEnv:
+    """Worker ``index``'s task in a cluster of ``active`` workers started now."""
+    c = config
+    collective = c.num_ps == 0
+    return TaskEnv(
+        cluster=spec.to_dict(),
+        task_index=index,
+        scheme=c.scheme,
+        scheme_options=c.scheme_options,
+        overrides=c.overrides,
+        run_dir=str(run_dir.resolve()),
+        run_id=run_id,
+        rendezvous=rendezvous,
+        startup_timeout=c.startup_timeout,
+        wait_timeout=c.wait_timeout,
+        checkpoint_every=c.checkpoint_every,
+        checkpoint_seconds=c.checkpoint_seconds,
+        resume="" if resume is None else str(resume),
+        continue_at=continue_at,
+        tls=[] if c.tls is None else [str(c.tls.cert), str(c.tls.key), str(c.tls.ca)],
+        ps_address_files=[str(path) for path in ps_address_files],
+        faults=[
+            f
+            for f in c.faults
+            if Fault.parse(f).task == f"worker{index}" and not f.startswith("kill")
+        ],
+        # an elastic cluster lists --max-workers workers: a collective one trains with those
+        # started now (a process group's size), a parameter-server one registers --workers
+        registered_workers=(active if collective else c.workers) if c.elastic else 0,
+        reshard=reshard,
+    )

@@ -1,0 +1,250 @@
+"""What the local launcher does when a task dies: it asks the restart planner
+(:func:`distsgd.control.recovery.plan_restart`) and carries out its plan (:class:`Restarts`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from distsgd.cluster import TaskId
+from distsgd.control.checkpoint.errors import CheckpointError
+from distsgd.control.checkpoint.store import DiskStore, ShardRef, WorkerStateRef
+from distsgd.control.errors import SETUP_ERROR_PREFIX
+from distsgd.control.folder import RESULT_FILE
+from distsgd.control.recovery import (
+    Drop,
+    Restart,
+    RestartAll,
+    RestartBudget,
+    RestartPlan,
+    RunTopology,
+    Stop,
+    TaskFailure,
+    failure_kind,
+    plan_restart,
+    restart_all,
+)
+from distsgd.launcher.errors import Diverged, Interrupted, RunFailed
+from distsgd.launcher.servers import read_info, tell_finished
+from distsgd.launcher.supervisor import TaskHandle
+from distsgd.launcher.tasks import LocalTasks, write_tasks
+from distsgd.transport.proto import distsgd_pb2 as pb
+from distsgd.util import write_atomic
+
+
+class Restarts(LocalTasks):
+    """A local run's restarts, drops and stops, as the planner decides them; the checkpoint
+    store as the planner sees it (:class:`~distsgd.control.recovery.StoreView`)."""
+
+    # -- the store, as the planner sees it ------------------------------------------------------
+    def _disk(self) -> DiskStore:
+        return DiskStore(self.ckpt_root, self.wal_root if self.config.wal else None)
+
+    def newest_worker(self, index: int) -> WorkerStateRef | None:
+        return self._disk().newest_worker(index)
+
+    def newest_shard(self, index: int) -> ShardRef | None:
+        return self._disk().newest_shard(index)
+
+    def has_wal(self, index: int) -> bool:
+        return self._disk().has_wal(index)
+
+    def topology(self) -> RunTopology:
+        return RunTopology(
+            collective=self.collective,
+            workers=len(self.active),
+            min_workers=self.config.lowest_workers,
+            elastic=self.config.elastic,
+            checkpointing=self.checkpointing,
+        )
+
+    # -- a failure ------------------------------------------------------------------------------
+    def _handle_failure(self, task: TaskHandle, code: int) -> None:
+        steps = self.progress.local_steps
+        failure = TaskFailure(
+            task=TaskId.parse(task.name),
+            exit_code=code,
+            kind=failure_kind(code),
+            reached=steps.get(task.name, 0),
+            furthest=max(steps.values(), default=0),
+        )
+        budget = RestartBudget(
+            used=self.restarts.get(task.name, 0),
+            max_restarts=self.config.max_restarts,
+            ran_seconds=time.monotonic() - self.started_at.get(task.name, 0.0),
+            healthy_seconds=self.config.healthy_seconds,
+        )
+        try:
+            plan = plan_restart(failure, self.topology(), self, budget)
+            self.restarts[task.name] = budget.in_a_row  # 0 once it ran healthy: a new fault
+            self.execute(plan, task, code)
+        except CheckpointError as exc:  # e.g. a checkpoint file that holds code
+            raise RunFailed(f"{task.name} cannot be restarted: {exc}") from None
+
+    def execute(self, plan: RestartPlan, task: TaskHandle, code: int) -> None:
+        """Carry out ``plan`` for ``task``, which exited with ``code``."""
+        step = self.progress.step
+        if isinstance(plan, Stop):
+            self._stop(plan, task, code, step)
+        elif isinstance(plan, Drop):
+            self._drop(plan, task.name, code, step)
+        else:
+            self.restarts[task.name] = plan.attempt
+            self.console.note(
+                f"[distsgd] {task.name} died (exit code {code}); "
+                f"restart {plan.attempt} of {self.config.max_restarts} in {plan.backoff:.1f}s"
+            )
+            if self.stop.wait(plan.backoff):
+                raise Interrupted
+            if isinstance(plan, RestartAll):
+                self._restart_all(task.name, code, step, plan)
+            elif plan.task.job == "ps":
+                self._restart_ps(plan, code, step)
+            else:
+                self._restart_worker(plan, code, step)
+            write_tasks(self.run_dir, self.supervisor)
+
+    def _stop(self, plan: Stop, task: TaskHandle, code: int, step: int) -> None:
+        if plan.reason == "diverged":
+            self._fault(task.name, code, step, "stop", diverged=True)
+            self.progress.poll()
+            reason = self.progress.divergence or f"{task.name} stopped on a non-finite loss"
+            record = {"scheme": self.config.scheme, "diverged": True, "divergence": reason}
+            write_atomic(self.run_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
+            raise Diverged(reason)
+        self._fault(task.name, code, step, "stop")
+        if plan.reason == "setup_error":
+            said = [line for line in task.tail if SETUP_ERROR_PREFIX in line]
+            cause = said[-1].split(SETUP_ERROR_PREFIX, 1)[1] if said else "see its log"
+            raise RunFailed(f"{task.name}: {cause}")
+        tail = "\n".join(f"    {line}" for line in task.tail)
+        how = "" if self.config.max_restarts == 0 else f" and has used its {plan.used} restarts"
+        resume = f"\nresume with: distsgd run --resume {self.run_dir}" if plan.resumable else ""
+        raise RunFailed(
+            f"task {task.name} failed (exit code {code}){how}; its last log lines:\n{tail}\n"
+            f"full logs: {self.run_dir / 'logs'}{resume}"
+        )
+
+    def _drop(self, plan: Drop, name: str, code: int, step: int) -> None:
+        self._fault(name, code, step, "drop", workers=plan.workers)
+        index = plan.task.index
+        self.active.discard(index)
+        self.done.add(name)
+        for shard in range(self.num_ps):  # it cannot leave itself: its work goes back now
+            self._tell_finished(shard, [index])
+        self.console.note(
+            f"[distsgd] {name} failed (exit code {code}) with no restarts left; the "
+            f"run goes on with {len(self.active)} workers (--min-workers "
+            f"{self.config.lowest_workers})"
+        )
+
+    def _fault(self, target: str, code: int, step: int, action: str, **cost: Any) -> None:
+        """One ``metrics.jsonl`` record per fault: which task, when, what was done, what it cost."""
+        self.events.log(
+            step=step, event="fault", target=target, exit_code=code, action=action, **cost
+        )
+
+    # -- restarts -------------------------------------------------------------------------------
+    def _restart_worker(self, plan: Restart, code: int, step: int) -> None:
+        # Its last metrics line says how far it got: every step up to there was pushed to the
+        # servers, so the restarted worker continues there instead of redoing them (only the
+        # steps after that line, fewer than log_every, are done again).
+        resume = plan.resume
+        assert resume is None or isinstance(resume, WorkerStateRef)
+        self._fault(
+            plan.task.name,
+            code,
+            step,
+            "restart",
+            resumed_from=None if resume is None else str(resume.path),
+            continued_at=max(plan.continue_at, 0 if resume is None else resume.step),
+            lost_steps=0,
+        )
+        path = None if resume is None else resume.path
+        self.start_worker(plan.task.index, resume=path, continue_at=plan.continue_at)
+
+    def _restart_ps(self, plan: Restart, code: int, step: int) -> None:
+        """Restart a ps from its write-ahead log or its newest shard file (the server takes the
+        newer); the whole cluster when it cannot come back. The fault record compares the
+        version it comes back at with the one last read from the dead server."""
+        index, shard = plan.task.index, plan.resume
+        assert shard is None or isinstance(shard, ShardRef)
+        seen = self.seen_versions.pop(index, None)  # the dead server's, read before it died
+        address = self.spec.address(self.spec.task("ps", index))
+        try:
+            self.start_ps(index, address=address, restore=None if shard is None else shard.path)
+        except RunFailed as exc:  # e.g. its old port was taken meanwhile, or an unreadable log
+            why = f"ps{index} could not come back: {exc}"
+            furthest = max(self.progress.local_steps.values(), default=0)
+            self._restart_all(f"ps{index}", code, step, restart_all(self, why, furthest=furthest))
+            return
+        filed = -1 if shard is None else shard.version
+        info = self._read_version(index)
+        restored = filed if info is None else int(info.restored_version)
+        source = "wal" if shard is None or restored > filed else shard.path.parent.name
+        self._fault(
+            f"ps{index}",
+            code,
+            step,
+            "restart",
+            resumed_from=source,
+            restored_version=restored,
+            seen_version=seen,
+            lost_updates=max(0, (step if seen is None else seen) - restored),
+        )
+        self.seen_versions[index] = restored
+        self.restored_ps.add(index)
+        self._tell_finished(index, sorted(TaskId.parse(name).index for name in self.done))
+
+    def _restart_all(self, name: str, code: int, step: int, plan: RestartAll) -> None:
+        checkpoint = plan.checkpoint
+        self.console.note(
+            f"[distsgd] restarting the whole cluster ({plan.why}) "
+            f"from {checkpoint.path.name if checkpoint else 'the start'}"
+        )
+        self.supervisor.stop()
+        self.supervisor.forget()
+        self.done.clear()
+        self.restored_ps.clear()
+        self._fault(
+            name,
+            code,
+            step,
+            "restart_all",
+            resumed_from=None if checkpoint is None else checkpoint.path.name,
+            lost_steps=plan.lost_steps,
+        )
+        self.start_cluster(checkpoint, fresh_ports=True)
+
+    # -- the servers ----------------------------------------------------------------------------
+    def _poll_versions(self) -> None:
+        """About once a second: each live server's version (see :attr:`seen_versions`)."""
+        if self.collective or time.monotonic() < self._next_poll:
+            return
+        self._next_poll = time.monotonic() + 1.0
+        for index in range(self.num_ps):
+            self._read_version(index)
+
+    def _read_version(self, index: int) -> pb.InfoResponse | None:
+        """ps ``index``'s Info (None if it does not answer at once), its version remembered."""
+        task = self.supervisor.tasks.get(f"ps{index}")
+        if task is None or task.poll() is not None:
+            return None
+        address = self.spec.address(self.spec.task("ps", index))
+        reply = read_info(address, run_id=self.run_id, secret=self.secret, tls=self.config.tls)
+        if reply is not None and reply.registered:
+            self.seen_versions[index] = max(self.seen_versions.get(index, 0), reply.version)
+        return reply
+
+    def _tell_finished(self, index: int, finished: list[int]) -> None:
+        """A restored shard remembers the workers that had left when its file was saved; tell
+        it about those that have finished since (their processes are gone and cannot): the
+        ones done now, and each one that exits later (it may have left the dead process just
+        before the kill, or the restored one while the launcher was restarting it)."""
+        address = self.spec.address(self.spec.task("ps", index))
+        failed = tell_finished(
+            address, finished, run_id=self.run_id, secret=self.secret, tls=self.config.tls
+        )
+        for worker, exc in failed:
+            self.console.note(f"[distsgd] could not tell ps{index} that worker{worker} left: {exc}")

@@ -1,0 +1,303 @@
+"""The tasks of a local run: starting parameter servers and workers, alone or as a whole
+cluster from a checkpoint (:class:`LocalTasks`, the base of the launcher's
+:class:`~distsgd.launcher.run.LocalRun`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from distsgd.cluster import ClusterSpec
+from distsgd.control.checkpoint.errors import IncompleteCheckpoint
+from distsgd.control.checkpoint.store import Checkpoint, latest_checkpoint
+from distsgd.control.folder import METRICS_FILE
+from distsgd.control.metrics import MetricsWriter
+from distsgd.control.rendezvous import host_store
+from distsgd.control.task import ENV_VAR
+from distsgd.launcher.argv import server_argv, worker_argv, worker_task
+from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.errors import RunFailed
+from distsgd.launcher.keras_env import keras_environment
+from distsgd.launcher.lifeline import PARENT_ENV
+from distsgd.launcher.progress import Console, Progress
+from distsgd.launcher.saved import write_run_config
+from distsgd.launcher.supervisor import TaskHandle, Tasks
+from distsgd.ps import wal
+from distsgd.transport.security import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    load_secret,
+    write_secret_file,
+)
+from distsgd.util import write_atomic
+
+
+def worker_gpus(device: str, environ: Mapping[str, str]) -> list[str]:
+    """The GPUs the local launcher hands out to its workers, one each in turn, as values of
+    ``CUDA_VISIBLE_DEVICES``: for ``--device auto`` or ``cuda`` every GPU this process sees
+    (its own ``CUDA_VISIBLE_DEVICES`` when set), none otherwise. ``--device cuda`` on a machine
+    without one is an error; ``cuda:N`` picks the same GPU for every worker (none handed out)."""
+    if device not in ("auto", "cuda"):
+        return []
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [d.strip() for d in visible.split(",") if d.strip()]
+    else:
+        import torch
+
+        ids = (
+            [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+        )
+    if not ids and device == "cuda":
+        raise ValueError(
+            "--device cuda: this machine shows no GPU to distsgd; use --device auto (GPUs "
+            "where there are some) or cpu"
+        )
+    return ids
+
+
+def write_tasks(run_dir: Path, supervisor: Tasks) -> None:
+    """``tasks.json``: the PID of every task, for diagnostics and for tests that check cleanup."""
+    pids = {t.name: t.pid for t in supervisor.tasks.values()}
+    write_atomic(run_dir / "tasks.json", json.dumps(pids) + "\n")
+
+
+def wait_for_address(task: TaskHandle, path: Path, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text().strip()
+        if task.poll() is not None:
+            tail = "\n".join(f"    {line}" for line in list(task.tail)[-5:])
+            raise RunFailed(
+                f"{task.name} exited with code {task.poll()} before it was listening; "
+                f"its last log lines:\n{tail}\nfull log: {task.log_path}"
+            )
+        time.sleep(0.02)
+    raise RunFailed(f"{task.name} did not report its address within {timeout:.0f}s")
+
+
+class LocalTasks:
+    """The tasks of one local run and how they are started."""
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        console: Console,
+        run_dir: Path,
+        supervisor: Tasks,
+        stop: threading.Event,
+    ) -> None:
+        self.config = config
+        self.console = console
+        self.run_dir = run_dir
+        self.supervisor = supervisor
+        self.stop = stop
+        self.num_ps = config.num_ps
+        self.threads = config.threads_per_worker
+        self.collective = self.num_ps == 0
+        self.ckpt_root = run_dir / "checkpoints"
+        self.wal_root = run_dir / "wal"
+        self.seen_versions: dict[int, int] = {}
+        """Each server's version as the launcher last read it (Info, about once a second and
+        just before an injected kill): what a dead one had applied at least."""
+        self._next_poll = 0.0
+        self.checkpointing = bool(config.checkpoint_every or config.checkpoint_seconds)
+        self.run_id = config.run_id or secrets.token_hex(8)
+        env = dict(os.environ)
+        env.pop(ENV_VAR, None)
+        env.pop(SECRET_ENV, None)
+        secret_file = run_dir / "secret"
+        if config.resume:  # kept on --resume: the restored shards know the run
+            self.secret = load_secret({SECRET_FILE_ENV: str(secret_file)})
+        else:
+            self.secret = write_secret_file(secret_file)
+        env.update(
+            {
+                PARENT_ENV: str(os.getpid()),
+                "PYTHONUNBUFFERED": "1",
+                SECRET_FILE_ENV: str(secret_file.resolve()),
+            }
+        )
+        self.worker_env = {
+            **env,
+            "DISTSGD_THREADS": str(self.threads),
+            "OMP_NUM_THREADS": str(self.threads),
+            "MKL_NUM_THREADS": str(self.threads),
+        }
+        self.ps_env = {
+            **env,
+            "DISTSGD_THREADS": "1",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",  # parameter servers stay on CPU (and import no torch)
+        }
+        self.gpus = (
+            worker_gpus(config.device, os.environ) if config.ray is None else []
+        )  # under Ray, Ray hands out the GPUs it reserved
+        self.spec = ClusterSpec.local(
+            num_workers=config.highest_workers, num_ps=self.num_ps, host=config.host
+        )
+        self.active: set[int] = set(range(config.workers))
+        """The worker indexes meant to run now (``distsgd scale`` changes them)."""
+        self.store: Any = None
+        self.rendezvous = ""
+        self.restarts: dict[str, int] = {}
+        """Restarts of each task in a row (reset once it runs healthy_seconds)."""
+        self.started_at: dict[str, float] = {}
+        """When each task was last started (monotonic seconds)."""
+        self.restored_ps: set[int] = set()
+        """Parameter servers restored from a file in this cluster's life (told who finished)."""
+        self.done: set[str] = set()
+        """Tasks that have finished (or left, or were dropped)."""
+        self.progress = Progress(run_dir / METRICS_FILE)
+        self.events = MetricsWriter(run_dir / METRICS_FILE, "launcher")
+
+    # -- starting tasks -------------------------------------------------------------------------
+    def write_config(self) -> None:
+        c = self.config
+        data = {
+            "script": str(Path(c.script).resolve()),
+            "script_args": list(c.script_args),
+            "scheme": c.scheme,
+            "scheme_options": c.scheme_options,
+            "overrides": c.overrides,
+            "workers": c.workers,
+            "ps": self.num_ps,
+            "threads_per_worker": self.threads,
+            "run_id": self.run_id,
+            "checkpoint_every": c.checkpoint_every,
+            "checkpoint_seconds": c.checkpoint_seconds,
+            "min_workers": c.lowest_workers,
+            "max_workers": c.highest_workers,
+        }
+        write_run_config(self.run_dir, data)
+
+    def start_ps(self, index: int, *, address: str, restore: Path | None) -> TaskHandle:
+        """Start ps ``index`` and wait until it reports the address it bound."""
+        task = self.spawn_ps(index, address=address, restore=restore)
+        self.await_ps(index, task)
+        return task
+
+    def await_ps(self, index: int, task: TaskHandle) -> None:
+        bound = wait_for_address(task, self.ps_address_file(index), 60.0)
+        self.spec = self.spec.with_address(self.spec.task("ps", index), bound)
+
+    def ps_address_file(self, index: int) -> Path:
+        return self.run_dir / f"ps{index}.address"
+
+    def spawn_ps(self, index: int, *, address: str, restore: Path | None) -> TaskHandle:
+        """Start ps ``index`` on ``address`` (port 0: any); it writes its real address to
+        :meth:`ps_address_file` once it listens."""
+        init = self.run_dir / "cluster-init.json"
+        c = self.config
+        first = ClusterSpec.local(num_workers=c.highest_workers, num_ps=self.num_ps, host=c.host)
+        write_atomic(init, json.dumps(first.to_dict()) + "\n")
+        addr_file = self.ps_address_file(index)
+        addr_file.unlink(missing_ok=True)
+        self.spec = self.spec.with_address(self.spec.task("ps", index), address)
+        argv = server_argv(
+            c,
+            index,
+            cluster_file=init,
+            address=address,
+            address_file=addr_file,
+            checkpoint_dir=self.ckpt_root,
+            wal_dir=self.wal_root / f"ps{index}",
+            restore=restore,
+        )
+        return self._start(f"ps{index}", argv, self.ps_env)
+
+    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> TaskHandle:
+        self.started_at[name] = time.monotonic()
+        return self.supervisor.start(name, argv, env)
+
+    def start_worker(
+        self, index: int, *, resume: Path | None, continue_at: int = 0, reshard: bool = False
+    ) -> TaskHandle:
+        c = self.config
+        task_env = worker_task(
+            c,
+            index,
+            spec=self.spec,
+            run_dir=self.run_dir,
+            run_id=self.run_id,
+            rendezvous=self.rendezvous,
+            ps_address_files=[self.ps_address_file(i) for i in range(self.num_ps)],
+            active=len(self.active),
+            resume=resume,
+            continue_at=continue_at,
+            reshard=reshard,
+        )
+        self.done.discard(f"worker{index}")
+        env = {**self.worker_env, ENV_VAR: task_env.to_json()}
+        if self.gpus:  # each worker its own GPU (in turn, when there are more workers)
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[index % len(self.gpus)]
+        # Keras 3 scripts: KERAS_BACKEND=torch, KERAS_TORCH_DEVICE where it trains (unless set)
+        env.update(
+            keras_environment(c.device, gpu=bool(self.gpus) if c.ray is None else None, environ=env)
+        )
+        return self._start(f"worker{index}", worker_argv(c), env)
+
+    def _new_rendezvous(self) -> None:
+        if self.collective and self.config.workers > 1:
+            self.store, port = host_store(
+                self.config.host, timedelta(seconds=self.config.wait_timeout)
+            )
+            self.rendezvous = f"{self.config.host}:{port}"
+
+    def start_cluster(self, checkpoint: Checkpoint | None, *, fresh_ports: bool) -> None:
+        """Start every task. The workers start while the servers do (both take seconds to
+        import); a worker reads each server's real address from its address file. They start
+        from the checkpoint: logs of an earlier cluster are removed."""
+        shutil.rmtree(self.wal_root, ignore_errors=True)
+        self.seen_versions.clear()
+        if self.config.wal and self.num_ps:
+            wal.make_private_dir(self.wal_root)
+        servers = []
+        for i in range(self.num_ps):
+            address = (
+                f"{self.config.host}:0"
+                if fresh_ports
+                else self.spec.address(self.spec.task("ps", i))
+            )
+            restore = None if checkpoint is None else checkpoint.shard_file(i)
+            servers.append(self.spawn_ps(i, address=address, restore=restore))
+        self._new_rendezvous()
+        saved = 0 if checkpoint is None else len(checkpoint.manifest["workers"])
+        # saved at another size (distsgd scale): every worker continues from worker 0's state
+        reshard = checkpoint is not None and saved != len(self.active)
+        for i in sorted(self.active):
+            resume = None if checkpoint is None else checkpoint.worker_file(0 if reshard else i)
+            self.start_worker(i, resume=resume, reshard=reshard)
+        for i, task in enumerate(servers):
+            self.await_ps(i, task)
+        write_atomic(
+            self.run_dir / "cluster.json", json.dumps(self.spec.to_dict(), indent=2) + "\n"
+        )
+        write_tasks(self.run_dir, self.supervisor)
+
+    def latest(self) -> Checkpoint | None:
+        checkpoint, problems = latest_checkpoint(self.ckpt_root)
+        pending = [p for p in problems if isinstance(p, IncompleteCheckpoint)]
+        for problem in problems:
+            if not isinstance(problem, IncompleteCheckpoint):
+                self.console.note(f"[distsgd] unusable checkpoint: {problem}")
+        if pending:
+            self.console.note(
+                f"[distsgd] skipping {len(pending)} newer checkpoint(s) without a manifest "
+                "(still being completed, or interrupted)"
+            )
+        if checkpoint is not None and len(problems) > len(pending):
+            self.console.note(
+                f"[distsgd] using the previous complete checkpoint {checkpoint.path.name}"
+            )
+        return checkpoint
