@@ -1,0 +1,57 @@
+"""The control plane needs no torch: every module of ``distsgd.control`` and the parameter
+server import with torch blocked, and neither ``launcher/`` nor ``control/`` imports from
+``distsgd.runtime`` (imports inside functions included)."""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import distsgd.control
+
+SRC = Path(distsgd.control.__file__).resolve().parents[1]
+
+
+def _control_modules() -> list[str]:
+    return sorted(
+        info.name for info in pkgutil.walk_packages(distsgd.control.__path__, "distsgd.control.")
+    )
+
+
+def test_control_and_the_server_import_with_torch_blocked() -> None:
+    modules = ["distsgd.control", *_control_modules(), "distsgd.ps.server"]
+    assert "distsgd.control.recovery" in modules and "distsgd.control.checkpoint.store" in modules
+    code = (
+        "import importlib, sys\n"
+        "sys.modules['torch'] = None\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "assert sys.modules['torch'] is None\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _imported(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_launcher_and_control_import_nothing_from_runtime() -> None:
+    found = [
+        f"{path.relative_to(SRC)}: {name}"
+        for package in ("launcher", "control")
+        for path in sorted((SRC / package).rglob("*.py"))
+        for name in sorted(_imported(path))
+        if name == "distsgd.runtime" or name.startswith("distsgd.runtime.")
+    ]
+    assert found == []
