@@ -23,6 +23,7 @@ from conftest import SCRIPTS, run_distsgd
 
 from distsgd import schemes
 from distsgd.control.checkpoint.errors import CheckpointError, UnsafeFileError
+from distsgd.control.checkpoint.safety import unsafe_globals
 from distsgd.control.checkpoint.store import (
     MANIFEST,
     latest_checkpoint,
@@ -449,3 +450,18 @@ def test_inspect_of_final_parameters_says_what_they_are(tmp_path: Path) -> None:
     assert torch.load(path, weights_only=True).keys() == {"weight", "bias"}
     with pytest.raises(CheckpointError, match="a model's state_dict of 2 tensors"):
         load_worker_state(path)
+
+
+def test_the_torch_free_scan_passes_a_saved_state_and_refuses_a_crafted_one(
+    tmp_path: Path,
+) -> None:
+    saved = tmp_path / "worker0-00000005.pt"
+    state = _state(5, scheme={"a": np.zeros(3, dtype=np.float16), "b": torch.zeros(2).bfloat16()})
+    save_worker_state(saved, state)
+    assert unsafe_globals(saved) == []
+    assert json.loads(saved.with_suffix(".json").read_text())["bytes"] == saved.stat().st_size
+    crafted = tmp_path / "worker0-00000010.pt"
+    crafted.write_bytes(_crafted(tmp_path / "MARKER"))
+    assert unsafe_globals(crafted) == ["posix.system"]
+    with pytest.raises(CheckpointError, match="not a readable worker state"):
+        unsafe_globals(tmp_path / "worker0-00000005.json")

@@ -24,11 +24,12 @@ _PLAIN_GLOBALS = frozenset(
         "torch.storage.UntypedStorage",
         "torch.storage.TypedStorage",
         "torch.nn.parameter.Parameter",
+        "torch.serialization._get_layout",
     }
 )
 _STORAGE = re.compile(r"torch\.(cuda\.)?[A-Z][A-Za-z0-9]*Storage")
 _DTYPE = re.compile(
-    r"torch\.(bool|bfloat16|u?int\d+|float\d+(_[a-z0-9]+)?|complex\d+|q?u?int\d+(x\d+)?)"
+    r"torch\.(bool|bfloat16|u?int\d+|float\d+(_[a-z0-9]+)*|complex\d+|q?u?int\d+(x\d+)?)"
 )
 _REBUILD = re.compile(r"torch\._utils\._rebuild_[a-z0-9_]+")
 
