@@ -448,7 +448,7 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
             checkpoint_seconds=seconds,
             **common,
         )
-        return launch(config)
+        return launch(config).exit_code
     if script is None:
         raise ValueError("no training script; give SCRIPT, or --resume RUN_DIR to continue a run")
     config = LaunchConfig(
@@ -464,7 +464,7 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
         checkpoint_seconds=seconds,
         **common,
     )
-    return launch(config)
+    return launch(config).exit_code
 
 
 def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:

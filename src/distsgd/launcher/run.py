@@ -32,6 +32,7 @@ from distsgd.control.errors import SETUP_ERROR_PREFIX, SETUP_EXIT_CODE
 from distsgd.control.faults import Fault
 from distsgd.control.folder import METRICS_FILE, RESULT_FILE
 from distsgd.control.metrics import MetricsWriter
+from distsgd.control.outcome import RunOutcome, RunStatus
 from distsgd.control.task import ENV_VAR, TaskEnv
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.keras_env import keras_environment
@@ -65,9 +66,6 @@ from distsgd.util.signals import setter
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-"""Exit codes of ``distsgd run``/``demo``: 3 means training finished or stopped but diverged
-(or did not learn: ended at chance while its parameters barely moved)."""
 CONFIG_FILE = "config.json"
 LAUNCHER_LOG = "launcher.log"
 """What the launcher said (its notes, progress, results and errors), in the run folder."""
@@ -82,7 +80,21 @@ STALLED_PREFIX = "distsgd: the run did not learn: "
 
 
 class RunFailed(RuntimeError):
-    """A task failed or the run could not start; the message says which and why."""
+    """A task failed or the run could not start; the message says which and why (for people),
+    ``reason`` the same in one line, ``log_tail`` the failed task's last log lines."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str = "",
+        log_tail: tuple[str, ...] = (),
+        status: RunStatus = RunStatus.FAILED,
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason or message.split("\n", 1)[0]
+        self.log_tail = log_tail
+        self.status = status
 
 
 class Interrupted(Exception):
@@ -98,8 +110,9 @@ class Diverged(RuntimeError):
         self.stalled = stalled
 
 
-def launch(config: LaunchConfig, console: Console | None = None) -> int:
-    """Run ``config`` to the end; returns the exit code (0, 1 failed, 130 interrupted).
+def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
+    """Run ``config`` to the end; returns how it ended (its ``exit_code``: 0, 1 failed,
+    3 diverged, 130 interrupted). A settings mistake found before the start raises ValueError.
 
     Without a ``console`` it makes its own, and keeps a copy of what it says (not the tasks'
     lines, which have their own logs) in the run folder's ``launcher.log``."""
@@ -135,17 +148,26 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks")
         if latest_checkpoint(local.ckpt_root)[0] is not None:
             console.final(f"distsgd: continue it with: distsgd run --resume {run_dir}")
-        return EXIT_INTERRUPTED
+        return RunOutcome(status=RunStatus.INTERRUPTED, run_dir=run_dir, reason="interrupted")
     except RunFailed as exc:
         console.error(f"distsgd: error: {exc}")
-        return EXIT_FAILED
+        return RunOutcome(
+            status=exc.status, run_dir=run_dir, reason=exc.reason, log_tail=exc.log_tail
+        )
     except Diverged as exc:
         spec = schemes.get(config.scheme)
         if exc.stalled:
             console.error(f"{STALLED_PREFIX}{exc}; {spec.stall_fix()}")
         else:
             console.error(f"{DIVERGED_PREFIX}{exc}; {spec.divergence_fix()}")
-        return EXIT_DIVERGED
+        result_path = run_dir / RESULT_FILE
+        return RunOutcome(
+            status=RunStatus.STALLED if exc.stalled else RunStatus.DIVERGED,
+            run_dir=run_dir,
+            reason=str(exc),
+            result_path=result_path if result_path.exists() else None,
+            result=_read_result(result_path),
+        )
     finally:
         launcher_file.unlink(missing_ok=True)
         supervisor.close()
@@ -161,6 +183,14 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         _write_tasks(run_dir, supervisor)
         if keep:
             console.close()
+
+
+def _read_result(path: Path) -> dict[str, Any] | None:
+    """The chief's ``result.json``, or None where there is none (or it is unreadable)."""
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
@@ -488,7 +518,7 @@ class LocalRun:
         return checkpoint
 
     # -- the run --------------------------------------------------------------------------------
-    def run(self) -> int:
+    def run(self) -> RunOutcome:
         checkpoint = None
         if self.config.resume:
             checkpoint = self.latest()
@@ -588,7 +618,7 @@ class LocalRun:
             self._fault(task.name, code, step, "stop")
             said = [line for line in task.tail if SETUP_ERROR_PREFIX in line]
             cause = said[-1].split(SETUP_ERROR_PREFIX, 1)[1] if said else "see its log"
-            raise RunFailed(f"{task.name}: {cause}")
+            raise RunFailed(f"{task.name}: {cause}", status=RunStatus.SETUP_ERROR)
         if time.monotonic() - self.started_at.get(task.name, 0.0) >= self.config.healthy_seconds:
             self.restarts[task.name] = 0  # it ran healthy since its last restart: a new fault
         used = self.restarts.get(task.name, 0)
@@ -612,9 +642,11 @@ class LocalRun:
             resume = ""
             if self.latest() is not None:
                 resume = f"\nresume with: distsgd run --resume {self.run_dir}"
+            head = f"task {task.name} failed (exit code {code}){how}"
             raise RunFailed(
-                f"task {task.name} failed (exit code {code}){how}; its last log lines:\n{tail}\n"
-                f"full logs: {self.run_dir / 'logs'}{resume}"
+                f"{head}; its last log lines:\n{tail}\nfull logs: {self.run_dir / 'logs'}{resume}",
+                reason=head,
+                log_tail=tuple(task.tail),
             )
         self.restarts[task.name] = used + 1
         backoff = 0.0 if used == 0 else min(0.5 * 2 ** (used - 1), 10.0)
@@ -852,7 +884,7 @@ class LocalRun:
         )
         self.start_cluster(checkpoint, fresh_ports=True)
 
-    def finish(self) -> int:
+    def finish(self) -> RunOutcome:
         self.progress.poll()
         self.console.clear_status()
         self.supervisor.stop()  # the parameter servers; their last words come before the result
@@ -883,7 +915,9 @@ class LocalRun:
                 result.update(diverged=True, divergence=reason)
                 write_atomic(result_path, json.dumps(result, indent=2) + "\n")
             raise Diverged(str(reason), stalled=bool(result.get("stalled")))
-        return EXIT_OK
+        return RunOutcome(
+            status=RunStatus.OK, run_dir=self.run_dir, result_path=result_path, result=result
+        )
 
 
 def _wait_for_address(task: TaskHandle, path: Path, timeout: float) -> str:
@@ -892,10 +926,13 @@ def _wait_for_address(task: TaskHandle, path: Path, timeout: float) -> str:
         if path.exists():
             return path.read_text().strip()
         if task.poll() is not None:
-            tail = "\n".join(f"    {line}" for line in list(task.tail)[-5:])
+            last = tuple(task.tail)[-5:]
+            tail = "\n".join(f"    {line}" for line in last)
+            head = f"{task.name} exited with code {task.poll()} before it was listening"
             raise RunFailed(
-                f"{task.name} exited with code {task.poll()} before it was listening; "
-                f"its last log lines:\n{tail}\nfull log: {task.log_path}"
+                f"{head}; its last log lines:\n{tail}\nfull log: {task.log_path}",
+                reason=head,
+                log_tail=last,
             )
         time.sleep(0.02)
     raise RunFailed(f"{task.name} did not report its address within {timeout:.0f}s")
