@@ -162,7 +162,7 @@ def test_shell_commands_in_docs_parse(path: Path) -> None:
     """Every ``distsgd`` command shown in a bash block is accepted by the CLI's parser, its
     scheme options belong to its scheme, and its scheme lists name real schemes."""
     from distsgd.cli.flags import scheme_options
-    from distsgd.cli.main import build_parser, parse_argv
+    from distsgd.cli.parser import build_parser, parse_argv
     from distsgd.compare.entries import parse_entry, split_schemes
 
     parser = build_parser()
