@@ -13,13 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
-from distsgd.cli.flags import collect, scheme_options
+from distsgd.cli.flags import DEMO_SCRIPT, checkpoint_every, collect, scheme_options
 from distsgd.cli.parser import build_parser, parse_argv
 from distsgd.cluster import ClusterSpecError, resolve_cluster
-from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS
 from distsgd.util import private_dir
 
-DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
 DEBUG_ENV = "DISTSGD_DEBUG"
 """Set to show the traceback of an unexpected error instead of its one-line summary."""
 
@@ -30,25 +28,11 @@ def _tls(args: argparse.Namespace) -> Any:
     return TlsConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
 
 
-def _checkpoint_every(text: str | None) -> tuple[int, float]:
-    """'50' -> 50 steps; '30s' -> 30 seconds; '0' -> off; None -> the default cadence."""
-    if text is None:
-        return 0, DEFAULT_CHECKPOINT_SECONDS
-    try:
-        if text.endswith("s"):
-            return 0, float(text[:-1])
-        return int(text), 0.0
-    except ValueError:
-        raise ValueError(
-            f"--checkpoint-every {text!r}: give steps (50), seconds (30s) or 0 (off)"
-        ) from None
-
-
 def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence[str]) -> int:
     from distsgd.launcher import LaunchConfig, launch
     from distsgd.launcher.run import load_run_config
 
-    steps, seconds = _checkpoint_every(args.checkpoint_every)
+    steps, seconds = checkpoint_every(args.checkpoint_every)
     common: dict[str, Any] = {
         "threads": args.threads,
         "quiet": args.quiet,
@@ -122,7 +106,7 @@ def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from distsgd.compare.entries import split_schemes
     from distsgd.compare.run import CompareConfig, compare
 
-    steps, seconds = _checkpoint_every(args.checkpoint_every)
+    steps, seconds = checkpoint_every(args.checkpoint_every)
     script = args.script or str(DEMO_SCRIPT)
     overrides = collect(args, "train.")
     config = CompareConfig(
@@ -243,7 +227,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     scheme = schemes.get(args.scheme)
     scheme.worker(scheme.parse_options(options), spec.num_workers)
     tls = _tls(args)
-    steps, seconds = _checkpoint_every(args.checkpoint_every or "0")
+    steps, seconds = checkpoint_every(args.checkpoint_every or "0")
     if (steps or seconds or args.resume_latest) and not args.run_dir:
         raise ValueError(
             "--checkpoint-every and --resume-latest need --run-dir (RUN_DIR/checkpoints)"
