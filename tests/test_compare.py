@@ -25,7 +25,7 @@ from distsgd.compare import run as compare_module
 from distsgd.compare.entries import FOLDER_LIMIT, parse_entry, split_schemes
 from distsgd.compare.figure import band, legend_label, missing_figure_reason, write_figure
 from distsgd.compare.report import Context, markdown, write_json
-from distsgd.compare.run import CompareConfig, _calibrated, _Capture
+from distsgd.compare.run import CompareConfig, _calibrated
 from distsgd.compare.summary import (
     Curves,
     SchemeRun,
@@ -38,6 +38,7 @@ from distsgd.compare.summary import (
 from distsgd.compare.tune import Trial, parse_tune, pick_best
 from distsgd.control.config import TrainConfig
 from distsgd.control.folder import METRICS_FILE, RESULT_FILE
+from distsgd.control.outcome import RunOutcome, RunStatus
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.progress import Console
 from distsgd.runtime.validation import split_validation, validation_indices
@@ -610,28 +611,28 @@ def test_calibration_aims_at_the_number_of_points() -> None:
 
 
 def test_failure_reason_is_the_error_and_the_tasks_last_log_line(tmp_path: Path) -> None:
-    capture = _Capture(tmp_path / "launcher.log")
-    capture.write("[distsgd] run x: scheme hogwild\n")
-    capture.write("distsgd: error: task worker1 failed (exit code 1); its last log lines:\n")
-    capture.write("    Traceback (most recent call last):\n    ValueError: bad\n")
-    capture.write("full logs: x/logs\n")
-    capture.close()
-    assert capture.reason() == "task worker1 failed (exit code 1): ValueError: bad"
-    assert "ValueError: bad" in (tmp_path / "launcher.log").read_text()
+    outcome = RunOutcome(
+        status=RunStatus.FAILED,
+        run_dir=tmp_path,
+        reason="task worker1 failed (exit code 1)",
+        log_tail=("Traceback (most recent call last):", "ValueError: bad", ""),
+    )
+    assert outcome.explanation() == "task worker1 failed (exit code 1): ValueError: bad"
+    assert outcome.exit_code == 1
+    assert compare_module.run_status(outcome) == "failed"
 
 
 def test_a_diverged_run_is_marked_in_table_and_legend(tmp_path: Path) -> None:
     """A run the launcher named diverged keeps its numbers but says so in the table and in
     compare.json (the figure's legend labels it like any run not ok); the capture finds the
-    reason in the launcher's line."""
-    capture = _Capture(tmp_path / "launcher.log")
-    capture.write("[distsgd] done in 9s\ntest accuracy: 0.0944\n")
-    capture.write(
-        "distsgd: the run diverged: the final test accuracy 0.0944 is no better than chance "
-        "(0.1167, ...); lower --lr, or ...\n"
+    reason in the launcher's outcome."""
+    outcome = RunOutcome(
+        status=RunStatus.DIVERGED,
+        run_dir=tmp_path,
+        reason="the final test accuracy 0.0944 is no better than chance (0.1167, ...)",
     )
-    reason = capture.reason()
-    capture.close()
+    assert compare_module.run_status(outcome) == "diverged" and outcome.exit_code == 3
+    reason = outcome.explanation()
     assert reason.startswith("the final test accuracy 0.0944 is no better than chance")
     runs = [
         SchemeRun(scheme="sync", status="ok", final_accuracy=0.97),
@@ -650,14 +651,14 @@ def test_a_run_that_did_not_learn_is_named_so(tmp_path: Path) -> None:
     """A run at chance whose parameters barely moved (``"stalled"`` in result.json): the
     capture finds the launcher's 'did not learn' line, the table and the progress line say
     'did not learn', and a tuning trial so is never chosen."""
-    capture = _Capture(tmp_path / "launcher.log")
-    capture.write(
-        "distsgd: the run did not learn: the final test accuracy 0.1000 is no better than "
-        "chance (0.1167, ...), and the parameters moved only 0.03% of their size from where "
-        "training started; raise --lr, or train longer (--epochs or --steps)\n"
+    outcome = RunOutcome(
+        status=RunStatus.STALLED,
+        run_dir=tmp_path,
+        reason="the final test accuracy 0.1000 is no better than chance (0.1167, ...), and the "
+        "parameters moved only 0.03% of their size from where training started",
     )
-    reason = capture.reason()
-    capture.close()
+    assert compare_module.run_status(outcome) == "diverged" and outcome.exit_code == 3
+    reason = outcome.explanation()
     assert reason.startswith("the final test accuracy 0.1000") and "raise --lr" not in reason
     (tmp_path / RESULT_FILE).write_text(json.dumps({"test_accuracy": 0.1, "stalled": True}))
     (tmp_path / METRICS_FILE).write_text("")
@@ -694,7 +695,7 @@ def _without_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
 
 
-def _fake_launch(config: LaunchConfig, console: Console) -> int:
+def _fake_launch(config: LaunchConfig, console: Console) -> RunOutcome:
     """A finished run in ``config.run_dir``: three worker lines and the chief's final
     evaluation (what the reports read), without starting any process."""
     lines = [
@@ -706,7 +707,7 @@ def _fake_launch(config: LaunchConfig, console: Console) -> int:
     (config.run_dir / METRICS_FILE).write_text(text)
     result = {"test_accuracy": 0.9, "test_loss": 0.4, "global_step": 12, "local_steps": 12}
     (config.run_dir / RESULT_FILE).write_text(json.dumps(result))
-    return 0
+    return RunOutcome(status=RunStatus.OK, run_dir=config.run_dir)
 
 
 def test_without_matplotlib_compare_writes_table_and_json_and_says_so_in_one_line(
@@ -1047,7 +1048,7 @@ def test_reports_show_mean_and_std_the_baseline_and_every_entrys_settings(tmp_pa
     assert (tmp_path / "c.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def _scored_launch(config: LaunchConfig, console: Console) -> int:
+def _scored_launch(config: LaunchConfig, console: Console) -> RunOutcome:
     """:func:`_fake_launch` whose accuracy peaks at lr 0.15 and is lower on validation."""
     _fake_launch(config, console)
     lr = float(config.overrides.get("lr", 0.05))
@@ -1056,7 +1057,7 @@ def _scored_launch(config: LaunchConfig, console: Console) -> int:
     result.update(test_accuracy=accuracy, config={"lr": lr, "seed": config.overrides.get("seed")})
     (config.run_dir / RESULT_FILE).write_text(json.dumps(result))
     (config.run_dir / "launch.json").write_text(json.dumps(dataclasses.asdict(config), default=str))
-    return 0
+    return RunOutcome(status=RunStatus.OK, run_dir=config.run_dir)
 
 
 def test_a_tuned_repeated_comparison_with_a_baseline_without_processes(

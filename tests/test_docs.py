@@ -162,7 +162,7 @@ def test_shell_commands_in_docs_parse(path: Path) -> None:
     """Every ``distsgd`` command shown in a bash block is accepted by the CLI's parser, its
     scheme options belong to its scheme, and its scheme lists name real schemes."""
     from distsgd.cli.flags import scheme_options
-    from distsgd.cli.main import build_parser, parse_argv
+    from distsgd.cli.parser import build_parser, parse_argv
     from distsgd.compare.entries import parse_entry, split_schemes
 
     parser = build_parser()
@@ -351,7 +351,7 @@ def test_layering_parser_sees_every_kind_of_import() -> None:
     assert "distsgd.runtime.context" in scheme  # under `if TYPE_CHECKING:`
     cluster = {name for _, name in _imports(PACKAGE / "cluster" / "__init__.py")}
     assert "distsgd.cluster.spec" in cluster  # `from .spec import ...`
-    cli = {name for _, name in _imports(PACKAGE / "cli" / "main.py")}
+    cli = {name for f in ("main.py", "parser.py") for _, name in _imports(PACKAGE / "cli" / f)}
     assert {"distsgd.launcher", "distsgd.schemes", "distsgd.__version__"} <= cli
     assert _target_layer("distsgd.__version__") == "distsgd"
     assert _target_layer("distsgd.schemes.sync") == "schemes"

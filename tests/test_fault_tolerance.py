@@ -20,7 +20,7 @@ import pytest
 from conftest import SCRIPTS, final_accuracy, metrics, run_distsgd
 
 from distsgd import schemes
-from distsgd.launcher.run import EXIT_DIVERGED
+from distsgd.control.outcome import EXIT_DIVERGED
 
 pytestmark = pytest.mark.slow
 

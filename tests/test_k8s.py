@@ -28,7 +28,8 @@ import pytest
 import yaml
 from conftest import alive, run_distsgd, task_pids, wait_for
 
-from distsgd.cli.main import DEMO_SCRIPT, main
+from distsgd.cli.flags import DEMO_SCRIPT
+from distsgd.cli.main import main
 from distsgd.cluster import ClusterSpecError, TaskId, resolve_cluster
 from distsgd.cluster.kube import (
     HOST_ALIASES_ENV,

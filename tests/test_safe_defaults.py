@@ -14,7 +14,7 @@ import pytest
 from conftest import SCRIPTS, alive, final_accuracy, metrics, run_distsgd, task_pids, wait_for
 
 from distsgd.control.divergence import relative_movement
-from distsgd.launcher.run import EXIT_DIVERGED
+from distsgd.control.outcome import EXIT_DIVERGED
 
 pytestmark = pytest.mark.slow
 

@@ -409,7 +409,7 @@ def test_what_cannot_stream_is_refused(
 
 
 def test_loader_workers_flag_and_validation() -> None:
-    from distsgd.cli.main import build_parser, parse_argv
+    from distsgd.cli.parser import build_parser, parse_argv
 
     args = parse_argv(build_parser(), ["run", "--loader-workers", "3", "script.py"])
     assert getattr(args, "train.loader_workers") == 3

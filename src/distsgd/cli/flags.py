@@ -1,4 +1,5 @@
-"""Map typed config dataclasses onto argparse flags (``field_name`` -> ``--field-name``)."""
+"""Map typed config dataclasses onto argparse flags (``field_name`` -> ``--field-name``), and
+read back the values that several commands share (``--checkpoint-every``, the default script)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,17 @@ import dataclasses
 import inspect
 import sys
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
 from distsgd.control.config import TrainConfig
+from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS
 
 _TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
+
+DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
+"""The script of ``distsgd demo``, and of ``compare`` and ``k8s render`` without SCRIPT."""
 
 
 def _flag(name: str) -> str:
@@ -197,3 +203,17 @@ def scheme_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _field_names(cls: type) -> Iterable[str]:
     return (f.name for f in dataclasses.fields(cls))
+
+
+def checkpoint_every(text: str | None) -> tuple[int, float]:
+    """'50' -> 50 steps; '30s' -> 30 seconds; '0' -> off; None -> the default cadence."""
+    if text is None:
+        return 0, DEFAULT_CHECKPOINT_SECONDS
+    try:
+        if text.endswith("s"):
+            return 0, float(text[:-1])
+        return int(text), 0.0
+    except ValueError:
+        raise ValueError(
+            f"--checkpoint-every {text!r}: give steps (50), seconds (30s) or 0 (off)"
+        ) from None

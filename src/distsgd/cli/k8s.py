@@ -104,8 +104,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from distsgd.cli.flags import collect, scheme_options
-    from distsgd.cli.main import DEMO_SCRIPT, _checkpoint_every
+    from distsgd.cli.flags import DEMO_SCRIPT, checkpoint_every, collect, scheme_options
     from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, LaunchConfig
     from distsgd.launcher.k8s import K8sConfig, render
 
@@ -127,8 +126,8 @@ def _render(args: argparse.Namespace) -> int:
         raise ValueError(f"distsgd k8s render does not take {', '.join(unsupported)}; drop it")
     script = Path(args.script) if args.script else DEMO_SCRIPT
     data = () if args.script else (DEMO_SCRIPT.with_name("digits.npz"),)
-    steps, seconds = _checkpoint_every(args.checkpoint_every)
-    checkpoint_every = args.checkpoint_every or f"{DEFAULT_CHECKPOINT_SECONDS:.0f}s"
+    steps, seconds = checkpoint_every(args.checkpoint_every)
+    cadence = args.checkpoint_every or f"{DEFAULT_CHECKPOINT_SECONDS:.0f}s"
     # The same checks as distsgd run: the scheme, its options, --ps, training flags, the script.
     launch = LaunchConfig(
         script=str(script),
@@ -156,7 +155,7 @@ def _render(args: argparse.Namespace) -> int:
         namespace=args.namespace,
         image=args.image,
         port=args.port,
-        checkpoint_every=checkpoint_every,
+        checkpoint_every=cadence,
         max_restarts=launch.max_restarts,
         threads=launch.threads,
         worker_cpu=args.worker_cpu,

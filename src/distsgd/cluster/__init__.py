@@ -6,13 +6,13 @@ It sits just above ``distsgd.util`` and depends only on the standard library.
 from __future__ import annotations
 
 from .kube import apply_host_aliases, cluster_from_jobset
+from .resolve import resolve_cluster
 from .spec import (
     JOBS,
     ClusterSpec,
     ClusterSpecError,
     TaskId,
     parse_tf_config,
-    resolve_cluster,
 )
 
 __all__ = [

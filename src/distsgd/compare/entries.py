@@ -117,6 +117,28 @@ def parse_entry(text: str) -> SchemeEntry:
     if "(" not in label and ")" not in label:
         schemes.get(label)  # unknown -> ValueError listing the catalogue
         return SchemeEntry(label=label, scheme=label)
+    name, inner = _variant(label)
+    found = _settings(label, name, inner)
+    options: dict[str, Any] = {}
+    overrides: dict[str, Any] = {}
+    for f, is_option, value in found:
+        (options if is_option else overrides)[f.name] = _converted(label, f, value)
+    return SchemeEntry(
+        label=label,
+        scheme=name,
+        options=options,
+        overrides=overrides,
+        settings=tuple((f.name, value) for f, _, value in found),
+    )
+
+
+_Setting = tuple[dataclasses.Field[Any], bool, str]
+"""A variant's setting: the field it names, whether a scheme option (else TrainConfig), the
+value as written."""
+
+
+def _variant(label: str) -> tuple[str, str]:
+    """``NAME(INNER)`` -> (NAME, INNER), NAME a known scheme and INNER not empty."""
     if label.count("(") != label.count(")"):
         raise _malformed(label, "unbalanced parentheses")
     match = re.fullmatch(r"([^()]*)\(([^()]*)\)", label, re.DOTALL)
@@ -133,38 +155,25 @@ def parse_entry(text: str) -> SchemeEntry:
         raise _malformed(
             label, "nothing inside the parentheses", f"give KEY=VALUE pairs or write just {name}"
         )
-    found: list[tuple[dataclasses.Field[Any], bool, str]] = []
+    return name, inner
+
+
+def _settings(label: str, name: str, inner: str) -> list[_Setting]:
+    """The ``KEY=VALUE`` settings inside the parentheses, in order (values as written)."""
+    found: list[_Setting] = []
     for piece in (p.strip() for p in inner.split(",")):
         if "=" not in piece:
             if found and piece and _kind(found[-1][0]) is str and not _BARE_NAME.fullmatch(piece):
-                f, is_option, value = found[-1]
+                f, is_option, value = found[-1]  # a str value holding commas goes on
                 found[-1] = (f, is_option, f"{value},{piece}")
                 continue
-            if not piece:
-                raise _malformed(
-                    label,
-                    "an empty setting (two commas in a row, or one before ')')",
-                    "separate KEY=VALUE pairs with single commas",
-                )
-            named = _field(name, piece)
-            example = _example(named[0]) if named else f"{piece}=VALUE"
-            raise _malformed(label, f"'{piece}' has no '='", f"write KEY=VALUE, e.g. {example}")
+            raise _no_equals(label, name, piece)
         key, _, value = (part.strip() for part in piece.partition("="))
         if not key:
             raise _malformed(label, f"'{piece}' has no key", "write KEY=VALUE pairs")
         known = _field(name, key)
         if known is None:
-            own = ", ".join(f.name for f in dataclasses.fields(schemes.get(name).options))
-            train = ", ".join(
-                f.name for f in dataclasses.fields(TrainConfig) if f.name not in PER_COMPARISON
-            )
-            if own:
-                cause = f"{name} has no option '{key}'"
-                fix = f"use one of its options ({own}) or a TrainConfig field ({train})"
-            else:
-                cause = f"'{key}' is no TrainConfig field, and {name} has no options of its own"
-                fix = f"use a TrainConfig field ({train})"
-            raise _malformed(label, cause, fix)
+            raise _unknown_key(label, name, key)
         f, is_option = known
         if f.name in PER_COMPARISON:
             raise _malformed(
@@ -178,25 +187,44 @@ def parse_entry(text: str) -> SchemeEntry:
         if not value:
             raise _malformed(label, f"{f.name} has an empty value", f"give one, e.g. {_example(f)}")
         found.append((f, is_option, value))
-    options: dict[str, Any] = {}
-    overrides: dict[str, Any] = {}
-    for f, is_option, value in found:
-        kind = _kind(f)
-        try:
-            converted = kind(value)
-        except ValueError:
-            what = "an integer" if kind is int else "a number"
-            raise _malformed(
-                label, f"{f.name}={value} is not {what}", f"give {what}, e.g. {_example(f)}"
-            ) from None
-        (options if is_option else overrides)[f.name] = converted
-    return SchemeEntry(
-        label=label,
-        scheme=name,
-        options=options,
-        overrides=overrides,
-        settings=tuple((f.name, value) for f, _, value in found),
+    return found
+
+
+def _no_equals(label: str, name: str, piece: str) -> ValueError:
+    if not piece:
+        return _malformed(
+            label,
+            "an empty setting (two commas in a row, or one before ')')",
+            "separate KEY=VALUE pairs with single commas",
+        )
+    named = _field(name, piece)
+    example = _example(named[0]) if named else f"{piece}=VALUE"
+    return _malformed(label, f"'{piece}' has no '='", f"write KEY=VALUE, e.g. {example}")
+
+
+def _unknown_key(label: str, name: str, key: str) -> ValueError:
+    own = ", ".join(f.name for f in dataclasses.fields(schemes.get(name).options))
+    train = ", ".join(
+        f.name for f in dataclasses.fields(TrainConfig) if f.name not in PER_COMPARISON
     )
+    if own:
+        cause = f"{name} has no option '{key}'"
+        fix = f"use one of its options ({own}) or a TrainConfig field ({train})"
+    else:
+        cause = f"'{key}' is no TrainConfig field, and {name} has no options of its own"
+        fix = f"use a TrainConfig field ({train})"
+    return _malformed(label, cause, fix)
+
+
+def _converted(label: str, f: dataclasses.Field[Any], value: str) -> Any:
+    kind = _kind(f)
+    try:
+        return kind(value)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise _malformed(
+            label, f"{f.name}={value} is not {what}", f"give {what}, e.g. {_example(f)}"
+        ) from None
 
 
 BASELINE_FOLDER = "baseline-1-worker"

@@ -87,31 +87,10 @@ def write_figure(path: Path, context: Context, runs: Sequence[SchemeRun]) -> Non
     axes = fig.subplots(3, 2)
     top = "test accuracy" if with_accuracy else "test loss (the script reports no accuracy)"
     for index, group in enumerate(groups(runs)):
-        color = f"C{index % 10}"
-        label = legend_label(group, context.workers)
-        style: dict[str, Any] = {"color": color}
+        style: dict[str, Any] = {"color": f"C{index % 10}"}
         if group[0].baseline:
             style["linestyle"] = "--"
-        for column, by_samples in ((0, False), (1, True)):
-            ax = axes[0][column]
-            series = [_eval_points(r, with_accuracy, by_samples) for r in group]
-            series = [s for s in series if s]
-            if len(series) == 1:
-                xs, ys = zip(*series[0], strict=True)
-                ax.plot(xs, ys, marker="o", markersize=3, label=label, **style)
-            elif series:
-                xs_, mean, low, high = band(series)
-                ax.plot(xs_, mean, marker="o", markersize=3, label=label, **style)
-                ax.fill_between(xs_, low, high, color=color, alpha=0.2, linewidth=0)
-        for n, run in enumerate(group):
-            c = run.curves
-            alpha = 1.0 if len(group) == 1 else 0.5
-            one = label if n == 0 else None
-            axes[1][0].plot(c.loss_seconds, c.train_loss, label=one, alpha=alpha, **style)
-            axes[1][1].plot(c.loss_samples, c.train_loss, label=one, alpha=alpha, **style)
-            megabytes = [b / 1e6 for b in c.bytes_sent]
-            axes[2][0].plot(c.bytes_seconds, megabytes, label=one, alpha=alpha, **style)
-            axes[2][1].plot(c.bytes_samples, megabytes, label=one, alpha=alpha, **style)
+        _plot_group(axes, group, legend_label(group, context.workers), style, with_accuracy)
     if with_accuracy and context.target is not None:
         for ax in axes[0]:
             ax.axhline(
@@ -121,6 +100,43 @@ def write_figure(path: Path, context: Context, runs: Sequence[SchemeRun]) -> Non
                 linewidth=1,
                 label=f"target {context.target:.2f}",
             )
+    _label_panels(axes, top)
+    _legend_and_title(fig, axes, context, runs)
+    fig.savefig(path, dpi=100)
+    log.debug("wrote %s", path)
+
+
+def _plot_group(
+    axes: Any,
+    group: Sequence[SchemeRun],
+    label: str,
+    style: dict[str, Any],
+    with_accuracy: bool,
+) -> None:
+    """One entry's curves (its repeats: their mean and band on top, each run below)."""
+    for column, by_samples in ((0, False), (1, True)):
+        ax = axes[0][column]
+        series = [_eval_points(r, with_accuracy, by_samples) for r in group]
+        series = [s for s in series if s]
+        if len(series) == 1:
+            xs, ys = zip(*series[0], strict=True)
+            ax.plot(xs, ys, marker="o", markersize=3, label=label, **style)
+        elif series:
+            xs_, mean, low, high = band(series)
+            ax.plot(xs_, mean, marker="o", markersize=3, label=label, **style)
+            ax.fill_between(xs_, low, high, color=style["color"], alpha=0.2, linewidth=0)
+    for n, run in enumerate(group):
+        c = run.curves
+        alpha = 1.0 if len(group) == 1 else 0.5
+        one = label if n == 0 else None
+        axes[1][0].plot(c.loss_seconds, c.train_loss, label=one, alpha=alpha, **style)
+        axes[1][1].plot(c.loss_samples, c.train_loss, label=one, alpha=alpha, **style)
+        megabytes = [b / 1e6 for b in c.bytes_sent]
+        axes[2][0].plot(c.bytes_seconds, megabytes, label=one, alpha=alpha, **style)
+        axes[2][1].plot(c.bytes_samples, megabytes, label=one, alpha=alpha, **style)
+
+
+def _label_panels(axes: Any, top: str) -> None:
     sent = "MB sent (all workers)"
     titles = (
         (axes[0][0], f"{top} vs time", "seconds of training", top),
@@ -128,18 +144,16 @@ def write_figure(path: Path, context: Context, runs: Sequence[SchemeRun]) -> Non
         (axes[1][0], "training loss vs time", "seconds of training", "training loss"),
         (axes[1][1], "training loss vs samples", "samples seen (all workers)", "training loss"),
         (axes[2][0], "bytes sent vs time", "seconds of training", sent),
-        (
-            axes[2][1],
-            "bytes sent vs samples",
-            "samples seen (all workers)",
-            "MB sent (all workers)",
-        ),
+        (axes[2][1], "bytes sent vs samples", "samples seen (all workers)", sent),
     )
     for ax, title, xlabel, ylabel in titles:
         ax.set_title(title)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
+
+
+def _legend_and_title(fig: Any, axes: Any, context: Context, runs: Sequence[SchemeRun]) -> None:
     handles: dict[str, Any] = {}  # one legend for all panels, below them (labels are long)
     for ax in (axes[0][0], axes[1][0], axes[0][1]):
         for handle, text in zip(*ax.get_legend_handles_labels(), strict=True):
@@ -157,5 +171,3 @@ def write_figure(path: Path, context: Context, runs: Sequence[SchemeRun]) -> Non
         f"{context.label}: {context.workers} workers, {ps_text(context, runs)} "
         f"({context.machine.get('cores')} cores)" + (f"; {'; '.join(fair)}" if fair else "")
     )
-    fig.savefig(path, dpi=100)
-    log.debug("wrote %s", path)

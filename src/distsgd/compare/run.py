@@ -26,11 +26,10 @@ import os
 import platform
 import shutil
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import Any
 
 from distsgd import schemes
 from distsgd.compare.entries import (
@@ -53,17 +52,17 @@ from distsgd.compare.tune import (
     pick_best,
     setting_text,
 )
-from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, DEFAULT_MAX_RESTARTS, LaunchConfig
-from distsgd.launcher.progress import Console
-from distsgd.launcher.run import (
-    DIVERGED_PREFIX,
+from distsgd.control.outcome import (
     EXIT_DIVERGED,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
-    STALLED_PREFIX,
-    launch,
+    RunOutcome,
+    RunStatus,
 )
+from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, DEFAULT_MAX_RESTARTS, LaunchConfig
+from distsgd.launcher.progress import Console
+from distsgd.launcher.run import launch
 from distsgd.transport.security import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -340,46 +339,15 @@ def _option_names(name: str) -> set[str]:
     return {f.name for f in dataclasses.fields(schemes.get(name).options)}
 
 
-class _Capture:
-    """A run's launcher output (the stream of its :class:`Console`): written to
-    ``launcher.log``, its last lines kept for the failure reason."""
-
-    def __init__(self, path: Path) -> None:
-        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self.lines: deque[str] = deque(maxlen=400)
-        self._partial = ""
-
-    def write(self, text: str) -> int:
-        self._file.write(text)
-        parts = (self._partial + text).split("\n")
-        self._partial = parts.pop()
-        self.lines.extend(parts)
-        return len(text)
-
-    def flush(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-
-    def isatty(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        self._file.close()
-
-    def reason(self) -> str:
-        """'task worker1 failed (exit code 1): <its last log line>' from the launcher's error."""
-        lines = [line for line in self.lines if line.strip()]
-        for prefix in (DIVERGED_PREFIX, STALLED_PREFIX):
-            said = [line for line in lines if line.startswith(prefix)]
-            if said:
-                return said[-1].removeprefix(prefix).split("; ")[0]
-        errors = [i for i, line in enumerate(lines) if line.startswith("distsgd: error: ")]
-        if not errors:
-            return lines[-1].strip() if lines else "no output"
-        first = errors[-1]
-        head = lines[first].removeprefix("distsgd: error: ").split("; its last log lines:")[0]
-        tail = [line.strip() for line in lines[first + 1 :] if line.startswith("    ")]
-        return f"{head.rstrip(':;')}: {tail[-1]}" if tail else head
+def run_status(outcome: RunOutcome) -> str:
+    """A launch's status as a compare row says it: ok, failed (a setup error too), diverged
+    (not learning too: the row then says 'did not learn', read from result.json) or
+    interrupted."""
+    if outcome.status in (RunStatus.DIVERGED, RunStatus.STALLED):
+        return "diverged"
+    if outcome.status is RunStatus.SETUP_ERROR:
+        return "failed"
+    return str(outcome.status.value)
 
 
 def _calibrated(local_steps: int, eval_every: int, points: int) -> int | None:
@@ -580,22 +548,19 @@ class Comparison:
             f"in {run_dir}"
         )
         run_dir.mkdir(parents=True, exist_ok=True)
-        capture = _Capture(run_dir / "launcher.log")
         started = time.monotonic()
-        try:
-            code = launch(launch_config, Console(cast(TextIO, capture)))
-        except Exception as exc:  # a scheme that cannot run must not stop the others
-            log.debug("%s: launch raised", entry.label, exc_info=True)
-            capture.write(f"distsgd: error: {exc}\n")
-            code = EXIT_FAILED
-        finally:
-            wall = time.monotonic() - started
-            capture.flush()
-        status = {EXIT_OK: "ok", EXIT_INTERRUPTED: "interrupted", EXIT_DIVERGED: "diverged"}.get(
-            code, "failed"
-        )
-        reason = capture.reason() if status in ("failed", "diverged") else ""
-        capture.close()
+        with open(run_dir / "launcher.log", "w", encoding="utf-8") as stream:
+            try:
+                outcome = launch(launch_config, Console(stream))
+            except Exception as exc:  # a scheme that cannot run must not stop the others
+                log.debug("%s: launch raised", entry.label, exc_info=True)
+                stream.write(f"distsgd: error: {exc}\n")
+                outcome = RunOutcome(
+                    status=RunStatus.FAILED, run_dir=run_dir, reason=str(exc).split("\n")[0]
+                )
+        wall = time.monotonic() - started
+        status = run_status(outcome)
+        reason = outcome.explanation() if status in ("failed", "diverged") else ""
         run = summarize(
             entry.scheme,
             run_dir,

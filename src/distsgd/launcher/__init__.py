@@ -17,18 +17,18 @@ __all__ = [
     "launch",
 ]
 
-_EXPORTS = {name: "distsgd.launcher.run" for name in __all__ if name != "LaunchConfig"}
-_EXPORTS["LaunchConfig"] = "distsgd.launcher.config"
+_EXPORTS = {name: "distsgd.control.outcome" for name in __all__ if name.startswith("EXIT_")}
+_EXPORTS.update(LaunchConfig="distsgd.launcher.config", launch="distsgd.launcher.run")
 
 if TYPE_CHECKING:
-    from distsgd.launcher.config import LaunchConfig
-    from distsgd.launcher.run import (
+    from distsgd.control.outcome import (
         EXIT_DIVERGED,
         EXIT_FAILED,
         EXIT_INTERRUPTED,
         EXIT_OK,
         EXIT_USAGE,
-        launch,
     )
+    from distsgd.launcher.config import LaunchConfig
+    from distsgd.launcher.run import launch
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

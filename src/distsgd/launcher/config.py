@@ -118,6 +118,37 @@ class LaunchConfig:
     )
 
     def __post_init__(self) -> None:
+        self._check_sizes()
+        if Path(self.script).is_dir():
+            raise ValueError(
+                f"script {self.script} is a folder; give the path of a Python file in it"
+            )
+        if not Path(self.script).is_file():
+            raise ValueError(f"script {self.script} not found; give the path of a Python file")
+        uses_ps = self._check_scheme()
+        if self.checkpoint_every < 0 or self.checkpoint_seconds < 0:
+            raise ValueError("--checkpoint-every must be 0 or more steps (N) or seconds (Ns)")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if not (self.startup_timeout > 0 and self.wait_timeout > 0 and self.healthy_seconds > 0):
+            raise ValueError(
+                "startup_timeout, wait_timeout and healthy_seconds must be positive seconds"
+            )
+        self._check_faults()
+        if self.resume and self.run_dir is None:
+            raise ValueError("--resume needs the run folder to continue")
+        if self.threads < 0:
+            raise ValueError(f"--threads must be 0 or more, got {self.threads}")
+        dynamic = self.overrides.get("world_size", "fixed") == "dynamic"
+        if self.elastic and uses_ps and not dynamic:
+            raise ValueError(
+                "--min-workers/--max-workers: workers that join and leave need "
+                "--world-size dynamic (the rules count the live members, and the data is "
+                "handed out in work units)"
+            )
+
+    def _check_sizes(self) -> None:
+        """The worker counts of a fixed or elastic run, and --evict-after."""
         if self.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {self.workers}")
         if self.min_workers < 0 or self.max_workers < 0:
@@ -131,12 +162,10 @@ class LaunchConfig:
             raise ValueError(
                 f"--evict-after must be 0 (the default) or more, got {self.evict_after}"
             )
-        if Path(self.script).is_dir():
-            raise ValueError(
-                f"script {self.script} is a folder; give the path of a Python file in it"
-            )
-        if not Path(self.script).is_file():
-            raise ValueError(f"script {self.script} not found; give the path of a Python file")
+
+    def _check_scheme(self) -> bool:
+        """The scheme, its options for this many workers, --ps and the training flags; returns
+        whether the scheme uses parameter servers."""
         spec = schemes.get(self.scheme)
         options = spec.parse_options(self.scheme_options)
         worker = spec.worker(options, self.workers)  # validates options against the workers
@@ -149,14 +178,9 @@ class LaunchConfig:
                 f"scheme {self.scheme!r} uses no parameter servers; drop --ps or use --ps 0"
             )
         worker.check_config(TrainConfig().replace(**self.overrides))  # each valid, and here
-        if self.checkpoint_every < 0 or self.checkpoint_seconds < 0:
-            raise ValueError("--checkpoint-every must be 0 or more steps (N) or seconds (Ns)")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
-        if not (self.startup_timeout > 0 and self.wait_timeout > 0 and self.healthy_seconds > 0):
-            raise ValueError(
-                "startup_timeout, wait_timeout and healthy_seconds must be positive seconds"
-            )
+        return spec.uses_parameter_servers
+
+    def _check_faults(self) -> None:
         for spec_text in self.faults:
             fault = Fault.parse(spec_text)
             # a run that may grow (--max-workers) has its later workers' indices too
@@ -167,17 +191,6 @@ class LaunchConfig:
                     f"--inject-fault {spec_text}: there is no {fault.task} "
                     f"({count} {fault.job} tasks{most}); use an index below {count}"
                 )
-        if self.resume and self.run_dir is None:
-            raise ValueError("--resume needs the run folder to continue")
-        if self.threads < 0:
-            raise ValueError(f"--threads must be 0 or more, got {self.threads}")
-        dynamic = self.overrides.get("world_size", "fixed") == "dynamic"
-        if self.elastic and spec.uses_parameter_servers and not dynamic:
-            raise ValueError(
-                "--min-workers/--max-workers: workers that join and leave need "
-                "--world-size dynamic (the rules count the live members, and the data is "
-                "handed out in work units)"
-            )
 
     @property
     def lowest_workers(self) -> int:

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+from distsgd.control.outcome import RunStatus
+
 
 class RunFailed(RuntimeError):
-    """A task failed or the run could not start; the message says which and why."""
+    """A task failed or the run could not start; the message says which and why (for people),
+    ``reason`` the same in one line, ``log_tail`` the failed task's last log lines."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str = "",
+        log_tail: tuple[str, ...] = (),
+        status: RunStatus = RunStatus.FAILED,
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason or message.split("\n", 1)[0]
+        self.log_tail = log_tail
+        self.status = status
 
 
 class Interrupted(Exception):

@@ -12,6 +12,7 @@ from distsgd.control.checkpoint.errors import CheckpointError
 from distsgd.control.checkpoint.store import DiskStore, ShardRef, WorkerStateRef
 from distsgd.control.errors import SETUP_ERROR_PREFIX
 from distsgd.control.folder import RESULT_FILE
+from distsgd.control.outcome import RunStatus
 from distsgd.control.recovery import (
     Drop,
     Restart,
@@ -117,13 +118,15 @@ class Restarts(LocalTasks):
         if plan.reason == "setup_error":
             said = [line for line in task.tail if SETUP_ERROR_PREFIX in line]
             cause = said[-1].split(SETUP_ERROR_PREFIX, 1)[1] if said else "see its log"
-            raise RunFailed(f"{task.name}: {cause}")
+            raise RunFailed(f"{task.name}: {cause}", status=RunStatus.SETUP_ERROR)
         tail = "\n".join(f"    {line}" for line in task.tail)
         how = "" if self.config.max_restarts == 0 else f" and has used its {plan.used} restarts"
         resume = f"\nresume with: distsgd run --resume {self.run_dir}" if plan.resumable else ""
+        head = f"task {task.name} failed (exit code {code}){how}"
         raise RunFailed(
-            f"task {task.name} failed (exit code {code}){how}; its last log lines:\n{tail}\n"
-            f"full logs: {self.run_dir / 'logs'}{resume}"
+            f"{head}; its last log lines:\n{tail}\nfull logs: {self.run_dir / 'logs'}{resume}",
+            reason=head,
+            log_tail=tuple(task.tail),
         )
 
     def _drop(self, plan: Drop, name: str, code: int, step: int) -> None:

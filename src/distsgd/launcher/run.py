@@ -26,6 +26,7 @@ from distsgd.cluster import TaskId
 from distsgd.control.checkpoint.store import latest_checkpoint
 from distsgd.control.faults import Fault
 from distsgd.control.folder import RESULT_FILE
+from distsgd.control.outcome import RunOutcome, RunStatus
 from distsgd.control.recovery import restart_all
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.errors import Diverged, Interrupted, RunFailed
@@ -41,9 +42,6 @@ from distsgd.util.signals import setter
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-"""Exit codes of ``distsgd run``/``demo``: 3 means training finished or stopped but diverged
-(or did not learn: ended at chance while its parameters barely moved)."""
 LAUNCHER_LOG = "launcher.log"
 """What the launcher said (its notes, progress, results and errors), in the run folder."""
 LEAVE_GRACE_SECONDS = 30.0
@@ -56,8 +54,9 @@ STALLED_PREFIX = "distsgd: the run did not learn: "
 """The same for a run that ended at chance while its parameters barely moved (``"stalled"``)."""
 
 
-def launch(config: LaunchConfig, console: Console | None = None) -> int:
-    """Run ``config`` to the end; returns the exit code (0, 1 failed, 130 interrupted).
+def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
+    """Run ``config`` to the end; returns how it ended (its ``exit_code``: 0, 1 failed,
+    3 diverged, 130 interrupted). A settings mistake found before the start raises ValueError.
 
     Without a ``console`` it makes its own, and keeps a copy of what it says (not the tasks'
     lines, which have their own logs) in the run folder's ``launcher.log``."""
@@ -93,17 +92,26 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks")
         if latest_checkpoint(local.ckpt_root)[0] is not None:
             console.final(f"distsgd: continue it with: distsgd run --resume {run_dir}")
-        return EXIT_INTERRUPTED
+        return RunOutcome(status=RunStatus.INTERRUPTED, run_dir=run_dir, reason="interrupted")
     except RunFailed as exc:
         console.error(f"distsgd: error: {exc}")
-        return EXIT_FAILED
+        return RunOutcome(
+            status=exc.status, run_dir=run_dir, reason=exc.reason, log_tail=exc.log_tail
+        )
     except Diverged as exc:
         spec = schemes.get(config.scheme)
         if exc.stalled:
             console.error(f"{STALLED_PREFIX}{exc}; {spec.stall_fix()}")
         else:
             console.error(f"{DIVERGED_PREFIX}{exc}; {spec.divergence_fix()}")
-        return EXIT_DIVERGED
+        result_path = run_dir / RESULT_FILE
+        return RunOutcome(
+            status=RunStatus.STALLED if exc.stalled else RunStatus.DIVERGED,
+            run_dir=run_dir,
+            reason=str(exc),
+            result_path=result_path if result_path.exists() else None,
+            result=_read_result(result_path),
+        )
     finally:
         launcher_file.unlink(missing_ok=True)
         supervisor.close()
@@ -119,6 +127,14 @@ def launch(config: LaunchConfig, console: Console | None = None) -> int:
         _write_tasks(run_dir, supervisor)
         if keep:
             console.close()
+
+
+def _read_result(path: Path) -> dict[str, Any] | None:
+    """The chief's ``result.json``, or None where there is none (or it is unreadable)."""
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
@@ -160,7 +176,7 @@ class LocalRun(Restarts):
         self.kills_pending = [f for f in self.faults if f.kind == "kill"]
 
     # -- the run --------------------------------------------------------------------------------
-    def run(self) -> int:
+    def run(self) -> RunOutcome:
         checkpoint = None
         if self.config.resume:
             checkpoint = self.latest()
@@ -321,7 +337,7 @@ class LocalRun(Restarts):
                 task.kill()
                 self.leaving[name] = now + LEAVE_GRACE_SECONDS  # noted once per grace period
 
-    def finish(self) -> int:
+    def finish(self) -> RunOutcome:
         self.progress.poll()
         self.console.clear_status()
         self.supervisor.stop()  # the parameter servers; their last words come before the result
@@ -352,4 +368,6 @@ class LocalRun(Restarts):
                 result.update(diverged=True, divergence=reason)
                 write_atomic(result_path, json.dumps(result, indent=2) + "\n")
             raise Diverged(str(reason), stalled=bool(result.get("stalled")))
-        return EXIT_OK
+        return RunOutcome(
+            status=RunStatus.OK, run_dir=self.run_dir, result_path=result_path, result=result
+        )

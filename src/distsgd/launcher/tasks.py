@@ -76,10 +76,13 @@ def wait_for_address(task: TaskHandle, path: Path, timeout: float) -> str:
         if path.exists():
             return path.read_text().strip()
         if task.poll() is not None:
-            tail = "\n".join(f"    {line}" for line in list(task.tail)[-5:])
+            last = tuple(task.tail)[-5:]
+            tail = "\n".join(f"    {line}" for line in last)
+            head = f"{task.name} exited with code {task.poll()} before it was listening"
             raise RunFailed(
-                f"{task.name} exited with code {task.poll()} before it was listening; "
-                f"its last log lines:\n{tail}\nfull log: {task.log_path}"
+                f"{head}; its last log lines:\n{tail}\nfull log: {task.log_path}",
+                reason=head,
+                log_tail=last,
             )
         time.sleep(0.02)
     raise RunFailed(f"{task.name} did not report its address within {timeout:.0f}s")
