@@ -8,11 +8,13 @@ to no one (this base class). :func:`distsgd.runtime.setup.connect` picks one; th
 holds it and never asks which it is.
 
 Over a run the session calls, in order: :meth:`Connection.join` once the scheme's context
-exists; per step :meth:`~Connection.settle`, :meth:`~Connection.trained` and
-:meth:`~Connection.after_step`; at the end :meth:`~Connection.work_report`,
-:meth:`~Connection.leave`, (chief) :meth:`~Connection.wait_for_others` and
-:meth:`~Connection.server_parameters`, then :meth:`~Connection.part`; and always
-:meth:`~Connection.close`.
+exists, and :meth:`~Connection.continue_at` once resumed; per step
+:meth:`~Connection.settle`, :attr:`~Connection.shard_checkpoint` (chief, when a checkpoint
+is due), :meth:`~Connection.trained`, :meth:`~Connection.after_step` and
+:meth:`~Connection.step_fields`; at the end :meth:`~Connection.work_report`,
+:meth:`~Connection.leave`, :meth:`~Connection.finish_fields`, (chief)
+:meth:`~Connection.wait_for_others` and :meth:`~Connection.server_parameters`, then
+:meth:`~Connection.part`; and always :meth:`~Connection.close`.
 """
 
 from __future__ import annotations

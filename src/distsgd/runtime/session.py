@@ -15,6 +15,9 @@ the result::
     result = session.finish()            scheme.finish, leave, wait, final evaluation, result
     session.close()                      (always, in finally) sockets, heartbeat, files
 
+``open`` is :func:`~distsgd.runtime.setup.open_worker`; what the worker is connected to (the
+servers, the process group, no one) is its :class:`~distsgd.runtime.connection.Connection`,
+and the chief's evaluations and end of the run are :class:`~distsgd.runtime.chief.Chief`'s.
 Schemes never see sockets, files or the data loader.
 """
 
