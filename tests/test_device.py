@@ -16,7 +16,7 @@ from conftest import SCRIPTS, final_accuracy, run_distsgd
 
 from distsgd.launcher.tasks import worker_gpus
 from distsgd.runtime import TrainConfig
-from distsgd.runtime.session import resolve_device
+from distsgd.runtime.setup import resolve_device
 
 HAS_GPU = torch.cuda.is_available()
 

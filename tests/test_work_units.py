@@ -36,7 +36,7 @@ from distsgd.ps.service import ParameterService
 from distsgd.ps.shard import Shard
 from distsgd.ps.work import MAX_LEASE, WorkQueue, WorkSpec
 from distsgd.runtime import TaskEnv, TrainConfig, run_worker
-from distsgd.runtime.session import _stop_on_sigterm
+from distsgd.runtime.setup import stop_on_sigterm
 from distsgd.runtime.work import LeasedBatches, epoch_order
 from distsgd.schemes import make_server_rule
 from distsgd.transport.errors import Refusal, RemoteError
@@ -359,7 +359,7 @@ def test_a_unit_is_reported_once_its_push_was_accepted_and_retrained_if_refused(
 def test_sigterm_sets_the_stop_event_and_the_old_handler_comes_back() -> None:
     stop = threading.Event()
     before = signal.getsignal(signal.SIGTERM)
-    restore = _stop_on_sigterm(stop)
+    restore = stop_on_sigterm(stop)
     assert restore is not None
     try:
         os.kill(os.getpid(), signal.SIGTERM)

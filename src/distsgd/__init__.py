@@ -46,7 +46,7 @@ _EXPORTS = {
     "task": "distsgd.api",
     "TaskInfo": "distsgd.control.task",
     "TrainConfig": "distsgd.control.config",
-    "TrainResult": "distsgd.runtime.session",
+    "TrainResult": "distsgd.runtime.result",
     "ShardFolder": "distsgd.runtime.shards",
     "write_shards": "distsgd.runtime.shards",
     "data_part": "distsgd.runtime.stream",
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from distsgd.control.errors import SetupError
     from distsgd.control.task import TaskInfo
     from distsgd.runtime.callbacks import Callback, Every, StepInfo
-    from distsgd.runtime.session import TrainResult
+    from distsgd.runtime.result import TrainResult
     from distsgd.runtime.shards import ShardFolder, write_shards
     from distsgd.runtime.stream import data_part
 

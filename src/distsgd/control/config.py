@@ -227,59 +227,39 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        positive = {
-            "batch_size": self.batch_size,
-            "log_every": self.log_every,
-            "eval_batch_size": self.eval_batch_size,
-        }
-        for name, value in positive.items():
-            if value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
-        zero_or_more = {
-            "steps": self.steps,
-            "eval_every": self.eval_every,
-            "loader_workers": self.loader_workers,
-        }
-        for name, value in zero_or_more.items():
-            if value < 0:
-                raise ValueError(f"{name} must be 0 or more, got {value}")
+        self._check_counts()
+        self._check_rates()
+        self._check_choices()
+
+    def _check_counts(self) -> None:
+        """The step and batch counts."""
+        for name in ("batch_size", "log_every", "eval_batch_size"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("steps", "eval_every", "loader_workers"):
+            _at_least(name, getattr(self, name), 0)
         if self.steps == 0 and not self.epochs > 0:
             raise ValueError(f"epochs must be positive (or set steps), got {self.epochs}")
+
+    def _check_rates(self) -> None:
+        """The learning rate and the fractions."""
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
-        if self.lr_rule not in LR_RULES:
-            raise ValueError(f"lr_rule must be one of {', '.join(LR_RULES)}, got {self.lr_rule!r}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(
-                f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}"
-            )
-        if not 0.0 <= self.warmup < 1.0:
-            raise ValueError(f"warmup must be a fraction in [0, 1), got {self.warmup}")
-        if self.nonfinite not in ("skip", "stop"):
-            raise ValueError(f"nonfinite must be skip or stop, got {self.nonfinite!r}")
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(
-                f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}"
-            )
-        if not 0.0 <= self.topk < 1.0:
-            raise ValueError(
-                f"topk must be a fraction in [0, 1) (0 = off, e.g. 0.01), got {self.topk}"
-            )
+        _one_of("lr_rule", self.lr_rule, LR_RULES)
+        _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _fraction("warmup", self.warmup, "a fraction in [0, 1)")
+        _either("nonfinite", self.nonfinite, ("skip", "stop"))
+        _one_of("wire_dtype", self.wire_dtype, WIRE_DTYPES)
+        _fraction("topk", self.topk, "a fraction in [0, 1) (0 = off, e.g. 0.01)")
         if self.powersgd_rank < 0:
             raise ValueError(f"powersgd_rank must be 0 (off) or more, got {self.powersgd_rank}")
-        if self.tensor_socket not in SHARED_MEMORY:
-            raise ValueError(f"tensor_socket must be auto or off, got {self.tensor_socket!r}")
-        if self.shared_memory not in SHARED_MEMORY:
-            raise ValueError(f"shared_memory must be auto or off, got {self.shared_memory!r}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.world_size not in WORLD_SIZES:
-            raise ValueError(f"world_size must be fixed or dynamic, got {self.world_size!r}")
-        if not 0.0 <= self.validation < 1.0:
-            raise ValueError(
-                f"validation must be a fraction in [0, 1) (0 = off, e.g. 0.2), "
-                f"got {self.validation}"
-            )
+
+    def _check_choices(self) -> None:
+        """The transport, the world size, the held-out fraction and the device."""
+        _either("tensor_socket", self.tensor_socket, SHARED_MEMORY)
+        _either("shared_memory", self.shared_memory, SHARED_MEMORY)
+        _fraction("momentum", self.momentum, "in [0, 1)")
+        _either("world_size", self.world_size, WORLD_SIZES)
+        _fraction("validation", self.validation, "a fraction in [0, 1) (0 = off, e.g. 0.2)")
         if not DEVICE.fullmatch(self.device):
             raise ValueError(
                 f"device must be auto, cpu, cuda or cuda:N ('' = the model's), got {self.device!r}"
@@ -291,3 +271,28 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    """ValueError unless ``value`` (the field ``name``) is ``low`` (0 or 1) or more."""
+    if value < low:
+        more = "at least 1" if low == 1 else "0 or more"
+        raise ValueError(f"{name} must be {more}, got {value}")
+
+
+def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """ValueError unless ``value`` is one of ``choices`` (listed in the message)."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _either(name: str, value: str, choices: tuple[str, str]) -> None:
+    """ValueError unless ``value`` is one of the two ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be {choices[0]} or {choices[1]}, got {value!r}")
+
+
+def _fraction(name: str, value: float, what: str) -> None:
+    """ValueError unless 0 <= ``value`` < 1; ``what`` says so in the message."""
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be {what}, got {value}")

@@ -24,7 +24,7 @@ _EXPORTS = {
     "ENV_VAR": "distsgd.control.task",
     "TaskEnv": "distsgd.control.task",
     "TrainConfig": "distsgd.control.config",
-    "TrainResult": "distsgd.runtime.session",
+    "TrainResult": "distsgd.runtime.result",
     "WorkerContext": "distsgd.runtime.context",
     "WorkerScheme": "distsgd.runtime.scheme",
     "run_worker": "distsgd.runtime.loop",
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from distsgd.control.task import ENV_VAR, TaskEnv
     from distsgd.runtime.context import WorkerContext
     from distsgd.runtime.loop import run_worker
+    from distsgd.runtime.result import TrainResult
     from distsgd.runtime.scheme import WorkerScheme
-    from distsgd.runtime.session import TrainResult
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

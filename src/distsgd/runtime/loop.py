@@ -19,8 +19,9 @@ from distsgd.control.task import TaskEnv
 from distsgd.runtime.callbacks import Callback
 from distsgd.runtime.data import BatchFn, split_batch
 from distsgd.runtime.evaluate import LossFn, MetricFns
+from distsgd.runtime.result import TrainResult
 from distsgd.runtime.scheme import WorkerScheme
-from distsgd.runtime.session import TrainResult, WorkerSession
+from distsgd.runtime.session import WorkerSession
 
 __all__ = ["TrainResult", "run_worker"]
 

@@ -1,0 +1,74 @@
+"""What one worker's run produced (:class:`TrainResult`), and its form in ``result.json``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainResult:
+    """What one worker's run produced (evaluation fields on the chief only)."""
+
+    scheme: str
+    worker: int
+    local_steps: int
+    global_step: int
+    seconds: float
+    samples: int
+    bytes_sent: int
+    test_loss: float | None = None
+    test_accuracy: float | None = None
+    diverged: bool = False
+    """True when training diverged (see :mod:`distsgd.control.divergence`)."""
+    divergence: str | None = None
+    """Why it counts as diverged, or None."""
+    stalled: bool = False
+    """(Chief) True when the run ended at chance while its parameters barely moved: it did not
+    diverge but did not learn (steps too small or too few); ``diverged`` is True too (a failed
+    run)."""
+    time_split: dict[str, float] = dataclasses.field(default_factory=dict)
+    """This worker's seconds per phase (see :mod:`distsgd.control.timing`): compute, pull, ..."""
+    work: dict[str, Any] | None = None
+    """(Chief of a run with work units) per epoch, the units trained once, twice, never."""
+    left: bool = False
+    """True when the worker was asked to stop (SIGTERM, ``stop``) and left the run early."""
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """(Chief) the final evaluation's values of the ``metrics=`` functions given to train."""
+
+
+def result_fields(result: TrainResult) -> dict[str, Any]:
+    """result.json's fields: ``work`` and ``left`` only where they say something."""
+    fields = asdict(result)
+    if fields["work"] is None:
+        del fields["work"]
+    if not fields["left"]:
+        del fields["left"]
+    if not fields["metrics"]:
+        del fields["metrics"]
+    if not fields["stalled"]:
+        del fields["stalled"]
+    return fields
+
+
+def work_counts(status: Any) -> dict[str, Any]:
+    """result.json's ``work``: the queue's per-epoch counts (a ``WorkStatus``) and their
+    totals."""
+    return {
+        "epochs": int(status.epochs),
+        "units_per_epoch": int(status.units_per_epoch),
+        "unit_size": int(status.unit_size),
+        "samples": int(status.samples),
+        "total_units": int(status.total_units),
+        "units_done": int(status.units_done),
+        "finished": bool(status.finished),
+        "trained_once": sum(status.trained_once),
+        "trained_twice": sum(status.trained_twice),
+        "never_trained": sum(status.never_trained),
+        "per_epoch": {
+            "trained_once": list(status.trained_once),
+            "trained_twice": list(status.trained_twice),
+            "never_trained": list(status.never_trained),
+        },
+    }
