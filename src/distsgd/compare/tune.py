@@ -6,7 +6,7 @@
   tuned only for the schemes that have it. An entry of ``--schemes`` that fixes a key itself
   (``hogwild(lr=0.15)``) keeps its value and is not tuned on that key.
 * Each tuning run trains on the training set minus a held-out validation part and is scored on
-  that part (``TrainConfig.validation``, :mod:`distsgd.runtime.validation`); the test set is
+  that part (``TrainConfig.validation``, the runtime's ``validation`` module); the test set is
   not read. :func:`pick_best` chooses the setting with the best final validation accuracy
   (lowest validation loss when the script reports no accuracy); runs that failed or diverged
   are never chosen; a tie goes to the setting listed first.
