@@ -1,0 +1,388 @@
+"""The data plane of the parameter-server service (protocol 2; see the .proto): Attach of a
+shared-memory segment or a tensor socket, PullShared and PushShared over gRPC, and the data
+channel serving a tensor socket's frames. A push from a segment is copied, exactly the announced
+bytes, into the entry's server-private ``scratch`` under its lock before it is checked and
+applied."""
+
+from __future__ import annotations
+
+import functools
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import grpc
+import numpy as np
+
+from distsgd.ps import channel, checks
+from distsgd.ps.segments import Attached, Layout, SegmentTable
+from distsgd.ps.service_errors import abort, clip, guarded
+from distsgd.ps.shard import Shard
+from distsgd.transport import bulk, shm
+from distsgd.transport.codec import (
+    WireError,
+    is_encoded,
+    nbytes_of,
+)
+from distsgd.transport.errors import Refusal
+from distsgd.transport.proto import distsgd_pb2 as pb
+
+RPC_BYTES_SECONDS = 120.0
+"""How long a data-channel request may take (its wait for a version and its bytes)."""
+
+
+class SharedPlane:
+    """The shared-memory and tensor-socket RPCs of :class:`~distsgd.ps.service.ParameterService`,
+    which inherits them (and provides the state and checks declared here)."""
+
+    shard_index: int
+    host: str
+    tls: bool
+    incarnation: int
+    segment_record: Path | None
+    _segments: SegmentTable
+    _bulk: bulk.Listener | None
+    _register_lock: threading.Lock
+
+    if TYPE_CHECKING:
+
+        @property
+        def closing(self) -> bool: ...
+
+        def _check(self, header: pb.RequestHeader, context: grpc.ServicerContext) -> None: ...
+
+        def _registered(self, context: grpc.ServicerContext) -> Shard: ...
+
+        def _unless_closing(self, context: grpc.ServicerContext) -> None: ...
+
+        def _check_pull(
+            self, request: pb.PullRequest, context: grpc.ServicerContext
+        ) -> tuple[Shard, float]: ...
+
+        def _await_version(
+            self, shard: Shard, wait: float, request: pb.PullRequest, context: grpc.ServicerContext
+        ) -> float: ...
+
+        def _apply_push(
+            self,
+            shard: Shard,
+            request: pb.PushHeader,
+            lr_scale: float,
+            payload: dict[str, np.ndarray],
+        ) -> pb.PushResponse: ...
+
+    def _attached(
+        self, segment_id: int, header: pb.RequestHeader, context: grpc.ServicerContext
+    ) -> Attached:
+        entry = self._segments.get(segment_id, header.worker)
+        if entry is None or not entry.confirmed:
+            abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ps{self.shard_index} holds no confirmed segment {segment_id} of worker "
+                f"{header.worker}; attach again (or send over the stream)",
+                Refusal.NO_SEGMENT,
+            )
+        return entry
+
+    def _listener(self) -> bulk.Listener:
+        with self._register_lock:
+            if self._bulk is None:
+                self._bulk = bulk.Listener(self.host, self._accept_channel)
+            return self._bulk
+
+    @property
+    def offers_channels(self) -> bool:
+        """Whether this server offers data channels (tensor sockets among them): not with TLS
+        (they are unencrypted), and only where it has an address to offer them on."""
+        return not self.tls and bool(self.host)
+
+    def _accept_channel(
+        self, segment_id: int, token: bytes, sock: socket.socket
+    ) -> bulk.Serve | None:
+        entry = self._segments.bind_socket(segment_id, token, sock)
+        if entry is None:
+            return None
+
+        def handle(
+            kind: int, body: bytes, context: channel.ChannelContext
+        ) -> tuple[Any, list[np.ndarray]]:
+            ctx = cast(grpc.ServicerContext, context)
+            if kind == pb.CHANNEL_FRAME_PULL:
+                return self._pull_shared(channel.parse(pb.PullRequest, body, context), ctx, entry)
+            if kind == pb.CHANNEL_FRAME_PUSH:
+                request = channel.parse(pb.PushHeader, body, context)
+                return self._push_shared(request, ctx, entry), []
+            abort(ctx, grpc.StatusCode.INVALID_ARGUMENT, f"unknown data-channel frame {kind}")
+
+        return functools.partial(
+            channel.serve,
+            sock,
+            handle=handle,
+            closing=lambda: self.closing,
+            seconds=RPC_BYTES_SECONDS,
+            on_close=lambda: self._segments.remove(entry),
+            name=f"ps{self.shard_index} data channel of worker {entry.worker}",
+        )
+
+    @guarded
+    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
+        self._check(request.header, context)
+        shard = self._registered(context)
+        self._unless_closing(context)
+        worker = request.header.worker
+        if request.confirm:
+            return self._confirm_attach(request, worker, context)
+        with shard.cond:
+            layout = Layout.of(shard.values)
+        if request.socket:
+            return self._attach_socket(worker, layout, context)
+        if not shm.available():
+            abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"ps{self.shard_index} has no shared memory ({shm.SHM_DIR}); use the stream",
+                Refusal.NO_SHARED_MEMORY,
+            )
+        try:
+            segment = shm.Segment.create(
+                shm.run_prefix(shard.run_id), layout.size, record=self.segment_record
+            )
+        except shm.SegmentError as exc:
+            abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"ps{self.shard_index}: {exc.strerror or exc}; using the stream instead",
+                Refusal.TOO_LARGE,
+            )
+        token = bulk.new_token() if self.offers_channels else b""
+        entry = self._segments.add(worker, segment, layout, token)
+        return pb.AttachResponse(
+            segment=entry.id,
+            name=segment.name,
+            size=segment.size,
+            tensors=list(layout.specs),
+            pull_offsets=list(layout.pull),
+            push_offsets=list(layout.push),
+            port=self._listener().port if token else 0,
+            token=token,
+        )
+
+    def _confirm_attach(
+        self, request: pb.AttachRequest, worker: int, context: grpc.ServicerContext
+    ) -> pb.AttachResponse:
+        """An Attach that confirms (the worker saw the nonce) or cancels its segment."""
+        entry = self._segments.get(request.confirm, worker)
+        if entry is None or entry.segment is None:
+            abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ps{self.shard_index} holds no segment {request.confirm} of worker {worker}"
+                "; attach again",
+                Refusal.NO_SEGMENT,
+            )
+        if request.cancel:
+            self._segments.remove(entry)
+            return pb.AttachResponse(segment=entry.id, confirmed=False)
+        if not self._segments.confirm(entry, request.nonce):
+            abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"wrong nonce for segment {entry.id}: the worker does not see this server's "
+                "memory; send over the stream",
+                Refusal.NO_SEGMENT,
+            )
+        return pb.AttachResponse(segment=entry.id, name=entry.segment.name, confirmed=True)
+
+    def _attach_socket(
+        self, worker: int, layout: Layout, context: grpc.ServicerContext
+    ) -> pb.AttachResponse:
+        """An Attach of a tensor socket: where to connect, and the token that names it."""
+        if not self.offers_channels:
+            abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"ps{self.shard_index} offers no tensor socket "
+                f"({'its data is encrypted by TLS' if self.tls else 'no address'}); "
+                "use the stream",
+                Refusal.NO_SHARED_MEMORY,
+            )
+        listener = self._listener()
+        token = bulk.new_token()
+        entry = self._segments.add(worker, None, layout, token)
+        return pb.AttachResponse(
+            segment=entry.id,
+            size=layout.size,
+            tensors=list(layout.specs),
+            pull_offsets=list(layout.pull),
+            push_offsets=list(layout.push),
+            port=listener.port,
+            token=token,
+        )
+
+    def _own_entry(
+        self,
+        request_segment: int,
+        header: pb.RequestHeader,
+        context: grpc.ServicerContext,
+        via: Attached | None,
+    ) -> Attached:
+        """The request's attached entry: on a data channel (``via``) the channel's own, over
+        gRPC a segment (a tensor socket's requests travel on it)."""
+        entry = self._attached(request_segment, header, context)
+        if via is not None and entry is not via:
+            abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"segment {request_segment} is not this data channel's; attach again",
+                Refusal.NO_SEGMENT,
+            )
+        if via is None and entry.segment is None:
+            abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"segment {request_segment} is a tensor socket: its requests travel on it",
+                Refusal.NO_SEGMENT,
+            )
+        return entry
+
+    def _pull_shared(
+        self, request: pb.PullRequest, context: grpc.ServicerContext, via: Attached | None
+    ) -> tuple[pb.PullHeader, list[np.ndarray]]:
+        """A PullShared: its answer, and (tensor socket) the values to send after it."""
+        shard, wait = self._check_pull(request, context)
+        entry = self._own_entry(request.segment, request.header, context, via)
+        waited = self._await_version(shard, wait, request, context)
+        arrays: list[np.ndarray] = []
+        with entry.lock:
+            if entry.segment is not None:
+                version = shard.snapshot_into(entry.pull_views())
+            else:  # a locked rule's values copied under its lock, an unlocked rule's as they are
+                version, values = shard.snapshot() if shard.rule.locked else shard.live()
+                arrays = list(values.values())
+        header = pb.PullHeader(
+            version=version,
+            tensors=list(entry.layout.specs),
+            server_incarnation=self.incarnation,
+            waited_seconds=waited,
+            in_segment=True,
+        )
+        return header, arrays
+
+    @guarded
+    def PullShared(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullHeader:
+        return self._pull_shared(request, context, None)[0]
+
+    @guarded
+    def PushShared(self, request: pb.PushHeader, context: grpc.ServicerContext) -> pb.PushResponse:
+        return self._push_shared(request, context, None)
+
+    def _push_shared(
+        self, request: pb.PushHeader, context: grpc.ServicerContext, via: Attached | None
+    ) -> pb.PushResponse:
+        self._check(request.header, context)
+        shard = self._registered(context)
+        entry = self._own_entry(request.segment, request.header, context, via)
+        if entry.segment is None:
+            return self._push_from_socket(shard, entry, request, context)
+        return self._push_from_segment(shard, entry, request, context)
+
+    def _push_from_segment(
+        self,
+        shard: Shard,
+        entry: Attached,
+        request: pb.PushHeader,
+        context: grpc.ServicerContext,
+    ) -> pb.PushResponse:
+        assert entry.segment is not None
+        lr_scale = self._check_shared_push(shard, request, context)
+        sizes = [
+            self._encoded_size(shard, spec, context) if is_encoded(spec) else nbytes_of(spec)
+            for spec in request.tensors
+        ]
+        with entry.lock:
+            # The push area stays writable by the worker (and any process mapping the segment):
+            # copy exactly the announced bytes into server-private memory first, so the bytes
+            # checked (finite, decodable) are the bytes applied.
+            scratch = entry.scratch_of(sum(shm.align(size) for size in sizes))
+            payload: dict[str, np.ndarray] = {}
+            start = 0
+            for spec, size in zip(request.tensors, sizes, strict=True):
+                part = scratch[start : start + size]
+                start = shm.align(start + size)
+                np.copyto(part, entry.segment.raw(entry.push_offset(spec.key), size))
+                payload[spec.key] = (
+                    part
+                    if is_encoded(spec)
+                    else part.view(np.dtype(spec.dtype)).reshape(tuple(spec.shape))
+                )
+            payload = checks.decode(request.tensors, payload, context)
+            return self._apply_push(shard, request, lr_scale, payload)
+
+    def _check_shared_push(
+        self, shard: Shard, request: pb.PushHeader, context: grpc.ServicerContext
+    ) -> float:
+        """The checks of a PushShared's header (a stream push's assembler does the last one):
+        lr_scale, every piece registered as announced, no piece twice. Returns the lr_scale."""
+        lr_scale = checks.lr_scale(request.lr_scale, context)
+        checks.check_push_specs(shard, request.tensors, context)
+        keys = [spec.key for spec in request.tensors]
+        if len(set(keys)) != len(keys):
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a piece listed twice in one push")
+        return lr_scale
+
+    def _encoded_size(
+        self, shard: Shard, spec: pb.TensorSpec, context: grpc.ServicerContext
+    ) -> int:
+        """Bytes of an encoded piece, at most the raw piece's (its place in a segment)."""
+        try:
+            size = checks.push_nbytes(spec)
+        except WireError as exc:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, clip(str(exc), 400))
+        if size > shard.values[spec.key].nbytes:
+            abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{clip(spec.key)}: {size} encoded bytes do not fit its "
+                f"{shard.values[spec.key].nbytes}-byte place in the segment",
+            )
+        return size
+
+    def _push_from_socket(
+        self,
+        shard: Shard,
+        entry: Attached,
+        request: pb.PushHeader,
+        context: grpc.ServicerContext,
+    ) -> pb.PushResponse:
+        assert entry.sock is not None
+        lr_scale = self._check_shared_push(shard, request, context)
+        sizes = [
+            self._encoded_size(shard, spec, context) if is_encoded(spec) else nbytes_of(spec)
+            for spec in request.tensors
+        ]
+        with entry.lock:
+            raw = entry.scratch_of(sum(sizes))[: sum(sizes)]
+            try:
+                bulk.recv_into(entry.sock, raw, deadline=time.monotonic() + RPC_BYTES_SECONDS)
+            except bulk.SocketClosed as exc:
+                abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"tensor socket of worker {request.header.worker}: {exc}",
+                    Refusal.NO_SEGMENT,
+                )
+            payload: dict[str, np.ndarray] = {}
+            start = 0
+            for spec, size in zip(request.tensors, sizes, strict=True):
+                part = raw[start : start + size]
+                start += size
+                payload[spec.key] = (
+                    part
+                    if is_encoded(spec)
+                    else part.view(np.dtype(spec.dtype)).reshape(tuple(spec.shape))
+                )
+            payload = checks.decode(request.tensors, payload, context)
+            return self._apply_push(shard, request, lr_scale, payload)
