@@ -48,7 +48,7 @@ PULL_TIMEOUT = 0.25
 """Deadline of fuzzed pulls: one whose min_version is never reached waits this long."""
 REGISTER_ALLOC_LIMIT = 16 << 20
 """Register assembles what its header announces before comparing it with the registered pieces
-(up to service.MAX_MESSAGE_BYTES, 4 GiB, each call); fuzzed Registers stay below this or far above
+(up to checks.MAX_MESSAGE_BYTES, 4 GiB, each call); fuzzed Registers stay below this or far above
 4 GiB so that the test does not allocate gigabytes."""
 
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -1024,9 +1024,9 @@ def test_pull_wait_seconds_is_checked(target: Target, wait_seconds, code) -> Non
 def test_pull_wait_is_capped_on_the_server(target: Target, monkeypatch) -> None:
     """A pull asking to wait forever (and with no deadline) waits MAX_WAIT_SECONDS, then
     DEADLINE_EXCEEDED; here the cap is lowered to 0.3 s to see it."""
-    from distsgd.ps import service as service_module
+    from distsgd.ps import checks
 
-    monkeypatch.setattr(service_module, "MAX_WAIT_SECONDS", 0.3)
+    monkeypatch.setattr(checks, "MAX_WAIT_SECONDS", 0.3)
     request = pb.PullRequest(
         header=pb.RequestHeader(protocol_version=PROTOCOL_VERSION, worker=0),
         min_version=target.version + 1,
