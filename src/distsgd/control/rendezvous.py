@@ -13,7 +13,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_WILDCARDS = frozenset({"", "*", "0.0.0.0", "::"})
+WILDCARDS = frozenset({"", "*", "0.0.0.0", "::"})
+"""Host names that mean every interface: never bound as given (loopback instead)."""
 
 
 def host_store(
@@ -53,7 +54,7 @@ def host_store(
     fd = sock.detach()  # the store owns the socket from here on and closes it
     try:
         store = dist.TCPStore(
-            name if name not in _WILDCARDS else "127.0.0.1",
+            name if name not in WILDCARDS else "127.0.0.1",
             bound,
             world_size,
             True,

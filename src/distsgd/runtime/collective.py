@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distsgd.control.rendezvous import WILDCARDS
 from distsgd.control.rendezvous import host_store as open_store
 from distsgd.transport.security import TRUSTED_NETWORK_ENV, is_loopback
 
@@ -31,8 +32,6 @@ GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 
 GLOO_BACKEND = "distsgd_gloo"
 """gloo, with the device (listening address) distsgd chose; registered with torch once."""
-
-_WILDCARDS = frozenset({"", "*", "0.0.0.0", "::"})
 
 
 def _loopback_interface(name: str) -> bool:
@@ -59,7 +58,7 @@ def data_plane(
     if backend == "nccl":
         return f"the interfaces NCCL picks ({variable} unset)", False
     host = address.rpartition(":")[0].strip().strip("[]")
-    if host in _WILDCARDS:
+    if host in WILDCARDS:
         return f"the address of hostname {socket.gethostname()!r}", False
     return host, is_loopback(host)
 
