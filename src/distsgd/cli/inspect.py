@@ -7,7 +7,12 @@ from typing import Any
 
 from distsgd.control.checkpoint.errors import CheckpointError
 from distsgd.control.checkpoint.store import MANIFEST, latest_checkpoint, verify
-from distsgd.ps.shard import CorruptCheckpoint, read_shard_arrays, read_shard_header
+from distsgd.ps.shard import (
+    SHARD_FILE_GLOB,
+    CorruptCheckpoint,
+    read_shard_arrays,
+    read_shard_header,
+)
 from distsgd.runtime.checkpoint import load_worker_state
 
 
@@ -56,7 +61,7 @@ def describe(path: Path) -> list[str]:
         if checkpoint is None:
             raise CheckpointError(f"{path}: no complete checkpoint")
         return [*lines, *describe(checkpoint.path)]
-    if not (path / MANIFEST).exists() and not any(path.glob("ps*.npz")):
+    if not (path / MANIFEST).exists() and not any(path.glob(SHARD_FILE_GLOB)):
         raise CheckpointError(
             f"{path}: neither a run folder (no checkpoints/) nor a checkpoint (no {MANIFEST}); "
             "give a run folder, a checkpoint folder or one of its files"

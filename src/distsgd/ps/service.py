@@ -40,7 +40,7 @@ from distsgd.ps.rules import (
 )
 from distsgd.ps.segments import SegmentTable
 from distsgd.ps.service_errors import abort, clip, guarded
-from distsgd.ps.shard import CorruptCheckpoint, Shard
+from distsgd.ps.shard import CorruptCheckpoint, Shard, shard_file_name
 from distsgd.ps.shared_plane import SharedPlane
 from distsgd.ps.work import MAX_DONE, MAX_LEASE, Unit, WorkQueue, WorkSpec
 from distsgd.transport import bulk
@@ -546,7 +546,7 @@ class ParameterService(SharedPlane, pb_grpc.ParameterServerServicer):
                 f"bad checkpoint name {request.name[:80]!r}; use letters, digits, '.', '_' and '-'",
             )
         version, data = shard.to_bytes()
-        path = self.checkpoint_dir / request.name / f"ps{self.shard_index}.npz"
+        path = self.checkpoint_dir / request.name / shard_file_name(self.shard_index)
         try:
             write_bytes_atomic(path, data)
         except OSError as exc:

@@ -426,6 +426,15 @@ def _count(header: Mapping[str, Any], key: str) -> int | None:
     return value if type(value) is int else None
 
 
+SHARD_FILE_GLOB = "ps*.npz"
+"""The names of shard files in a checkpoint folder."""
+
+
+def shard_file_name(index: int) -> str:
+    """The file name shard ``index`` saves to in a checkpoint folder (``ps<index>.npz``)."""
+    return f"ps{index}.npz"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardHeader:
     """The JSON header of a shard file (``ps<j>.npz``, written by :meth:`Shard.to_bytes`)."""

@@ -38,7 +38,12 @@ from distsgd.control.checkpoint.errors import (
 )
 from distsgd.control.checkpoint.safety import unsafe_globals
 from distsgd.ps import wal
-from distsgd.ps.shard import CorruptCheckpoint, read_shard_header, shard_file_intact
+from distsgd.ps.shard import (
+    CorruptCheckpoint,
+    read_shard_header,
+    shard_file_intact,
+    shard_file_name,
+)
 from distsgd.util import write_atomic
 
 log = logging.getLogger(__name__)
@@ -264,7 +269,7 @@ def newest_shard_file(root: Path, index: int) -> Path | None:
     are read first; the zip checksums only of the chosen file (and of any that fail them).
     """
     found: list[tuple[int, Path]] = []
-    for path in root.glob(f"*/ps{index}.npz"):
+    for path in root.glob(f"*/{shard_file_name(index)}"):
         try:
             header = read_shard_header(path)
         except CorruptCheckpoint as exc:
