@@ -64,7 +64,9 @@ class CarrierFailed(Exception):
     (unless ``counted`` is False), then raises ``error``, or, without one, sends the request
     again by another carrier (it never landed, or a pull may simply be repeated)."""
 
-    def __init__(self, why: object, *, error: RemoteError | None = None, counted: bool = True):
+    def __init__(
+        self, why: object, *, error: RemoteError | None = None, counted: bool = True
+    ) -> None:
         super().__init__(str(why))
         self.why = why
         self.error = error
