@@ -129,7 +129,7 @@ def _push(address: str, spec: pb.TensorSpec, data: bytes) -> grpc.StatusCode:
             pb.PushRequest(chunk=pb.TensorChunk(index=0, offset=0, data=data)),
         ]
         try:
-            client._stub.Push(iter(messages), timeout=5)
+            client.link.stub.Push(iter(messages), timeout=5)
         except grpc.RpcError as exc:
             return exc.code()
         return grpc.StatusCode.OK
@@ -173,7 +173,7 @@ def test_register_with_an_encoding_is_refused(server) -> None:
             tensors=[pb.TensorSpec(key="w#0", dtype="float32", shape=[4], encoding=2)],
         )
         with pytest.raises(grpc.RpcError) as info:
-            client._stub.Register(iter([pb.RegisterRequest(header=header)]), timeout=5)
+            client.link.stub.Register(iter([pb.RegisterRequest(header=header)]), timeout=5)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert not client.info().registered
 

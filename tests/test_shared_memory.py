@@ -29,7 +29,8 @@ from distsgd.ps import segments as ps_segments
 from distsgd.ps.service import ParameterService
 from distsgd.schemes import make_server_rule
 from distsgd.transport import PROTOCOL_VERSION, Refusal, ShardClient, bulk, shm
-from distsgd.transport.client import is_local_address
+from distsgd.transport.carriers.attach import is_local_address
+from distsgd.transport.carriers.segment import SegmentCarrier
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
 
@@ -361,8 +362,9 @@ def test_a_segment_requests_on_its_data_channel_except_under_tls() -> None:
             client.wait_registered(5)
             client.pull()
             (shard,) = client.shards
-            assert shard.uses_shared_memory
-            assert (shard._shared.sock is None) is tls
+            carrier = shard.carrier
+            assert shard.uses_shared_memory and isinstance(carrier, SegmentCarrier)
+            assert (carrier.sock is None) is tls
             client.push({k: np.ones_like(v) for k, v in model.items()})
             results.append(client.pull())
         finally:

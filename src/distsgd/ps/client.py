@@ -19,6 +19,7 @@ import numpy as np
 
 from distsgd.ps import compression
 from distsgd.ps.partition import PartitionPlan
+from distsgd.transport.carriers.base import Payload
 from distsgd.transport.client import PushResult, ShardClient
 from distsgd.transport.errors import PushReject, Refusal, RemoteError
 from distsgd.transport.proto import distsgd_pb2 as pb
@@ -209,24 +210,9 @@ class ParameterClient:
         sent = [0] * len(self.shards)
 
         def send(i: int, shard: ShardClient) -> PushResult:
-            feedback = self.feedback
-            if feedback is None:
-                sent[i] = sum(a.nbytes for a in parts[i].values())
-                return shard.push(base_version=bases[i], tensors=parts[i], lr_scale=lr_scale)
-            pieces = {}
-            for key, array in parts[i].items():
-                encoded = feedback.encode(key, array)
-                spec = pb.TensorSpec(
-                    key=key,
-                    dtype=array.dtype.name,
-                    shape=list(array.shape),
-                    encoding=f"TENSOR_ENCODING_{encoded.encoding.name}",
-                    scale=encoded.scale,
-                    nnz=encoded.nnz,
-                )
-                pieces[key] = (spec, encoded.parts)
-                sent[i] += encoded.nbytes
-            return shard.push_encoded(base_version=bases[i], pieces=pieces, lr_scale=lr_scale)
+            payload = self._payload(parts[i])
+            sent[i] = sum(a.nbytes for a in payload.arrays)
+            return shard.push(base_version=bases[i], tensors=payload, lr_scale=lr_scale)
 
         def one(i: int, shard: ShardClient) -> PushResult:
             try:
@@ -243,6 +229,25 @@ class ParameterClient:
         results = self._each(one)
         self.bytes_sent += sum(sent)
         return results
+
+    def _payload(self, pieces: Mapping[str, np.ndarray]) -> Payload:
+        """One shard's pieces as they travel: raw, or encoded by :attr:`feedback`."""
+        feedback = self.feedback
+        if feedback is None:
+            return Payload.raw(pieces)
+        encoded = {}
+        for key, array in pieces.items():
+            piece = feedback.encode(key, array)
+            spec = pb.TensorSpec(
+                key=key,
+                dtype=array.dtype.name,
+                shape=list(array.shape),
+                encoding=f"TENSOR_ENCODING_{piece.encoding.name}",
+                scale=piece.scale,
+                nnz=piece.nnz,
+            )
+            encoded[key] = (spec, piece.parts)
+        return Payload.of_encoded(encoded)
 
     def pull(
         self,

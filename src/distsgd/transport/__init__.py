@@ -1,6 +1,7 @@
 """Transport layer: the wire protocol (``proto/distsgd.proto``), tensors as raw bytes in chunks,
-a gRPC client for one parameter-server shard with deadlines and retries, and the run secret and
-mutual TLS that guard it (``security.py``).
+a gRPC client for one parameter-server shard with deadlines and retries, the carriers its
+tensors travel by (``carriers/``: the gRPC streams, a shared-memory segment, a tensor socket),
+and the run secret and mutual TLS that guard it (``security.py``).
 
 Framework-agnostic: tensors are numpy arrays here.
 """

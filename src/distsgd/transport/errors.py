@@ -126,3 +126,16 @@ class RemoteError(RuntimeError):
         if self.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return True
         return self.refusal in RETRYABLE_REFUSALS
+
+
+def remote_error(address: str, method: str, exc: grpc.RpcError) -> RemoteError:
+    """The typed error of a failed gRPC call."""
+    trailing = exc.trailing_metadata() if isinstance(exc, grpc.Call) else None
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if isinstance(exc, grpc.Call) else str(exc)) or ""
+    return RemoteError(address, method, code, details, Refusal.from_metadata(trailing))
+
+
+def as_remote_error(address: str, method: str, exc: grpc.RpcError | RemoteError) -> RemoteError:
+    """``exc`` as a :class:`RemoteError` (a data channel's error frame is one already)."""
+    return exc if isinstance(exc, RemoteError) else remote_error(address, method, exc)
