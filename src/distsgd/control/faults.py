@@ -15,6 +15,8 @@ import re
 import time
 from dataclasses import dataclass
 
+from distsgd.cluster import TaskId
+
 log = logging.getLogger(__name__)
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s)$")
@@ -45,6 +47,11 @@ class Fault:
     @property
     def task(self) -> str:
         return f"{self.job}{self.index}"
+
+    @property
+    def task_id(self) -> TaskId:
+        """The task the fault is injected into."""
+        return TaskId(job=self.job, index=self.index)
 
     @classmethod
     def parse(cls, text: str) -> Fault:
