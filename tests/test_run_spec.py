@@ -148,3 +148,28 @@ def test_the_spec_imports_with_torch_blocked() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_task_env_carries_faults_and_tls_typed_through_its_json(tmp_path: Path) -> None:
+    from distsgd.control.faults import Fault
+    from distsgd.control.task import TaskEnv
+    from distsgd.transport.security import TlsConfig
+
+    for name in ("cert.pem", "key.pem", "ca.pem"):
+        (tmp_path / name).write_text("x")
+    tls = TlsConfig(cert=tmp_path / "cert.pem", key=tmp_path / "key.pem", ca=tmp_path / "ca.pem")
+    faults = (Fault.parse("delay:worker:1=200ms"), Fault.parse("partition:worker:1@step=3+1s"))
+    env = TaskEnv(
+        cluster={"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:0"] * 2},
+        task_index=1,
+        scheme="hogwild",
+        faults=faults,
+        tls=tls,
+    )
+    back = TaskEnv.from_json(env.to_json())
+    assert back == env and back.tls == tls and back.faults == faults
+    assert back.faults[0].task_id == back.task
+    plain = TaskEnv.from_json(TaskEnv.standalone().to_json())
+    assert plain.tls is None and plain.faults == ()
+    with pytest.raises(ValueError, match="tls must be"):
+        TaskEnv.from_json(env.to_json().replace('"tls": [', '"tls": ["x", '))

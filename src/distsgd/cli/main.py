@@ -236,7 +236,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         checkpoint_every=steps,
         checkpoint_seconds=seconds,
         resume="" if resume is None else str(resume),
-        tls=[] if tls is None else [str(tls.cert), str(tls.key), str(tls.ca)],
+        tls=tls,
     )
     if args.run_dir:
         private_dir(Path(args.run_dir))

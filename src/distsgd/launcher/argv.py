@@ -80,9 +80,9 @@ def worker_task(
         checkpoint_seconds=c.checkpoint_seconds,
         resume="" if resume is None else str(resume),
         continue_at=continue_at,
-        tls=[] if c.tls is None else [str(c.tls.cert), str(c.tls.key), str(c.tls.ca)],
+        tls=c.tls,
         ps_address_files=[str(path) for path in ps_address_files],
-        faults=[f for f in c.faults if _worker_fault(Fault.parse(f), index)],
+        faults=tuple(fault for fault in map(Fault.parse, c.faults) if _worker_fault(fault, index)),
         # an elastic cluster lists --max-workers workers: a collective one trains with those
         # started now (a process group's size), a parameter-server one registers --workers
         registered_workers=(active if collective else c.workers) if c.elastic else 0,
