@@ -173,3 +173,16 @@ def test_task_env_carries_faults_and_tls_typed_through_its_json(tmp_path: Path) 
     assert plain.tls is None and plain.faults == ()
     with pytest.raises(ValueError, match="tls must be"):
         TaskEnv.from_json(env.to_json().replace('"tls": [', '"tls": ["x", '))
+
+
+def test_metrics_lines_are_routed_by_task_id_not_by_name_prefix() -> None:
+    from distsgd.compare.summary import _is_eval_line, _is_worker_line
+
+    assert _is_worker_line({"task": "worker3", "loss": 0.5})
+    assert not _is_worker_line({"task": "ps0", "loss": 0.5})
+    assert not _is_worker_line({"task": "launcher", "loss": 0.5})
+    assert not _is_worker_line({"task": "workers", "loss": 0.5})
+    assert not _is_worker_line({"task": "worker1"})
+    assert _is_eval_line({"task": "worker0", "test_loss": 0.1})
+    assert not _is_eval_line({"task": "worker1", "test_loss": 0.1})
+    assert not _is_eval_line({"loss": 0.1, "test_loss": 0.1})
