@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distsgd.control.config import WIRE_DTYPES
 from distsgd.ps import compression as comp
 from distsgd.ps.compression import (
     ENCODINGS,
+    WIRE_DTYPES,
     EncodedPiece,
     Encoding,
     ErrorFeedback,

@@ -142,15 +142,16 @@ def _render(args: argparse.Namespace) -> int:
         checkpoint_seconds=seconds,
         max_restarts=args.max_restarts,
     )
+    run = launch.run_spec(run_id="")  # K8sConfig makes the run id
     config = K8sConfig(
         script=script,
         data_files=data,
-        script_args=launch.script_args,
-        workers=launch.workers,
-        ps=launch.num_ps,
-        scheme=launch.scheme,
-        scheme_options=launch.scheme_options,
-        overrides=launch.overrides,
+        script_args=run.script_args,
+        workers=run.workers,
+        ps=run.ps,
+        scheme=run.scheme,
+        scheme_options=run.scheme_options,
+        overrides=run.overrides,
         name=args.name,
         namespace=args.namespace,
         image=args.image,

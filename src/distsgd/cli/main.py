@@ -30,7 +30,6 @@ def _tls(args: argparse.Namespace) -> Any:
 
 def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence[str]) -> int:
     from distsgd.launcher import LaunchConfig, launch
-    from distsgd.launcher.saved import load_run_config
 
     steps, seconds = checkpoint_every(args.checkpoint_every)
     common: dict[str, Any] = {
@@ -65,24 +64,9 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
                 "--resume continues the run with its saved script and options; "
                 f"drop {', '.join(ignored)}"
             )
-        saved = load_run_config(resume)
-        if args.checkpoint_every is None:
-            steps, seconds = saved.get("checkpoint_every", 0), saved.get("checkpoint_seconds", 0.0)
-        config = LaunchConfig(
-            script=saved["script"],
-            script_args=tuple(saved["script_args"]),
-            workers=saved["workers"],
-            ps=saved["ps"],
-            scheme=saved["scheme"],
-            scheme_options=saved["scheme_options"],
-            overrides=saved["overrides"],
-            run_dir=resume,
-            run_id=saved["run_id"],
-            resume=True,
-            checkpoint_every=steps,
-            checkpoint_seconds=seconds,
-            **common,
-        )
+        if args.checkpoint_every is not None:  # else: the saved cadence
+            common.update(checkpoint_every=steps, checkpoint_seconds=seconds)
+        config = LaunchConfig.resumed(resume, **common)
         return launch(config).exit_code
     if script is None:
         raise ValueError("no training script; give SCRIPT, or --resume RUN_DIR to continue a run")
@@ -161,7 +145,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
     from distsgd.launcher.lifeline import tie_to_parent
     from distsgd.ps import serve
     from distsgd.ps.membership import check_evict_after
-    from distsgd.ps.rules import MAX_WORKERS
+    from distsgd.ps.rules import check_max_workers
     from distsgd.transport.security import load_secret
 
     spec, tf_task = resolve_cluster(
@@ -186,8 +170,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
         shard = resume_point(task, DiskStore(args.checkpoint_dir)).resume
         restore = None if shard is None else shard.path
     check_evict_after(args.evict_after)
-    if not 0 <= args.max_workers <= MAX_WORKERS:
-        raise ValueError(f"--max-workers must be in 0..{MAX_WORKERS}, got {args.max_workers}")
+    check_max_workers(args.max_workers)
     wal_dir = args.wal_dir
     if wal_dir is None and args.checkpoint_dir is not None:
         wal_dir = args.checkpoint_dir / "wal" / f"ps{index}"
@@ -253,7 +236,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         checkpoint_every=steps,
         checkpoint_seconds=seconds,
         resume="" if resume is None else str(resume),
-        tls=[] if tls is None else [str(tls.cert), str(tls.key), str(tls.ca)],
+        tls=tls,
     )
     if args.run_dir:
         private_dir(Path(args.run_dir))

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from distsgd.cluster import TaskId
 from distsgd.compare.tune import Trial
 from distsgd.control.folder import METRICS_FILE, RESULT_FILE
 
 log = logging.getLogger(__name__)
 
-CHIEF = "worker0"
 LOSS_POINTS = 200
 """At most this many training-loss points per scheme are kept (evenly thinned)."""
 
@@ -142,12 +142,22 @@ def read_result(run_dir: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _task_of(record: dict[str, Any]) -> TaskId | None:
+    """The task that wrote a metrics line, or None (the launcher's, or no task named)."""
+    try:
+        return TaskId.parse(str(record.get("task", "")))
+    except ValueError:
+        return None
+
+
 def _is_worker_line(record: dict[str, Any]) -> bool:
-    return str(record.get("task", "")).startswith("worker") and "loss" in record
+    task = _task_of(record)
+    return task is not None and task.job == "worker" and "loss" in record
 
 
 def _is_eval_line(record: dict[str, Any]) -> bool:
-    return record.get("task") == CHIEF and "test_loss" in record
+    task = _task_of(record)
+    return task is not None and task.is_chief and "test_loss" in record
 
 
 def worker_starts(records: Sequence[dict[str, Any]]) -> dict[str, float]:

@@ -8,11 +8,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from distsgd.ps.compression import encoding_for
+
 LR_SCHEDULES = ("constant", "cosine")
 LR_RULES = ("auto", "none", "sqrt", "linear", "inverse-sqrt")
 """What ``TrainConfig.lr_rule`` may be: auto (the scheme's default) or a rule by name."""
-WIRE_DTYPES = ("float32", "bf16", "fp16", "int8")
-"""What ``TrainConfig.wire_dtype`` may be: the dtype pushed updates travel in."""
 SHARED_MEMORY = ("auto", "off")
 """What ``TrainConfig.shared_memory`` may be."""
 WORLD_SIZES = ("fixed", "dynamic")
@@ -248,7 +248,7 @@ class TrainConfig:
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _fraction("warmup", self.warmup, "a fraction in [0, 1)")
         _either("nonfinite", self.nonfinite, ("skip", "stop"))
-        _one_of("wire_dtype", self.wire_dtype, WIRE_DTYPES)
+        encoding_for(self.wire_dtype)  # the flag's one check, the parameter server's
         _fraction("topk", self.topk, "a fraction in [0, 1) (0 = off, e.g. 0.01)")
         if self.powersgd_rank < 0:
             raise ValueError(f"powersgd_rank must be 0 (off) or more, got {self.powersgd_rank}")

@@ -13,7 +13,10 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from distsgd.cluster import TaskId
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,11 @@ class Fault:
     @property
     def task(self) -> str:
         return f"{self.job}{self.index}"
+
+    @property
+    def task_id(self) -> TaskId:
+        """The task the fault is injected into."""
+        return TaskId(job=self.job, index=self.index)
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -78,8 +86,8 @@ class Fault:
 class FaultInjector:
     """Applies this worker's delay and partition faults, step by step."""
 
-    def __init__(self, specs: list[str]) -> None:
-        self.faults = [Fault.parse(s) for s in specs]
+    def __init__(self, faults: Sequence[Fault]) -> None:
+        self.faults = list(faults)
         self.partition_until = 0.0
         self._done: set[int] = set()
 

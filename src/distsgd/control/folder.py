@@ -6,6 +6,8 @@ import os
 import time
 from pathlib import Path
 
+CONFIG_FILE = "config.json"
+"""The run's settings, a :class:`~distsgd.control.spec.RunSpec` (written when the run starts)."""
 METRICS_FILE = "metrics.jsonl"
 """One JSON object per line from every task (``control.metrics.MetricsWriter``)."""
 RESULT_FILE = "result.json"

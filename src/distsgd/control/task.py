@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.cluster import ClusterSpec, TaskId
+from distsgd.control.faults import Fault
+from distsgd.transport.security import TlsConfig
 
 ENV_VAR = "DISTSGD_TASK"
 
@@ -97,12 +99,11 @@ class TaskEnv:
             "step, past its saved state: the steps in between reached the servers already"
         },
     )
-    faults: list[str] = field(
-        default_factory=list, metadata={"help": "faults injected into this task"}
+    faults: tuple[Fault, ...] = field(
+        default=(), metadata={"help": "faults this task injects into itself (delays, partitions)"}
     )
-    tls: list[str] = field(
-        default_factory=list,
-        metadata={"help": "[cert, key, ca] paths for mutual TLS ([] = plaintext)"},
+    tls: TlsConfig | None = field(
+        default=None, metadata={"help": "mutual TLS with the servers (None = plaintext)"}
     )
     ps_address_files: list[str] = field(
         default_factory=list,
@@ -189,13 +190,25 @@ class TaskEnv:
         return dataclasses.replace(self, cluster={**self.cluster, "ps": ps})
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["faults"] = [dataclasses.asdict(fault) for fault in self.faults]
+        tls = self.tls
+        data["tls"] = None if tls is None else [str(tls.cert), str(tls.key), str(tls.ca)]
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str) -> TaskEnv:
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError(f"{ENV_VAR} must hold a JSON object")
+        faults = data.get("faults") or []
+        tls = data.get("tls")
+        if not (isinstance(faults, list) and all(isinstance(f, dict) for f in faults)):
+            raise ValueError(f"{ENV_VAR}: faults must be a list of objects, got {faults!r}")
+        if tls and not (isinstance(tls, list) and len(tls) == 3):
+            raise ValueError(f"{ENV_VAR}: tls must be [cert, key, ca] or null, got {tls!r}")
+        data["faults"] = tuple(Fault(**f) for f in faults)
+        data["tls"] = TlsConfig(cert=tls[0], key=tls[1], ca=tls[2]) if tls else None
         return cls(**data)
 
     @classmethod

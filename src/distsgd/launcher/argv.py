@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from distsgd.cluster import ClusterSpec
+from distsgd.cluster import ClusterSpec, TaskId
 from distsgd.control.faults import Fault
 from distsgd.control.task import TaskEnv
 from distsgd.launcher.config import LaunchConfig
@@ -80,15 +80,17 @@ def worker_task(
         checkpoint_seconds=c.checkpoint_seconds,
         resume="" if resume is None else str(resume),
         continue_at=continue_at,
-        tls=[] if c.tls is None else [str(c.tls.cert), str(c.tls.key), str(c.tls.ca)],
+        tls=c.tls,
         ps_address_files=[str(path) for path in ps_address_files],
-        faults=[
-            f
-            for f in c.faults
-            if Fault.parse(f).task == f"worker{index}" and not f.startswith("kill")
-        ],
+        faults=tuple(fault for fault in map(Fault.parse, c.faults) if _worker_fault(fault, index)),
         # an elastic cluster lists --max-workers workers: a collective one trains with those
         # started now (a process group's size), a parameter-server one registers --workers
         registered_workers=(active if collective else c.workers) if c.elastic else 0,
         reshard=reshard,
     )
+
+
+def _worker_fault(fault: Fault, index: int) -> bool:
+    """Whether worker ``index`` injects ``fault`` itself (a delay or partition of its own; kills
+    are the launcher's)."""
+    return fault.task_id == TaskId(job="worker", index=index) and fault.kind != "kill"

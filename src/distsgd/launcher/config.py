@@ -11,6 +11,7 @@ from distsgd import schemes
 from distsgd.control.config import TrainConfig, lr_multiplier
 from distsgd.control.faults import Fault
 from distsgd.control.folder import new_run_folder, runs_root
+from distsgd.control.spec import RunSpec, check_worker_bounds
 from distsgd.transport.security import TlsConfig
 
 DEFAULT_CHECKPOINT_SECONDS = 30.0
@@ -148,16 +149,11 @@ class LaunchConfig:
             )
 
     def _check_sizes(self) -> None:
-        """The worker counts of a fixed or elastic run, and --evict-after."""
-        if self.workers < 1:
-            raise ValueError(f"--workers must be at least 1, got {self.workers}")
-        if self.min_workers < 0 or self.max_workers < 0:
-            raise ValueError("--min-workers and --max-workers must be 0 (= --workers) or more")
-        if not 1 <= self.lowest_workers <= self.workers <= self.highest_workers:
-            raise ValueError(
-                f"--min-workers {self.lowest_workers}, --workers {self.workers}, --max-workers "
-                f"{self.highest_workers}: need 1 <= min <= workers <= max"
-            )
+        """The worker counts of a fixed or elastic run (the run spec's check), and
+        --evict-after."""
+        check_worker_bounds(
+            workers=self.workers, min_workers=self.min_workers, max_workers=self.max_workers
+        )
         if self.evict_after < 0:
             raise ValueError(
                 f"--evict-after must be 0 (the default) or more, got {self.evict_after}"
@@ -232,6 +228,47 @@ class LaunchConfig:
     def device(self) -> str:
         """The workers' ``--device`` ('' = where each script puts its model)."""
         return str(self.overrides.get("device", ""))
+
+    def run_spec(self, *, run_id: str) -> RunSpec:
+        """The run's settings as saved in its folder (``config.json``) and read back by
+        ``--resume``, ``distsgd scale`` and ``distsgd join``."""
+        return RunSpec(
+            script=str(Path(self.script).resolve()),
+            script_args=self.script_args,
+            scheme=self.scheme,
+            scheme_options=self.scheme_options,
+            overrides=self.overrides,
+            workers=self.workers,
+            ps=self.num_ps,
+            threads_per_worker=self.threads_per_worker,
+            run_id=run_id,
+            checkpoint_every=self.checkpoint_every,
+            checkpoint_seconds=self.checkpoint_seconds,
+            min_workers=self.lowest_workers,
+            max_workers=self.highest_workers,
+        )
+
+    @classmethod
+    def resumed(cls, run_dir: Path, **knobs: Any) -> LaunchConfig:
+        """The run saved in ``run_dir`` (its :class:`RunSpec`), to continue from its last
+        checkpoint; ``knobs`` are the launch settings not saved (restarts, faults, TLS, ...),
+        and may give ``checkpoint_every``/``checkpoint_seconds`` anew."""
+        spec = RunSpec.load(run_dir)
+        knobs.setdefault("checkpoint_every", spec.checkpoint_every)
+        knobs.setdefault("checkpoint_seconds", spec.checkpoint_seconds)
+        return cls(
+            script=spec.script,
+            script_args=spec.script_args,
+            workers=spec.workers,
+            ps=spec.ps,
+            scheme=spec.scheme,
+            scheme_options=spec.scheme_options,
+            overrides=spec.overrides,
+            run_dir=run_dir,
+            run_id=spec.run_id,
+            resume=True,
+            **knobs,
+        )
 
     def resolved_run_dir(self) -> Path:
         if self.run_dir is not None:

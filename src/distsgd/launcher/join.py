@@ -11,10 +11,30 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from distsgd import schemes
+from distsgd.cluster import TaskId
+from distsgd.control.spec import RunSpec
 from distsgd.control.task import TaskEnv
-from distsgd.launcher.scale import launcher_alive, read_run_json
+from distsgd.launcher.scale import launcher_alive
+
+
+def _read_run_json(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from a run folder's file, or a one-line ValueError (no such run folder,
+    a damaged file) that says ``what`` the file holds."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{path.parent} has no {path.name} ({what}); give the --run-dir of a running "
+            "distsgd run or demo"
+        ) from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: damaged ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: damaged (not a JSON object)")
+    return data
 
 
 def _taken(run_dir: Path) -> set[int]:
@@ -25,7 +45,11 @@ def _taken(run_dir: Path) -> set[int]:
         return set()
     taken = set()
     for name, pid in dict(pids).items():
-        if not (isinstance(name, str) and name.startswith("worker") and isinstance(pid, int)):
+        try:
+            task = TaskId.parse(name)
+        except ValueError:
+            continue
+        if task.job != "worker" or not isinstance(pid, int):
             continue
         try:
             os.kill(pid, 0)
@@ -33,7 +57,7 @@ def _taken(run_dir: Path) -> set[int]:
             continue
         except PermissionError:
             pass
-        taken.add(int(name.removeprefix("worker")))
+        taken.add(task.index)
     return taken
 
 
@@ -41,23 +65,22 @@ def join_env(run_dir: Path, task: int | None) -> tuple[TaskEnv, str, list[str], 
     """The task environment, script, script arguments and run secret file of a worker joining
     ``run_dir``; ValueError (one line, cause and fix) when the folder is not a running elastic
     parameter-server run or the index is taken or out of range."""
-    config = read_run_json(run_dir / "config.json", "the run's settings")
-    cluster = read_run_json(
+    spec = RunSpec.load(run_dir)
+    cluster = _read_run_json(
         run_dir / "cluster.json", "the servers' addresses, written once they listen"
     )
-    scheme = str(config.get("scheme", ""))
+    scheme = spec.scheme
     if not schemes.get(scheme).uses_parameter_servers:
         raise ValueError(
             f"{run_dir} runs {scheme}, a collective scheme: its process group has a fixed size; "
             "change its size with distsgd scale (a restart from its last checkpoint)"
         )
-    overrides = dict(config.get("overrides") or {})
-    if overrides.get("world_size") != "dynamic":
+    if not spec.dynamic_world_size:
         raise ValueError(
             f"{run_dir} was started with a fixed world size; only a run started with "
             "--world-size dynamic takes workers that join"
         )
-    high = int(config.get("max_workers") or config.get("workers", 0))
+    high = spec.highest_workers
     if task is None:
         free = [i for i in range(high - 1, 0, -1) if i not in _taken(run_dir)]
         if not free:
@@ -82,11 +105,10 @@ def join_env(run_dir: Path, task: int | None) -> tuple[TaskEnv, str, list[str], 
         cluster=cluster,
         task_index=task,
         scheme=scheme,
-        scheme_options=dict(config.get("scheme_options") or {}),
-        overrides=overrides,
+        scheme_options=dict(spec.scheme_options),
+        overrides=dict(spec.overrides),
         run_dir=str(run_dir.resolve()),
-        run_id=str(config.get("run_id", "")),
-        registered_workers=int(config.get("workers", 0)),
+        run_id=spec.run_id,
+        registered_workers=spec.workers,
     )
-    script_args = [str(a) for a in config.get("script_args", [])]
-    return env, str(config["script"]), script_args, secret.resolve()
+    return env, spec.script, list(spec.script_args), secret.resolve()

@@ -25,14 +25,13 @@ from distsgd import schemes
 from distsgd.cluster import TaskId
 from distsgd.control.checkpoint.store import latest_checkpoint
 from distsgd.control.faults import Fault
-from distsgd.control.folder import RESULT_FILE
+from distsgd.control.folder import CONFIG_FILE, RESULT_FILE
 from distsgd.control.outcome import RunOutcome, RunStatus
 from distsgd.control.recovery import restart_all
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.errors import Diverged, Interrupted, RunFailed
 from distsgd.launcher.progress import Console
 from distsgd.launcher.restart import Restarts
-from distsgd.launcher.saved import CONFIG_FILE
 from distsgd.launcher.scale import LAUNCHER_FILE, read_scale_request
 from distsgd.launcher.supervisor import Supervisor, Tasks
 from distsgd.launcher.tasks import write_tasks as _write_tasks
@@ -226,12 +225,13 @@ class LocalRun(Restarts):
                         step=self.progress.step, event="worker_left", target=task.name, code=code
                     )
                     continue
-                if code == 0 and task.name.startswith("worker"):
+                finished = TaskId.parse(task.name)
+                if code == 0 and finished.job == "worker":
                     self.done.add(task.name)
                     for index in sorted(self.restored_ps):  # it may have left a dead process
                         server = self.supervisor.tasks.get(f"ps{index}")
                         if server is not None and server.poll() is None:  # else: told on restart
-                            self._tell_finished(index, [TaskId.parse(task.name).index])
+                            self._tell_finished(index, [finished.index])
                     continue
                 self._handle_failure(task, code)
                 break  # a restart may have replaced other tasks: look again

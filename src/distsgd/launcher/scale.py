@@ -15,9 +15,9 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from distsgd.control.folder import METRICS_FILE
+from distsgd.control.spec import RunSpec
 from distsgd.util import write_atomic
 
 SCALE_FILE = "scale.json"
@@ -65,23 +65,6 @@ def _answer(run_dir: Path, seq: int) -> dict[str, object] | None:
     return None
 
 
-def read_run_json(path: Path, what: str) -> dict[str, Any]:
-    """A JSON object from a run folder's file, or a one-line ValueError (no such run folder,
-    a damaged file) that says ``what`` the file holds."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(
-            f"{path.parent} has no {path.name} ({what}); give the --run-dir of a running "
-            "distsgd run or demo"
-        ) from None
-    except ValueError as exc:
-        raise ValueError(f"{path}: damaged ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: damaged (not a JSON object)")
-    return data
-
-
 def launcher_alive(run_dir: Path) -> bool:
     """Whether the launcher that wrote ``launcher.pid`` in ``run_dir`` still runs."""
     try:
@@ -101,10 +84,9 @@ def request_scale(run_dir: Path, workers: int, *, timeout: float = 60.0) -> dict
     """Ask the launcher running ``run_dir`` for ``workers`` workers and wait for its answer
     (the event it logged). ValueError (one line, cause and fix) when the folder is not a
     running elastic run, the number is out of its bounds, or no answer comes in ``timeout``."""
-    config = read_run_json(run_dir / "config.json", "the run's settings")
-    low = int(config.get("min_workers") or config.get("workers", 0))
-    high = int(config.get("max_workers") or config.get("workers", 0))
-    if low == high:
+    spec = RunSpec.load(run_dir)
+    low, high = spec.lowest_workers, spec.highest_workers
+    if not spec.elastic:
         raise ValueError(
             f"{run_dir} was started with a fixed size of {high} workers; start a run with "
             "--min-workers and --max-workers (and --world-size dynamic) to scale it"

@@ -28,7 +28,6 @@ from distsgd.launcher.errors import RunFailed
 from distsgd.launcher.keras_env import keras_environment
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.progress import Console, Progress
-from distsgd.launcher.saved import write_run_config
 from distsgd.launcher.supervisor import TaskHandle, Tasks
 from distsgd.ps import wal
 from distsgd.transport.security import (
@@ -166,23 +165,10 @@ class LocalTasks:
 
     # -- starting tasks -------------------------------------------------------------------------
     def write_config(self) -> None:
-        c = self.config
-        data = {
-            "script": str(Path(c.script).resolve()),
-            "script_args": list(c.script_args),
-            "scheme": c.scheme,
-            "scheme_options": c.scheme_options,
-            "overrides": c.overrides,
-            "workers": c.workers,
-            "ps": self.num_ps,
-            "threads_per_worker": self.threads,
-            "run_id": self.run_id,
-            "checkpoint_every": c.checkpoint_every,
-            "checkpoint_seconds": c.checkpoint_seconds,
-            "min_workers": c.lowest_workers,
-            "max_workers": c.highest_workers,
-        }
-        write_run_config(self.run_dir, data)
+        """Save the run's :class:`~distsgd.control.spec.RunSpec` as its ``config.json``."""
+        spec = self.config.run_spec(run_id=self.run_id)
+        assert (spec.ps, spec.threads_per_worker) == (self.num_ps, self.threads)
+        spec.save(self.run_dir)
 
     def start_ps(self, index: int, *, address: str, restore: Path | None) -> TaskHandle:
         """Start ps ``index`` and wait until it reports the address it bound."""

@@ -129,14 +129,18 @@ ENCODINGS: dict[str, Encoding] = {
 }
 """``TrainConfig.wire_dtype`` -> encoding; ``float32`` is uncompressed (each piece's own dtype)."""
 
+WIRE_DTYPES = tuple(ENCODINGS)
+"""What ``--wire-dtype`` (``TrainConfig.wire_dtype``) may be: the dtype pushed updates travel in."""
+
 
 def encoding_for(wire_dtype: str) -> Encoding:
-    """The encoding of a ``--wire-dtype`` value."""
+    """The encoding of a ``--wire-dtype`` value: the one check of the flag (``TrainConfig``
+    calls it too), a one-line ValueError for a value that is none."""
     try:
         return ENCODINGS[wire_dtype]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ValueError(
-            f"unknown wire dtype {wire_dtype!r}: use one of {', '.join(ENCODINGS)}"
+            f"unknown wire dtype {wire_dtype!r} (--wire-dtype); use one of {', '.join(ENCODINGS)}"
         ) from None
 
 

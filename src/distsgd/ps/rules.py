@@ -33,6 +33,15 @@ MAX_RATE = 1e4
 MAX_WORKERS = 1 << 16
 """Most workers a run may register (``RegisterHeader.num_workers``)."""
 
+
+def check_max_workers(max_workers: int) -> int:
+    """``--max-workers`` (0 = the registered number), or a one-line ValueError: the one check of
+    the flag, made by the server and, before anything starts, by the run's settings."""
+    if not 0 <= max_workers <= MAX_WORKERS:
+        raise ValueError(f"--max-workers must be in 0..{MAX_WORKERS}, got {max_workers}")
+    return max_workers
+
+
 MAX_OPTIONS_BYTES = 64 << 10
 """Largest ``RegisterHeader.options_json`` (64 KiB of UTF-8)."""
 

@@ -36,6 +36,7 @@ from distsgd.ps.rules import (
     MAX_WORKERS,
     PushMeta,
     RuleFactory,
+    check_max_workers,
     parse_options_json,
 )
 from distsgd.ps.segments import SegmentTable
@@ -119,9 +120,7 @@ class ParameterService(SharedPlane, pb_grpc.ParameterServerServicer):
         :mod:`distsgd.ps.membership`)."""
         if max_waiting_pulls < 1:
             raise ValueError(f"max_waiting_pulls must be at least 1, got {max_waiting_pulls}")
-        if not 0 <= max_workers <= MAX_WORKERS:
-            raise ValueError(f"--max-workers must be in 0..{MAX_WORKERS}, got {max_workers}")
-        self.max_workers = max_workers
+        self.max_workers = check_max_workers(max_workers)
         self.evict_after = check_evict_after(evict_after)
         self.shard_index = shard_index
         self.rule_factory = rule_factory

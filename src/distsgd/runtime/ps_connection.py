@@ -34,7 +34,7 @@ from distsgd.runtime.modules import exchanged_parameters
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.work import LeasedBatches, wait_members_gone, work_spec
 from distsgd.transport.proto import distsgd_pb2 as pb
-from distsgd.transport.security import TlsConfig, load_secret
+from distsgd.transport.security import load_secret
 
 log = logging.getLogger(__name__)
 
@@ -197,9 +197,7 @@ def _client(env: TaskEnv, config: TrainConfig, plan: PartitionPlan) -> Parameter
         tensor_socket=config.tensor_socket == "auto",
         wire_dtype=config.wire_dtype,
         topk=config.topk,
-        tls=TlsConfig(cert=Path(env.tls[0]), key=Path(env.tls[1]), ca=Path(env.tls[2]))
-        if env.tls
-        else None,
+        tls=env.tls,
     )
 
 
