@@ -437,6 +437,12 @@ def test_fuzz_pull(target: Target, header, min_version, wait_seconds, server_inc
     )
     code, reply = call(target.stub.Pull, request, timeout=PULL_TIMEOUT)
     bad_wait = math.isnan(wait_seconds) or wait_seconds < 0
+    restarted = server_incarnation not in (0, target.service.incarnation)
+    waits = header_ok(header) and not bad_wait and min_version > target.version and not restarted
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and not waits:
+        # An answer that needs no waiting came too late for the short deadline (a loaded
+        # machine): ask again with the long one; the answer is checked the same.
+        code, reply = call(target.stub.Pull, request, timeout=TIMEOUT)
     if not header_ok(header):
         assert code in REFUSED_HEADER
     elif bad_wait:  # refused before anything else, whatever the version
@@ -451,7 +457,6 @@ def test_fuzz_pull(target: Target, header, min_version, wait_seconds, server_inc
         for key, value in target.values.items():
             np.testing.assert_array_equal(values[key], value)
     else:
-        restarted = server_incarnation not in (0, target.service.incarnation)
         assert min_version > target.version and not restarted, code
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_unchanged(target)
