@@ -1,6 +1,7 @@
 """The control plane needs no torch: every module of ``distsgd.control`` and the parameter
-server import with torch blocked, and neither ``launcher/`` nor ``control/`` imports from
-``distsgd.runtime`` (imports inside functions included)."""
+server (every module of ``distsgd.ps``) import with torch blocked, and none of ``launcher/``,
+``compare/`` and ``control/`` imports from ``distsgd.runtime`` (imports inside functions
+included)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,24 @@ import pkgutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import distsgd.control
+import distsgd.ps
 
 SRC = Path(distsgd.control.__file__).resolve().parents[1]
 
 
-def _control_modules() -> list[str]:
+def _modules(package: ModuleType) -> list[str]:
     return sorted(
-        info.name for info in pkgutil.walk_packages(distsgd.control.__path__, "distsgd.control.")
+        info.name for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")
     )
 
 
 def test_control_and_the_server_import_with_torch_blocked() -> None:
-    modules = ["distsgd.control", *_control_modules(), "distsgd.ps.server"]
+    modules = ["distsgd.control", *_modules(distsgd.control), "distsgd.ps", *_modules(distsgd.ps)]
     assert "distsgd.control.recovery" in modules and "distsgd.control.checkpoint.store" in modules
+    assert "distsgd.ps.server" in modules and "distsgd.ps.wal" in modules
     code = (
         "import importlib, sys\n"
         "sys.modules['torch'] = None\n"
@@ -46,10 +50,10 @@ def _imported(path: Path) -> set[str]:
     return names
 
 
-def test_launcher_and_control_import_nothing_from_runtime() -> None:
+def test_launcher_compare_and_control_import_nothing_from_runtime() -> None:
     found = [
         f"{path.relative_to(SRC)}: {name}"
-        for package in ("launcher", "control")
+        for package in ("launcher", "compare", "control")
         for path in sorted((SRC / package).rglob("*.py"))
         for name in sorted(_imported(path))
         if name == "distsgd.runtime" or name.startswith("distsgd.runtime.")
