@@ -64,7 +64,6 @@ def worker_task(
 ) -> TaskEnv:
     """Worker ``index``'s task in a cluster of ``active`` workers started now."""
     c = config
-    collective = c.num_ps == 0
     return TaskEnv(
         cluster=spec.to_dict(),
         task_index=index,
@@ -85,7 +84,7 @@ def worker_task(
         faults=tuple(fault for fault in map(Fault.parse, c.faults) if _worker_fault(fault, index)),
         # an elastic cluster lists --max-workers workers: a collective one trains with those
         # started now (a process group's size), a parameter-server one registers --workers
-        registered_workers=(active if collective else c.workers) if c.elastic else 0,
+        registered_workers=(active if c.collective else c.workers) if c.elastic else 0,
         reshard=reshard,
     )
 

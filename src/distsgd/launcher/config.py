@@ -213,10 +213,17 @@ class LaunchConfig:
         return rule, lr_multiplier(rule, self.workers)
 
     @property
+    def collective(self) -> bool:
+        """Whether the run is collective (its scheme has no server half: the workers form one
+        process group, and there are no parameter servers), as the scheme registry says."""
+        return schemes.get(self.scheme).collective
+
+    @property
     def num_ps(self) -> int:
+        """``--ps``, or the scheme's default: 1 parameter server, none for a collective one."""
         if self.ps is not None:
             return self.ps
-        return 1 if schemes.get(self.scheme).uses_parameter_servers else 0
+        return 0 if self.collective else 1
 
     @property
     def threads_per_worker(self) -> int:

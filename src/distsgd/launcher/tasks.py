@@ -105,7 +105,7 @@ class LocalTasks:
         self.stop = stop
         self.num_ps = config.num_ps
         self.threads = config.threads_per_worker
-        self.collective = self.num_ps == 0
+        self.collective = config.collective
         self.ckpt_root = run_dir / "checkpoints"
         self.wal_root = run_dir / "wal"
         self.seen_versions: dict[int, int] = {}
