@@ -10,7 +10,7 @@ from typing import Any
 from distsgd.cluster import TaskId
 from distsgd.control.checkpoint.errors import CheckpointError
 from distsgd.control.checkpoint.store import DiskStore, ShardRef, WorkerStateRef
-from distsgd.control.errors import SETUP_ERROR_PREFIX
+from distsgd.control.errors import SetupErrorRecord
 from distsgd.control.folder import RESULT_FILE
 from distsgd.control.outcome import RunStatus
 from distsgd.control.recovery import (
@@ -116,8 +116,8 @@ class Restarts(LocalTasks):
             raise Diverged(reason)
         self._fault(task.name, code, step, "stop")
         if plan.reason == "setup_error":
-            said = [line for line in task.tail if SETUP_ERROR_PREFIX in line]
-            cause = said[-1].split(SETUP_ERROR_PREFIX, 1)[1] if said else "see its log"
+            said = SetupErrorRecord.load(self.run_dir, TaskId.parse(task.name))
+            cause = said.message if said is not None else "see its log"
             raise RunFailed(f"{task.name}: {cause}", status=RunStatus.SETUP_ERROR)
         tail = "\n".join(f"    {line}" for line in task.tail)
         how = "" if self.config.max_restarts == 0 else f" and has used its {plan.used} restarts"

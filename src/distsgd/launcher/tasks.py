@@ -15,9 +15,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from distsgd.cluster import ClusterSpec
+from distsgd.cluster import ClusterSpec, TaskId
 from distsgd.control.checkpoint.errors import IncompleteCheckpoint
 from distsgd.control.checkpoint.store import Checkpoint, latest_checkpoint
+from distsgd.control.errors import SetupErrorRecord
 from distsgd.control.folder import METRICS_FILE
 from distsgd.control.metrics import MetricsWriter
 from distsgd.control.rendezvous import host_store
@@ -227,6 +228,7 @@ class LocalTasks:
             reshard=reshard,
         )
         self.done.discard(f"worker{index}")
+        SetupErrorRecord.clear(self.run_dir, TaskId(job="worker", index=index))
         env = {**self.worker_env, ENV_VAR: task_env.to_json()}
         if self.gpus:  # each worker its own GPU (in turn, when there are more workers)
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[index % len(self.gpus)]
