@@ -56,3 +56,34 @@ def test_an_elastic_worker_registers_by_the_run_kind() -> None:
     assert _registered(collective, active=3) == 3
     assert _registered(ps, active=3) == 2
     assert _registered(LaunchConfig(script=SCRIPT, scheme="allreduce"), active=2) == 0
+
+
+def _saved(tmp_path: Path, **given: object) -> Path:
+    """A run folder holding the RunSpec of a launch with ``given``."""
+    config = LaunchConfig(script=SCRIPT, run_dir=tmp_path, **given)  # type: ignore[arg-type]
+    config.run_spec(run_id="abc").save(tmp_path)
+    return tmp_path
+
+
+def test_a_resumed_elastic_run_keeps_its_saved_bounds(tmp_path: Path) -> None:
+    """--resume without --min-workers/--max-workers (0 from the command line) comes back with
+    the saved bounds: an elastic run stays elastic."""
+    run_dir = _saved(tmp_path, scheme="allreduce", workers=2, min_workers=1, max_workers=4)
+    resumed = LaunchConfig.resumed(run_dir, min_workers=0, max_workers=0)
+    assert (resumed.lowest_workers, resumed.workers, resumed.highest_workers) == (1, 2, 4)
+    assert resumed.elastic and resumed.resume and resumed.run_id == "abc"
+    assert LaunchConfig.resumed(run_dir).highest_workers == 4  # not given at all: the same
+
+
+def test_bounds_given_on_resume_replace_the_saved_ones(tmp_path: Path) -> None:
+    run_dir = _saved(tmp_path, scheme="allreduce", workers=2, min_workers=1, max_workers=4)
+    resumed = LaunchConfig.resumed(run_dir, min_workers=2, max_workers=3)
+    assert (resumed.lowest_workers, resumed.highest_workers) == (2, 3)
+    fixed = LaunchConfig.resumed(run_dir, min_workers=2, max_workers=2)
+    assert not fixed.elastic
+
+
+def test_a_resumed_fixed_run_stays_fixed(tmp_path: Path) -> None:
+    run_dir = _saved(tmp_path, scheme="allreduce", workers=2)
+    resumed = LaunchConfig.resumed(run_dir, min_workers=0, max_workers=0)
+    assert not resumed.elastic and resumed.highest_workers == 2

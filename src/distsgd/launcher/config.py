@@ -259,10 +259,14 @@ class LaunchConfig:
     def resumed(cls, run_dir: Path, **knobs: Any) -> LaunchConfig:
         """The run saved in ``run_dir`` (its :class:`RunSpec`), to continue from its last
         checkpoint; ``knobs`` are the launch settings not saved (restarts, faults, TLS, ...),
-        and may give ``checkpoint_every``/``checkpoint_seconds`` anew."""
+        and may give ``checkpoint_every``/``checkpoint_seconds`` anew, and ``min_workers``/
+        ``max_workers`` (0 or absent: the saved bounds, so an elastic run stays elastic)."""
         spec = RunSpec.load(run_dir)
         knobs.setdefault("checkpoint_every", spec.checkpoint_every)
         knobs.setdefault("checkpoint_seconds", spec.checkpoint_seconds)
+        for name in ("min_workers", "max_workers"):
+            if not knobs.get(name):
+                knobs[name] = getattr(spec, name)
         return cls(
             script=spec.script,
             script_args=spec.script_args,
