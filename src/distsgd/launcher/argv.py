@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from distsgd.cluster import ClusterSpec, TaskId
+from distsgd.cluster import ClusterSpec, Role, TaskId
 from distsgd.control.faults import Fault
 from distsgd.control.task import TaskEnv
 from distsgd.launcher.config import LaunchConfig
@@ -92,4 +92,4 @@ def worker_task(
 def _worker_fault(fault: Fault, index: int) -> bool:
     """Whether worker ``index`` injects ``fault`` itself (a delay or partition of its own; kills
     are the launcher's)."""
-    return fault.task_id == TaskId(job="worker", index=index) and fault.kind != "kill"
+    return fault.task_id == TaskId(job=Role.WORKER, index=index) and fault.kind != "kill"

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
+from distsgd.cluster import Role
 from distsgd.control.config import TrainConfig, lr_multiplier
 from distsgd.control.faults import Fault
 from distsgd.control.folder import new_run_folder, runs_root
@@ -180,9 +181,9 @@ class LaunchConfig:
         for spec_text in self.faults:
             fault = Fault.parse(spec_text)
             # a run that may grow (--max-workers) has its later workers' indices too
-            count = self.num_ps if fault.job == "ps" else self.highest_workers
+            count = self.num_ps if fault.job == Role.PS else self.highest_workers
             if fault.index >= count:
-                most = " at most" if fault.job == "worker" and self.elastic else ""
+                most = " at most" if fault.job == Role.WORKER and self.elastic else ""
                 raise ValueError(
                     f"--inject-fault {spec_text}: there is no {fault.task} "
                     f"({count} {fault.job} tasks{most}); use an index below {count}"

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distsgd.cluster import TaskId, kube
+from distsgd.cluster import Role, TaskId, kube
 from distsgd.control.folder import METRICS_FILE, RESULT_FILE
 from distsgd.control.outcome import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from distsgd.control.recovery import (
@@ -375,7 +375,7 @@ class LocalCluster:
         line = [_map_path(expand(a, defined), mounts) for a in command[1:] + args]
         working = str(container.get("workingDir", APP_DIR))
         cwd = self.out_dir / SCRIPT_DIR if working == APP_DIR else Path(_map_path(working, mounts))
-        if pod.job == "worker" and "--run-dir" in line:
+        if pod.job == Role.WORKER and "--run-dir" in line:
             self.run_dir = Path(line[line.index("--run-dir") + 1])
         return [sys.executable, "-m", "distsgd", *line], cwd
 
@@ -525,7 +525,7 @@ def _plan(pod: Pod, code: int, used: int, backoff_limit: int) -> RestartPlan:
     """The restart planner's answer for a pod that exited with ``code`` (a restart in place
     while its Job has backoff left; the pod finds its own newest state when it starts).
     Replicated jobs other than ``ps`` restart as workers do."""
-    task = TaskId(job="ps" if pod.job == "ps" else "worker", index=pod.index)
+    task = TaskId(job=Role.PS if pod.job == Role.PS else Role.WORKER, index=pod.index)
     return plan_restart(
         TaskFailure(task=task, exit_code=code),
         RunTopology(collective=False, workers=1, min_workers=1, in_place=True),

@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from distsgd.cluster import TaskId
+from distsgd.cluster import Role, TaskId
 from distsgd.control.checkpoint.errors import CheckpointError
 from distsgd.control.checkpoint.store import DiskStore, ShardRef, WorkerStateRef
 from distsgd.control.errors import SetupErrorRecord
@@ -100,7 +100,7 @@ class Restarts(LocalTasks):
                 raise Interrupted
             if isinstance(plan, RestartAll):
                 self._restart_all(task.name, code, step, plan)
-            elif plan.task.job == "ps":
+            elif plan.task.job == Role.PS:
                 self._restart_ps(plan, code, step)
             else:
                 self._restart_worker(plan, code, step)
@@ -174,7 +174,7 @@ class Restarts(LocalTasks):
         index, shard = plan.task.index, plan.resume
         assert shard is None or isinstance(shard, ShardRef)
         seen = self.seen_versions.pop(index, None)  # the dead server's, read before it died
-        address = self.spec.address(self.spec.task("ps", index))
+        address = self.spec.address(self.spec.task(Role.PS, index))
         try:
             self.start_ps(index, address=address, restore=None if shard is None else shard.path)
         except RunFailed as exc:  # e.g. its old port was taken meanwhile, or an unreadable log
@@ -234,7 +234,7 @@ class Restarts(LocalTasks):
         task = self.supervisor.tasks.get(f"ps{index}")
         if task is None or task.poll() is not None:
             return None
-        address = self.spec.address(self.spec.task("ps", index))
+        address = self.spec.address(self.spec.task(Role.PS, index))
         reply = read_info(address, run_id=self.run_id, secret=self.secret, tls=self.config.tls)
         if reply is not None and reply.registered:
             self.seen_versions[index] = max(self.seen_versions.get(index, 0), reply.version)
@@ -245,7 +245,7 @@ class Restarts(LocalTasks):
         it about those that have finished since (their processes are gone and cannot): the
         ones done now, and each one that exits later (it may have left the dead process just
         before the kill, or the restored one while the launcher was restarting it)."""
-        address = self.spec.address(self.spec.task("ps", index))
+        address = self.spec.address(self.spec.task(Role.PS, index))
         failed = tell_finished(
             address, finished, run_id=self.run_id, secret=self.secret, tls=self.config.tls
         )
