@@ -24,7 +24,6 @@ from distsgd.control.errors import (
     SetupError,
     SetupErrorRecord,
 )
-from distsgd.control.task import TaskEnv
 from distsgd.launcher.lifeline import limit_threads, tie_to_parent
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -72,6 +71,8 @@ def run_script(script: str, args: Sequence[str]) -> int:
 def record_setup_error(exc: SetupError, environ: Mapping[str, str] | None = None) -> None:
     """Leave ``exc`` as this task's :class:`SetupErrorRecord` in its run folder, for the
     launcher to report; nothing when the task has no run folder (a script run alone)."""
+    from distsgd.control.task import TaskEnv  # here: ``distsgd server`` imports this module
+
     try:
         env = TaskEnv.from_environ(environ)
     except (ValueError, TypeError):  # a damaged DISTSGD_TASK: the training said so already
