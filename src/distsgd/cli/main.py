@@ -15,7 +15,7 @@ from typing import Any
 from distsgd import schemes
 from distsgd.cli.flags import DEMO_SCRIPT, checkpoint_every, collect, scheme_options
 from distsgd.cli.parser import build_parser, parse_argv
-from distsgd.cluster import ClusterSpecError, resolve_cluster
+from distsgd.cluster import ClusterSpecError, Role, resolve_cluster
 from distsgd.util import private_dir
 
 DEBUG_ENV = "DISTSGD_DEBUG"
@@ -151,12 +151,12 @@ def _cmd_server(args: argparse.Namespace) -> int:
     spec, tf_task = resolve_cluster(
         cluster_file=args.cluster, ps_hosts=args.ps_hosts, worker_hosts=args.worker_hosts
     )
-    if args.job != "ps":
+    if args.job != Role.PS:
         raise ValueError(
             f"--job {args.job}: 'distsgd server' runs ps tasks; run workers with 'distsgd worker'"
         )
     index = _task_index(args.task, tf_task, "ps")
-    task = spec.task("ps", index)
+    task = spec.task(Role.PS, index)
     tls, secret = _tls(args), load_secret()
     if args.restore is not None and not args.restore.is_file():
         raise ValueError(f"--restore {args.restore}: no such file; give a psN.npz of a checkpoint")
@@ -207,7 +207,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         cluster_file=args.cluster, ps_hosts=args.ps_hosts, worker_hosts=args.worker_hosts
     )
     index = _task_index(args.task, tf_task, "worker")
-    spec.task("worker", index)
+    spec.task(Role.WORKER, index)
     options = scheme_options(args)
     scheme = schemes.get(args.scheme)
     scheme.worker(scheme.parse_options(options), spec.num_workers)
@@ -223,7 +223,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         from distsgd.control.recovery import resume_point
 
         store = DiskStore(Path(args.run_dir) / "checkpoints")
-        state = resume_point(spec.task("worker", index), store).resume
+        state = resume_point(spec.task(Role.WORKER, index), store).resume
         resume = None if state is None else state.path
     env = TaskEnv(
         cluster=spec.to_dict(),

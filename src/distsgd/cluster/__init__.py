@@ -11,6 +11,7 @@ from .spec import (
     JOBS,
     ClusterSpec,
     ClusterSpecError,
+    Role,
     TaskId,
     parse_tf_config,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "JOBS",
     "ClusterSpec",
     "ClusterSpecError",
+    "Role",
     "TaskId",
     "apply_host_aliases",
     "cluster_from_jobset",

@@ -38,7 +38,7 @@ import os
 import re
 from collections.abc import Mapping
 
-from .spec import ClusterSpec, ClusterSpecError, TaskId
+from .spec import ClusterSpec, ClusterSpecError, Role, TaskId
 
 __all__ = [
     "COMPLETION_INDEX_ENV",
@@ -154,7 +154,8 @@ def cluster_from_jobset(
             f"{SUBDOMAIN_ENV}={subdomain!r} is not a DNS label; use the JobSet's "
             "network.subdomain, or unset it"
         )
-    count = num_ps if job == "ps" else num_workers
+    role = Role(job)
+    count = num_ps if role == Role.PS else num_workers
     index_text = env.get(COMPLETION_INDEX_ENV, "").strip()
     try:
         index = int(index_text)
@@ -174,7 +175,7 @@ def cluster_from_jobset(
         return tuple(f"{pod_hostname(name, job_name, i)}.{subdomain}:{port}" for i in range(n))
 
     spec = ClusterSpec(ps=addresses("ps", num_ps), worker=addresses("worker", num_workers))
-    return spec, TaskId(job=job, index=index)
+    return spec, TaskId(job=role, index=index)
 
 
 # --------------------------------------------------------------------------- hosts override

@@ -25,6 +25,7 @@ and saying how to fix it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import ipaddress
 import json
 import os
@@ -36,12 +37,24 @@ __all__ = [
     "JOBS",
     "ClusterSpec",
     "ClusterSpecError",
+    "Role",
     "TaskId",
     "parse_tf_config",
 ]
 
-JOBS = ("ps", "worker")
-"""The job names of a distsgd cluster, in task order."""
+
+class Role(enum.StrEnum):
+    """A task's job in the cluster. Its value is the job's name, so a role reads, prints and
+    goes into JSON as ``"ps"`` or ``"worker"`` (and equals that text)."""
+
+    PS = "ps"
+    """A parameter server: holds a shard of the parameters and applies the scheme's rule."""
+    WORKER = "worker"
+    """A training worker (worker 0 is the chief)."""
+
+
+JOBS = (Role.PS, Role.WORKER)
+"""The jobs of a distsgd cluster, in task order."""
 
 _CHIEF = "chief"
 _ALLOWED_JOBS_TEXT = "allowed jobs are ps, worker (and TF_CONFIG's chief)"
@@ -67,14 +80,16 @@ def _type_name(value: object) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class TaskId:
-    """One task of a cluster: a job name (``"ps"`` or ``"worker"``) and an index."""
+    """One task of a cluster: its role (:class:`Role`; given as ``"ps"`` or ``"worker"`` it
+    becomes one) and an index."""
 
-    job: str
+    job: Role
     index: int
 
     def __post_init__(self) -> None:
         if self.job not in JOBS:
             raise ClusterSpecError(f"task.job: unknown job {self.job!r}; use one of ps, worker")
+        object.__setattr__(self, "job", Role(self.job))
         if isinstance(self.index, bool) or not isinstance(self.index, int):
             raise ClusterSpecError(
                 f"task.index: expected an integer, got {_type_name(self.index)} "
@@ -91,7 +106,7 @@ class TaskId:
     @property
     def is_chief(self) -> bool:
         """True for worker 0, which saves checkpoints and reports results."""
-        return self.job == "worker" and self.index == 0
+        return self.job == Role.WORKER and self.index == 0
 
     @classmethod
     def parse(cls, text: str) -> TaskId:
@@ -101,13 +116,13 @@ class TaskId:
             raise ClusterSpecError(
                 f"task {text!r}: expected job:index with job ps or worker, e.g. worker:0 or ps:1"
             )
-        return cls(job=match.group(1), index=int(match.group(2)))
+        return cls(job=Role(match.group(1)), index=int(match.group(2)))
 
 
 def _range_error(job: str, index: int, count: int, *, prefix: str, fix: str) -> ClusterSpecError:
     hint = f"this cluster has no {job} tasks" if count == 0 else f"use {fix}0..{count - 1}"
     return ClusterSpecError(
-        f"{prefix}index {index} out of range for job {job!r} ({count} tasks); {hint}"
+        f"{prefix}index {index} out of range for job {str(job)!r} ({count} tasks); {hint}"
     )
 
 
@@ -241,7 +256,7 @@ class ClusterSpec:
         return len(self.worker)
 
     def _job_addresses(self, job: str) -> tuple[str, ...]:
-        return self.ps if job == "ps" else self.worker
+        return self.ps if job == Role.PS else self.worker
 
     def tasks(self) -> list[TaskId]:
         """All tasks: parameter servers first, then workers."""
@@ -252,15 +267,15 @@ class ClusterSpec:
     def task(self, job: str, index: int) -> TaskId:
         """The task ``job:index``, checked against this cluster."""
         if job not in JOBS:
-            raise ClusterSpecError(f"unknown job {job!r}; allowed jobs are ps, worker")
+            raise ClusterSpecError(f"unknown job {str(job)!r}; allowed jobs are ps, worker")
         if isinstance(index, bool) or not isinstance(index, int):
             raise ClusterSpecError(
-                f"task index {index!r} for job {job!r} is not an integer; use --task 0..N-1"
+                f"task index {index!r} for job {str(job)!r} is not an integer; use --task 0..N-1"
             )
         count = len(self._job_addresses(job))
         if not 0 <= index < count:
             raise _range_error(job, index, count, prefix="task ", fix="--task ")
-        return TaskId(job=job, index=index)
+        return TaskId(job=Role(job), index=index)
 
     def address(self, task: TaskId) -> str:
         """The ``host:port`` of ``task``."""
@@ -458,13 +473,13 @@ def _parse_tf_task(task: object, parsed: _Parsed) -> TaskId:
     spec = parsed.spec
     if job == _CHIEF:
         count, offset = (1 if parsed.has_chief else 0), 0
-    elif job == "worker":
+    elif job == Role.WORKER:
         count, offset = (parsed.tf_workers, 1) if parsed.has_chief else (spec.num_workers, 0)
     else:
         count, offset = spec.num_ps, 0
     if not 0 <= index < count:
         raise _range_error(job, index, count, prefix="TF_CONFIG.task.index: ", fix="")
-    return TaskId(job="ps" if job == "ps" else "worker", index=index + offset)
+    return TaskId(job=Role.PS if job == Role.PS else Role.WORKER, index=index + offset)
 
 
 def parse_tf_config(text: str) -> tuple[ClusterSpec, TaskId | None]:

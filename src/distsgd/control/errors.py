@@ -1,15 +1,59 @@
-"""Typed outcomes of a worker task that the launcher acts on by exit code."""
+"""Typed outcomes of a worker task that the launcher acts on by exit code, and the record of a
+setup error that the worker leaves in the run folder for the launcher to read
+(:class:`SetupErrorRecord`)."""
 
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from distsgd.cluster import TaskId
+from distsgd.util import write_atomic
 
 SETUP_EXIT_CODE = 87
 """Exit code of a worker task that refused its setup (:class:`SetupError`): the launcher does
 not restart it, since the same script and flags would fail the same way."""
 
 SETUP_ERROR_PREFIX = "distsgd: error: "
-"""How the task's last stderr line begins; the launcher shows that line as the run's error."""
+"""How the task's stderr line about its setup error begins (for people reading its log)."""
 
 
 class SetupError(ValueError):
     """A user mistake found before (or at) the first step: settings a scheme cannot honour,
     data it cannot read, a loop that bypasses the scheme. One line: the cause and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SetupErrorRecord:
+    """Why a worker refused its setup, as it writes it to the run folder before it exits with
+    :data:`SETUP_EXIT_CODE` (``<task>.setup-error.json``); the launcher reports ``message``."""
+
+    task: TaskId
+    """The worker that refused."""
+    message: str
+    """The :class:`SetupError`'s message: the cause and the fix."""
+
+    @staticmethod
+    def path(run_dir: Path, task: TaskId) -> Path:
+        """Where ``task`` writes its record in ``run_dir``."""
+        return Path(run_dir) / f"{task.name}.setup-error.json"
+
+    def save(self, run_dir: Path) -> None:
+        """Write the record into ``run_dir``, atomically."""
+        data = {"task": self.task.name, "message": self.message}
+        write_atomic(self.path(run_dir, self.task), json.dumps(data) + "\n")
+
+    @classmethod
+    def load(cls, run_dir: Path, task: TaskId) -> SetupErrorRecord | None:
+        """``task``'s record in ``run_dir``; None when it wrote none (or an unreadable one)."""
+        try:
+            data = json.loads(cls.path(run_dir, task).read_text())
+            return cls(task=TaskId.parse(str(data["task"])), message=str(data["message"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    @classmethod
+    def clear(cls, run_dir: Path, task: TaskId) -> None:
+        """Remove ``task``'s record (before it starts again: an old one would say a stale cause)."""
+        cls.path(run_dir, task).unlink(missing_ok=True)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from distsgd.cluster import TaskId
+from distsgd.cluster import Role, TaskId
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class Fault:
     @property
     def task_id(self) -> TaskId:
         """The task the fault is injected into."""
-        return TaskId(job=self.job, index=self.index)
+        return TaskId(job=Role(self.job), index=self.index)
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -76,7 +76,7 @@ class Fault:
             raise ValueError(
                 f"bad --inject-fault {text!r}: partition needs @step=N+DURATION; {usage}"
             )
-        if kind != "kill" and fault.job != "worker":
+        if kind != "kill" and fault.job != Role.WORKER:
             raise ValueError(
                 f"bad --inject-fault {text!r}: only workers can be delayed or partitioned"
             )

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from distsgd.cluster import TaskId
+from distsgd.cluster import Role, TaskId
 from distsgd.control.checkpoint.store import Checkpoint, ShardRef, WorkerStateRef
 from distsgd.control.divergence import DIVERGED_EXIT_CODE
 from distsgd.control.errors import SETUP_EXIT_CODE
@@ -218,7 +218,7 @@ def _can_drop(task: TaskId, run: RunTopology) -> bool:
         run.elastic
         and not run.collective
         and not run.in_place
-        and task.job == "worker"
+        and task.job == Role.WORKER
         and task.index != 0
         and run.workers - 1 >= run.min_workers
     )
@@ -229,7 +229,7 @@ def plan_restart(
 ) -> RestartPlan:
     """What to do about ``failure`` (the rules are in this module's docstring)."""
     task = failure.task
-    if task.job == "worker" and failure.kind in ("diverged", "setup_error"):
+    if task.job == Role.WORKER and failure.kind in ("diverged", "setup_error"):
         return Stop(reason="diverged" if failure.kind == "diverged" else "setup_error")
     used = budget.in_a_row
     if used >= budget.max_restarts:
@@ -241,7 +241,7 @@ def plan_restart(
     if run.in_place:
         own = _own_newest(task, run, store)
         return Restart(task=task, resume=own, attempt=attempt, backoff=wait)
-    if task.job == "ps":
+    if task.job == Role.PS:
         shard = store.newest_shard(task.index)
         if shard is None and not store.has_wal(task.index):
             why = "no checkpoint to restore the shard from"
@@ -259,7 +259,7 @@ def plan_restart(
 def _own_newest(
     task: TaskId, run: RunTopology, store: StoreView
 ) -> WorkerStateRef | ShardRef | None:
-    if task.job == "ps":
+    if task.job == Role.PS:
         return store.newest_shard(task.index)
     return store.newest_worker(task.index) if run.checkpointing else None
 

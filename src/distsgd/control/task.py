@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distsgd.cluster import ClusterSpec, TaskId
+from distsgd.cluster import ClusterSpec, Role, TaskId
 from distsgd.control.faults import Fault
 from distsgd.transport.security import TlsConfig
 
@@ -133,7 +133,7 @@ class TaskEnv:
 
     def __post_init__(self) -> None:
         spec = self.spec
-        spec.task("worker", self.task_index)
+        spec.task(Role.WORKER, self.task_index)
         if not 0 <= self.registered_workers <= spec.num_workers:
             raise ValueError(
                 f"registered_workers must be in 0..{spec.num_workers} (the cluster's workers), "
@@ -165,7 +165,7 @@ class TaskEnv:
 
     @property
     def task(self) -> TaskId:
-        return TaskId(job="worker", index=self.task_index)
+        return TaskId(job=Role.WORKER, index=self.task_index)
 
     def with_ps_addresses(self, timeout: float, poll: float = 0.02) -> TaskEnv:
         """A copy whose ps addresses with port 0 are read from ``ps_address_files``, waiting up

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from distsgd.cluster import ClusterSpec, TaskId
+from distsgd.cluster import ClusterSpec, Role, TaskId
 from distsgd.control.faults import Fault
 from distsgd.control.task import TaskEnv
 from distsgd.launcher.config import LaunchConfig
@@ -64,7 +64,6 @@ def worker_task(
 ) -> TaskEnv:
     """Worker ``index``'s task in a cluster of ``active`` workers started now."""
     c = config
-    collective = c.num_ps == 0
     return TaskEnv(
         cluster=spec.to_dict(),
         task_index=index,
@@ -85,7 +84,7 @@ def worker_task(
         faults=tuple(fault for fault in map(Fault.parse, c.faults) if _worker_fault(fault, index)),
         # an elastic cluster lists --max-workers workers: a collective one trains with those
         # started now (a process group's size), a parameter-server one registers --workers
-        registered_workers=(active if collective else c.workers) if c.elastic else 0,
+        registered_workers=(active if c.collective else c.workers) if c.elastic else 0,
         reshard=reshard,
     )
 
@@ -93,4 +92,4 @@ def worker_task(
 def _worker_fault(fault: Fault, index: int) -> bool:
     """Whether worker ``index`` injects ``fault`` itself (a delay or partition of its own; kills
     are the launcher's)."""
-    return fault.task_id == TaskId(job="worker", index=index) and fault.kind != "kill"
+    return fault.task_id == TaskId(job=Role.WORKER, index=index) and fault.kind != "kill"

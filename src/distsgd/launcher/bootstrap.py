@@ -14,11 +14,16 @@ import logging
 import os
 import runpy
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from distsgd.control.divergence import DIVERGED_EXIT_CODE, Diverged
-from distsgd.control.errors import SETUP_ERROR_PREFIX, SETUP_EXIT_CODE, SetupError
+from distsgd.control.errors import (
+    SETUP_ERROR_PREFIX,
+    SETUP_EXIT_CODE,
+    SetupError,
+    SetupErrorRecord,
+)
 from distsgd.launcher.lifeline import limit_threads, tie_to_parent
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -51,6 +56,7 @@ def run_script(script: str, args: Sequence[str]) -> int:
     except SetupError as exc:  # the same script and flags would fail again: no traceback
         logging.getLogger(__name__).debug("setup refused", exc_info=True)
         print(f"{SETUP_ERROR_PREFIX}{exc}", file=sys.stderr)
+        record_setup_error(exc)
         return SETUP_EXIT_CODE
     if api.calls == 0:
         print(
@@ -60,6 +66,23 @@ def run_script(script: str, args: Sequence[str]) -> int:
         )
         return 3
     return 0
+
+
+def record_setup_error(exc: SetupError, environ: Mapping[str, str] | None = None) -> None:
+    """Leave ``exc`` as this task's :class:`SetupErrorRecord` in its run folder, for the
+    launcher to report; nothing when the task has no run folder (a script run alone)."""
+    from distsgd.control.task import TaskEnv  # here: ``distsgd server`` imports this module
+
+    try:
+        env = TaskEnv.from_environ(environ)
+    except (ValueError, TypeError):  # a damaged DISTSGD_TASK: the training said so already
+        return
+    if env is None or not env.run_dir or env.standalone_run:
+        return
+    try:
+        SetupErrorRecord(task=env.task, message=str(exc)).save(Path(env.run_dir))
+    except OSError as err:
+        logging.getLogger(__name__).warning("could not record the setup error: %s", err)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
+from distsgd.cluster import Role
 from distsgd.control.config import TrainConfig, lr_multiplier
 from distsgd.control.faults import Fault
 from distsgd.control.folder import new_run_folder, runs_root
@@ -180,9 +181,9 @@ class LaunchConfig:
         for spec_text in self.faults:
             fault = Fault.parse(spec_text)
             # a run that may grow (--max-workers) has its later workers' indices too
-            count = self.num_ps if fault.job == "ps" else self.highest_workers
+            count = self.num_ps if fault.job == Role.PS else self.highest_workers
             if fault.index >= count:
-                most = " at most" if fault.job == "worker" and self.elastic else ""
+                most = " at most" if fault.job == Role.WORKER and self.elastic else ""
                 raise ValueError(
                     f"--inject-fault {spec_text}: there is no {fault.task} "
                     f"({count} {fault.job} tasks{most}); use an index below {count}"
@@ -213,10 +214,17 @@ class LaunchConfig:
         return rule, lr_multiplier(rule, self.workers)
 
     @property
+    def collective(self) -> bool:
+        """Whether the run is collective (its scheme has no server half: the workers form one
+        process group, and there are no parameter servers), as the scheme registry says."""
+        return schemes.get(self.scheme).collective
+
+    @property
     def num_ps(self) -> int:
+        """``--ps``, or the scheme's default: 1 parameter server, none for a collective one."""
         if self.ps is not None:
             return self.ps
-        return 1 if schemes.get(self.scheme).uses_parameter_servers else 0
+        return 0 if self.collective else 1
 
     @property
     def threads_per_worker(self) -> int:
@@ -252,10 +260,14 @@ class LaunchConfig:
     def resumed(cls, run_dir: Path, **knobs: Any) -> LaunchConfig:
         """The run saved in ``run_dir`` (its :class:`RunSpec`), to continue from its last
         checkpoint; ``knobs`` are the launch settings not saved (restarts, faults, TLS, ...),
-        and may give ``checkpoint_every``/``checkpoint_seconds`` anew."""
+        and may give ``checkpoint_every``/``checkpoint_seconds`` anew, and ``min_workers``/
+        ``max_workers`` (0 or absent: the saved bounds, so an elastic run stays elastic)."""
         spec = RunSpec.load(run_dir)
         knobs.setdefault("checkpoint_every", spec.checkpoint_every)
         knobs.setdefault("checkpoint_seconds", spec.checkpoint_seconds)
+        for name in ("min_workers", "max_workers"):
+            if not knobs.get(name):
+                knobs[name] = getattr(spec, name)
         return cls(
             script=spec.script,
             script_args=spec.script_args,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
-from distsgd.cluster import TaskId
+from distsgd.cluster import Role, TaskId
 from distsgd.control.spec import RunSpec
 from distsgd.control.task import TaskEnv
 from distsgd.launcher.scale import launcher_alive
@@ -49,7 +49,7 @@ def _taken(run_dir: Path) -> set[int]:
             task = TaskId.parse(name)
         except ValueError:
             continue
-        if task.job != "worker" or not isinstance(pid, int):
+        if task.job != Role.WORKER or not isinstance(pid, int):
             continue
         try:
             os.kill(pid, 0)

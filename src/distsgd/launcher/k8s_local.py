@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distsgd.cluster import TaskId, kube
+from distsgd.cluster import Role, TaskId, kube
 from distsgd.control.folder import METRICS_FILE, RESULT_FILE
+from distsgd.control.outcome import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from distsgd.control.recovery import (
     NothingStored,
     RestartBudget,
@@ -57,6 +58,7 @@ from distsgd.control.recovery import (
     TaskFailure,
     plan_restart,
 )
+from distsgd.launcher.errors import Interrupted, RunFailed
 from distsgd.launcher.k8s import APP_DIR, JOBSET_FILE, SCRIPT_DIR, SECRET_FILE, _yaml
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.progress import Console, Progress
@@ -64,7 +66,6 @@ from distsgd.launcher.supervisor import Supervisor, Task
 from distsgd.util import write_atomic
 from distsgd.util.signals import setter
 
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 READY_TIMEOUT = 120.0
 """Seconds a pod may take to pass its readiness probe."""
@@ -85,14 +86,6 @@ _CLEARED_ENV = (
     kube.SUBDOMAIN_ENV,
 )
 """Inherited variables a pod would not have (they would change who a task thinks it is)."""
-
-
-class LocalRunError(ValueError):
-    """The rendered files cannot be run, or a pod failed; one line that says which and why."""
-
-
-class Interrupted(Exception):
-    """Ctrl-C or SIGTERM."""
 
 
 # ------------------------------------------------------------------------------- the manifest
@@ -117,7 +110,7 @@ def _get(obj: Any, *keys: str | int, where: str, default: Any = ...) -> Any:
             if default is not ...:
                 return default
             path = ".".join(str(k) for k in keys)
-            raise LocalRunError(f"{where}: no {path}; render the folder again") from None
+            raise ValueError(f"{where}: no {path}; render the folder again") from None
     return obj
 
 
@@ -158,7 +151,7 @@ def plan(jobset: Mapping[str, Any]) -> tuple[str, str, list[ReplicatedJob]]:
     """(JobSet name, subdomain, its replicated jobs with their pods) from the JobSet object."""
     where = JOBSET_FILE
     if jobset.get("kind") != "JobSet":
-        raise LocalRunError(f"{where}: expected a JobSet, got kind {jobset.get('kind')!r}")
+        raise ValueError(f"{where}: expected a JobSet, got kind {jobset.get('kind')!r}")
     name = str(_get(jobset, "metadata", "name", where=where))
     spec = _get(jobset, "spec", where=where)
     subdomain = str(_get(spec, "network", "subdomain", where=where, default="") or name)
@@ -170,7 +163,7 @@ def plan(jobset: Mapping[str, Any]) -> tuple[str, str, list[ReplicatedJob]]:
         pod_template = _get(job_spec, "template", where=where)
         containers = _get(pod_template, "spec", "containers", where=where)
         if len(containers) != 1:
-            raise LocalRunError(f"{where}: {rname} has {len(containers)} containers; expected 1")
+            raise ValueError(f"{where}: {rname} has {len(containers)} containers; expected 1")
         volumes = {
             str(v["name"]): v
             for v in _get(pod_template, "spec", "volumes", where=where, default=[])
@@ -241,7 +234,7 @@ def _field_ref(pod: Pod, path: str, namespace: str, annotations: Mapping[str, st
         return f"{pod.job_name}-{pod.index}"
     if path == "metadata.namespace":
         return namespace
-    raise LocalRunError(f"pod {pod.name}: k8s local cannot provide fieldRef {path!r}")
+    raise ValueError(f"pod {pod.name}: k8s local cannot provide fieldRef {path!r}")
 
 
 def _free_ports(count: int) -> list[int]:
@@ -277,9 +270,7 @@ class LocalCluster:
         docs = _load_yaml(out_dir / JOBSET_FILE)
         jobsets = [d for d in docs if isinstance(d, dict) and d.get("kind") == "JobSet"]
         if len(jobsets) != 1:
-            raise LocalRunError(
-                f"{out_dir / JOBSET_FILE}: expected one JobSet, found {len(jobsets)}"
-            )
+            raise ValueError(f"{out_dir / JOBSET_FILE}: expected one JobSet, found {len(jobsets)}")
         self.jobset = jobsets[0]
         self.namespace = str(self.jobset.get("metadata", {}).get("namespace", "default"))
         self.name, self.subdomain, self.jobs = plan(self.jobset)
@@ -307,7 +298,7 @@ class LocalCluster:
         for mount in pod.container.get("volumeMounts", []) or []:
             volume = pod.volumes.get(str(mount["name"]))
             if volume is None:
-                raise LocalRunError(f"pod {pod.name}: volumeMount {mount['name']!r} has no volume")
+                raise ValueError(f"pod {pod.name}: volumeMount {mount['name']!r} has no volume")
             if "persistentVolumeClaim" in volume:
                 local = self.local_dir / str(volume["persistentVolumeClaim"]["claimName"])
                 local.mkdir(parents=True, exist_ok=True)
@@ -316,16 +307,14 @@ class LocalCluster:
             elif "emptyDir" in volume:
                 local = Path(tempfile.mkdtemp(prefix=f"{pod.name}-", dir=self.private))
             else:
-                raise LocalRunError(
-                    f"pod {pod.name}: k8s local cannot mount volume {mount['name']!r}"
-                )
+                raise ValueError(f"pod {pod.name}: k8s local cannot mount volume {mount['name']!r}")
             mounts.append((str(mount["mountPath"]), local))
         return sorted(mounts, key=lambda m: -len(m[0]))
 
     def _secret_volume(self, pod: Pod, source: Mapping[str, Any]) -> Path:
         name = str(source["secretName"])
         if name not in self.secrets:
-            raise LocalRunError(f"pod {pod.name}: Secret {name!r} is not in {SECRET_FILE}")
+            raise ValueError(f"pod {pod.name}: Secret {name!r} is not in {SECRET_FILE}")
         folder = self.private / f"secret-{name}"
         if not folder.is_dir():
             folder.mkdir(mode=0o700)
@@ -365,7 +354,7 @@ class LocalCluster:
                 ref = entry["valueFrom"]["secretKeyRef"]
                 value = self.secrets.get(str(ref["name"]), {}).get(str(ref["key"]), "")
             else:
-                raise LocalRunError(f"pod {pod.name}: k8s local cannot provide env {name}")
+                raise ValueError(f"pod {pod.name}: k8s local cannot provide env {name}")
             defined[name] = value
         env.update({k: _map_path(v, mounts) for k, v in defined.items()})
         own = f"127.0.0.1:{pod.port}"
@@ -380,13 +369,13 @@ class LocalCluster:
         command = [str(c) for c in container.get("command", []) or []]
         args = [str(a) for a in container.get("args", []) or []]
         if not command or command[0] != "distsgd":
-            raise LocalRunError(
+            raise ValueError(
                 f"pod {pod.name}: k8s local runs distsgd containers only, got command {command}"
             )
         line = [_map_path(expand(a, defined), mounts) for a in command[1:] + args]
         working = str(container.get("workingDir", APP_DIR))
         cwd = self.out_dir / SCRIPT_DIR if working == APP_DIR else Path(_map_path(working, mounts))
-        if pod.job == "worker" and "--run-dir" in line:
+        if pod.job == Role.WORKER and "--run-dir" in line:
             self.run_dir = Path(line[line.index("--run-dir") + 1])
         return [sys.executable, "-m", "distsgd", *line], cwd
 
@@ -412,7 +401,7 @@ class LocalCluster:
         ports = {p.get("containerPort") for p in pod.container.get("ports", []) or []}
         ports |= {p.get("name") for p in pod.container.get("ports", []) or []}
         if port not in ports:
-            raise LocalRunError(f"pod {pod.name}: readiness probe port {port} is not a port of it")
+            raise ValueError(f"pod {pod.name}: readiness probe port {port} is not a port of it")
         return pod.port
 
     def _ready(self, pod: Pod) -> bool:
@@ -425,7 +414,7 @@ class LocalCluster:
         for job in self.jobs:
             if job.name == name:
                 return job
-        raise LocalRunError(f"{JOBSET_FILE}: dependsOn names no replicated job {name!r}")
+        raise ValueError(f"{JOBSET_FILE}: dependsOn names no replicated job {name!r}")
 
     def _wait_for(self, job: ReplicatedJob, status: str) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
@@ -436,7 +425,7 @@ class LocalCluster:
             if status == "Complete" and all(p.exit_code == 0 for p in job.pods):
                 return
             if time.monotonic() > deadline:
-                raise LocalRunError(
+                raise RunFailed(
                     f"the pods of {job.name} were not {status} within {READY_TIMEOUT:.0f}s; "
                     f"see {self.local_dir / 'logs'}"
                 )
@@ -459,7 +448,7 @@ class LocalCluster:
                 used = job.failures.get(pod.job_index, 0)
                 if isinstance(_plan(pod, code, used, job.backoff_limit), Stop):
                     tail = "\n".join(f"    {line}" for line in list(pod.task.tail)[-8:])
-                    raise LocalRunError(
+                    raise RunFailed(
                         f"pod {pod.name} failed (exit code {code}) and Job {pod.job_name} has "
                         f"used its backoffLimit of {job.backoff_limit}; on a cluster JobSet's "
                         f"failurePolicy would now restart the JobSet; its last log lines:\n"
@@ -536,7 +525,7 @@ def _plan(pod: Pod, code: int, used: int, backoff_limit: int) -> RestartPlan:
     """The restart planner's answer for a pod that exited with ``code`` (a restart in place
     while its Job has backoff left; the pod finds its own newest state when it starts).
     Replicated jobs other than ``ps`` restart as workers do."""
-    task = TaskId(job="ps" if pod.job == "ps" else "worker", index=pod.index)
+    task = TaskId(job=Role.PS if pod.job == Role.PS else Role.WORKER, index=pod.index)
     return plan_restart(
         TaskFailure(task=task, exit_code=code),
         RunTopology(collective=False, workers=1, min_workers=1, in_place=True),
@@ -581,7 +570,7 @@ def run_local(
     except Interrupted:
         console.final(f"distsgd: interrupted; stopping {len(cluster.supervisor.tasks)} pods")
         return EXIT_INTERRUPTED
-    except LocalRunError as exc:
+    except (RunFailed, ValueError) as exc:  # a pod failed, or the rendered files cannot run
         console.error(f"distsgd: error: {exc}")
         return EXIT_FAILED
     finally:

@@ -7,10 +7,10 @@ import json
 import time
 from typing import Any
 
-from distsgd.cluster import TaskId
+from distsgd.cluster import Role, TaskId
 from distsgd.control.checkpoint.errors import CheckpointError
 from distsgd.control.checkpoint.store import DiskStore, ShardRef, WorkerStateRef
-from distsgd.control.errors import SETUP_ERROR_PREFIX
+from distsgd.control.errors import SetupErrorRecord
 from distsgd.control.folder import RESULT_FILE
 from distsgd.control.outcome import RunStatus
 from distsgd.control.recovery import (
@@ -100,7 +100,7 @@ class Restarts(LocalTasks):
                 raise Interrupted
             if isinstance(plan, RestartAll):
                 self._restart_all(task.name, code, step, plan)
-            elif plan.task.job == "ps":
+            elif plan.task.job == Role.PS:
                 self._restart_ps(plan, code, step)
             else:
                 self._restart_worker(plan, code, step)
@@ -116,8 +116,8 @@ class Restarts(LocalTasks):
             raise Diverged(reason)
         self._fault(task.name, code, step, "stop")
         if plan.reason == "setup_error":
-            said = [line for line in task.tail if SETUP_ERROR_PREFIX in line]
-            cause = said[-1].split(SETUP_ERROR_PREFIX, 1)[1] if said else "see its log"
+            said = SetupErrorRecord.load(self.run_dir, TaskId.parse(task.name))
+            cause = said.message if said is not None else "see its log"
             raise RunFailed(f"{task.name}: {cause}", status=RunStatus.SETUP_ERROR)
         tail = "\n".join(f"    {line}" for line in task.tail)
         how = "" if self.config.max_restarts == 0 else f" and has used its {plan.used} restarts"
@@ -174,7 +174,7 @@ class Restarts(LocalTasks):
         index, shard = plan.task.index, plan.resume
         assert shard is None or isinstance(shard, ShardRef)
         seen = self.seen_versions.pop(index, None)  # the dead server's, read before it died
-        address = self.spec.address(self.spec.task("ps", index))
+        address = self.spec.address(self.spec.task(Role.PS, index))
         try:
             self.start_ps(index, address=address, restore=None if shard is None else shard.path)
         except RunFailed as exc:  # e.g. its old port was taken meanwhile, or an unreadable log
@@ -234,7 +234,7 @@ class Restarts(LocalTasks):
         task = self.supervisor.tasks.get(f"ps{index}")
         if task is None or task.poll() is not None:
             return None
-        address = self.spec.address(self.spec.task("ps", index))
+        address = self.spec.address(self.spec.task(Role.PS, index))
         reply = read_info(address, run_id=self.run_id, secret=self.secret, tls=self.config.tls)
         if reply is not None and reply.registered:
             self.seen_versions[index] = max(self.seen_versions.get(index, 0), reply.version)
@@ -245,7 +245,7 @@ class Restarts(LocalTasks):
         it about those that have finished since (their processes are gone and cannot): the
         ones done now, and each one that exits later (it may have left the dead process just
         before the kill, or the restored one while the launcher was restarting it)."""
-        address = self.spec.address(self.spec.task("ps", index))
+        address = self.spec.address(self.spec.task(Role.PS, index))
         failed = tell_finished(
             address, finished, run_id=self.run_id, secret=self.secret, tls=self.config.tls
         )

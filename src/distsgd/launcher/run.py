@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
-from distsgd.cluster import TaskId
+from distsgd.cluster import Role, TaskId
 from distsgd.control.checkpoint.store import latest_checkpoint
 from distsgd.control.faults import Fault
 from distsgd.control.folder import CONFIG_FILE, RESULT_FILE
@@ -226,7 +226,7 @@ class LocalRun(Restarts):
                     )
                     continue
                 finished = TaskId.parse(task.name)
-                if code == 0 and finished.job == "worker":
+                if code == 0 and finished.job == Role.WORKER:
                     self.done.add(task.name)
                     for index in sorted(self.restored_ps):  # it may have left a dead process
                         server = self.supervisor.tasks.get(f"ps{index}")
@@ -249,7 +249,7 @@ class LocalRun(Restarts):
                 task = self.supervisor.tasks.get(fault.task)
                 if task is not None and task.poll() is None:
                     target = TaskId.parse(fault.task)
-                    if target.job == "ps":
+                    if target.job == Role.PS:
                         self._read_version(target.index)
                     self.console.note(
                         f"[distsgd] fault injected: SIGKILL {fault.task} (pid {task.pid}) "

@@ -15,9 +15,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from distsgd.cluster import ClusterSpec
+from distsgd.cluster import ClusterSpec, Role, TaskId
 from distsgd.control.checkpoint.errors import IncompleteCheckpoint
 from distsgd.control.checkpoint.store import Checkpoint, latest_checkpoint
+from distsgd.control.errors import SetupErrorRecord
 from distsgd.control.folder import METRICS_FILE
 from distsgd.control.metrics import MetricsWriter
 from distsgd.control.rendezvous import host_store
@@ -105,7 +106,7 @@ class LocalTasks:
         self.stop = stop
         self.num_ps = config.num_ps
         self.threads = config.threads_per_worker
-        self.collective = self.num_ps == 0
+        self.collective = config.collective
         self.ckpt_root = run_dir / "checkpoints"
         self.wal_root = run_dir / "wal"
         self.seen_versions: dict[int, int] = {}
@@ -178,7 +179,7 @@ class LocalTasks:
 
     def await_ps(self, index: int, task: TaskHandle) -> None:
         bound = wait_for_address(task, self.ps_address_file(index), 60.0)
-        self.spec = self.spec.with_address(self.spec.task("ps", index), bound)
+        self.spec = self.spec.with_address(self.spec.task(Role.PS, index), bound)
 
     def ps_address_file(self, index: int) -> Path:
         return self.run_dir / f"ps{index}.address"
@@ -192,7 +193,7 @@ class LocalTasks:
         write_atomic(init, json.dumps(first.to_dict()) + "\n")
         addr_file = self.ps_address_file(index)
         addr_file.unlink(missing_ok=True)
-        self.spec = self.spec.with_address(self.spec.task("ps", index), address)
+        self.spec = self.spec.with_address(self.spec.task(Role.PS, index), address)
         argv = server_argv(
             c,
             index,
@@ -227,6 +228,7 @@ class LocalTasks:
             reshard=reshard,
         )
         self.done.discard(f"worker{index}")
+        SetupErrorRecord.clear(self.run_dir, TaskId(job=Role.WORKER, index=index))
         env = {**self.worker_env, ENV_VAR: task_env.to_json()}
         if self.gpus:  # each worker its own GPU (in turn, when there are more workers)
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[index % len(self.gpus)]
@@ -256,7 +258,7 @@ class LocalTasks:
             address = (
                 f"{self.config.host}:0"
                 if fresh_ports
-                else self.spec.address(self.spec.task("ps", i))
+                else self.spec.address(self.spec.task(Role.PS, i))
             )
             restore = None if checkpoint is None else checkpoint.shard_file(i)
             servers.append(self.spawn_ps(i, address=address, restore=restore))

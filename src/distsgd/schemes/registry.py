@@ -49,6 +49,12 @@ class SchemeSpec:
     def uses_parameter_servers(self) -> bool:
         return self.server is not None
 
+    @property
+    def collective(self) -> bool:
+        """Whether its workers train as one process group (all-reduce), with no parameter
+        servers: it has no server half."""
+        return self.server is None
+
     def parse_options(self, values: Mapping[str, Any]) -> Any:
         """The options dataclass from a mapping; unknown names -> ValueError naming them."""
         known = {f.name for f in dataclasses.fields(self.options)}
