@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from distsgd.cluster import TaskId
+from distsgd.cluster import Role, TaskId
 from distsgd.compare.tune import Trial
 from distsgd.control.folder import METRICS_FILE, RESULT_FILE
 
@@ -152,7 +152,7 @@ def _task_of(record: dict[str, Any]) -> TaskId | None:
 
 def _is_worker_line(record: dict[str, Any]) -> bool:
     task = _task_of(record)
-    return task is not None and task.job == "worker" and "loss" in record
+    return task is not None and task.job == Role.WORKER and "loss" in record
 
 
 def _is_eval_line(record: dict[str, Any]) -> bool:
