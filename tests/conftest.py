@@ -27,6 +27,48 @@ os.environ["DISTSGD_RUNS"] = _RUNS
 atexit.register(shutil.rmtree, _RUNS, True)
 
 
+SLOW_FIRST = (
+    "test_elastic.py::test_run_grows_and_shrinks_2_4_1_3_without_losing_a_sample",
+    "test_benchmarks.py::test_quick_suite_writes_every_row_and_cleans_up",
+    "test_ddp_hooks.py::test_hooks_train_and_count_what_they_all_reduce",
+    "test_elastic.py::test_collective_run_survives_2_4_1_3_by_restarts_from_its_checkpoints",
+    "test_compare.py::test_compare_writes_figure_table_and_json_and_survives_a_failed_scheme",
+    "test_ddp_hooks.py::test_a_model_whose_used_parameters_change_is_told_to_run_with_dynamic",
+    "test_localsgd.py::test_period_one_equals_allreduce_sgd",
+    "test_docs.py::test_python_block_runs[docs/large-data.md",
+    "test_docs.py::test_python_block_runs[docs/own-loop.md",
+    "test_collective_sockets.py::test_collective_run_listens_on_loopback_only",
+    "test_streaming.py::test_data_twice_the_memory_limit_trains_to_the_in_memory_accuracy",
+    "test_compare.py::test_a_real_tuned_repeated_comparison",
+    "test_diloco.py::test_diloco_equals_the_reference",
+    "test_safe_defaults.py::test_divergence_is_named_and_exits_nonzero",
+    "test_no_code_in_files.py::test_a_real_run_folder_with_a_crafted_checkpoint",
+    "test_fault_tolerance.py::test_kill_during_checkpoint_writes_then_resume",
+    "test_docs.py::test_python_block_runs[README.md",
+    "test_compare.py::test_sigint_stops_the_current_run_and_skips_the_rest",
+    "test_cli.py::test_manual_cluster_with_server_and_worker_commands",
+    "test_docs.py::test_python_block_runs[docs/tutorial/",
+    "test_elastic.py::",
+)
+"""Tests outside the xdist groups that take 15 s or more in CI (pytest --durations), longest
+first: started before the short ones, so that no long test starts last while the other test
+process has run out of work (a group, the longest unit, starts first by itself)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests in SLOW_FIRST first, in its order; the rest as collected."""
+
+    def rank(item: pytest.Item) -> int:
+        path, _, name = item.nodeid.partition("::")
+        key = f"{Path(path).name}::{name}"
+        return next(
+            (i for i, slow in enumerate(SLOW_FIRST) if key.startswith(slow)),
+            len(SLOW_FIRST),
+        )
+
+    items.sort(key=rank)
+
+
 def distsgd_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "distsgd", *args]
 
