@@ -43,6 +43,7 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
         "max_workers": args.max_workers,
         "evict_after": args.evict_after,
         "wal": args.wal == "on",
+        "fork_server": args.fork_server == "on",
     }
     resume = getattr(args, "resume", None)
     if resume is not None:

@@ -15,7 +15,11 @@ from distsgd.cli.flags import (
     add_scheme_option_flags,
     add_training_flags,
 )
-from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, DEFAULT_MAX_RESTARTS
+from distsgd.launcher.config import (
+    DEFAULT_CHECKPOINT_SECONDS,
+    DEFAULT_MAX_RESTARTS,
+    FORK_SERVER_DEFAULT,
+)
 
 DESCRIPTION = "The ``distsgd`` command: run, demo, compare, server, worker, inspect, schemes, k8s."
 
@@ -71,6 +75,13 @@ def add_launch_flags(parser: argparse.ArgumentParser, *, compare: bool = False) 
             help="run the tasks as Ray actors (pip install 'distsgd[ray]'): --ray alone on a "
             "local Ray instance on 127.0.0.1, --ray=ADDRESS on the Ray cluster there ('auto', "
             "HOST:PORT, ray://...)",
+        )
+        parser.add_argument(
+            "--fork-server",
+            choices=("on", "off"),
+            default="on" if FORK_SERVER_DEFAULT else "off",
+            help="fork each local worker from one process that imported torch once, instead of "
+            "starting a new interpreter: faster starts and restarts (default on, on Linux)",
         )
     _add_fault_tolerance_flags(parser, compare=compare)
     if not compare:

@@ -62,7 +62,7 @@ from distsgd.launcher.errors import Interrupted, RunFailed
 from distsgd.launcher.k8s import APP_DIR, JOBSET_FILE, SCRIPT_DIR, SECRET_FILE, _yaml
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.progress import Console, Progress
-from distsgd.launcher.supervisor import Supervisor, Task
+from distsgd.launcher.supervisor import Supervisor, TaskHandle
 from distsgd.util import write_atomic
 from distsgd.util.signals import setter
 
@@ -128,7 +128,7 @@ class Pod:
     labels: dict[str, str]
     port: int = 0
     """The local port its container port maps to."""
-    task: Task | None = None
+    task: TaskHandle | None = None
     exit_code: int | None = None
     starts: int = 0
 

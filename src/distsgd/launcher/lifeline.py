@@ -2,6 +2,10 @@
 
 Two mechanisms, because either alone has a gap: Linux's parent-death signal (immediate, but
 Linux only and racy at start-up), and a watcher thread that notices being re-parented.
+
+A task forked by the launcher's fork server (:mod:`distsgd.launcher.zygote`) has that server as
+its parent, which ends with the launcher; such a task also checks that the launcher itself is
+there.
 """
 
 from __future__ import annotations
@@ -18,29 +22,57 @@ import threading
 log = logging.getLogger(__name__)
 
 PARENT_ENV = "DISTSGD_PARENT_PID"
+FORK_SERVER_ENV = "DISTSGD_FORK_SERVER_PID"
+"""Set by the fork server in each task it forks: the server's PID (the task's parent)."""
 PR_SET_PDEATHSIG = 1
 
 
-def tie_to_parent(environ: dict[str, str] | None = None) -> None:
-    """If started by a launcher (``DISTSGD_PARENT_PID`` set), exit when that process is gone."""
-    env = os.environ if environ is None else environ
-    text = env.get(PARENT_ENV)
-    if not text:
-        return
-    parent = int(text)
+def set_death_signal() -> None:
+    """Linux: SIGTERM to this process when its parent ends (elsewhere: nothing)."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         except OSError:  # pragma: no cover - exotic libc
             pass
-    if os.getppid() != parent:  # the launcher died before we got here
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - a PID reused by another user's process
+        return False
+    return True
+
+
+def tie_to_parent(environ: dict[str, str] | None = None) -> None:
+    """If started by a launcher (``DISTSGD_PARENT_PID`` set), exit when that process is gone
+    (or, for a task of the fork server, when the server or the launcher is)."""
+    env = os.environ if environ is None else environ
+    text = env.get(PARENT_ENV)
+    if not text:
+        return
+    launcher = int(text)
+    parents = {launcher}
+    if env.get(FORK_SERVER_ENV):
+        parents.add(int(env[FORK_SERVER_ENV]))
+    set_death_signal()
+    parent = os.getppid()
+    if parent not in parents:  # the launcher (or server) died before we got here
+        os._exit(1)
+
+    def gone() -> bool:
+        return os.getppid() != parent or (parent != launcher and not _alive(launcher))
+
+    if gone():
         os._exit(1)
 
     def watch() -> None:
         while True:
-            if os.getppid() != parent:
-                log.error("launcher (pid %d) is gone; exiting", parent)
+            if gone():
+                log.error("launcher (pid %d) is gone; exiting", launcher)
                 os._exit(1)
             threading.Event().wait(1.0)
 

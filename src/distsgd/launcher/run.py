@@ -139,7 +139,9 @@ def _read_result(path: Path) -> dict[str, Any] | None:
 def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
     """Local processes, or (``config.ray``) Ray actors, one bundle of resources per task."""
     if config.ray is None:
-        return Supervisor(log_dir=run_dir / "logs", echo=console.line)
+        return Supervisor(
+            log_dir=run_dir / "logs", echo=console.line, fork_server=config.fork_server
+        )
     from distsgd.launcher.ray_tasks import RaySupervisor
 
     bundles = {f"ps{i}": {"CPU": 1.0} for i in range(config.num_ps)}

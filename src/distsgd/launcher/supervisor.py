@@ -3,6 +3,11 @@
 Each task runs in its own session (process group), so the launcher alone decides when it stops:
 Ctrl-C reaches the launcher, which then ends each task's group by its PID, politely (SIGTERM)
 and then firmly (SIGKILL). Nothing is ever killed by name.
+
+With a fork server (``fork_server=True``) a worker task (``python -m distsgd.launcher.bootstrap``)
+is forked by :mod:`distsgd.launcher.zygote`, which has imported torch once for the whole run,
+instead of starting a new interpreter; other tasks, and every task once the server is gone,
+are started as processes.
 """
 
 from __future__ import annotations
@@ -20,6 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
+from distsgd.launcher.forked import (
+    ForkedTask,
+    ForkRefused,
+    ForkServer,
+    ForkServerGone,
+    forkable,
+)
 from distsgd.util import open_private, private_dir
 
 log = logging.getLogger(__name__)
@@ -75,8 +87,21 @@ class Task:
     def pid(self) -> int:
         return self.process.pid
 
+    @property
+    def stream(self) -> IO[bytes]:
+        """The read end of the task's stdout and stderr."""
+        assert self.process.stdout is not None
+        return self.process.stdout
+
     def poll(self) -> int | None:
         return self.process.poll()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code once the task has ended, or None after ``timeout`` seconds."""
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
     def kill(self) -> None:
         """SIGKILL the task (``--inject-fault kill``)."""
@@ -91,37 +116,82 @@ class Task:
 class Supervisor:
     """Owns the task processes of one run."""
 
-    def __init__(self, *, log_dir: Path, echo: Callable[[str], None]) -> None:
+    def __init__(
+        self, *, log_dir: Path, echo: Callable[[str], None], fork_server: bool = False
+    ) -> None:
         self.log_dir = log_dir
         self.echo = echo
-        self.tasks: dict[str, Task] = {}
+        self.tasks: dict[str, Task | ForkedTask] = {}
+        self.fork_server = fork_server
+        """Whether worker tasks are forked by a fork server (started with the first one)."""
+        self._server: ForkServer | None = None
 
     def start(
         self, name: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: Path | None = None
-    ) -> Task:
+    ) -> Task | ForkedTask:
         private_dir(self.log_dir)
         log_path = self.log_dir / f"{name}.log"
-        process = subprocess.Popen(
-            list(argv),
-            env=dict(env),
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        task = Task(name=name, process=process, log_path=log_path)
+        task: Task | ForkedTask | None = self._fork(name, argv, env, cwd=cwd, log_path=log_path)
+        if task is None:
+            process = subprocess.Popen(
+                list(argv),
+                env=dict(env),
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            task = Task(name=name, process=process, log_path=log_path)
         task.reader = threading.Thread(
             target=self._relay, args=(task,), name=f"relay-{name}", daemon=True
         )
         task.reader.start()
         self.tasks[name] = task
-        log.debug("started %s as pid %d", name, process.pid)
+        log.debug("started %s as pid %d", name, task.pid)
         return task
 
-    def _relay(self, task: Task) -> None:
-        stream: IO[bytes] | None = task.process.stdout
-        assert stream is not None
+    def _fork(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        cwd: Path | None,
+        log_path: Path,
+    ) -> ForkedTask | None:
+        """The task forked by the fork server, or None where it is to be a new process (no
+        server, not a worker's command line, or the server is gone or refused it)."""
+        command = forkable(argv) if self.fork_server else None
+        if command is None:
+            return None
+        if self._server is None:
+            try:
+                self._server = ForkServer.spawn(env, self.log_dir / "fork-server.log")
+            except OSError as exc:
+                log.warning("could not start the fork server (%s); starting processes", exc)
+                self.fork_server = False
+                return None
+        read_fd, write_fd = os.pipe()
+        try:
+            pid = self._server.fork(*command, env=env, cwd=cwd or Path.cwd(), out_fd=write_fd)
+        except (ForkServerGone, ForkRefused) as exc:
+            os.close(read_fd)
+            if isinstance(exc, ForkServerGone):
+                log.warning("%s; starting tasks as new processes from now on", exc)
+                self.fork_server = False
+            else:
+                log.warning("the fork server refused %s (%s); starting it as a process", name, exc)
+            return None
+        finally:
+            os.close(write_fd)
+        stream = os.fdopen(read_fd, "rb")
+        return ForkedTask(
+            name=name, server=self._server, forked_pid=pid, log_path=log_path, stream=stream
+        )
+
+    def _relay(self, task: Task | ForkedTask) -> None:
+        stream = task.stream
         with os.fdopen(open_private(task.log_path, os.O_WRONLY | os.O_APPEND), "ab") as log_file:
             for raw in iter(stream.readline, b""):
                 log_file.write(raw)
@@ -132,8 +202,14 @@ class Supervisor:
         stream.close()
 
     def close(self) -> None:
-        """Stop every task (the Ray supervisor also leaves its cluster here)."""
-        self.stop()
+        """Stop every task (the Ray supervisor also leaves its cluster here), then the fork
+        server."""
+        try:
+            self.stop()
+        finally:
+            if self._server is not None:
+                self._server.close()
+                self._server = None
 
     def forget(self) -> None:
         self.tasks.clear()
@@ -146,14 +222,12 @@ class Supervisor:
                 _signal_group(task.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for task in tasks:
-            try:
-                task.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if task.wait(timeout=max(0.0, deadline - time.monotonic())) is None:
                 log.warning("%s did not stop within %.0fs; killing it", task.name, grace)
         for task in tasks:
             # Also reap stragglers left in the task's own group (e.g. a data-loader child).
             _signal_group(task.pid, signal.SIGKILL)
-            task.process.wait()
+            task.wait()
             if task.reader is not None:
                 task.reader.join(timeout=2.0)
 

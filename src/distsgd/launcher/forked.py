@@ -1,0 +1,258 @@
+"""The launcher's end of the fork server (:mod:`distsgd.launcher.zygote`): :class:`ForkServer`
+starts it and asks it for tasks, :class:`ForkedTask` is one task it forked (a
+:class:`~distsgd.launcher.supervisor.TaskHandle`, like a Popen'd
+:class:`~distsgd.launcher.supervisor.Task`)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from distsgd.control.task import ENV_VAR as TASK_ENV
+from distsgd.launcher.lifeline import PARENT_ENV
+from distsgd.launcher.zygote import (
+    FORKABLE,
+    MAX_MESSAGE,
+    ProtocolError,
+    Report,
+    encode,
+    parse_report,
+)
+from distsgd.transport.security import SECRET_ENV
+from distsgd.util import open_private
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT = 300.0
+"""Seconds the launcher waits for the server's imports (a loaded machine is slow)."""
+REPLY_TIMEOUT = 30.0
+"""Seconds it waits for the answer to one request."""
+SERVER_ENV_DROP = (TASK_ENV, SECRET_ENV, "DISTSGD_THREADS", "CUDA_VISIBLE_DEVICES")
+"""Task settings the server itself is started without (each task gets its whole environment)."""
+
+
+class ForkServerGone(RuntimeError):
+    """The fork server is not there (it ended, or never became ready): start processes."""
+
+
+class ForkRefused(RuntimeError):
+    """The fork server refused a request (its reason as the text)."""
+
+
+def forkable(argv: Sequence[str]) -> tuple[str, list[str]] | None:
+    """``(module, args)`` where ``argv`` is ``python -m MODULE ARGS`` for a module the server
+    runs (the worker bootstrap), else None."""
+    if len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] in FORKABLE:
+        return argv[2], list(argv[3:])
+    return None
+
+
+class ForkServer:
+    """One fork server, started by :meth:`spawn`; safe to use from several threads."""
+
+    def __init__(self, process: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self.process = process
+        self._sock = sock
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._ready = False
+        self._gone = False
+        self._next_id = 0
+        self._replies: dict[int, Report] = {}
+        self._exits: dict[int, int] = {}
+        self._reader = threading.Thread(target=self._read, name="fork-server", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def spawn(cls, env: Mapping[str, str], log_path: Path) -> ForkServer:
+        """Start a server (it imports in the background) with the environment ``env`` less
+        each task's own settings, its output going to ``log_path``."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        server_env = {k: v for k, v in env.items() if k not in SERVER_ENV_DROP}
+        server_env.update({PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
+        server_env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        with theirs, os.fdopen(open_private(log_path, os.O_WRONLY | os.O_APPEND), "ab") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "distsgd.launcher.zygote", str(theirs.fileno())],
+                env=server_env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+            )
+        log.debug("fork server started as pid %d", process.pid)
+        return cls(process, ours)
+
+    # -- reading the server's reports -------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(MAX_MESSAGE)
+            except OSError:
+                break
+            if not data:
+                break
+            try:
+                report = parse_report(data)
+            except ProtocolError as exc:
+                log.warning("fork server sent a bad report (%s); not using it any more", exc)
+                break
+            with self._cond:
+                self._apply(report)
+                self._cond.notify_all()
+        with self._cond:
+            self._gone = True
+            self._cond.notify_all()
+
+    def _apply(self, report: Report) -> None:
+        if report.ready:
+            self._ready = True
+        elif report.id is not None:
+            self._replies[report.id] = report
+        elif report.exit is not None:
+            self._exits[report.pid] = report.exit
+
+    # -- asking for a task ------------------------------------------------------------------------
+    def fork(
+        self,
+        module: str,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: Path,
+        out_fd: int,
+        ready_timeout: float = READY_TIMEOUT,
+    ) -> int:
+        """Fork a task running ``python -m module args`` in ``cwd`` with the whole environment
+        ``env``, its stdout and stderr on ``out_fd``; its PID. Raises :class:`ForkServerGone`
+        or :class:`ForkRefused`."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ready or self._gone, ready_timeout):
+                raise ForkServerGone(f"the fork server was not ready within {ready_timeout:.0f}s")
+            if self._gone:
+                raise ForkServerGone("the fork server has ended")
+            self._next_id += 1
+            request_id = self._next_id
+        message = encode(
+            {
+                "op": "fork",
+                "id": request_id,
+                "module": module,
+                "args": list(args),
+                "env": dict(env),
+                "cwd": str(Path(cwd).resolve()),
+            }
+        )
+        if len(message) > MAX_MESSAGE:
+            raise ForkRefused(f"the request is {len(message)} bytes, over {MAX_MESSAGE}")
+        try:
+            with self._send_lock:
+                socket.send_fds(self._sock, [message], [out_fd])
+        except OSError as exc:
+            raise ForkServerGone(f"could not reach the fork server: {exc}") from None
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: request_id in self._replies or self._gone, REPLY_TIMEOUT
+            )
+            reply = self._replies.pop(request_id, None)
+        if reply is None:
+            raise ForkServerGone("the fork server did not answer" if done else "no answer in time")
+        if reply.error:
+            raise ForkRefused(reply.error)
+        return reply.pid
+
+    # -- the tasks' ends --------------------------------------------------------------------------
+    @property
+    def gone(self) -> bool:
+        """Whether the server has ended (or its end of the socket is closed)."""
+        return self._gone
+
+    def exit_code(self, pid: int) -> int | None:
+        """How task ``pid`` ended, or None while it runs. A task the server can no longer
+        report on (it ended first) counts as ended with code 1 once its process is gone."""
+        with self._cond:
+            code = self._exits.get(pid)
+            if code is not None or not self._gone:
+                return code
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return 1
+        except PermissionError:  # pragma: no cover - the PID now belongs to someone else
+            return 1
+        return None
+
+    def wait(self, pid: int, timeout: float | None) -> int | None:
+        """Task ``pid``'s exit code once it has ended, or None after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._exits or self._gone, timeout)
+        while True:
+            code = self.exit_code(pid)
+            if code is not None or (deadline is not None and time.monotonic() >= deadline):
+                return code
+            time.sleep(0.05)
+
+    def close(self, grace: float = 5.0) -> None:
+        """End the server: it stops any task still running, then exits."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._reader.join(timeout=grace)
+        self._sock.close()
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            log.warning("fork server (pid %d) did not exit; killing it", self.process.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@dataclass
+class ForkedTask:
+    """One task forked by the fork server."""
+
+    name: str
+    server: ForkServer
+    forked_pid: int
+    log_path: Path
+    stream: IO[bytes]
+    """The read end of the task's stdout and stderr."""
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
+    reader: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.forked_pid
+
+    def poll(self) -> int | None:
+        return self.server.exit_code(self.forked_pid)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code once the task has ended, or None after ``timeout`` seconds."""
+        return self.server.wait(self.forked_pid, timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the task (``--inject-fault kill``)."""
+        self._signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def _signal(self, signum: signal.Signals) -> None:
+        if self.poll() is None:  # not a PID the server has reaped (and may be reused)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.forked_pid, signum)

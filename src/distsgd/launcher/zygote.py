@@ -1,0 +1,401 @@
+"""The fork server ("zygote") of a local run: one process that imports torch and distsgd's
+worker modules once, then forks each worker task on request.
+
+A worker started with ``python -m distsgd.launcher.bootstrap`` spends one to two CPU-seconds
+importing torch before it runs a line of its script; a run with restarts pays that for every
+start. The launcher (:mod:`distsgd.launcher.forked`) starts this module as
+``python -m distsgd.launcher.zygote FD``, FD being its end of an ``AF_UNIX`` socket pair
+(``SOCK_SEQPACKET``: one message is one JSON object, sent and read whole). No pickle crosses it.
+
+Messages from the launcher, each with exactly one file descriptor attached (``SCM_RIGHTS``: the
+write end of the pipe the launcher relays the task's output from, which becomes the task's
+stdout and stderr)::
+
+    {"op": "fork", "id": 7, "module": "distsgd.launcher.bootstrap", "args": [...],
+     "env": {...}, "cwd": "/abs/path"}
+
+Messages to the launcher: ``{"ready": true, "pid": P}`` once the imports are done;
+``{"id": 7, "pid": P}`` for a task forked, ``{"id": 7, "error": "..."}`` for a request refused;
+``{"pid": P, "exit": C}`` when a task has ended (C negative: the signal that ended it, as
+``Popen.returncode`` says it).
+
+The server starts no thread and runs no torch operation (so forking it is safe); it reaps its
+children itself, and ends with the launcher (parent-death signal, and a check each second).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import json
+import logging
+import os
+import runpy
+import select
+import signal
+import socket
+import sys
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from distsgd.launcher.lifeline import FORK_SERVER_ENV, PARENT_ENV, set_death_signal
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE = 1 << 20
+"""The largest message either side reads (a task's environment, mostly)."""
+FORKABLE = frozenset({"distsgd.launcher.bootstrap"})
+"""The modules a forked task may run as ``__main__`` (what ``python -m MODULE`` would run)."""
+REQUEST_KEYS = frozenset({"op", "id", "module", "args", "env", "cwd"})
+
+
+class ProtocolError(ValueError):
+    """A message that breaks the protocol (its text says which field, and why)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForkRequest:
+    """One ``fork`` message, checked."""
+
+    id: int
+    """The launcher's number for the request (the reply carries it)."""
+    module: str
+    """The module the task runs as ``__main__`` (one of :data:`FORKABLE`)."""
+    args: tuple[str, ...]
+    """The task's arguments after ``-m MODULE``."""
+    env: Mapping[str, str]
+    """The task's whole environment."""
+    cwd: str
+    """The task's working folder (an absolute path)."""
+    out_fd: int
+    """The descriptor received with the message: the task's stdout and stderr."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """One message from the server, checked: which kind is told by the fields set."""
+
+    ready: bool = False
+    """The server has imported everything and takes requests (``pid``: the server's)."""
+    id: int | None = None
+    """The request answered (with ``pid`` when forked, ``error`` when refused)."""
+    pid: int = 0
+    """The server's PID (ready), the task forked, or the task that ended (``exit`` set)."""
+    error: str = ""
+    """Why the request was refused."""
+    exit: int | None = None
+    """How the task ``pid`` ended: its exit code, or minus the signal that ended it."""
+
+
+def encode(message: Mapping[str, Any]) -> bytes:
+    """One message: compact JSON and a newline."""
+    return (json.dumps(message, separators=(",", ":")) + "\n").encode()
+
+
+def _load(data: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(data.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"not JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"not a JSON object: {type(message).__name__}")
+    return message
+
+
+def _int(message: Mapping[str, Any], key: str, *, low: int = 0) -> int:
+    value = message.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ProtocolError(f"{key!r} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str) or "\0" in value:
+        raise ProtocolError(f"{what} must be a string without NUL, got {value!r:.80}")
+    return value
+
+
+def parse_request(data: bytes, fds: Sequence[int]) -> ForkRequest:
+    """The request in ``data`` with the descriptors ``fds`` received with it."""
+    message = _load(data)
+    if set(message) != REQUEST_KEYS:
+        raise ProtocolError(f"a request has the keys {sorted(REQUEST_KEYS)}, got {sorted(message)}")
+    if message["op"] != "fork":
+        raise ProtocolError(f"unknown op {message['op']!r}")
+    module = _text(message["module"], "module")
+    if module not in FORKABLE:
+        raise ProtocolError(f"module {module!r} is not one this server runs")
+    args = message["args"]
+    if not isinstance(args, list):
+        raise ProtocolError(f"'args' must be a list, got {type(args).__name__}")
+    env = message["env"]
+    if not isinstance(env, dict):
+        raise ProtocolError(f"'env' must be an object, got {type(env).__name__}")
+    for key, value in env.items():
+        if not key or "=" in key:
+            raise ProtocolError(f"environment name {key!r} is empty or holds '='")
+        _text(key, "an environment name")
+        _text(value, f"environment variable {key}")
+    cwd = _text(message["cwd"], "cwd")
+    if not os.path.isabs(cwd):
+        raise ProtocolError(f"cwd must be an absolute path, got {cwd!r}")
+    if len(fds) != 1:
+        raise ProtocolError(f"a request carries one descriptor, got {len(fds)}")
+    return ForkRequest(
+        id=_int(message, "id"),
+        module=module,
+        args=tuple(_text(a, "each argument") for a in args),
+        env=dict(env),
+        cwd=cwd,
+        out_fd=fds[0],
+    )
+
+
+def parse_report(data: bytes) -> Report:
+    """The server's message in ``data``."""
+    message = _load(data)
+    keys = set(message)
+    if keys == {"ready", "pid"} and message["ready"] is True:
+        return Report(ready=True, pid=_int(message, "pid", low=1))
+    if keys == {"id", "pid"}:
+        return Report(id=_int(message, "id"), pid=_int(message, "pid", low=1))
+    if keys == {"id", "error"}:
+        return Report(id=_int(message, "id"), error=_text(message["error"], "error") or "?")
+    if keys == {"pid", "exit"}:
+        code = message["exit"]
+        if not isinstance(code, int) or isinstance(code, bool) or not -128 < code < 256:
+            raise ProtocolError(f"'exit' must be an exit code or minus a signal, got {code!r}")
+        return Report(pid=_int(message, "pid", low=1), exit=code)
+    raise ProtocolError(f"unknown report with the keys {sorted(keys)}")
+
+
+def _request_id(data: bytes) -> int:
+    """The id of a refused request, where it has a valid one (else 0, which no request uses)."""
+    with contextlib.suppress(ProtocolError):
+        return _int(_load(data), "id")
+    return 0
+
+
+# -- the server ---------------------------------------------------------------------------------
+def preload() -> None:
+    """Import what every worker imports (torch above all), creating no thread."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # libgomp reads these once, when torch loads it;
+    os.environ["MKL_NUM_THREADS"] = "1"  # each task then sets its own (limit_threads)
+    import torch  # noqa: F401
+
+    import distsgd.api
+    import distsgd.launcher.bootstrap  # noqa: F401
+
+
+def serve(sock: socket.socket, launcher: int) -> None:
+    """Answer requests on ``sock`` until the launcher closes it or is gone."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes select via wake_w
+    children: set[int] = set()
+    _send(sock, {"ready": True, "pid": os.getpid()})
+    try:
+        while os.getppid() == launcher:
+            readable, _, _ = select.select([sock.fileno(), wake_r], [], [], 1.0)
+            if wake_r in readable:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+            _reap(sock, children)
+            if sock.fileno() in readable and not _handle(sock, children, (wake_r, wake_w)):
+                break
+    except OSError as exc:  # the launcher's end is gone
+        log.warning("fork server: %s; stopping", exc)
+    finally:
+        _end(children)
+
+
+def _send(sock: socket.socket, message: Mapping[str, Any]) -> None:
+    sock.sendall(encode(message))
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    """Report each child that has ended."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        _send(sock, {"pid": pid, "exit": os.waitstatus_to_exitcode(status)})
+
+
+def _handle(sock: socket.socket, children: set[int], private: tuple[int, ...]) -> bool:
+    """Read one request and fork its task; False once the launcher has closed its end."""
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
+    try:
+        if not data:
+            return False
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            _send(sock, {"id": _request_id(data), "error": "message too long"})
+            return True
+        try:
+            request = parse_request(data, fds)
+            if not os.path.isdir(request.cwd):
+                raise ProtocolError(f"cwd {request.cwd} is not a folder")
+        except ProtocolError as exc:
+            _send(sock, {"id": _request_id(data), "error": str(exc)})
+            return True
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(request, (sock.fileno(), *private))
+        children.add(pid)
+        _send(sock, {"id": request.id, "pid": pid})
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _end(children: set[int]) -> None:
+    """Stop the children still running (the launcher stops its tasks before it closes us)."""
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+    for pid in children:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+# -- the forked task ----------------------------------------------------------------------------
+def _child(request: ForkRequest, private: tuple[int, ...]) -> NoReturn:
+    """Become the task ``request`` describes, as a new interpreter running
+    ``python -m MODULE ARGS`` would be, and exit with its exit code."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for fd in private:
+            os.close(fd)
+        os.setsid()  # its own session and process group, as Popen(start_new_session=True)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(request.out_fd, 1)
+        os.dup2(request.out_fd, 2)
+        os.close(null)
+        os.close(request.out_fd)
+        _fresh_stdio(unbuffered=bool(request.env.get("PYTHONUNBUFFERED")))
+        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.chdir(request.cwd)
+        os.environ.clear()
+        os.environ.update(request.env)
+        os.environ[FORK_SERVER_ENV] = str(os.getppid())
+        _reseed()
+        code = _run(request)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        os._exit(code)
+
+
+def _run(request: ForkRequest) -> int:
+    """Run the module as ``__main__``; its exit code (what the interpreter would exit with)."""
+    sys.argv = ["-m", *request.args]  # run_module puts the module's file first
+    sys.path[0] = request.cwd  # as ``python -m`` has it
+    try:
+        runpy.run_module(request.module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        _exit_functions()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)  # as Python ends on an uncaught Ctrl-C
+        return 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    _exit_functions()
+    return code
+
+
+def _exit_code(code: object) -> int:
+    """The exit code of ``SystemExit(code)``, as the interpreter turns it into one."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    with contextlib.suppress(BaseException):
+        print(code, file=sys.stderr)
+    return 1
+
+
+def _exit_functions() -> None:
+    """Run the ``atexit`` functions, as an interpreter ending normally does."""
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+
+
+def _fresh_stdio(*, unbuffered: bool) -> None:
+    """New ``sys.stdin``/``stdout``/``stderr`` on descriptors 0, 1 and 2, buffered as a new
+    interpreter would buffer them (``PYTHONUNBUFFERED``: not at all)."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
+        buffered: Any
+        if fd == 0:
+            buffered = io.BufferedReader(raw)
+        elif unbuffered:
+            buffered = raw
+        else:
+            buffered = io.BufferedWriter(raw)
+        stream = io.TextIOWrapper(
+            buffered,
+            encoding=old.encoding,
+            errors=old.errors,
+            line_buffering=fd == 2 and not unbuffered,
+            write_through=unbuffered and fd != 0,
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _reseed() -> None:
+    """Fresh global random state where a new process would have had its own (``random``
+    reseeds itself after a fork; numpy's global generator does not)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1 or not args[0].isdigit():
+        print("usage: python -m distsgd.launcher.zygote FD", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    text = os.environ.get(PARENT_ENV, "")
+    if not text.isdigit():
+        log.error("fork server: %s is not set; it is started by the launcher", PARENT_ENV)
+        return 2
+    launcher = int(text)
+    set_death_signal()
+    if os.getppid() != launcher:
+        return 1
+    sock = socket.socket(fileno=int(args[0]))
+    preload()
+    serve(sock, launcher)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
