@@ -158,6 +158,9 @@ if what == "group":
     with open(sys.argv[2], "w") as f:
         f.write(str(child.pid))
     time.sleep(600)
+if what == "sleep":
+    open(sys.argv[2], "w").close()
+    time.sleep(600)
 if what == "raise":
     raise RuntimeError("boom in the script")
 """
@@ -178,7 +181,7 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Superviso
     folder = tmp_path_factory.mktemp("zygote")
     (folder / "task.py").write_text(SCRIPT)
     lines = Lines()
-    supervisor = Supervisor(log_dir=folder / "logs", echo=lines, fork_server=True)
+    supervisor = Supervisor(log_dir=folder / "logs", echo=lines, fork_server_log=folder / "fs.log")
     yield supervisor, lines, folder
     supervisor.close()
 
@@ -268,8 +271,8 @@ def test_stop_kills_the_task_and_its_group(zygote: Any, tmp_path: Path) -> None:
 
 
 def test_kill_ends_a_running_task(zygote: Any, tmp_path: Path) -> None:
-    task = _start(zygote, "killed", "group", str(tmp_path / "pid"))
-    while not (tmp_path / "pid").exists():
+    task = _start(zygote, "killed", "sleep", str(tmp_path / "started"))
+    while not (tmp_path / "started").exists():
         time.sleep(0.05)
     task.kill()
     assert _wait(task) == -signal.SIGKILL
@@ -279,7 +282,8 @@ def test_kill_ends_a_running_task(zygote: Any, tmp_path: Path) -> None:
 def test_without_a_server_when_it_is_gone(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "task.py").write_text(SCRIPT)
     lines = Lines()
-    supervisor = Supervisor(log_dir=tmp_path / "logs", echo=lines, fork_server=True)
+    server_log = tmp_path / "fs.log"
+    supervisor = Supervisor(log_dir=tmp_path / "logs", echo=lines, fork_server_log=server_log)
     zygote = (supervisor, lines, tmp_path)
     try:
         assert isinstance(_start(zygote, "first", "exit", "0"), ForkedTask)
@@ -300,7 +304,7 @@ def test_without_a_server_when_it_is_gone(tmp_path: Path, caplog: pytest.LogCapt
 
 def test_off_starts_processes(tmp_path: Path) -> None:
     (tmp_path / "task.py").write_text(SCRIPT)
-    supervisor = Supervisor(log_dir=tmp_path / "logs", echo=Lines(), fork_server=False)
+    supervisor = Supervisor(log_dir=tmp_path / "logs", echo=Lines())
     try:
         task = _start((supervisor, Lines(), tmp_path), "popen", "exit", "4")
         assert isinstance(task, Task) and _wait(task) == 4
@@ -314,7 +318,9 @@ import os, sys, time
 from pathlib import Path
 from distsgd.launcher.supervisor import Supervisor
 folder = Path(sys.argv[1])
-supervisor = Supervisor(log_dir=folder / "logs", echo=lambda line: None, fork_server=True)
+supervisor = Supervisor(
+    log_dir=folder / "logs", echo=lambda line: None, fork_server_log=folder / "fs.log"
+)
 env = {**os.environ, "DISTSGD_PARENT_PID": str(os.getpid())}
 argv = [sys.executable, "-m", "distsgd.launcher.bootstrap", str(folder / "task.py")]
 task = supervisor.start("w", [*argv, "group", str(folder / "pid")], env)

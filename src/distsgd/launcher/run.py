@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 LAUNCHER_LOG = "launcher.log"
 """What the launcher said (its notes, progress, results and errors), in the run folder."""
+FORK_SERVER_LOG = "fork-server.log"
+"""The fork server's own output (what its imports print), in the run folder."""
 LEAVE_GRACE_SECONDS = 30.0
 """How long a worker asked to leave (distsgd scale) may take before it is SIGKILLed."""
 
@@ -139,9 +141,8 @@ def _read_result(path: Path) -> dict[str, Any] | None:
 def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
     """Local processes, or (``config.ray``) Ray actors, one bundle of resources per task."""
     if config.ray is None:
-        return Supervisor(
-            log_dir=run_dir / "logs", echo=console.line, fork_server=config.fork_server
-        )
+        server_log = run_dir / FORK_SERVER_LOG if config.fork_server else None
+        return Supervisor(log_dir=run_dir / "logs", echo=console.line, fork_server_log=server_log)
     from distsgd.launcher.ray_tasks import RaySupervisor
 
     bundles = {f"ps{i}": {"CPU": 1.0} for i in range(config.num_ps)}

@@ -4,10 +4,10 @@ Each task runs in its own session (process group), so the launcher alone decides
 Ctrl-C reaches the launcher, which then ends each task's group by its PID, politely (SIGTERM)
 and then firmly (SIGKILL). Nothing is ever killed by name.
 
-With a fork server (``fork_server=True``) a worker task (``python -m distsgd.launcher.bootstrap``)
-is forked by :mod:`distsgd.launcher.zygote`, which has imported torch once for the whole run,
-instead of starting a new interpreter; other tasks, and every task once the server is gone,
-are started as processes.
+With a fork server (``fork_server_log`` given) a worker task (``python -m
+distsgd.launcher.bootstrap``) is forked by :mod:`distsgd.launcher.zygote`, which has imported
+torch once for the whole run, instead of starting a new interpreter; other tasks, and every
+task once the server is gone, are started as processes.
 """
 
 from __future__ import annotations
@@ -117,13 +117,14 @@ class Supervisor:
     """Owns the task processes of one run."""
 
     def __init__(
-        self, *, log_dir: Path, echo: Callable[[str], None], fork_server: bool = False
+        self, *, log_dir: Path, echo: Callable[[str], None], fork_server_log: Path | None = None
     ) -> None:
         self.log_dir = log_dir
         self.echo = echo
         self.tasks: dict[str, Task | ForkedTask] = {}
-        self.fork_server = fork_server
-        """Whether worker tasks are forked by a fork server (started with the first one)."""
+        self.fork_server_log = fork_server_log
+        """Where the fork server's own output goes; None: no fork server, every task is a
+        process (it is started with the first worker task, and this is None once it is gone)."""
         self._server: ForkServer | None = None
 
     def start(
@@ -162,15 +163,16 @@ class Supervisor:
     ) -> ForkedTask | None:
         """The task forked by the fork server, or None where it is to be a new process (no
         server, not a worker's command line, or the server is gone or refused it)."""
-        command = forkable(argv) if self.fork_server else None
-        if command is None:
+        server_log = self.fork_server_log
+        command = forkable(argv) if server_log is not None else None
+        if command is None or server_log is None:
             return None
         if self._server is None:
             try:
-                self._server = ForkServer.spawn(env, self.log_dir / "fork-server.log")
+                self._server = ForkServer.spawn(env, server_log)
             except OSError as exc:
                 log.warning("could not start the fork server (%s); starting processes", exc)
-                self.fork_server = False
+                self.fork_server_log = None
                 return None
         read_fd, write_fd = os.pipe()
         try:
@@ -179,7 +181,7 @@ class Supervisor:
             os.close(read_fd)
             if isinstance(exc, ForkServerGone):
                 log.warning("%s; starting tasks as new processes from now on", exc)
-                self.fork_server = False
+                self.fork_server_log = None
             else:
                 log.warning("the fork server refused %s (%s); starting it as a process", name, exc)
             return None
