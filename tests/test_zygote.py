@@ -218,6 +218,7 @@ def test_a_forked_task_relays_its_output_and_exit_code(zygote: Any) -> None:
     assert task.poll() == 7
     assert "[exit7] hello from exit" in lines.lines
     assert "hello from exit" in task.log_path.read_text()
+    assert "threads after the imports" not in (zygote[2] / "fs.log").read_text()
 
 
 def test_a_task_ended_by_a_signal_reads_minus_the_signal(zygote: Any) -> None:

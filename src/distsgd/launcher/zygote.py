@@ -249,9 +249,10 @@ def _handle(sock: socket.socket, children: set[int], private: tuple[int, ...]) -
             return True
         sys.stdout.flush()
         sys.stderr.flush()
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _child(request, (sock.fileno(), *private))
+            _child(request, server, (sock.fileno(), *private))
         children.add(pid)
         _send(sock, {"id": request.id, "pid": pid})
         return True
@@ -271,9 +272,10 @@ def _end(children: set[int]) -> None:
 
 
 # -- the forked task ----------------------------------------------------------------------------
-def _child(request: ForkRequest, private: tuple[int, ...]) -> NoReturn:
+def _child(request: ForkRequest, server: int, private: tuple[int, ...]) -> NoReturn:
     """Become the task ``request`` describes, as a new interpreter running
-    ``python -m MODULE ARGS`` would be, and exit with its exit code."""
+    ``python -m MODULE ARGS`` would be, and exit with its exit code (``server``: the PID of
+    the server, its parent; ``private``: the server's descriptors, closed here)."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -293,7 +295,7 @@ def _child(request: ForkRequest, private: tuple[int, ...]) -> NoReturn:
         os.chdir(request.cwd)
         os.environ.clear()
         os.environ.update(request.env)
-        os.environ[FORK_SERVER_ENV] = str(os.getppid())
+        os.environ[FORK_SERVER_ENV] = str(server)
         _reseed()
         code = _run(request)
     except BaseException:
@@ -393,6 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     sock = socket.socket(fileno=int(args[0]))
     preload()
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    if threads > 1:  # a fork copies only the forking thread: locks others held stay held
+        log.warning("fork server: %d threads after the imports; forking may hang", threads)
     serve(sock, launcher)
     return 0
 
