@@ -303,6 +303,26 @@ def test_without_a_server_when_it_is_gone(tmp_path: Path, caplog: pytest.LogCapt
         supervisor.close()
 
 
+def test_close_leaves_no_process(tmp_path: Path) -> None:
+    (tmp_path / "task.py").write_text(SCRIPT)
+    server_log = tmp_path / "fs.log"
+    supervisor = Supervisor(log_dir=tmp_path / "logs", echo=Lines(), fork_server_log=server_log)
+    zygote = (supervisor, Lines(), tmp_path)
+    try:
+        task = _start(zygote, "sleeper", "group", str(tmp_path / "pid"))
+        while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
+            assert task.poll() is None, task.log_path.read_text()
+            time.sleep(0.05)
+        assert supervisor._server is not None
+        pids = [supervisor._server.process.pid, task.pid, int((tmp_path / "pid").read_text())]
+    finally:
+        supervisor.close()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, [p for p in pids if _alive(p)]
+        time.sleep(0.05)
+
+
 def test_off_starts_processes(tmp_path: Path) -> None:
     (tmp_path / "task.py").write_text(SCRIPT)
     supervisor = Supervisor(log_dir=tmp_path / "logs", echo=Lines())

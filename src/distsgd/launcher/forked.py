@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 300.0
 """Seconds the launcher waits for the server's imports (a loaded machine is slow)."""
-REPLY_TIMEOUT = 30.0
-"""Seconds it waits for the answer to one request."""
+REPLY_TIMEOUT = 120.0
+"""Seconds it waits for the answer to one request (a fork takes milliseconds; past this the
+server counts as gone, and is ended)."""
 SERVER_ENV_DROP = (TASK_ENV, SECRET_ENV, "DISTSGD_THREADS", "CUDA_VISIBLE_DEVICES")
 """Task settings the server itself is started without (each task gets its whole environment)."""
 

@@ -182,6 +182,8 @@ class Supervisor:
             if isinstance(exc, ForkServerGone):
                 log.warning("%s; starting tasks as new processes from now on", exc)
                 self.fork_server_log = None
+                # one that is only slow must not fork this task later, beside its new process
+                self._server.close()
             else:
                 log.warning("the fork server refused %s (%s); starting it as a process", name, exc)
             return None
