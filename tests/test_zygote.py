@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
-from distsgd.launcher.forked import ForkedTask, forkable
+from distsgd.launcher.forked import ForkedTask, ForkRefused, forkable
 from distsgd.launcher.lifeline import FORK_SERVER_ENV, PARENT_ENV
 from distsgd.launcher.supervisor import Supervisor, Task
 from distsgd.launcher.zygote import (
@@ -219,6 +219,29 @@ def test_a_forked_task_relays_its_output_and_exit_code(zygote: Any) -> None:
     assert "[exit7] hello from exit" in lines.lines
     assert "hello from exit" in task.log_path.read_text()
     assert "threads after the imports" not in (zygote[2] / "fs.log").read_text()
+
+
+def test_the_server_refuses_what_it_cannot_run(zygote: Any, tmp_path: Path) -> None:
+    supervisor = zygote[0]
+    _wait(_start(zygote, "first", "exit", "0"))  # the server is up
+    server = supervisor._server
+    read_end, write_end = os.pipe()
+    plain = os.open(tmp_path / "file", os.O_WRONLY | os.O_CREAT)
+    try:
+        cases = [
+            (("os", []), tmp_path, write_end, "not one this server runs"),
+            (("distsgd.launcher.bootstrap", []), tmp_path / "missing", write_end, "not a folder"),
+            (("distsgd.launcher.bootstrap", []), tmp_path, plain, "not the write end of a pipe"),
+            (("distsgd.launcher.bootstrap", []), tmp_path, read_end, "not the write end"),
+        ]
+        for command, cwd, fd, says in cases:
+            with pytest.raises(ForkRefused, match=says):
+                server.fork(*command, env=_env(), cwd=cwd, out_fd=fd)
+    finally:
+        for fd in (read_end, write_end, plain):
+            os.close(fd)
+    assert not server.gone  # a refusal ends nothing
+    assert _wait(_start(zygote, "after", "exit", "2")) == 2
 
 
 def test_a_task_ended_by_a_signal_reads_minus_the_signal(zygote: Any) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import io
 import json
 import logging
@@ -35,6 +36,7 @@ import runpy
 import select
 import signal
 import socket
+import stat
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
@@ -242,8 +244,7 @@ def _handle(sock: socket.socket, children: set[int], private: tuple[int, ...]) -
             return True
         try:
             request = parse_request(data, fds)
-            if not os.path.isdir(request.cwd):
-                raise ProtocolError(f"cwd {request.cwd} is not a folder")
+            _check_local(request)
         except ProtocolError as exc:
             _send(sock, {"id": _request_id(data), "error": str(exc)})
             return True
@@ -259,6 +260,17 @@ def _handle(sock: socket.socket, children: set[int], private: tuple[int, ...]) -
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _check_local(request: ForkRequest) -> None:
+    """What :func:`parse_request` cannot see: the folder is there, and the descriptor is the
+    write end of a pipe."""
+    if not os.path.isdir(request.cwd):
+        raise ProtocolError(f"cwd {request.cwd} is not a folder")
+    mode = os.fstat(request.out_fd).st_mode
+    writable = fcntl.fcntl(request.out_fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+    if not (stat.S_ISFIFO(mode) and writable):
+        raise ProtocolError("the descriptor sent is not the write end of a pipe")
 
 
 def _end(children: set[int]) -> None:
