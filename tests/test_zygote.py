@@ -24,7 +24,6 @@ from distsgd.launcher.lifeline import FORK_SERVER_ENV, PARENT_ENV
 from distsgd.launcher.supervisor import Supervisor, Task
 from distsgd.launcher.zygote import (
     ProtocolError,
-    _exit_code,
     encode,
     parse_report,
     parse_request,
@@ -124,11 +123,6 @@ def test_only_the_worker_bootstrap_is_forked() -> None:
     assert forkable([sys.executable, "-m", "distsgd", "server", "--job", "ps"]) is None
     assert forkable(["/other/python", "-m", "distsgd.launcher.bootstrap", "t.py"]) is None
     assert forkable([sys.executable, "train.py"]) is None
-
-
-def test_exit_codes_are_the_interpreters() -> None:
-    assert [_exit_code(None), _exit_code(0), _exit_code(7), _exit_code(-1)] == [0, 0, 7, 255]
-    assert _exit_code("a message") == 1
 
 
 # -- a real fork server --------------------------------------------------------------------------

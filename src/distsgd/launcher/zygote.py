@@ -21,11 +21,12 @@ Messages to the launcher: ``{"ready": true, "pid": P}`` once the imports are don
 
 The server starts no thread and runs no torch operation (so forking it is safe); it reaps its
 children itself, and ends with the launcher (parent-death signal, and a check each second).
+A forked task sets itself up as the task (:func:`_become`), leaves the server's loop and runs
+its module from :func:`main`, so that it ends as that interpreter would have ended.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import fcntl
 import io
@@ -41,7 +42,7 @@ import sys
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 from distsgd.launcher.lifeline import FORK_SERVER_ENV, PARENT_ENV, set_death_signal
 
@@ -192,8 +193,9 @@ def preload() -> None:
     import distsgd.launcher.bootstrap  # noqa: F401
 
 
-def serve(sock: socket.socket, launcher: int) -> None:
-    """Answer requests on ``sock`` until the launcher closes it or is gone."""
+def serve(sock: socket.socket, launcher: int) -> ForkRequest | None:
+    """Answer requests on ``sock`` until the launcher closes it or is gone (None). In a task
+    just forked, the request it is to run (the task has left the server's loop)."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -208,12 +210,19 @@ def serve(sock: socket.socket, launcher: int) -> None:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
             _reap(sock, children)
-            if sock.fileno() in readable and not _handle(sock, children, (wake_r, wake_w)):
+            if sock.fileno() not in readable:
+                continue
+            outcome = _handle(sock, children, (wake_r, wake_w))
+            if isinstance(outcome, ForkRequest):  # the forked task: not the server's children
+                children.clear()
+                return outcome
+            if not outcome:
                 break
     except OSError as exc:  # the launcher's end is gone
         log.warning("fork server: %s; stopping", exc)
     finally:
         _end(children)
+    return None
 
 
 def _send(sock: socket.socket, message: Mapping[str, Any]) -> None:
@@ -233,8 +242,11 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
         _send(sock, {"pid": pid, "exit": os.waitstatus_to_exitcode(status)})
 
 
-def _handle(sock: socket.socket, children: set[int], private: tuple[int, ...]) -> bool:
-    """Read one request and fork its task; False once the launcher has closed its end."""
+def _handle(
+    sock: socket.socket, children: set[int], private: tuple[int, ...]
+) -> ForkRequest | bool:
+    """Read one request and fork its task; False once the launcher has closed its end. In the
+    forked task: its request, once the task is set up."""
     data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
     try:
         if not data:
@@ -253,7 +265,8 @@ def _handle(sock: socket.socket, children: set[int], private: tuple[int, ...]) -
         server = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _child(request, server, (sock.fileno(), *private))
+            _become(request, server, sock, private)
+            return request
         children.add(pid)
         _send(sock, {"id": request.id, "pid": pid})
         return True
@@ -284,22 +297,24 @@ def _end(children: set[int]) -> None:
 
 
 # -- the forked task ----------------------------------------------------------------------------
-def _child(request: ForkRequest, server: int, private: tuple[int, ...]) -> NoReturn:
-    """Become the task ``request`` describes, as a new interpreter running
-    ``python -m MODULE ARGS`` would be, and exit with its exit code (``server``: the PID of
-    the server, its parent; ``private``: the server's descriptors, closed here)."""
-    code = 1
+def _become(
+    request: ForkRequest, server: int, sock: socket.socket, private: tuple[int, ...]
+) -> None:
+    """Set this freshly forked process up as the task ``request`` describes: what a new
+    interpreter started as ``python -m MODULE ARGS`` by ``Popen(start_new_session=True)``
+    would have (``server``: the server's PID; ``sock``, ``private``: the server's own, closed
+    here). A failure ends the process with code 1, its traceback on the task's output."""
     try:
         signal.set_wakeup_fd(-1)
+        sock.close()
         for fd in private:
             os.close(fd)
-        os.setsid()  # its own session and process group, as Popen(start_new_session=True)
+        os.setsid()  # its own session and process group
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(request.out_fd, 1)
         os.dup2(request.out_fd, 2)
         os.close(null)
-        os.close(request.out_fd)
         _fresh_stdio(unbuffered=bool(request.env.get("PYTHONUNBUFFERED")))
         for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_DFL)
@@ -309,54 +324,20 @@ def _child(request: ForkRequest, server: int, private: tuple[int, ...]) -> NoRet
         os.environ.update(request.env)
         os.environ[FORK_SERVER_ENV] = str(server)
         _reseed()
-        code = _run(request)
+        sys.argv = ["-m", *request.args]  # run_module puts the module's file first
+        sys.path[0] = request.cwd  # as ``python -m`` has it
     except BaseException:
         with contextlib.suppress(BaseException):
             traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(BaseException):
-                stream.flush()
-        os._exit(code)
+            sys.stderr.flush()
+        os._exit(1)
 
 
-def _run(request: ForkRequest) -> int:
-    """Run the module as ``__main__``; its exit code (what the interpreter would exit with)."""
-    sys.argv = ["-m", *request.args]  # run_module puts the module's file first
-    sys.path[0] = request.cwd  # as ``python -m`` has it
-    try:
-        runpy.run_module(request.module, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exc:
-        code = _exit_code(exc.code)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        _exit_functions()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)  # as Python ends on an uncaught Ctrl-C
-        return 130
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    _exit_functions()
-    return code
-
-
-def _exit_code(code: object) -> int:
-    """The exit code of ``SystemExit(code)``, as the interpreter turns it into one."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    with contextlib.suppress(BaseException):
-        print(code, file=sys.stderr)
-    return 1
-
-
-def _exit_functions() -> None:
-    """Run the ``atexit`` functions, as an interpreter ending normally does."""
-    with contextlib.suppress(BaseException):
-        atexit._run_exitfuncs()
+def run_task(request: ForkRequest) -> None:
+    """Run the task's module as ``__main__``. What it raises ends this process as it would
+    end the interpreter (from :func:`main`'s caller, with the interpreter's own finalization:
+    threads joined, ``atexit`` functions, the exit code or the traceback)."""
+    runpy.run_module(request.module, run_name="__main__", alter_sys=True)
 
 
 def _fresh_stdio(*, unbuffered: bool) -> None:
@@ -410,7 +391,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     if threads > 1:  # a fork copies only the forking thread: locks others held stay held
         log.warning("fork server: %d threads after the imports; forking may hang", threads)
-    serve(sock, launcher)
+    request = serve(sock, launcher)
+    if request is not None:  # a forked task
+        run_task(request)
     return 0
 
 
