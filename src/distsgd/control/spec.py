@@ -62,8 +62,32 @@ def _whole(name: str, value: object, low: int) -> None:
         raise ValueError(f"{name} must be a whole number of at least {low}, got {value!r}")
 
 
+class WorkerBounds:
+    """The worker counts of a run as both its launch settings and its saved :class:`RunSpec`
+    read them (0 for a bound: ``workers``)."""
+
+    workers: int
+    min_workers: int
+    max_workers: int
+
+    @property
+    def lowest_workers(self) -> int:
+        """``min_workers``, or ``workers`` when not given."""
+        return self.min_workers or self.workers
+
+    @property
+    def highest_workers(self) -> int:
+        """``max_workers``, or ``workers`` when not given."""
+        return self.max_workers or self.workers
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run may change size while it runs (``distsgd scale``)."""
+        return self.lowest_workers != self.highest_workers
+
+
 @dataclass(frozen=True, kw_only=True)
-class RunSpec:
+class RunSpec(WorkerBounds):
     """What a run is: its script, scheme, training settings and size. Saved as the run folder's
     ``config.json`` (:meth:`save`) and read back by every tool (:meth:`load`)."""
 
@@ -131,21 +155,6 @@ class RunSpec:
         check_worker_bounds(
             workers=self.workers, min_workers=self.min_workers, max_workers=self.max_workers
         )
-
-    @property
-    def lowest_workers(self) -> int:
-        """``min_workers``, or ``workers`` when not given."""
-        return self.min_workers or self.workers
-
-    @property
-    def highest_workers(self) -> int:
-        """``max_workers``, or ``workers`` when not given."""
-        return self.max_workers or self.workers
-
-    @property
-    def elastic(self) -> bool:
-        """Whether the run may change size while it runs (``distsgd scale``)."""
-        return self.lowest_workers != self.highest_workers
 
     @property
     def dynamic_world_size(self) -> bool:

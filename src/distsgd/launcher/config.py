@@ -13,7 +13,7 @@ from distsgd.cluster import Role
 from distsgd.control.config import TrainConfig, lr_multiplier
 from distsgd.control.faults import Fault
 from distsgd.control.folder import new_run_folder, runs_root
-from distsgd.control.spec import RunSpec, check_worker_bounds
+from distsgd.control.spec import RunSpec, WorkerBounds, check_worker_bounds
 from distsgd.transport.security import TlsConfig
 
 DEFAULT_CHECKPOINT_SECONDS = 30.0
@@ -27,7 +27,7 @@ parent-death signal)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaunchConfig:
+class LaunchConfig(WorkerBounds):
     """A whole cluster on this machine, on free loopback ports."""
 
     script: str = field(metadata={"help": "the training script (calls distsgd.train)"})
@@ -208,21 +208,6 @@ class LaunchConfig:
                     f"--inject-fault {spec_text}: there is no {fault.task} "
                     f"({count} {fault.job} tasks{most}); use an index below {count}"
                 )
-
-    @property
-    def lowest_workers(self) -> int:
-        """``min_workers``, or ``workers`` when not given."""
-        return self.min_workers or self.workers
-
-    @property
-    def highest_workers(self) -> int:
-        """``max_workers``, or ``workers`` when not given."""
-        return self.max_workers or self.workers
-
-    @property
-    def elastic(self) -> bool:
-        """Whether the run may change size while it runs (``distsgd scale``)."""
-        return self.lowest_workers != self.highest_workers
 
     @property
     def lr_rule(self) -> tuple[str, float]:
