@@ -10,8 +10,10 @@ the machine's speed drifts, neighbours in time stay fair), ``--rounds`` times ea
   collective path);
 
 each with its own ``--run-dir`` under a temporary folder removed at the end. Per run: wall
-seconds (``time.monotonic`` around the command) and CPU seconds (user + system) of the command
-and of every process it waited for, from ``os.wait4`` on the command's own process. That covers
+seconds (``time.monotonic`` around the command), CPU seconds (user + system) of the command
+and of every process it waited for, and the peak resident set of the largest of those processes
+(``ru_maxrss``, what ``/usr/bin/time -v`` reports), from ``os.wait4`` on the command's own
+process. That covers
 the whole run because the launcher waits for what it starts: each worker and server task it
 started as a process, and the fork server, which itself waits for each worker it forked (so a
 forked worker's CPU time reaches the launcher through the fork server's). Each run's exit code
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -67,6 +70,10 @@ class Run:
     """Seconds from start to exit (``time.monotonic``)."""
     cpu: float
     """User + system CPU seconds of the command and every process it waited for."""
+    peak: float
+    """MiB: the peak resident set of the largest of those processes (``ru_maxrss``; pages
+    shared with another process count in each; never below this script's own size, which a
+    forked child starts from)."""
     code: int
     """Exit code (negative: the signal that ended it, as ``Popen.returncode`` has it)."""
     timed_out: bool = False
@@ -113,7 +120,7 @@ def summarize(runs: Sequence[Run], case: str) -> dict[str, Any]:
     their medians, the failed runs, and every run."""
     mine = [run for run in runs if run.case == case]
     summary: dict[str, Any] = {}
-    for what in ("cpu", "wall"):
+    for what in ("cpu", "wall", "peak"):
         for flag in FLAGS:
             values = [getattr(r, what) for r in mine if r.flag == flag and r.ok]
             summary[f"{what}_{flag}_median"] = _median(values)
@@ -143,15 +150,15 @@ def table(summaries: dict[str, dict[str, Any]], commands: dict[str, str]) -> str
     failed run."""
     lines = [
         "| command | runs ok (on + off) | cpu s on / off | wall s on / off "
-        "| paired on ÷ off: cpu, wall (median) |",
-        "| --- | --- | --- | --- | --- |",
+        "| paired on ÷ off: cpu, wall (median) | peak MiB on / off |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     failures = []
     for case, s in summaries.items():
         ratios = f"{_ratio(s['cpu_ratio_median'])}, {_ratio(s['wall_ratio_median'])}"
         lines.append(
             f"| `{commands[case]}` | {s['ok']['on']} + {s['ok']['off']} | {_pair(s, 'cpu', 2)} "
-            f"| {_pair(s, 'wall', 2)} | {ratios} |"
+            f"| {_pair(s, 'wall', 2)} | {ratios} | {_pair(s, 'peak', 0)} |"
         )
         for run in s["failed"]:
             why = "timed out" if run["timed_out"] else f"exit code {run['code']}"
@@ -179,9 +186,25 @@ def _tail(path: Path, lines: int = 20) -> str:
     return ""
 
 
-def measure(argv: list[str], log_path: Path, timeout: float) -> tuple[float, float, int, bool]:
-    """Run ``argv`` in a new session, its output into ``log_path``: wall seconds, CPU seconds,
-    exit code, and whether it was ended at ``timeout``."""
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What :func:`measure` saw of one command."""
+
+    wall: float
+    """Seconds from start to exit."""
+    cpu: float
+    """User + system CPU seconds of it and every process it waited for."""
+    peak: float
+    """MiB: the largest of those processes' peak resident set."""
+    code: int
+    """Exit code (negative: the signal that ended it)."""
+    timed_out: bool
+    """True when it was ended at the timeout."""
+
+
+def measure(argv: list[str], log_path: Path, timeout: float) -> Measured:
+    """Run ``argv`` in a new session, its output into ``log_path``, for up to ``timeout``
+    seconds."""
     with log_path.open("wb") as out:
         started = time.monotonic()
         process = subprocess.Popen(
@@ -202,7 +225,10 @@ def measure(argv: list[str], log_path: Path, timeout: float) -> tuple[float, flo
     status, usage = reaped
     code = os.waitstatus_to_exitcode(status)
     process.returncode = code  # reaped here: Popen must not wait for it again
-    return wall, usage.ru_utime + usage.ru_stime, code, timed_out
+    return Measured(
+        wall=wall, cpu=usage.ru_utime + usage.ru_stime, peak=usage.ru_maxrss / 1024, code=code,
+        timed_out=timed_out,
+    )  # fmt: skip
 
 
 def run_all(args: argparse.Namespace) -> list[Run]:
@@ -217,17 +243,19 @@ def run_all(args: argparse.Namespace) -> list[Run]:
                         "--run-dir", str(run_dir),
                     ]  # fmt: skip
                     log_path = Path(tmp) / f"{case}-{round_}-{flag}.log"
-                    wall, cpu, code, timed_out = measure(argv, log_path, args.timeout)
+                    m = measure(argv, log_path, args.timeout)
                     run = Run(
-                        case=case, flag=flag, round=round_, wall=round(wall, 3),
-                        cpu=round(cpu, 3), code=code, timed_out=timed_out,
-                        tail="" if code == 0 and not timed_out else _tail(log_path),
+                        case=case, flag=flag, round=round_, wall=round(m.wall, 3),
+                        cpu=round(m.cpu, 3), peak=round(m.peak, 1), code=m.code,
+                        timed_out=m.timed_out,
                     )  # fmt: skip
+                    if not run.ok:
+                        run = dataclasses.replace(run, tail=_tail(log_path))
                     runs.append(run)
-                    state = "ok" if run.ok else ("timed out" if timed_out else f"exit {code}")
+                    state = "ok" if run.ok else ("timed out" if m.timed_out else f"exit {m.code}")
                     print(
-                        f"round {round_} {case:9s} fork server {flag:3s} cpu {cpu:6.2f} s "
-                        f"wall {wall:6.2f} s {state}",
+                        f"round {round_} {case:9s} fork server {flag:3s} cpu {m.cpu:6.2f} s "
+                        f"wall {m.wall:6.2f} s peak {m.peak:5.0f} MiB {state}",
                         flush=True,
                     )
     return runs

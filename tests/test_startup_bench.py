@@ -28,9 +28,16 @@ bench = _load()
 
 
 def run(
-    flag: str, round_: int, *, wall: float, cpu: float, code: int = 0, case: str = "hogwild"
+    flag: str,
+    round_: int,
+    *,
+    wall: float,
+    cpu: float,
+    code: int = 0,
+    case: str = "hogwild",
+    peak: float = 250.0,
 ) -> Any:
-    return bench.Run(case=case, flag=flag, round=round_, wall=wall, cpu=cpu, code=code)
+    return bench.Run(case=case, flag=flag, round=round_, wall=wall, cpu=cpu, peak=peak, code=code)
 
 
 RUNS = [
@@ -54,7 +61,7 @@ def test_summary_gives_medians_and_the_median_of_the_paired_ratios() -> None:
     assert s["wall_on_median"] == 6.0 and s["wall_off_median"] == 8.0
     assert s["cpu_on_median"] == 9.0 and s["cpu_off_median"] == 12.0
     assert s["wall_ratios"] == [0.75, 0.5, 1.0] and s["wall_ratio_median"] == 0.75
-    assert s["cpu_ratio_median"] == 0.75
+    assert s["cpu_ratio_median"] == 0.75 and s["peak_on_median"] == 250.0
     assert s["ok"] == {"on": 3, "off": 3} and s["failed"] == [] and len(s["runs"]) == 6
 
 
@@ -83,7 +90,9 @@ def test_a_failed_run_is_left_out_of_medians_and_ratios_and_reported() -> None:
 
 
 def test_a_timed_out_run_counts_as_failed() -> None:
-    timed = bench.Run(case="hogwild", flag="off", round=1, wall=300, cpu=1, code=-9, timed_out=True)
+    timed = bench.Run(
+        case="hogwild", flag="off", round=1, wall=300, cpu=1, peak=9, code=-9, timed_out=True
+    )
     assert not timed.ok
     s = bench.summarize([RUNS[0], timed], "hogwild")
     assert s["wall_ratios"] == [] and s["wall_ratio_median"] is None
@@ -101,8 +110,10 @@ def test_the_table_has_a_row_per_case_and_names_failures() -> None:
     text = bench.table(summaries, commands)
     lines = text.splitlines()
     assert lines[0].startswith("| command |") and lines[1].startswith("| --- |")
-    assert lines[2] == "| `distsgd demo h` | 3 + 3 | 9.00 / 12.00 | 6.00 / 8.00 | 0.75, 0.75 |"
-    assert lines[3] == "| `distsgd demo a` | 1 + 0 | n/a | n/a | n/a, n/a |"
+    assert lines[2] == (
+        "| `distsgd demo h` | 3 + 3 | 9.00 / 12.00 | 6.00 / 8.00 | 0.75, 0.75 | 250 / 250 |"
+    )
+    assert lines[3] == "| `distsgd demo a` | 1 + 0 | n/a | n/a | n/a, n/a | n/a |"
     assert lines[-1] == "- failed: allreduce round 1 off: exit code -9"
 
 
