@@ -26,9 +26,9 @@ markdown table and writes a JSON report (``--out``, default ``startup.json``)::
     python benchmarks/startup.py [--rounds 4] [--epochs 5] [--timeout 300] [--out startup.json]
 
 Every command is started as ``sys.executable -m distsgd`` in a new session; on timeout this
-script ends that session's process group (the launcher's tasks end with their launcher) and
-reaps the command. The module imports neither torch nor distsgd: its report math is tested
-alone (``tests/test_startup_bench.py``).
+script ends that session's process group (SIGTERM, SIGKILL 10 s later; the launcher's tasks end
+with their launcher) and reaps the command. The module imports neither torch nor distsgd: its
+report math is tested alone (``tests/test_startup_bench.py``).
 """
 
 from __future__ import annotations
@@ -180,6 +180,24 @@ def _reap(pid: int, timeout: float) -> tuple[int, resource.struct_rusage] | None
         time.sleep(0.005)
 
 
+def _signal_group(pgid: int, signum: signal.Signals) -> None:
+    """Signal the process group this script created (its id is the command's PID), no other."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+def _end(pid: int, grace: float = 10.0) -> tuple[int, resource.struct_rusage]:
+    """End the command ``pid`` and reap it: SIGTERM to its group (the launcher then stops its
+    tasks), SIGKILL after ``grace`` seconds."""
+    _signal_group(pid, signal.SIGTERM)
+    reaped = _reap(pid, grace)
+    if reaped is None:
+        _signal_group(pid, signal.SIGKILL)
+        _, status, usage = os.wait4(pid, 0)
+        reaped = status, usage
+    return reaped
+
+
 def _tail(path: Path, lines: int = 20) -> str:
     with contextlib.suppress(OSError):
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -216,11 +234,8 @@ def measure(argv: list[str], log_path: Path, timeout: float) -> Measured:
         reaped = _reap(process.pid, timeout)
     finally:
         timed_out = reaped is None
-        if reaped is None:  # the group we created (its id is the command's PID), nothing else
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-            _, status, usage = os.wait4(process.pid, 0)
-            reaped = status, usage
+        if reaped is None:
+            reaped = _end(process.pid)
     wall = time.monotonic() - started
     status, usage = reaped
     code = os.waitstatus_to_exitcode(status)
