@@ -146,8 +146,8 @@ def _ratio(value: float | None) -> str:
 
 
 def table(summaries: dict[str, dict[str, Any]], commands: dict[str, str]) -> str:
-    """The markdown table of :func:`summarize`'s figures, one row a case, then a line for each
-    failed run."""
+    """The markdown table of :func:`summarize`'s figures, one row a case (``commands``: each
+    case's command less ``--fork-server``), then a line for each failed run."""
     lines = [
         "| command | runs ok (on + off) | cpu s on / off | wall s on / off "
         "| paired on ÷ off: cpu, wall (median) | peak MiB on / off |",
@@ -156,9 +156,10 @@ def table(summaries: dict[str, dict[str, Any]], commands: dict[str, str]) -> str
     failures = []
     for case, s in summaries.items():
         ratios = f"{_ratio(s['cpu_ratio_median'])}, {_ratio(s['wall_ratio_median'])}"
+        ok = f"{s['ok']['on']} + {s['ok']['off']}"
         lines.append(
-            f"| `{commands[case]}` | {s['ok']['on']} + {s['ok']['off']} | {_pair(s, 'cpu', 2)} "
-            f"| {_pair(s, 'wall', 2)} | {ratios} | {_pair(s, 'peak', 0)} |"
+            f"| `{commands[case]} --fork-server on` (or `off`) | {ok} "
+            f"| {_pair(s, 'cpu', 2)} | {_pair(s, 'wall', 2)} | {ratios} | {_pair(s, 'peak', 0)} |"
         )
         for run in s["failed"]:
             why = "timed out" if run["timed_out"] else f"exit code {run['code']}"
@@ -287,8 +288,7 @@ def main() -> None:
         parser.error("--rounds and --epochs must be at least 1 and --timeout positive")
     runs = run_all(args)
     commands = {
-        case: f"distsgd {' '.join(command)} --fork-server on|off"
-        for case, command in cases(args.epochs).items()
+        case: f"distsgd {' '.join(command)}" for case, command in cases(args.epochs).items()
     }
     summaries = {case: summarize(runs, case) for case in commands}
     report = {

@@ -111,9 +111,12 @@ def test_the_table_has_a_row_per_case_and_names_failures() -> None:
     lines = text.splitlines()
     assert lines[0].startswith("| command |") and lines[1].startswith("| --- |")
     assert lines[2] == (
-        "| `distsgd demo h` | 3 + 3 | 9.00 / 12.00 | 6.00 / 8.00 | 0.75, 0.75 | 250 / 250 |"
+        "| `distsgd demo h --fork-server on` (or `off`) | 3 + 3 | 9.00 / 12.00 | 6.00 / 8.00 "
+        "| 0.75, 0.75 | 250 / 250 |"
     )
-    assert lines[3] == "| `distsgd demo a` | 1 + 0 | n/a | n/a | n/a, n/a | n/a |"
+    assert lines[3] == (
+        "| `distsgd demo a --fork-server on` (or `off`) | 1 + 0 | n/a | n/a | n/a, n/a | n/a |"
+    )
     assert lines[-1] == "- failed: allreduce round 1 off: exit code -9"
 
 
