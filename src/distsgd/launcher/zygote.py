@@ -187,7 +187,11 @@ def preload() -> None:
     """Import what every worker imports (torch above all), creating no thread."""
     os.environ["OMP_NUM_THREADS"] = "1"  # libgomp reads these once, when torch loads it;
     os.environ["MKL_NUM_THREADS"] = "1"  # each task then sets its own (limit_threads)
-    import torch  # noqa: F401
+    import torch
+
+    # torch.optim imports this when a process makes its first optimizer (over a CPU-second,
+    # in nearly every worker: a local optimizer of a scheme, or the user's own).
+    import torch._dynamo  # noqa: F401
 
     import distsgd.api
     import distsgd.launcher.bootstrap  # noqa: F401
