@@ -1,0 +1,537 @@
+"""Emulated hosts on one machine: each host a network namespace of its own, joined to a switch
+(a bridge in one more namespace) by a veth pair whose bandwidth the kernel's token-bucket
+shaper (``tbf``) limits in both directions. The plan (how many hosts, addresses, links, which
+task where) is :mod:`distsgd.cluster.hosts`; this module builds it and takes it down.
+
+Layout, for hosts ``host0..hostN-1`` and a per-instance prefix ``P`` (``ds`` and 6 random hex
+digits)::
+
+    switch namespace:  lo, bridge P-br (198.18.0.254/24), ports P-p0 .. P-pN-1 (tbf each)
+    host i namespace:  lo, eth0 (198.18.0.(i+1)/24, tbf), the peer of P-pi
+
+Each namespace is held by a *keeper*: a process this module forks, which unshares a new
+network namespace, asks for SIGKILL when the thread that forked it ends (``PR_SET_PDEATHSIG``),
+and then execs ``sleep infinity`` (shown as ``distsgd-netns-keeper`` in ``ps``). No named
+namespace (``ip netns add``) is made: those outlive a SIGKILL of their creator, while a keeper
+dies with it, and with the last keeper of a namespace the namespace goes, and its links with
+it. Links are made from inside the switch namespace with their host end put straight into its
+host's namespace, so the machine's own namespace never holds one of them, not even briefly.
+
+Keepers tie themselves to the creating *thread*: create and close :class:`EmulatedHosts` from
+a thread that lives as long as the hosts (the main thread, as the launcher does).
+
+Privilege: as root the namespaces are made directly. Otherwise the switch keeper first makes a
+user namespace in which it is root (where the kernel allows unprivileged user namespaces), the
+host keepers join it, and every command (``ip``, ``tc``, the tasks) enters it too. Neither
+possible: :func:`check_capable` refuses in one line.
+
+Shaping (:func:`tbf_sizes`): the rate comes from the host's :class:`LinkSpec`; this kernel has
+no delay qdisc (``netem`` is absent), so a link's delay and jitter are recorded but not applied
+(:class:`AppliedLink` says which parts were); a later step adds them in user space.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import enum
+import functools
+import logging
+import os
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from distsgd.cluster.hosts import Host, HostPlan, LinkSpec
+
+__all__ = [
+    "AppliedLink",
+    "EmulatedHosts",
+    "NetnsError",
+    "Privilege",
+    "check_capable",
+    "tbf_sizes",
+]
+
+log = logging.getLogger(__name__)
+
+CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
+PR_SET_PDEATHSIG = 1
+COMMAND_TIMEOUT_S = 10.0
+"""How long one ``ip``/``tc`` command or a keeper's start may take."""
+KEEPER_NAME = "distsgd-netns-keeper"
+"""A keeper's argv[0] (what ``ps`` shows for it)."""
+TOOLS = ("ip", "tc", "nsenter", "sleep")
+"""The programs this module runs (iproute2, util-linux, coreutils)."""
+_GSO_BYTES = 64 * 1024
+_SHAPER_TICK_S = 0.002
+_QUEUE_S = 0.02
+
+
+class NetnsError(RuntimeError):
+    """A namespace, link or shaper could not be made or removed; one line: what and why."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+class Privilege(enum.StrEnum):
+    """How the namespaces are made."""
+
+    ROOT = "root"
+    """Directly, with the caller's CAP_NET_ADMIN/CAP_SYS_ADMIN."""
+    USER_NAMESPACE = "user-namespace"
+    """Inside an unprivileged user namespace in which the keepers are root."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AppliedLink:
+    """What of a host's link was applied to its namespace's interfaces."""
+
+    host: str
+    """The host's name."""
+    spec: LinkSpec | None
+    """The link asked for; None: unshaped."""
+    rate_bits: int | None
+    """The rate the shaper enforces in each direction, bits/s; None: no shaper."""
+    burst_bytes: int | None
+    """The token bucket's size (``tbf`` burst); None: no shaper."""
+    limit_bytes: int | None
+    """The bytes that may queue behind the bucket (``tbf`` limit); None: no shaper."""
+    delay_applied: bool
+    """Whether the spec's delay and jitter are in effect (not on a kernel without netem)."""
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """The parts of the spec not in effect, as text (``("delay 5ms",)``)."""
+        if self.spec is None or self.delay_applied:
+            return ()
+        out = []
+        if self.spec.delay_s:
+            out.append(f"delay {self.spec.delay_s * 1e3:g}ms")
+        if self.spec.jitter_s:
+            out.append(f"jitter {self.spec.jitter_s * 1e3:g}ms")
+        return tuple(out)
+
+
+def tbf_sizes(rate_bits: int) -> tuple[int, int]:
+    """The ``tbf`` burst and limit, in bytes, for a rate in bits/s.
+
+    burst = max(64 KiB, rate x 2 ms): at least one full GSO packet (veth hands the shaper
+    packets of up to 64 KiB; a bucket smaller than a packet makes tbf cut it into MTU-sized
+    pieces), and at high rates enough tokens for the 2 ms a shaper's wake-up may take.
+    limit = burst + max(64 KiB, rate x 20 ms): a queue of about 20 ms at the rate, enough for
+    TCP to keep the link busy without growing the round trip much.
+    """
+    rate_bytes = rate_bits / 8
+    burst = max(_GSO_BYTES, round(rate_bytes * _SHAPER_TICK_S))
+    return burst, burst + max(_GSO_BYTES, round(rate_bytes * _QUEUE_S))
+
+
+# --------------------------------------------------------------------------- privilege
+
+
+def _userns_allowed() -> bool:
+    for path, off in (
+        ("/proc/sys/kernel/unprivileged_userns_clone", "0"),
+        ("/proc/sys/user/max_user_namespaces", "0"),
+    ):
+        with contextlib.suppress(OSError):
+            if Path(path).read_text().strip() == off:
+                return False
+    return True
+
+
+def check_capable() -> Privilege:
+    """How namespaces can be made here; ValueError, in one line, where they cannot."""
+    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise ValueError(
+            f"emulated hosts need {', '.join(missing)} on PATH; install iproute2 (ip, tc), "
+            "util-linux (nsenter) and coreutils (sleep)"
+        )
+    if not os.path.exists("/proc/self/ns/net"):
+        raise ValueError(
+            "emulated hosts need Linux network namespaces (no /proc/self/ns/net here); run on Linux"
+        )
+    if os.geteuid() == 0:
+        return Privilege.ROOT
+    if _userns_allowed():
+        return Privilege.USER_NAMESPACE
+    raise ValueError(
+        "emulated hosts need CAP_NET_ADMIN: not root, and this kernel refuses unprivileged "
+        "user namespaces; run as root or set sysctl kernel.unprivileged_userns_clone=1"
+    )
+
+
+# --------------------------------------------------------------------------- keepers
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """libc, loaded in the parent: a child forked from a process with threads must not load
+    a library (the loader's lock may be held by a thread that is not in the child)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _KeeperArgs:
+    """What a keeper child needs, all prepared before the fork."""
+
+    libc: ctypes.CDLL
+    """libc, for unshare, setns and prctl."""
+    sleep: str
+    """The path of ``sleep``."""
+    parent: int
+    """The creator's PID."""
+    user_ns: str | None
+    """A user namespace to join first (``/proc/PID/ns/user``); None: stay in ours."""
+    new_user: bool
+    """Make a new user namespace along with the network namespace."""
+
+
+def _keeper_child(report: int, args: _KeeperArgs) -> None:
+    """In the forked child: make (or join) the namespaces, tie to the parent, exec sleep.
+    Writes to ``report`` only why it failed: the end of file that the exec brings, with nothing
+    written, is the parent's sign of success."""
+    libc = args.libc
+    user_ns, new_user = args.user_ns, args.new_user
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the creator's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if user_ns is not None:
+        fd = os.open(user_ns, os.O_RDONLY)
+        if libc.setns(fd, CLONE_NEWUSER) != 0:
+            os.write(report, f"setns(user): {os.strerror(ctypes.get_errno())}".encode())
+            return
+        os.close(fd)
+    flags = CLONE_NEWNET | (CLONE_NEWUSER if new_user else 0)
+    if libc.unshare(flags) != 0:
+        os.write(report, f"unshare: {os.strerror(ctypes.get_errno())}".encode())
+        return
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != args.parent:  # the creator died before the line above
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.execv(args.sleep, [KEEPER_NAME, "infinity"])  # closes ``report`` (close-on-exec)
+
+
+def _read_report(fd: int, pid: int, timeout_s: float) -> str:
+    """Why the keeper failed, or "" once it runs ``sleep`` in its namespace."""
+    deadline = time.monotonic() + timeout_s
+    chunks: list[bytes] = []
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            break
+        chunk = os.read(fd, 512)
+        if chunk:
+            chunks.append(chunk)
+            continue
+        if chunks:
+            return b"".join(chunks).decode(errors="replace")
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return "it exited at once" if done else ""
+    return f"no answer within {timeout_s:g} s (pid {pid})"
+
+
+def _fork_keeper(*, user_ns: str | None, new_user: bool, timeout_s: float) -> int:
+    """Fork a keeper; its PID once it holds its namespace, NetnsError if it could not."""
+    args = _KeeperArgs(
+        libc=_libc(),
+        sleep=shutil.which("sleep") or "/bin/sleep",
+        parent=os.getpid(),
+        user_ns=user_ns,
+        new_user=new_user,
+    )
+    for name in ("unshare", "setns", "prctl"):  # resolve the symbols before the fork
+        getattr(args.libc, name)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child execs or exits, coverage cannot follow
+        try:
+            os.close(read)
+            _keeper_child(write, args)
+        except BaseException as e:
+            with contextlib.suppress(BaseException):
+                os.write(write, f"{type(e).__name__}: {e}".encode())
+        finally:
+            os._exit(1)
+    os.close(write)
+    try:
+        report = _read_report(read, pid, timeout_s)
+    finally:
+        os.close(read)
+    if report:
+        _end_keeper(pid, timeout_s)
+        raise NetnsError(
+            f"a namespace keeper could not start: {report}; run as root or allow "
+            "unprivileged user namespaces"
+        )
+    return pid
+
+
+def _end_keeper(pid: int, timeout_s: float) -> bool:
+    """SIGKILL one keeper (ours, by PID) and reap it; False if it did not end in time."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if done:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+
+
+def _write_id_maps(pid: int) -> None:
+    """Map the caller to root in the keeper's new user namespace (so nsenter can be root)."""
+    proc = Path(f"/proc/{pid}")
+    (proc / "setgroups").write_text("deny")
+    (proc / "uid_map").write_text(f"0 {os.geteuid()} 1")
+    (proc / "gid_map").write_text(f"0 {os.getegid()} 1")
+
+
+# --------------------------------------------------------------------------- the hosts
+
+
+class EmulatedHosts:
+    """The hosts of a :class:`HostPlan` as network namespaces, while the context lasts.
+
+    ``with EmulatedHosts(plan) as hosts: subprocess.run([*hosts.enter("host0"), "prog"])``.
+    Tasks started with :meth:`enter` are the caller's to end: :meth:`close` ends only the
+    keepers (then no link is left; a task still running keeps its host's namespace, with only
+    ``lo`` in it).
+    """
+
+    def __init__(self, plan: HostPlan, *, timeout_s: float = COMMAND_TIMEOUT_S) -> None:
+        self.plan = plan
+        self.timeout_s = timeout_s
+        self.prefix = f"ds{secrets.token_hex(3)}"
+        """Every link's name begins with it (``ds`` and 6 hex digits)."""
+        self.privilege: Privilege | None = None
+        """How the namespaces were made (None until :meth:`start`)."""
+        self.keepers: dict[str, int] = {}
+        """PID of each namespace's keeper, by host name, and ``"switch"``."""
+        self.applied: tuple[AppliedLink, ...] = ()
+        """What of each host's link is in effect, by host."""
+
+    # ---------------------------------------------------------------- names
+
+    @property
+    def bridge(self) -> str:
+        """The bridge's name in the switch namespace."""
+        return f"{self.prefix}-br"
+
+    def port(self, host: Host) -> str:
+        """The switch-side end of ``host``'s link."""
+        return f"{self.prefix}-p{host.index}"
+
+    def _host(self, host: Host | str | int) -> Host:
+        if isinstance(host, Host):
+            return host
+        if isinstance(host, int):
+            return self.plan.hosts[host]
+        return self.plan.host(host)
+
+    def _ns(self, keeper: int, argv: Sequence[str]) -> list[str]:
+        prefix = ["nsenter", f"--net=/proc/{keeper}/ns/net"]
+        if self.privilege is Privilege.USER_NAMESPACE:
+            user = self.keepers["switch"]
+            prefix += [f"--user=/proc/{user}/ns/user", "--preserve-credentials"]
+        return [*prefix, "--", *argv]
+
+    def enter(self, host: Host | str | int) -> list[str]:
+        """The argv prefix that starts a program in ``host``'s namespace.
+
+        An argv prefix (``nsenter --net=/proc/KEEPER/ns/net --``), not a ``preexec_fn`` that
+        calls setns: it works with every way the launcher starts a task (Popen, the fork
+        server's exec, a shell line), runs no Python between fork and exec in a process with
+        threads, and shows in ``ps``; it costs one exec.
+        """
+        name = self._host(host).name
+        if name not in self.keepers:
+            raise ValueError(f"{name} has no namespace; start the hosts (use `with`) first")
+        return self._ns(self.keepers[name], [])
+
+    # ---------------------------------------------------------------- life
+
+    def __enter__(self) -> EmulatedHosts:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.close(check=kind is None)
+
+    def start(self) -> None:
+        """Make the namespaces, links and shapers; on failure nothing is left."""
+        if self.keepers:
+            raise ValueError("these hosts are already started; make a new EmulatedHosts")
+        self.privilege = check_capable()
+        try:
+            self._start_keepers()
+            self._wire()
+            self.applied = self._shape()
+        except BaseException:
+            self.close(check=False)
+            raise
+        log.info(
+            "emulated %d hosts (%s, links %s): keepers %s",
+            len(self.plan.hosts),
+            self.privilege,
+            self.prefix,
+            self.keepers,
+        )
+        for link in self.applied:
+            if link.missing:
+                log.warning(
+                    "%s: %s not applied (this kernel has no delay qdisc)",
+                    link.host,
+                    ", ".join(link.missing),
+                )
+
+    def _start_keepers(self) -> None:
+        userns = self.privilege is Privilege.USER_NAMESPACE
+        switch = _fork_keeper(user_ns=None, new_user=userns, timeout_s=self.timeout_s)
+        self.keepers["switch"] = switch
+        if userns:
+            try:
+                _write_id_maps(switch)
+            except OSError as e:
+                raise NetnsError(
+                    f"could not map this user into the hosts' user namespace: {e}; run as root"
+                ) from e
+        user_ns = f"/proc/{switch}/ns/user" if userns else None
+        for host in self.plan.hosts:
+            self.keepers[host.name] = _fork_keeper(
+                user_ns=user_ns, new_user=False, timeout_s=self.timeout_s
+            )
+
+    def _run(self, keeper: int, argv: Sequence[str], script: str) -> None:
+        """Run a ``-batch -`` command (``ip``/``tc``) in ``keeper``'s namespace."""
+        full = self._ns(keeper, [*argv, "-batch", "-"])
+        try:
+            done = subprocess.run(
+                full, input=script, capture_output=True, text=True, timeout=self.timeout_s
+            )
+        except subprocess.TimeoutExpired:
+            raise NetnsError(
+                f"{argv[0]} took over {self.timeout_s:g} s; is the machine busy?"
+            ) from None
+        if done.returncode != 0:
+            raise NetnsError(
+                f"{argv[0]} failed (exit {done.returncode}): {done.stderr.strip()}; "
+                f"commands were: {'; '.join(script.splitlines())}"
+            )
+
+    def _wire(self) -> None:
+        """The bridge, one veth pair per host (host end straight into its namespace), the
+        addresses; no IPv6 link-local addresses, so the links carry only the run's bytes."""
+        plan, switch = self.plan, self.keepers["switch"]
+        lines = [
+            "link set lo up",
+            f"link add {self.bridge} type bridge",
+            f"link set {self.bridge} addrgenmode none",
+            f"addr add {plan.bridge_address}/{plan.prefix_len} dev {self.bridge}",
+            f"link set {self.bridge} up",
+        ]
+        for host in plan.hosts:
+            port = self.port(host)
+            lines += [
+                f"link add {port} type veth peer name eth0 netns {self.keepers[host.name]}",
+                f"link set {port} addrgenmode none",
+                f"link set {port} master {self.bridge}",
+                f"link set {port} up",
+            ]
+        self._run(switch, ["ip"], "\n".join(lines) + "\n")
+        for host in plan.hosts:
+            script = (
+                "link set lo up\n"
+                "link set eth0 addrgenmode none\n"
+                f"addr add {host.address}/{plan.prefix_len} dev eth0\n"
+                "link set eth0 up\n"
+            )
+            self._run(self.keepers[host.name], ["ip"], script)
+
+    def _shape(self) -> tuple[AppliedLink, ...]:
+        """``tbf`` on both ends of each shaped host's link: its eth0 (what the host sends) and
+        its switch port (what it receives)."""
+        applied, switch_lines = [], []
+        for host in self.plan.hosts:
+            if host.link is None:
+                applied.append(
+                    AppliedLink(
+                        host=host.name,
+                        spec=None,
+                        rate_bits=None,
+                        burst_bytes=None,
+                        limit_bytes=None,
+                        delay_applied=False,
+                    )
+                )
+                continue
+            rate = host.link.rate_bits
+            burst, limit = tbf_sizes(rate)
+            qdisc = f"root tbf rate {rate}bit burst {burst} limit {limit}"
+            self._run(self.keepers[host.name], ["tc"], f"qdisc add dev eth0 {qdisc}\n")
+            switch_lines.append(f"qdisc add dev {self.port(host)} {qdisc}")
+            applied.append(
+                AppliedLink(
+                    host=host.name,
+                    spec=host.link,
+                    rate_bits=rate,
+                    burst_bytes=burst,
+                    limit_bytes=limit,
+                    delay_applied=not (host.link.delay_s or host.link.jitter_s),
+                )
+            )
+        if switch_lines:
+            self._run(self.keepers["switch"], ["tc"], "\n".join(switch_lines) + "\n")
+        return tuple(applied)
+
+    def root_links(self) -> list[str]:
+        """Links of this instance in the caller's own namespace (none, by design)."""
+        try:
+            done = subprocess.run(
+                ["ip", "-br", "link"], capture_output=True, text=True, timeout=self.timeout_s
+            )
+        except subprocess.TimeoutExpired:
+            raise NetnsError(f"ip -br link took over {self.timeout_s:g} s") from None
+        names = [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+        return [name.split("@")[0] for name in names if name.startswith(self.prefix)]
+
+    def close(self, *, check: bool = True) -> None:
+        """End the keepers this instance started (by PID) and wait for them; with ``check``,
+        NetnsError if a keeper did not end or a link of this instance is in sight."""
+        stuck = [
+            f"{name} (pid {pid})"
+            for name, pid in self.keepers.items()
+            if not _end_keeper(pid, self.timeout_s)
+        ]
+        self.keepers = {}
+        if not check:
+            return
+        if stuck:
+            raise NetnsError(f"namespace keepers did not end: {', '.join(stuck)}")
+        left = self.root_links()
+        if left:
+            raise NetnsError(f"links left behind: {', '.join(left)}; remove them with ip link del")

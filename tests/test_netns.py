@@ -1,0 +1,273 @@
+"""Emulated hosts in real network namespaces (distsgd.launcher.netns): hosts reach each other by
+address and nothing else does, the links are shaped, and nothing is left after close() or after
+a SIGKILL of the process that made them. Skipped where namespaces cannot be made.
+
+Every process a test starts is ended by its PID in a ``finally``, as are the hosts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from distsgd.cluster import TaskId
+from distsgd.cluster.hosts import HostPlan, LinkSpec, parse_links, plan_hosts
+from distsgd.launcher import netns
+from distsgd.launcher.netns import AppliedLink, EmulatedHosts, check_capable, tbf_sizes
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PORT = 5701
+PAYLOAD = 4_000_000
+
+SERVER = """
+import socket, sys
+address, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((address, port))
+s.listen()
+print("ready", flush=True)
+data = b"x" * size
+while True:
+    c, _ = s.accept()
+    c.sendall(data)
+    c.close()
+"""
+
+CLIENT = """
+import json, socket, sys, time
+try:
+    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+except OSError as e:
+    print(json.dumps({"error": type(e).__name__}))
+    sys.exit()
+first, n = None, 0
+while chunk := c.recv(1 << 20):
+    if first is None:
+        first, n0 = time.monotonic(), len(chunk)
+    n += len(chunk)
+print(json.dumps({"bytes": n, "first": n0, "seconds": time.monotonic() - first}))
+"""
+
+HOLDER = """
+import json, time
+from distsgd.cluster.hosts import plan_hosts
+from distsgd.cluster import TaskId
+from distsgd.launcher.netns import EmulatedHosts
+tasks = [TaskId.parse("worker0"), TaskId.parse("worker1")]
+hosts = EmulatedHosts(plan_hosts(count=2, tasks=tasks))
+hosts.start()
+print(json.dumps({"keepers": list(hosts.keepers.values()), "prefix": hosts.prefix}), flush=True)
+time.sleep(60)
+"""
+
+
+def _capable() -> str | None:
+    """Why namespaces cannot be made here (None: they can)."""
+    try:
+        check_capable()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+needs_netns = pytest.mark.skipif(_capable() is not None, reason=str(_capable()))
+
+
+def _plan(count: int, links: list[str] | None = None) -> HostPlan:
+    tasks = [TaskId.parse(f"worker{i}") for i in range(count)]
+    return plan_hosts(count=count, tasks=tasks, links=parse_links(links or []))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _netns_inode(pid: int) -> int:
+    return os.stat(f"/proc/{pid}/ns/net").st_ino
+
+
+def _namespace_in_use(inode: int) -> bool:
+    """Whether any process is in the network namespace ``inode``."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(entry / "ns" / "net").st_ino == inode:
+                    return True
+    return False
+
+
+@contextlib.contextmanager
+def _server(hosts: EmulatedHosts, host: str, address: str, size: int = 2) -> Iterator[None]:
+    argv = [*hosts.enter(host), sys.executable, "-S", "-c", SERVER, address, str(PORT), str(size)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def _client(hosts: EmulatedHosts, host: str, address: str) -> dict[str, float]:
+    argv = [*hosts.enter(host), sys.executable, "-S", "-c", CLIENT, address, str(PORT)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=True)
+    return json.loads(done.stdout)
+
+
+def _reply_from_here(address: str) -> bytes | None:
+    """What a server at ``address`` says to this process (None: nothing answers).
+
+    Where the machine's default route leads to a proxy that accepts every connection (as in
+    some sandboxes), the connection is made, but not to the host's server: its 2 bytes never
+    come."""
+    try:
+        with socket.create_connection((address, PORT), timeout=0.5) as conn:
+            return conn.recv(2)
+    except OSError:
+        return None
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_tbf_sizes_follow_the_documented_formula() -> None:
+    assert tbf_sizes(20_000_000) == (65_536, 65_536 + 65_536)
+    assert tbf_sizes(1_000_000_000) == (250_000, 250_000 + 2_500_000)
+    for rate in (1_000, 10**6, 10**8, 10**10):
+        burst, limit = tbf_sizes(rate)
+        assert burst >= 65_536 and limit > burst
+
+
+def test_applied_link_names_what_is_missing() -> None:
+    spec = LinkSpec.parse("10mbit,5ms,1ms")
+    link = AppliedLink(
+        host="host0",
+        spec=spec,
+        rate_bits=spec.rate_bits,
+        burst_bytes=1,
+        limit_bytes=2,
+        delay_applied=False,
+    )
+    assert link.missing == ("delay 5ms", "jitter 1ms")
+    none = AppliedLink(
+        host="host1",
+        spec=None,
+        rate_bits=None,
+        burst_bytes=None,
+        limit_bytes=None,
+        delay_applied=False,
+    )
+    assert none.missing == ()
+
+
+def test_no_privilege_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns, "_userns_allowed", lambda: False)
+    with pytest.raises(ValueError, match="CAP_NET_ADMIN") as caught:
+        check_capable()
+    assert "\n" not in str(caught.value) and ";" in str(caught.value)
+
+
+def test_enter_before_start_is_refused() -> None:
+    with pytest.raises(ValueError, match="start the hosts"):
+        EmulatedHosts(_plan(2)).enter("host0")
+
+
+# --------------------------------------------------------------------------- namespaces
+
+
+@needs_netns
+def test_hosts_reach_each_other_by_address_and_nothing_else_does() -> None:
+    plan = _plan(3)
+    with EmulatedHosts(plan) as hosts:
+        assert set(hosts.keepers) == {"switch", "host0", "host1", "host2"}
+        addr0 = plan.host("host0").address
+        with _server(hosts, "host0", addr0):
+            assert _client(hosts, "host1", addr0)["bytes"] == 2
+            assert _client(hosts, "host2", addr0)["bytes"] == 2
+            # host1's loopback is its own: host0's server is not on it
+            assert _client(hosts, "host1", "127.0.0.1") == {"error": "ConnectionRefusedError"}
+            # the machine's own namespace does not reach host0's server
+            assert _reply_from_here(addr0) != b"xx"
+        assert hosts.root_links() == []
+
+
+@needs_netns
+def test_links_are_shaped_to_their_rate() -> None:
+    plan = _plan(3, ["1gbit", "host1=20mbit"])
+    with EmulatedHosts(plan) as hosts:
+        assert [a.rate_bits for a in hosts.applied] == [10**9, 20 * 10**6, 10**9]
+        addr0 = plan.host("host0").address
+        with _server(hosts, "host0", addr0, PAYLOAD):
+            slow = _client(hosts, "host1", addr0)
+            fast = _client(hosts, "host2", addr0)
+    assert slow["bytes"] == fast["bytes"] == PAYLOAD
+    rate = (slow["bytes"] - slow["first"]) * 8 / slow["seconds"]
+    fast_rate = PAYLOAD * 8 / fast["seconds"]
+    print(f"20mbit link: {rate / 1e6:.1f} Mbit/s; 1gbit link: {fast_rate / 1e6:.0f} Mbit/s")
+    assert 16e6 <= rate <= 24e6, f"{rate / 1e6:.1f} Mbit/s on a 20mbit link"
+    assert fast["seconds"] * 10 < slow["seconds"]
+
+
+@needs_netns
+def test_close_ends_the_keepers_and_the_namespaces() -> None:
+    hosts = EmulatedHosts(_plan(2))
+    try:
+        hosts.start()
+        pids = list(hosts.keepers.values())
+        inodes = [_netns_inode(pid) for pid in pids]
+        assert all(i != _netns_inode(os.getpid()) for i in inodes)
+    finally:
+        hosts.close()
+    assert hosts.keepers == {}
+    assert all(_gone(pid) for pid in pids)
+    assert not any(_namespace_in_use(i) for i in inodes)
+    assert hosts.root_links() == []
+
+
+@needs_netns
+def test_a_sigkilled_creator_leaves_nothing() -> None:
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True, env=env
+    )
+    keepers: list[int] = []
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        info = json.loads(line)
+        keepers, prefix = info["keepers"], info["prefix"]
+        inodes = [_netns_inode(pid) for pid in keepers]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not all(_gone(pid) for pid in keepers):
+            time.sleep(0.05)
+        assert all(_gone(pid) for pid in keepers)
+        assert not any(_namespace_in_use(i) for i in inodes)
+        links = subprocess.run(
+            ["ip", "-br", "link"], capture_output=True, text=True, timeout=5, check=True
+        ).stdout
+        assert prefix not in links
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait(timeout=5)
+        for pid in keepers:  # the child's keepers, should the test fail before they died
+            with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
+                if psutil.Process(pid).name() == "sleep":
+                    os.kill(pid, signal.SIGKILL)
