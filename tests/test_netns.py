@@ -274,6 +274,29 @@ def test_close_ends_the_keepers_and_the_namespaces() -> None:
 
 
 @needs_netns
+def test_a_failed_start_says_why_in_one_line_and_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started: list[int] = []
+    fork = netns._fork_keeper
+
+    def counting_fork(**kwargs: object) -> int:
+        pid = fork(**kwargs)  # type: ignore[arg-type]
+        started.append(pid)
+        return pid
+
+    monkeypatch.setattr(netns, "_fork_keeper", counting_fork)
+    monkeypatch.setattr(EmulatedHosts, "port", lambda self, host: "x" * 20)  # too long
+    hosts = EmulatedHosts(_plan(2))
+    expected = r"ip failed in switch .*; the command was: ip link add x+ type veth"
+    with pytest.raises(netns.NetnsError, match=expected) as caught:
+        hosts.start()
+    assert "\n" not in str(caught.value)
+    assert len(started) == 3 and hosts.keepers == {}
+    assert all(_gone(pid) for pid in started)
+
+
+@needs_netns
 def test_a_sigkilled_creator_leaves_nothing() -> None:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen(
