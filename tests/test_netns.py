@@ -146,8 +146,8 @@ def _reply_from_here(address: str) -> bytes | None:
 
 
 def test_tbf_sizes_follow_the_documented_formula() -> None:
-    assert tbf_sizes(20_000_000) == (65_536, 65_536 + 65_536)
-    assert tbf_sizes(1_000_000_000) == (250_000, 250_000 + 2_500_000)
+    assert tbf_sizes(20_000_000) == (65_536, 65_536 + 125_000)
+    assert tbf_sizes(1_000_000_000) == (250_000, 250_000 + 6_250_000)
     for rate in (1_000, 10**6, 10**8, 10**10):
         burst, limit = tbf_sizes(rate)
         assert burst >= 65_536 and limit > burst
@@ -245,6 +245,7 @@ def test_links_are_shaped_to_their_rate_both_ways() -> None:
         with _server(hosts, "host0", addr0, PAYLOAD), _server(hosts, "host1", addr1, PAYLOAD):
             slow = {"in": _client(hosts, "host1", addr0), "out": _client(hosts, "host2", addr1)}
             fast = _client(hosts, "host2", addr0)
+        counted = hosts.counters()
     rates = {way: _rate(result) for way, result in slow.items()}
     print(
         f"20mbit link: {rates['in'] / 1e6:.1f} Mbit/s in, {rates['out'] / 1e6:.1f} out; "
@@ -255,6 +256,12 @@ def test_links_are_shaped_to_their_rate_both_ways() -> None:
         assert 16e6 <= rates[way] <= 24e6, f"{way}: {rates[way] / 1e6:.1f} Mbit/s on 20mbit"
         assert fast["seconds"] * 10 < result["seconds"]
     assert fast["bytes"] == PAYLOAD
+    # headers included; what host0 sent to host1 includes what host1's full queue dropped
+    # and host0 sent again (see tbf_sizes), so only a bound for it
+    assert 2 * PAYLOAD < counted["host0"].sent < 3 * PAYLOAD
+    assert PAYLOAD < counted["host1"].sent < 1.1 * PAYLOAD
+    assert PAYLOAD < counted["host1"].received < 1.1 * PAYLOAD
+    assert 2 * PAYLOAD < counted["host2"].received < 2.2 * PAYLOAD
 
 
 @needs_netns
