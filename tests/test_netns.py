@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -170,7 +171,7 @@ def test_applied_link_names_what_is_missing() -> None:
         rate_bits=None,
         burst_bytes=None,
         limit_bytes=None,
-        delay_applied=False,
+        delay_applied=True,
     )
     assert none.missing == ()
 
@@ -301,6 +302,34 @@ def test_a_failed_start_says_why_in_one_line_and_leaves_nothing(
     assert "\n" not in str(caught.value)
     assert len(started) == 3 and hosts.keepers == {}
     assert all(_gone(pid) for pid in started)
+
+
+NO_SYS_ADMIN = """
+from distsgd.cluster import TaskId
+from distsgd.cluster.hosts import plan_hosts
+from distsgd.launcher.netns import EmulatedHosts
+hosts = EmulatedHosts(plan_hosts(count=1, tasks=[TaskId.parse("worker0")]))
+try:
+    hosts.start()
+except ValueError as e:
+    print(e)
+print(hosts.keepers)
+"""
+
+
+@needs_netns
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv"
+)
+def test_root_without_cap_sys_admin_is_refused_in_one_line() -> None:
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    argv = ["setpriv", "--bounding-set=-sys_admin", sys.executable, "-c", NO_SYS_ADMIN]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=20, env=env, check=True)
+    assert done.stdout.splitlines() == [
+        "emulated hosts: no network namespace may be made here (unshare: Operation not "
+        "permitted); run as root with CAP_SYS_ADMIN, or allow unprivileged user namespaces",
+        "{}",
+    ]
 
 
 @needs_netns

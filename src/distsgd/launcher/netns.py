@@ -45,6 +45,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import enum
+import errno
 import functools
 import json
 import logging
@@ -120,7 +121,8 @@ class AppliedLink:
     limit_bytes: int | None
     """The bytes that may queue behind the bucket (``tbf`` limit); None: no shaper."""
     delay_applied: bool
-    """Whether the spec's delay and jitter are in effect (not on a kernel without netem)."""
+    """Whether the spec's delay and jitter are in effect (not on a kernel without netem; true
+    where none was asked)."""
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -300,13 +302,15 @@ def _fork_keeper(*, user_ns: str | None, new_user: bool, timeout_s: float) -> in
         report = _read_report(read, pid, timeout_s)
     finally:
         os.close(read)
-    if report:
-        _end_keeper(pid, timeout_s)
-        raise NetnsError(
-            f"a namespace keeper could not start: {report}; run as root or allow "
-            "unprivileged user namespaces"
+    if not report:
+        return pid
+    _end_keeper(pid, timeout_s)
+    if os.strerror(errno.EPERM) in report:  # not allowed here: the user's to fix
+        raise ValueError(
+            f"emulated hosts: no network namespace may be made here ({report}); run as root "
+            "with CAP_SYS_ADMIN, or allow unprivileged user namespaces"
         )
-    return pid
+    raise NetnsError(f"a namespace keeper could not start: {report}")
 
 
 def _end_keeper(pid: int, timeout_s: float) -> bool:
@@ -519,7 +523,7 @@ class EmulatedHosts:
                         rate_bits=None,
                         burst_bytes=None,
                         limit_bytes=None,
-                        delay_applied=False,
+                        delay_applied=True,
                     )
                 )
                 continue
