@@ -85,6 +85,21 @@ def test_auto_takes_the_schemes_rule_and_a_chosen_rule_overrides_it() -> None:
     }
 
 
+def test_under_a_dynamic_world_the_rule_follows_the_live_workers() -> None:
+    """``LrScaling.at(n)``: the factor on the start's rate that gives the rule's rate at n live
+    workers (the runtime applies it each step under ``--world-size dynamic``)."""
+    hogwild = LrScaling.resolve(TrainConfig(lr=0.3), "inverse-sqrt", 2)
+    assert hogwild.at(2) == pytest.approx(1.0)
+    assert hogwild.effective_lr * hogwild.at(4) == pytest.approx(0.3 / 2)  # grown to 4
+    assert hogwild.effective_lr * hogwild.at(1) == pytest.approx(0.3)  # alone: as given
+    assert hogwild.at(0) == hogwild.at(1)  # no live count reported yet: never a zero rate
+    sync = LrScaling.resolve(TrainConfig(lr=0.1), "sqrt", 4)
+    assert sync.effective_lr * sync.at(1) == pytest.approx(0.1)
+    assert sync.effective_lr * sync.at(9) == pytest.approx(0.3)
+    fixed = LrScaling.resolve(TrainConfig(lr=0.1), "none", 4)
+    assert fixed.at(1) == fixed.at(16) == 1.0
+
+
 @pytest.mark.parametrize("name", schemes.names())
 def test_every_scheme_declares_its_rule_and_its_page_says_it(name: str) -> None:
     """The default is in the scheme's module (its worker half) and on its guide page."""

@@ -87,6 +87,12 @@ class LrScaling:
     def effective_lr(self) -> float:
         return self.lr * self.factor
 
+    def at(self, workers: int) -> float:
+        """The factor on :attr:`effective_lr` that makes it the rule's rate at ``workers``
+        workers rather than at the :attr:`workers` the run started with: what a run of
+        ``--world-size dynamic`` applies while its live workers differ from its start."""
+        return lr_multiplier(self.rule, max(1, workers)) / self.factor
+
     def describe(self) -> str:
         """One line for the log: what was applied, and how to turn it off."""
         if self.factor == 1.0:

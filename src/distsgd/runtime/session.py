@@ -253,7 +253,10 @@ class WorkerSession:
         progress = self.progress()
         if progress is not None:
             done, total = progress
-            ctx.set_lr_scale(lr_factor(self.config.lr_schedule, done, total, self.config.warmup))
+            scale = lr_factor(self.config.lr_schedule, done, total, self.config.warmup)
+            if self.config.world_size == "dynamic":  # the rule follows the live workers
+                scale *= self.lr_scaling.at(ctx.live_workers)
+            ctx.set_lr_scale(scale)
         self._conn.settle(ctx.push_outcomes)
         self._prepared = True
 
