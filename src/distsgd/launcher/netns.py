@@ -34,9 +34,15 @@ at once over one link get less each way (13-18 Mbit/s were measured on 20mbit): 
 direction's ACKs wait behind the other's data in the shaper's FIFO queue, as on a real link
 with a FIFO; this kernel has no flow-queueing qdisc (fq, fq_codel, sfq) to put under tbf.
 
-The machine's own namespace has no link to the hosts: a host's address is not reachable from
-it (where its default route leads to a proxy that accepts any connection, a connection seems
-to succeed, to the proxy), and tasks in the hosts cannot reach its loopback.
+By default the machine's own namespace has no link to the hosts: a host's address is not
+reachable from it (where its default route leads to a proxy that accepts any connection, a
+connection seems to succeed, to the proxy), and tasks in the hosts cannot reach its loopback.
+With ``management=True`` (root only) one unshaped veth joins the creator's namespace to the
+switch: its end there, ``P-m``, has :data:`MANAGEMENT_ADDRESS`, so the launcher reaches the
+tasks' servers and the tasks reach the launcher (its rendezvous store). It is made inside the
+switch namespace with the ``P-m`` end moved out, so it dies with the switch keeper; its bytes
+are not in :meth:`EmulatedHosts.counters` (what a host exchanges with the launcher still
+crosses, and is counted on, that host's own link).
 """
 
 from __future__ import annotations
@@ -79,6 +85,8 @@ log = logging.getLogger(__name__)
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 PR_SET_PDEATHSIG = 1
+MANAGEMENT_ADDRESS = "198.18.0.253"
+"""The creator's address on the hosts' network, on the management link."""
 COMMAND_TIMEOUT_S = 10.0
 """How long one ``ip``/``tc`` command or a keeper's start may take."""
 KEEPER_NAME = "distsgd-netns-keeper"
@@ -350,9 +358,13 @@ class EmulatedHosts:
     ``lo`` in it).
     """
 
-    def __init__(self, plan: HostPlan, *, timeout_s: float = COMMAND_TIMEOUT_S) -> None:
+    def __init__(
+        self, plan: HostPlan, *, timeout_s: float = COMMAND_TIMEOUT_S, management: bool = False
+    ) -> None:
         self.plan = plan
         self.timeout_s = timeout_s
+        self.management = management
+        """Whether an unshaped link joins the creator's namespace to the switch (root only)."""
         self.prefix = f"ds{secrets.token_hex(3)}"
         """Every link's name begins with it (``ds`` and 6 hex digits)."""
         self.privilege: Privilege | None = None
@@ -368,6 +380,11 @@ class EmulatedHosts:
     def bridge(self) -> str:
         """The bridge's name in the switch namespace."""
         return f"{self.prefix}-br"
+
+    @property
+    def management_link(self) -> str:
+        """The creator's end of the management link (in the creator's namespace)."""
+        return f"{self.prefix}-m"
 
     def port(self, host: Host) -> str:
         """The switch-side end of ``host``'s link."""
@@ -419,9 +436,16 @@ class EmulatedHosts:
         if self.keepers:
             raise ValueError("these hosts are already started; make a new EmulatedHosts")
         self.privilege = check_capable()
+        if self.management and self.privilege is not Privilege.ROOT:
+            raise ValueError(
+                "emulated hosts with a link to the launcher need root (a user namespace may not "
+                "add a link to this machine's namespace); run as root"
+            )
         try:
             self._start_keepers()
             self._wire()
+            if self.management:
+                self._wire_management()
             self.applied = self._shape()
         except BaseException:
             self.close(check=False)
@@ -461,7 +485,13 @@ class EmulatedHosts:
     def _run(self, where: str, tool: str, script: str) -> None:
         """Run ``tool -batch -`` (``ip`` or ``tc``) in the namespace ``where`` (a host's name or
         ``"switch"``); NetnsError with the tool's stderr and the failed command, in one line."""
-        full = self._ns(self.keepers[where], [tool, "-batch", "-"])
+        self._batch(where, tool, self._ns(self.keepers[where], [tool, "-batch", "-"]), script)
+
+    def _run_here(self, tool: str, script: str) -> None:
+        """:meth:`_run` in the creator's own namespace."""
+        self._batch("this namespace", tool, [tool, "-batch", "-"], script)
+
+    def _batch(self, where: str, tool: str, full: list[str], script: str) -> None:
         try:
             done = subprocess.run(
                 full, input=script, capture_output=True, text=True, timeout=self.timeout_s
@@ -509,6 +539,26 @@ class EmulatedHosts:
                 "link set eth0 up\n"
             )
             self._run(host.name, "ip", script)
+
+    def _wire_management(self) -> None:
+        """The unshaped veth from the switch to the creator's namespace (see the module's
+        docstring): made in the switch namespace, one end moved to ours, so it goes with the
+        switch keeper."""
+        port, mine = f"{self.prefix}-mp", self.management_link
+        self._run(
+            "switch",
+            "ip",
+            f"link add {port} type veth peer name {mine} netns {os.getpid()}\n"
+            f"link set {port} addrgenmode none\n"
+            f"link set {port} master {self.bridge}\n"
+            f"link set {port} up\n",
+        )
+        script = (
+            f"link set {mine} addrgenmode none\n"
+            f"addr add {MANAGEMENT_ADDRESS}/{self.plan.prefix_len} dev {mine}\n"
+            f"link set {mine} up\n"
+        )
+        self._run_here("ip", script)
 
     def _shape(self) -> tuple[AppliedLink, ...]:
         """``tbf`` on both ends of each shaped host's link: its eth0 (what the host sends) and
@@ -582,7 +632,17 @@ class EmulatedHosts:
 
     def close(self, *, check: bool = True) -> None:
         """End the keepers this instance started (by PID) and wait for them; with ``check``,
-        NetnsError if a keeper did not end or a link of this instance is in sight."""
+        NetnsError if a keeper did not end or a link of this instance is in sight.
+
+        The management link is deleted first, by name: a namespace is taken down by the kernel
+        some time after its last process ends, and our end of the link with it."""
+        if self.management and "switch" in self.keepers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                subprocess.run(
+                    ["ip", "link", "del", self.management_link],
+                    capture_output=True,
+                    timeout=self.timeout_s,
+                )
         stuck = [
             f"{name} (pid {pid})"
             for name, pid in self.keepers.items()
