@@ -141,7 +141,7 @@ def _read_result(path: Path) -> dict[str, Any] | None:
 def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
     """Local processes, or (``config.ray``) Ray actors, one bundle of resources per task."""
     if config.ray is None:
-        server_log = run_dir / FORK_SERVER_LOG if config.fork_server else None
+        server_log = run_dir / FORK_SERVER_LOG if config.forks_workers else None
         return Supervisor(log_dir=run_dir / "logs", echo=console.line, fork_server_log=server_log)
     from distsgd.launcher.ray_tasks import RaySupervisor
 
