@@ -252,9 +252,10 @@ class LaunchConfig(WorkerBounds):
 
     @property
     def tasks(self) -> tuple[TaskId, ...]:
-        """The tasks the run starts with: servers, then workers."""
+        """The tasks the run may have: servers, then workers (up to ``--max-workers``)."""
         servers = tuple(TaskId(job=Role.PS, index=i) for i in range(self.num_ps))
-        return servers + tuple(TaskId(job=Role.WORKER, index=i) for i in range(self.workers))
+        workers = range(self.highest_workers)
+        return servers + tuple(TaskId(job=Role.WORKER, index=i) for i in workers)
 
     def host_plan(self) -> HostPlan:
         """The emulated hosts of ``--hosts``, ``--link`` and ``--placement``; ValueError
