@@ -62,6 +62,7 @@ def _write(run_dir: Path, hosts: EmulatedHosts, *, counters: dict[str, Any] | No
         "privilege": str(hosts.privilege),
         "prefix": hosts.prefix,
         "launcher_address": MANAGEMENT_ADDRESS,
+        "keepers": dict(hosts.keepers),
         "hosts": [
             {
                 "name": host.name,
