@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -161,10 +162,7 @@ def _demo(run_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], 
 
 
 def _check_hosts_gone(record: dict[str, Any]) -> None:
-    links = subprocess.run(
-        ["ip", "-br", "link"], capture_output=True, text=True, timeout=10, check=True
-    ).stdout
-    assert record["prefix"] not in links
+    assert record["prefix"] not in _links_here()
     for pid in record["keepers"].values():
         with contextlib.suppress(psutil.NoSuchProcess):
             assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -203,3 +201,49 @@ def test_allreduce_demo_on_two_hosts(tmp_path: Path) -> None:
     assert listened, "no task was seen listening"
     assert all(a.startswith("198.18.0.") for a in listened), listened
     _check_hosts_gone(record)
+
+
+@needs_netns
+@pytest.mark.slow  # about 8 s
+def test_a_sigkilled_launcher_leaves_no_host_task_or_link(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    argv = distsgd_cmd(
+        "demo", "--scheme", "hogwild", "--hosts", "2", "--quiet", "--run-dir", str(run_dir)
+    )
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "tasks.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        tasks = json.loads((run_dir / "tasks.json").read_text())
+        record = json.loads((run_dir / HOSTS_FILE).read_text())
+        assert f"{record['prefix']}-m" in _links_here()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        pids = [*tasks.values(), *record["keepers"].values()]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+            any(_alive(pid) for pid in pids) or record["prefix"] in _links_here()
+        ):
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _alive(pid)]
+        assert record["prefix"] not in _links_here()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _links_here() -> str:
+    return subprocess.run(
+        ["ip", "-br", "link"], capture_output=True, text=True, timeout=10, check=True
+    ).stdout
