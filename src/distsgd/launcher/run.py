@@ -80,7 +80,12 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
     if keep:
         console.keep(run_dir / LAUNCHER_LOG)
     stop = threading.Event()
-    hosts = start_hosts(config, run_dir)  # before any task; gone again if it fails
+    try:
+        hosts = start_hosts(config, run_dir)  # before any task; gone again if it fails
+    except BaseException:
+        if keep:
+            console.close()
+        raise
     supervisor = _supervisor(config, run_dir, console)
     local = LocalRun(config, console, run_dir, supervisor, stop, hosts=hosts)
     previous: dict[signal.Signals, Any] = {}
