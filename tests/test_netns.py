@@ -23,8 +23,9 @@ import pytest
 
 from distsgd.cluster import TaskId
 from distsgd.cluster.hosts import HostPlan, LinkSpec, parse_links, plan_hosts
-from distsgd.launcher import netns
+from distsgd.launcher import netns, netns_keeper
 from distsgd.launcher.netns import AppliedLink, EmulatedHosts, check_capable, tbf_sizes
+from distsgd.launcher.netns_keeper import NetnsError
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PORT = 5701
@@ -286,18 +287,18 @@ def test_a_failed_start_says_why_in_one_line_and_leaves_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     started: list[int] = []
-    fork = netns._fork_keeper
+    fork = netns_keeper.fork_keeper
 
     def counting_fork(**kwargs: object) -> int:
         pid = fork(**kwargs)  # type: ignore[arg-type]
         started.append(pid)
         return pid
 
-    monkeypatch.setattr(netns, "_fork_keeper", counting_fork)
+    monkeypatch.setattr(netns_keeper, "fork_keeper", counting_fork)
     monkeypatch.setattr(EmulatedHosts, "port", lambda self, host: "x" * 20)  # too long
     hosts = EmulatedHosts(_plan(2))
     expected = r"ip failed in switch .*; the command was: ip link add x+ type veth"
-    with pytest.raises(netns.NetnsError, match=expected) as caught:
+    with pytest.raises(NetnsError, match=expected) as caught:
         hosts.start()
     assert "\n" not in str(caught.value)
     assert len(started) == 3 and hosts.keepers == {}
@@ -374,6 +375,16 @@ def test_the_management_link_joins_this_namespace_to_the_hosts_unshaped_and_unco
         assert set(after) == {"host0", "host1"}
     assert hosts.root_links() == []
     assert netns.MANAGEMENT_ADDRESS not in _links_here_addresses()
+
+
+@needs_netns
+def test_a_second_management_link_is_refused_and_leaves_nothing() -> None:
+    with EmulatedHosts(_plan(1), management=True):
+        second = EmulatedHosts(_plan(1), management=True)
+        with pytest.raises(ValueError, match="one run on emulated hosts at a time"):
+            second.start()
+        assert second.keepers == {}
+        assert second.root_links() == []
 
 
 def _links_here_addresses() -> str:

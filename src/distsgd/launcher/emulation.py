@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.launcher.config import LaunchConfig
-from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts, NetnsError
+from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
+from distsgd.launcher.netns_keeper import NetnsError
 from distsgd.util import write_atomic
 
 __all__ = ["HOSTS_FILE", "close_hosts", "start_hosts"]
