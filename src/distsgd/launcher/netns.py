@@ -10,12 +10,13 @@ digits)::
     host i namespace:  lo, eth0 (198.18.0.(i+1)/24, tbf), the peer of P-pi
 
 Each namespace is held by a *keeper* (:mod:`distsgd.launcher.netns_keeper`): a process forked
-from the creator, which unshares a new network namespace, asks for SIGKILL when the thread
-that forked it ends (``PR_SET_PDEATHSIG``), and then execs ``sleep infinity`` (shown as ``distsgd-netns-keeper`` in ``ps``). No named
-namespace (``ip netns add``) is made: those outlive a SIGKILL of their creator, while a keeper
-dies with it, and with the last keeper of a namespace the namespace goes, and its links with
-it. Links are made from inside the switch namespace with their host end put straight into its
-host's namespace, so the machine's own namespace never holds one of them, not even briefly.
+from the creator, which unshares a new network namespace, asks for SIGKILL when the thread that
+forked it ends (``PR_SET_PDEATHSIG``), and then execs ``sleep infinity`` (shown as ``distsgd-
+netns-keeper`` in ``ps``). No named namespace (``ip netns add``) is made: those outlive a
+SIGKILL of their creator, while a keeper dies with it, and with the last keeper of a namespace
+the namespace goes, and its links with it. Links are made from inside the switch namespace with
+their host end put straight into its host's namespace, so the machine's own namespace never
+holds one of them, not even briefly.
 
 Keepers tie themselves to the creating *thread*: create and close :class:`EmulatedHosts` from
 a thread that lives as long as the hosts (the main thread, as the launcher does).
