@@ -11,12 +11,12 @@ digits)::
 
 Each namespace is held by a *keeper* (:mod:`distsgd.launcher.netns_keeper`): a process forked
 from the creator, which unshares a new network namespace, asks for SIGKILL when the thread that
-forked it ends (``PR_SET_PDEATHSIG``), and then execs ``sleep infinity`` (shown as ``distsgd-
-netns-keeper`` in ``ps``). No named namespace (``ip netns add``) is made: those outlive a
-SIGKILL of their creator, while a keeper dies with it, and with the last keeper of a namespace
-the namespace goes, and its links with it. Links are made from inside the switch namespace with
-their host end put straight into its host's namespace, so the machine's own namespace never
-holds one of them, not even briefly.
+forked it ends (``PR_SET_PDEATHSIG``), and then execs ``sleep infinity`` (shown as
+``distsgd-netns-keeper`` in ``ps``). No named namespace (``ip netns add``) is made: those
+outlive a SIGKILL of their creator, while a keeper dies with it, and with the last keeper of a
+namespace the namespace goes, and its links with it. Links are made from inside the switch
+namespace with their host end put straight into its host's namespace, so the machine's own
+namespace never holds one of them, not even briefly.
 
 Keepers tie themselves to the creating *thread*: create and close :class:`EmulatedHosts` from
 a thread that lives as long as the hosts (the main thread, as the launcher does).
