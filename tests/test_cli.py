@@ -163,3 +163,19 @@ def test_a_failed_task_is_reported_on_stderr(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "distsgd: error: task worker" in done.stderr and "failed" in done.stderr
     assert "distsgd: error" not in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "--hosts", "4", "--workers", "2", BLOBS], "use --hosts 3 or fewer"),
+        (["run", "--link", "1gbit", BLOBS], "add --hosts N"),
+        (["run", "--placement", "pack", BLOBS], "add --hosts N"),
+        (["demo", "--hosts", "2", "--ray"], "drop --hosts or --ray"),
+        (["run", "--hosts", "2", "--link", "fast", BLOBS], "fast"),
+        (["run", "--hosts", "2", "--link", "worker7=1gbit", BLOBS], "worker7"),
+    ],
+)
+def test_bad_host_flags(args: list[str], needle: str, tmp_path: Path) -> None:
+    line = _error_line(run_distsgd(args, cwd=tmp_path))
+    assert needle in line

@@ -23,8 +23,9 @@ import pytest
 
 from distsgd.cluster import TaskId
 from distsgd.cluster.hosts import HostPlan, LinkSpec, parse_links, plan_hosts
-from distsgd.launcher import netns
+from distsgd.launcher import netns, netns_keeper
 from distsgd.launcher.netns import AppliedLink, EmulatedHosts, check_capable, tbf_sizes
+from distsgd.launcher.netns_keeper import NetnsError
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PORT = 5701
@@ -67,7 +68,7 @@ from distsgd.cluster.hosts import plan_hosts
 from distsgd.cluster import TaskId
 from distsgd.launcher.netns import EmulatedHosts
 tasks = [TaskId.parse("worker0"), TaskId.parse("worker1")]
-hosts = EmulatedHosts(plan_hosts(count=2, tasks=tasks))
+hosts = EmulatedHosts(plan_hosts(count=2, tasks=tasks), management=True)
 hosts.start()
 print(json.dumps({"keepers": list(hosts.keepers.values()), "prefix": hosts.prefix}), flush=True)
 time.sleep(60)
@@ -286,18 +287,18 @@ def test_a_failed_start_says_why_in_one_line_and_leaves_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     started: list[int] = []
-    fork = netns._fork_keeper
+    fork = netns_keeper.fork_keeper
 
     def counting_fork(**kwargs: object) -> int:
         pid = fork(**kwargs)  # type: ignore[arg-type]
         started.append(pid)
         return pid
 
-    monkeypatch.setattr(netns, "_fork_keeper", counting_fork)
+    monkeypatch.setattr(netns_keeper, "fork_keeper", counting_fork)
     monkeypatch.setattr(EmulatedHosts, "port", lambda self, host: "x" * 20)  # too long
     hosts = EmulatedHosts(_plan(2))
     expected = r"ip failed in switch .*; the command was: ip link add x+ type veth"
-    with pytest.raises(netns.NetnsError, match=expected) as caught:
+    with pytest.raises(NetnsError, match=expected) as caught:
         hosts.start()
     assert "\n" not in str(caught.value)
     assert len(started) == 3 and hosts.keepers == {}
@@ -332,6 +333,72 @@ def test_root_without_cap_sys_admin_is_refused_in_one_line() -> None:
     ]
 
 
+def _links_here() -> str:
+    return subprocess.run(
+        ["ip", "-br", "link"], capture_output=True, text=True, timeout=5, check=True
+    ).stdout
+
+
+@needs_netns
+def test_the_management_link_joins_this_namespace_to_the_hosts_unshaped_and_uncounted() -> None:
+    plan = _plan(2, ["20mbit"])
+    with EmulatedHosts(plan, management=True) as hosts:
+        assert hosts.root_links() == [hosts.management_link]
+        assert netns.MANAGEMENT_ADDRESS in _links_here_addresses()
+        addr0 = plan.host("host0").address
+        before = hosts.counters()
+        with _server(hosts, "host0", addr0):
+            assert _reply_from_here(addr0) == b"xx"  # this namespace reaches host0's server
+        # host1 reaches a server in this namespace at the management address
+        listener = socket.create_server((netns.MANAGEMENT_ADDRESS, PORT))
+        try:
+            listener.settimeout(5)
+            argv = [*hosts.enter("host1"), sys.executable, "-c", CLIENT]
+            client = subprocess.Popen(
+                [*argv, netns.MANAGEMENT_ADDRESS, str(PORT)], stdout=subprocess.PIPE, text=True
+            )
+            try:
+                conn, _ = listener.accept()
+                conn.sendall(b"yy")
+                conn.close()
+                out, _ = client.communicate(timeout=10)
+            finally:
+                client.kill()
+                client.wait(timeout=5)
+            assert json.loads(out)["bytes"] == 2
+        finally:
+            listener.close()
+        after = hosts.counters()
+        # host0's bytes to this namespace crossed host0's link; host1's to us crossed host1's
+        assert after["host0"].sent > before["host0"].sent
+        assert after["host1"].sent > before["host1"].sent
+        assert set(after) == {"host0", "host1"}
+    assert hosts.root_links() == []
+    assert netns.MANAGEMENT_ADDRESS not in _links_here_addresses()
+
+
+@needs_netns
+def test_a_second_management_link_is_refused_and_leaves_nothing() -> None:
+    with EmulatedHosts(_plan(1), management=True):
+        second = EmulatedHosts(_plan(1), management=True)
+        with pytest.raises(ValueError, match="one run on emulated hosts at a time"):
+            second.start()
+        assert second.keepers == {}
+        assert second.root_links() == []
+
+
+def _links_here_addresses() -> str:
+    return subprocess.run(
+        ["ip", "-br", "addr"], capture_output=True, text=True, timeout=5, check=True
+    ).stdout
+
+
+def test_management_link_without_root_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns, "check_capable", lambda: netns.Privilege.USER_NAMESPACE)
+    with pytest.raises(ValueError, match="need root"):
+        EmulatedHosts(_plan(1), management=True).start()
+
+
 @needs_netns
 def test_a_sigkilled_creator_leaves_nothing() -> None:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
@@ -345,6 +412,7 @@ def test_a_sigkilled_creator_leaves_nothing() -> None:
         info = json.loads(line)
         keepers, prefix = info["keepers"], info["prefix"]
         inodes = [_netns_inode(pid) for pid in keepers]
+        assert f"{prefix}-m" in _links_here()  # the management link's end in this namespace
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=5)
         deadline = time.monotonic() + 5
@@ -352,10 +420,12 @@ def test_a_sigkilled_creator_leaves_nothing() -> None:
             time.sleep(0.05)
         assert all(_gone(pid) for pid in keepers)
         assert not any(_namespace_in_use(i) for i in inodes)
-        links = subprocess.run(
-            ["ip", "-br", "link"], capture_output=True, text=True, timeout=5, check=True
-        ).stdout
-        assert prefix not in links
+        # the management link's end in this namespace goes with the switch namespace, which
+        # the kernel takes down shortly after its keeper ends
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and prefix in _links_here():
+            time.sleep(0.05)
+        assert prefix not in _links_here()
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()

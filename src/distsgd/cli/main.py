@@ -44,6 +44,9 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
         "evict_after": args.evict_after,
         "wal": args.wal == "on",
         "fork_server": args.fork_server == "on",
+        "hosts": args.hosts,
+        "links": tuple(args.link),
+        "placement": args.placement,
     }
     resume = getattr(args, "resume", None)
     if resume is not None:

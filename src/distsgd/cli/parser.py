@@ -81,7 +81,8 @@ def add_launch_flags(parser: argparse.ArgumentParser, *, compare: bool = False) 
             choices=("on", "off"),
             default="on" if FORK_SERVER_DEFAULT else "off",
             help="fork each local worker from one process that imported torch once, instead of "
-            "starting a new interpreter: faster starts and restarts (default on, on Linux)",
+            "starting a new interpreter: faster starts and restarts (default on, on Linux; off "
+            "under --hosts)",
         )
     _add_fault_tolerance_flags(parser, compare=compare)
     if not compare:
@@ -126,6 +127,38 @@ def _add_fault_tolerance_flags(parser: argparse.ArgumentParser, *, compare: bool
         metavar="SPEC",
         help="kill:worker:1@step=50, kill:ps:0@step=120, delay:worker:2=200ms, "
         "partition:worker:0@step=30+10s (repeatable)",
+    )
+
+
+def _add_host_flags(parser: argparse.ArgumentParser) -> None:
+    hosts = parser.add_argument_group(
+        "emulated hosts (network namespaces on this machine, launcher/netns.py; root)"
+    )
+    hosts.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="place the tasks on N emulated hosts, each a network namespace with its own "
+        "address (198.18.0.x), joined by a switch; tasks bind their host's address, and "
+        "workers are started as processes (--fork-server is off: a forked worker would stay "
+        "in the launcher's namespace); default 0, no emulation",
+    )
+    hosts.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="shape the hosts' links: RATE[,DELAY[,JITTER]] for every host (1gbit, "
+        "100mbit,5ms; the delay is recorded, not yet applied), NAME=SPEC for one host or "
+        "task (host1=10mbit, worker1=10mbit); repeatable; needs --hosts",
+    )
+    hosts.add_argument(
+        "--placement",
+        choices=("spread", "pack"),
+        default="spread",
+        help="spread: tasks dealt round-robin over the hosts, servers first (ps0->host0, "
+        "ps1->host1, worker0->host2, ...); pack: contiguous blocks; default spread",
     )
 
 
@@ -251,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_run(sub: Any) -> None:
     run = sub.add_parser("run", help="train a script on a local cluster of N workers and M ps")
     add_launch_flags(run)
+    _add_host_flags(run)
     run.add_argument(
         "--resume",
         type=Path,
@@ -267,6 +301,7 @@ def _add_demo(sub: Any) -> None:
         "demo", help="train the bundled digits CNN (prints the test accuracy last)"
     )
     add_launch_flags(demo)
+    _add_host_flags(demo)
 
 
 def _add_server(sub: Any) -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
-from distsgd.cluster import Role
+from distsgd.cluster import Role, TaskId
+from distsgd.cluster.hosts import HostPlan, Placement, parse_links, plan_hosts
 from distsgd.control.config import TrainConfig, lr_multiplier
 from distsgd.control.faults import Fault
 from distsgd.control.folder import new_run_folder, runs_root
@@ -130,7 +131,31 @@ class LaunchConfig(WorkerBounds):
             "help": "fork each worker from one process that has imported torch once "
             "(launcher/zygote.py) instead of starting a new interpreter: faster starts and "
             "restarts, less CPU; on by default on Linux (parameter servers and Ray tasks are "
-            "processes either way)"
+            "processes either way); off under --hosts"
+        },
+    )
+
+    hosts: int = field(
+        default=0,
+        metadata={
+            "help": "place the tasks on N emulated hosts (network namespaces joined by a switch, "
+            "launcher/netns.py; needs root); each task binds its host's address. Workers are "
+            "then started as processes (no fork server). 0: no emulation"
+        },
+    )
+    links: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "--link specs for the emulated hosts' links: RATE[,DELAY[,JITTER]] for "
+            "every host (1gbit, 100mbit,5ms), NAME=SPEC for one host or task "
+            "(worker1=10mbit); () unshaped"
+        },
+    )
+    placement: str = field(
+        default=Placement.SPREAD.value,
+        metadata={
+            "help": "how tasks go on the emulated hosts: spread (round-robin, servers first) "
+            "or pack (contiguous blocks); cluster/hosts.py place()"
         },
     )
 
@@ -154,6 +179,7 @@ class LaunchConfig(WorkerBounds):
         self._check_faults()
         if self.resume and self.run_dir is None:
             raise ValueError("--resume needs the run folder to continue")
+        self._check_hosts()
         if self.fork_server and not FORK_SERVER_DEFAULT:
             raise ValueError(
                 "--fork-server on: this platform cannot fork a worker safely (Linux only); "
@@ -196,6 +222,52 @@ class LaunchConfig(WorkerBounds):
             )
         worker.check_config(TrainConfig().replace(**self.overrides))  # each valid, and here
         return spec.uses_parameter_servers
+
+    def _check_hosts(self) -> None:
+        """--hosts, --link and --placement (the plan is made once, to check them)."""
+        if self.hosts < 0:
+            raise ValueError(f"--hosts must be 0 (no emulated hosts) or more, got {self.hosts}")
+        if not self.hosts:
+            if self.links or self.placement != Placement.SPREAD.value:
+                raise ValueError("--link and --placement shape emulated hosts; add --hosts N")
+            return
+        if self.ray is not None:
+            raise ValueError(
+                "--hosts places local processes in network namespaces, Ray places its actors "
+                "itself; drop --hosts or --ray"
+            )
+        tasks = len(self.tasks)
+        if self.hosts > tasks:
+            raise ValueError(
+                f"--hosts {self.hosts} for {tasks} tasks would leave a host empty; "
+                f"use --hosts {tasks} or fewer"
+            )
+        self.host_plan()
+
+    @property
+    def forks_workers(self) -> bool:
+        """Whether workers come from the fork server: ``fork_server``, except under ``--hosts``
+        (a forked worker would be in the fork server's network namespace, not its host's)."""
+        return self.fork_server and not self.hosts
+
+    @property
+    def tasks(self) -> tuple[TaskId, ...]:
+        """The tasks the run may have: servers, then workers (up to ``--max-workers``)."""
+        servers = tuple(TaskId(job=Role.PS, index=i) for i in range(self.num_ps))
+        workers = range(self.highest_workers)
+        return servers + tuple(TaskId(job=Role.WORKER, index=i) for i in workers)
+
+    def host_plan(self) -> HostPlan:
+        """The emulated hosts of ``--hosts``, ``--link`` and ``--placement``; ValueError
+        where there are none (``hosts`` 0)."""
+        if not self.hosts:
+            raise ValueError("this run has no emulated hosts; use --hosts N")
+        return plan_hosts(
+            count=self.hosts,
+            tasks=self.tasks,
+            policy=self.placement,
+            links=parse_links(self.links),
+        )
 
     def _check_faults(self) -> None:
         for spec_text in self.faults:

@@ -9,13 +9,14 @@ digits)::
     switch namespace:  lo, bridge P-br (198.18.0.254/24), ports P-p0 .. P-pN-1 (tbf each)
     host i namespace:  lo, eth0 (198.18.0.(i+1)/24, tbf), the peer of P-pi
 
-Each namespace is held by a *keeper*: a process this module forks, which unshares a new
-network namespace, asks for SIGKILL when the thread that forked it ends (``PR_SET_PDEATHSIG``),
-and then execs ``sleep infinity`` (shown as ``distsgd-netns-keeper`` in ``ps``). No named
-namespace (``ip netns add``) is made: those outlive a SIGKILL of their creator, while a keeper
-dies with it, and with the last keeper of a namespace the namespace goes, and its links with
-it. Links are made from inside the switch namespace with their host end put straight into its
-host's namespace, so the machine's own namespace never holds one of them, not even briefly.
+Each namespace is held by a *keeper* (:mod:`distsgd.launcher.netns_keeper`): a process forked
+from the creator, which unshares a new network namespace, asks for SIGKILL when the thread that
+forked it ends (``PR_SET_PDEATHSIG``), and then execs ``sleep infinity`` (shown as
+``distsgd-netns-keeper`` in ``ps``). No named namespace (``ip netns add``) is made: those
+outlive a SIGKILL of their creator, while a keeper dies with it, and with the last keeper of a
+namespace the namespace goes, and its links with it. Links are made from inside the switch
+namespace with their host end put straight into its host's namespace, so the machine's own
+namespace never holds one of them, not even briefly.
 
 Keepers tie themselves to the creating *thread*: create and close :class:`EmulatedHosts` from
 a thread that lives as long as the hosts (the main thread, as the launcher does).
@@ -34,41 +35,41 @@ at once over one link get less each way (13-18 Mbit/s were measured on 20mbit): 
 direction's ACKs wait behind the other's data in the shaper's FIFO queue, as on a real link
 with a FIFO; this kernel has no flow-queueing qdisc (fq, fq_codel, sfq) to put under tbf.
 
-The machine's own namespace has no link to the hosts: a host's address is not reachable from
-it (where its default route leads to a proxy that accepts any connection, a connection seems
-to succeed, to the proxy), and tasks in the hosts cannot reach its loopback.
+By default the machine's own namespace has no link to the hosts: a host's address is not
+reachable from it (where its default route leads to a proxy that accepts any connection, a
+connection seems to succeed, to the proxy), and tasks in the hosts cannot reach its loopback.
+With ``management=True`` (root only) one unshaped veth joins the creator's namespace to the
+switch: its end there, ``P-m``, has :data:`MANAGEMENT_ADDRESS`, so the launcher reaches the
+tasks' servers and the tasks reach the launcher (its rendezvous store). It is made inside the
+switch namespace with the ``P-m`` end moved out, so it dies with the switch keeper; its bytes
+are not in :meth:`EmulatedHosts.counters` (what a host exchanges with the launcher still
+crosses, and is counted on, that host's own link).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import enum
-import errno
-import functools
 import json
 import logging
 import os
 import re
 import secrets
-import select
 import shutil
-import signal
 import subprocess
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from distsgd.cluster.hosts import Host, HostPlan, LinkSpec
+from distsgd.launcher import netns_keeper
+from distsgd.launcher.netns_keeper import NetnsError
 
 __all__ = [
     "AppliedLink",
     "EmulatedHosts",
     "LinkBytes",
-    "NetnsError",
     "Privilege",
     "check_capable",
     "tbf_sizes",
@@ -76,25 +77,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CLONE_NEWNET = 0x40000000
-CLONE_NEWUSER = 0x10000000
-PR_SET_PDEATHSIG = 1
+MANAGEMENT_ADDRESS = "198.18.0.253"
+"""The creator's address on the hosts' network, on the management link."""
 COMMAND_TIMEOUT_S = 10.0
 """How long one ``ip``/``tc`` command or a keeper's start may take."""
-KEEPER_NAME = "distsgd-netns-keeper"
-"""A keeper's argv[0] (what ``ps`` shows for it)."""
 TOOLS = ("ip", "tc", "nsenter", "sleep")
 """The programs this module runs (iproute2, util-linux, coreutils)."""
 _GSO_BYTES = 64 * 1024
 _SHAPER_TICK_S = 0.002
 _QUEUE_S = 0.05
-
-
-class NetnsError(RuntimeError):
-    """A namespace, link or shaper could not be made or removed; one line: what and why."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(str(message).split()))
 
 
 class Privilege(enum.StrEnum):
@@ -203,141 +194,6 @@ def check_capable() -> Privilege:
     )
 
 
-# --------------------------------------------------------------------------- keepers
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    """libc, loaded in the parent: a child forked from a process with threads must not load
-    a library (the loader's lock may be held by a thread that is not in the child)."""
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
-@dataclass(frozen=True, kw_only=True)
-class _KeeperArgs:
-    """What a keeper child needs, all prepared before the fork."""
-
-    libc: ctypes.CDLL
-    """libc, for unshare, setns and prctl."""
-    sleep: str
-    """The path of ``sleep``."""
-    parent: int
-    """The creator's PID."""
-    user_ns: str | None
-    """A user namespace to join first (``/proc/PID/ns/user``); None: stay in ours."""
-    new_user: bool
-    """Make a new user namespace along with the network namespace."""
-
-
-def _keeper_child(report: int, args: _KeeperArgs) -> None:
-    """In the forked child: make (or join) the namespaces, tie to the parent, exec sleep.
-    Writes to ``report`` only why it failed: the end of file that the exec brings, with nothing
-    written, is the parent's sign of success."""
-    libc = args.libc
-    user_ns, new_user = args.user_ns, args.new_user
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the creator's to handle
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if user_ns is not None:
-        fd = os.open(user_ns, os.O_RDONLY)
-        if libc.setns(fd, CLONE_NEWUSER) != 0:
-            os.write(report, f"setns(user): {os.strerror(ctypes.get_errno())}".encode())
-            return
-        os.close(fd)
-    flags = CLONE_NEWNET | (CLONE_NEWUSER if new_user else 0)
-    if libc.unshare(flags) != 0:
-        os.write(report, f"unshare: {os.strerror(ctypes.get_errno())}".encode())
-        return
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != args.parent:  # the creator died before the line above
-        return
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.execv(args.sleep, [KEEPER_NAME, "infinity"])  # closes ``report`` (close-on-exec)
-
-
-def _read_report(fd: int, pid: int, timeout_s: float) -> str:
-    """Why the keeper failed, or "" once it runs ``sleep`` in its namespace."""
-    deadline = time.monotonic() + timeout_s
-    chunks: list[bytes] = []
-    while (left := deadline - time.monotonic()) > 0:
-        ready, _, _ = select.select([fd], [], [], left)
-        if not ready:
-            break
-        chunk = os.read(fd, 512)
-        if chunk:
-            chunks.append(chunk)
-            continue
-        if chunks:
-            return b"".join(chunks).decode(errors="replace")
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return "it exited at once" if done else ""
-    return f"no answer within {timeout_s:g} s (pid {pid})"
-
-
-def _fork_keeper(*, user_ns: str | None, new_user: bool, timeout_s: float) -> int:
-    """Fork a keeper; its PID once it holds its namespace, NetnsError if it could not."""
-    args = _KeeperArgs(
-        libc=_libc(),
-        sleep=shutil.which("sleep") or "/bin/sleep",
-        parent=os.getpid(),
-        user_ns=user_ns,
-        new_user=new_user,
-    )
-    for name in ("unshare", "setns", "prctl"):  # resolve the symbols before the fork
-        getattr(args.libc, name)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child execs or exits, coverage cannot follow
-        try:
-            os.close(read)
-            _keeper_child(write, args)
-        except BaseException as e:
-            with contextlib.suppress(BaseException):
-                os.write(write, f"{type(e).__name__}: {e}".encode())
-        finally:
-            os._exit(1)
-    os.close(write)
-    try:
-        report = _read_report(read, pid, timeout_s)
-    finally:
-        os.close(read)
-    if not report:
-        return pid
-    _end_keeper(pid, timeout_s)
-    if os.strerror(errno.EPERM) in report:  # not allowed here: the user's to fix
-        raise ValueError(
-            f"emulated hosts: no network namespace may be made here ({report}); run as root "
-            "with CAP_SYS_ADMIN, or allow unprivileged user namespaces"
-        )
-    raise NetnsError(f"a namespace keeper could not start: {report}")
-
-
-def _end_keeper(pid: int, timeout_s: float) -> bool:
-    """SIGKILL one keeper (ours, by PID) and reap it; False if it did not end in time."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return True
-        if done:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-
-
-def _write_id_maps(pid: int) -> None:
-    """Map the caller to root in the keeper's new user namespace (so nsenter can be root)."""
-    proc = Path(f"/proc/{pid}")
-    (proc / "setgroups").write_text("deny")
-    (proc / "uid_map").write_text(f"0 {os.geteuid()} 1")
-    (proc / "gid_map").write_text(f"0 {os.getegid()} 1")
-
-
 # --------------------------------------------------------------------------- the hosts
 
 
@@ -350,9 +206,13 @@ class EmulatedHosts:
     ``lo`` in it).
     """
 
-    def __init__(self, plan: HostPlan, *, timeout_s: float = COMMAND_TIMEOUT_S) -> None:
+    def __init__(
+        self, plan: HostPlan, *, timeout_s: float = COMMAND_TIMEOUT_S, management: bool = False
+    ) -> None:
         self.plan = plan
         self.timeout_s = timeout_s
+        self.management = management
+        """Whether an unshaped link joins the creator's namespace to the switch (root only)."""
         self.prefix = f"ds{secrets.token_hex(3)}"
         """Every link's name begins with it (``ds`` and 6 hex digits)."""
         self.privilege: Privilege | None = None
@@ -368,6 +228,11 @@ class EmulatedHosts:
     def bridge(self) -> str:
         """The bridge's name in the switch namespace."""
         return f"{self.prefix}-br"
+
+    @property
+    def management_link(self) -> str:
+        """The creator's end of the management link (in the creator's namespace)."""
+        return f"{self.prefix}-m"
 
     def port(self, host: Host) -> str:
         """The switch-side end of ``host``'s link."""
@@ -419,9 +284,16 @@ class EmulatedHosts:
         if self.keepers:
             raise ValueError("these hosts are already started; make a new EmulatedHosts")
         self.privilege = check_capable()
+        if self.management and self.privilege is not Privilege.ROOT:
+            raise ValueError(
+                "emulated hosts with a link to the launcher need root (a user namespace may not "
+                "add a link to this machine's namespace); run as root"
+            )
         try:
             self._start_keepers()
             self._wire()
+            if self.management:
+                self._wire_management()
             self.applied = self._shape()
         except BaseException:
             self.close(check=False)
@@ -443,25 +315,31 @@ class EmulatedHosts:
 
     def _start_keepers(self) -> None:
         userns = self.privilege is Privilege.USER_NAMESPACE
-        switch = _fork_keeper(user_ns=None, new_user=userns, timeout_s=self.timeout_s)
+        switch = netns_keeper.fork_keeper(user_ns=None, new_user=userns, timeout_s=self.timeout_s)
         self.keepers["switch"] = switch
         if userns:
             try:
-                _write_id_maps(switch)
+                netns_keeper.write_id_maps(switch)
             except OSError as e:
                 raise NetnsError(
                     f"could not map this user into the hosts' user namespace: {e}; run as root"
                 ) from e
         user_ns = f"/proc/{switch}/ns/user" if userns else None
         for host in self.plan.hosts:
-            self.keepers[host.name] = _fork_keeper(
+            self.keepers[host.name] = netns_keeper.fork_keeper(
                 user_ns=user_ns, new_user=False, timeout_s=self.timeout_s
             )
 
     def _run(self, where: str, tool: str, script: str) -> None:
         """Run ``tool -batch -`` (``ip`` or ``tc``) in the namespace ``where`` (a host's name or
         ``"switch"``); NetnsError with the tool's stderr and the failed command, in one line."""
-        full = self._ns(self.keepers[where], [tool, "-batch", "-"])
+        self._batch(where, tool, self._ns(self.keepers[where], [tool, "-batch", "-"]), script)
+
+    def _run_here(self, tool: str, script: str) -> None:
+        """:meth:`_run` in the creator's own namespace."""
+        self._batch("this namespace", tool, [tool, "-batch", "-"], script)
+
+    def _batch(self, where: str, tool: str, full: list[str], script: str) -> None:
         try:
             done = subprocess.run(
                 full, input=script, capture_output=True, text=True, timeout=self.timeout_s
@@ -509,6 +387,49 @@ class EmulatedHosts:
                 "link set eth0 up\n"
             )
             self._run(host.name, "ip", script)
+
+    def _wire_management(self) -> None:
+        """The unshaped veth from the switch to the creator's namespace (see the module's
+        docstring): made in the switch namespace, one end moved to ours, so it goes with the
+        switch keeper."""
+        port, mine = f"{self.prefix}-mp", self.management_link
+        if self._address_here(MANAGEMENT_ADDRESS):
+            raise ValueError(
+                f"{MANAGEMENT_ADDRESS} is already on a link of this machine (another run on "
+                "emulated hosts?); wait for it to end, one run on emulated hosts at a time"
+            )
+        self._run(
+            "switch",
+            "ip",
+            f"link add {port} type veth peer name {mine} netns {os.getpid()}\n"
+            f"link set {port} addrgenmode none\n"
+            f"link set {port} master {self.bridge}\n"
+            f"link set {port} up\n",
+        )
+        script = (
+            f"link set {mine} addrgenmode none\n"
+            f"addr add {MANAGEMENT_ADDRESS}/{self.plan.prefix_len} dev {mine}\n"
+            f"link set {mine} up\n"
+        )
+        self._run_here("ip", script)
+
+    def _address_here(self, address: str) -> bool:
+        """Whether an interface of the creator's namespace has ``address``."""
+        try:
+            done = subprocess.run(
+                ["ip", "-j", "addr", "show"],
+                capture_output=True,
+                text=True,
+                timeout=self.timeout_s,
+                check=True,
+            )
+        except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
+            raise NetnsError(f"could not list this namespace's addresses: {e}") from None
+        return any(
+            info.get("local") == address
+            for link in json.loads(done.stdout)
+            for info in link.get("addr_info", [])
+        )
 
     def _shape(self) -> tuple[AppliedLink, ...]:
         """``tbf`` on both ends of each shaped host's link: its eth0 (what the host sends) and
@@ -582,11 +503,21 @@ class EmulatedHosts:
 
     def close(self, *, check: bool = True) -> None:
         """End the keepers this instance started (by PID) and wait for them; with ``check``,
-        NetnsError if a keeper did not end or a link of this instance is in sight."""
+        NetnsError if a keeper did not end or a link of this instance is in sight.
+
+        The management link is deleted first, by name: a namespace is taken down by the kernel
+        some time after its last process ends, and our end of the link with it."""
+        if self.management and "switch" in self.keepers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                subprocess.run(
+                    ["ip", "link", "del", self.management_link],
+                    capture_output=True,
+                    timeout=self.timeout_s,
+                )
         stuck = [
             f"{name} (pid {pid})"
             for name, pid in self.keepers.items()
-            if not _end_keeper(pid, self.timeout_s)
+            if not netns_keeper.end_keeper(pid, self.timeout_s)
         ]
         self.keepers = {}
         if not check:

@@ -29,7 +29,9 @@ from distsgd.control.folder import CONFIG_FILE, RESULT_FILE
 from distsgd.control.outcome import RunOutcome, RunStatus
 from distsgd.control.recovery import restart_all
 from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.emulation import close_hosts, start_hosts
 from distsgd.launcher.errors import Diverged, Interrupted, RunFailed
+from distsgd.launcher.netns import EmulatedHosts
 from distsgd.launcher.progress import Console
 from distsgd.launcher.restart import Restarts
 from distsgd.launcher.scale import LAUNCHER_FILE, read_scale_request
@@ -78,8 +80,14 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
     if keep:
         console.keep(run_dir / LAUNCHER_LOG)
     stop = threading.Event()
+    try:
+        hosts = start_hosts(config, run_dir)  # before any task; gone again if it fails
+    except BaseException:
+        if keep:
+            console.close()
+        raise
     supervisor = _supervisor(config, run_dir, console)
-    local = LocalRun(config, console, run_dir, supervisor, stop)
+    local = LocalRun(config, console, run_dir, supervisor, stop, hosts=hosts)
     previous: dict[signal.Signals, Any] = {}
 
     if threading.current_thread() is threading.main_thread():
@@ -116,6 +124,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
     finally:
         launcher_file.unlink(missing_ok=True)
         supervisor.close()
+        close_hosts(hosts, run_dir)  # the tasks have ended: count, then take the hosts down
         shutil.rmtree(local.wal_root, ignore_errors=True)  # only a restart in this launch reads it
         # Segments are unlinked once a worker maps them; a server killed before that leaves a
         # name behind, which it recorded in its checkpoint folder before creating it.
@@ -141,7 +150,7 @@ def _read_result(path: Path) -> dict[str, Any] | None:
 def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
     """Local processes, or (``config.ray``) Ray actors, one bundle of resources per task."""
     if config.ray is None:
-        server_log = run_dir / FORK_SERVER_LOG if config.fork_server else None
+        server_log = run_dir / FORK_SERVER_LOG if config.forks_workers else None
         return Supervisor(log_dir=run_dir / "logs", echo=console.line, fork_server_log=server_log)
     from distsgd.launcher.ray_tasks import RaySupervisor
 
@@ -168,8 +177,10 @@ class LocalRun(Restarts):
         run_dir: Path,
         supervisor: Tasks,
         stop: threading.Event,
+        *,
+        hosts: EmulatedHosts | None = None,
     ) -> None:
-        super().__init__(config, console, run_dir, supervisor, stop)
+        super().__init__(config, console, run_dir, supervisor, stop, hosts=hosts)
         self.leaving: dict[str, float] = {}
         """Workers asked to leave (SIGTERM), by name: when they are SIGKILLed if still there."""
         self.scale_seen = 0

@@ -28,6 +28,7 @@ from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.errors import RunFailed
 from distsgd.launcher.keras_env import keras_environment
 from distsgd.launcher.lifeline import PARENT_ENV
+from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
 from distsgd.launcher.progress import Console, Progress
 from distsgd.launcher.supervisor import TaskHandle, Tasks
 from distsgd.ps import wal
@@ -98,8 +99,12 @@ class LocalTasks:
         run_dir: Path,
         supervisor: Tasks,
         stop: threading.Event,
+        *,
+        hosts: EmulatedHosts | None = None,
     ) -> None:
         self.config = config
+        self.hosts = hosts
+        """The emulated hosts the tasks run on (``--hosts``); None: this machine's namespace."""
         self.console = console
         self.run_dir = run_dir
         self.supervisor = supervisor
@@ -146,9 +151,7 @@ class LocalTasks:
         self.gpus = (
             worker_gpus(config.device, os.environ) if config.ray is None else []
         )  # under Ray, Ray hands out the GPUs it reserved
-        self.spec = ClusterSpec.local(
-            num_workers=config.highest_workers, num_ps=self.num_ps, host=config.host
-        )
+        self.spec = self.unbound_spec()
         self.active: set[int] = set(range(config.workers))
         """The worker indexes meant to run now (``distsgd scale`` changes them)."""
         self.store: Any = None
@@ -163,6 +166,23 @@ class LocalTasks:
         """Tasks that have finished (or left, or were dropped)."""
         self.progress = Progress(run_dir / METRICS_FILE)
         self.events = MetricsWriter(run_dir / METRICS_FILE, "launcher")
+
+    # -- where tasks run ------------------------------------------------------------------------
+    def task_host(self, task: TaskId) -> str:
+        """The address ``task`` binds: its emulated host's (``--hosts``), else ``--host``."""
+        if self.hosts is None:
+            return self.config.host
+        return self.hosts.plan.host_of(task).address
+
+    def unbound_spec(self) -> ClusterSpec:
+        """Every task at its address with port 0 (each server picks its port when it starts)."""
+        if self.hosts is None:
+            c = self.config
+            return ClusterSpec.local(num_workers=c.highest_workers, num_ps=self.num_ps, host=c.host)
+        ps = [self.task_host(TaskId(job=Role.PS, index=i)) for i in range(self.num_ps)]
+        workers = range(self.config.highest_workers)
+        worker = [self.task_host(TaskId(job=Role.WORKER, index=i)) for i in workers]
+        return ClusterSpec(ps=tuple(f"{a}:0" for a in ps), worker=tuple(f"{a}:0" for a in worker))
 
     # -- starting tasks -------------------------------------------------------------------------
     def write_config(self) -> None:
@@ -189,8 +209,7 @@ class LocalTasks:
         :meth:`ps_address_file` once it listens."""
         init = self.run_dir / "cluster-init.json"
         c = self.config
-        first = ClusterSpec.local(num_workers=c.highest_workers, num_ps=self.num_ps, host=c.host)
-        write_atomic(init, json.dumps(first.to_dict()) + "\n")
+        write_atomic(init, json.dumps(self.unbound_spec().to_dict()) + "\n")
         addr_file = self.ps_address_file(index)
         addr_file.unlink(missing_ok=True)
         self.spec = self.spec.with_address(self.spec.task(Role.PS, index), address)
@@ -208,6 +227,8 @@ class LocalTasks:
 
     def _start(self, name: str, argv: list[str], env: dict[str, str]) -> TaskHandle:
         self.started_at[name] = time.monotonic()
+        if self.hosts is not None:  # in its host's network namespace
+            argv = [*self.hosts.enter(self.hosts.plan.host_of(TaskId.parse(name))), *argv]
         return self.supervisor.start(name, argv, env)
 
     def start_worker(
@@ -240,10 +261,10 @@ class LocalTasks:
 
     def _new_rendezvous(self) -> None:
         if self.collective and self.config.workers > 1:
-            self.store, port = host_store(
-                self.config.host, timedelta(seconds=self.config.wait_timeout)
-            )
-            self.rendezvous = f"{self.config.host}:{port}"
+            # under --hosts the launcher is reached over the management link
+            host = self.config.host if self.hosts is None else MANAGEMENT_ADDRESS
+            self.store, port = host_store(host, timedelta(seconds=self.config.wait_timeout))
+            self.rendezvous = f"{host}:{port}"
 
     def start_cluster(self, checkpoint: Checkpoint | None, *, fresh_ports: bool) -> None:
         """Start every task. The workers start while the servers do (both take seconds to
@@ -256,7 +277,7 @@ class LocalTasks:
         servers = []
         for i in range(self.num_ps):
             address = (
-                f"{self.config.host}:0"
+                f"{self.task_host(TaskId(job=Role.PS, index=i))}:0"
                 if fresh_ports
                 else self.spec.address(self.spec.task(Role.PS, i))
             )

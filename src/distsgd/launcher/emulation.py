@@ -1,0 +1,82 @@
+"""A local run on emulated hosts (``--hosts``): the hosts made before the first task, and
+their record in the run folder, ``hosts.json`` (the plan, the placement, the links as applied
+and, once the run ends, the bytes each host's link carried)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
+from distsgd.launcher.netns_keeper import NetnsError
+from distsgd.util import write_atomic
+
+__all__ = ["HOSTS_FILE", "close_hosts", "start_hosts"]
+
+log = logging.getLogger(__name__)
+
+HOSTS_FILE = "hosts.json"
+"""The emulated hosts of a run, in its folder."""
+
+
+def start_hosts(config: LaunchConfig, run_dir: Path) -> EmulatedHosts | None:
+    """The run's emulated hosts, started, with a management link to this namespace (the
+    launcher reaches the servers, the workers its rendezvous store); None without ``--hosts``.
+    Call from the thread that will close them (the keepers die with it)."""
+    if not config.hosts:
+        return None
+    hosts = EmulatedHosts(config.host_plan(), management=True)
+    hosts.start()
+    try:
+        _write(run_dir, hosts, counters=None)
+    except BaseException:
+        hosts.close(check=False)
+        raise
+    return hosts
+
+
+def close_hosts(hosts: EmulatedHosts | None, run_dir: Path) -> None:
+    """Record each host's bytes in ``hosts.json``, then take the hosts down (after the tasks
+    have ended). A failure to count is logged, never raised: the hosts go down either way."""
+    if hosts is None:
+        return
+    try:
+        counted = {
+            name: {"sent": link.sent, "received": link.received}
+            for name, link in hosts.counters().items()
+        }
+        _write(run_dir, hosts, counters=counted)
+    except (NetnsError, OSError, ValueError) as e:
+        log.warning("could not record the hosts' byte counters: %s", e)
+    finally:
+        hosts.close(check=False)
+
+
+def _write(run_dir: Path, hosts: EmulatedHosts, *, counters: dict[str, Any] | None) -> None:
+    plan = hosts.plan
+    applied = {link.host: link for link in hosts.applied}
+    record = {
+        "placement": plan.policy.value,
+        "privilege": str(hosts.privilege),
+        "prefix": hosts.prefix,
+        "launcher_address": MANAGEMENT_ADDRESS,
+        "keepers": dict(hosts.keepers),
+        "hosts": [
+            {
+                "name": host.name,
+                "address": host.address,
+                "tasks": [task.name for task in host.tasks],
+                "link": None if host.link is None else host.link.text,
+                "rate_bits": applied[host.name].rate_bits,
+                "burst_bytes": applied[host.name].burst_bytes,
+                "limit_bytes": applied[host.name].limit_bytes,
+                "not_applied": list(applied[host.name].missing),
+            }
+            for host in plan.hosts
+        ],
+        "bytes": counters,
+    }
+    write_atomic(run_dir / HOSTS_FILE, json.dumps(record, indent=2) + "\n")

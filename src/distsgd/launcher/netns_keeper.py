@@ -1,0 +1,166 @@
+"""The keepers of emulated hosts' network namespaces (:mod:`distsgd.launcher.netns`): a
+keeper is a process forked from the creator that unshares a network namespace (and, without
+root, a user namespace), asks for SIGKILL when the creating thread ends (``PR_SET_PDEATHSIG``)
+and execs ``sleep infinity`` under the name :data:`KEEPER_NAME`; with it the namespace goes."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import functools
+import os
+import select
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["KEEPER_NAME", "NetnsError", "end_keeper", "fork_keeper", "write_id_maps"]
+
+CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
+PR_SET_PDEATHSIG = 1
+KEEPER_NAME = "distsgd-netns-keeper"
+"""A keeper's argv[0] (what ``ps`` shows for it)."""
+
+
+class NetnsError(RuntimeError):
+    """A namespace, link or shaper could not be made or removed; one line: what and why."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """libc, loaded in the parent: a child forked from a process with threads must not load
+    a library (the loader's lock may be held by a thread that is not in the child)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _KeeperArgs:
+    """What a keeper child needs, all prepared before the fork."""
+
+    libc: ctypes.CDLL
+    """libc, for unshare, setns and prctl."""
+    sleep: str
+    """The path of ``sleep``."""
+    parent: int
+    """The creator's PID."""
+    user_ns: str | None
+    """A user namespace to join first (``/proc/PID/ns/user``); None: stay in ours."""
+    new_user: bool
+    """Make a new user namespace along with the network namespace."""
+
+
+def _keeper_child(report: int, args: _KeeperArgs) -> None:
+    """In the forked child: make (or join) the namespaces, tie to the parent, exec sleep.
+    Writes to ``report`` only why it failed: the end of file that the exec brings, with nothing
+    written, is the parent's sign of success."""
+    libc = args.libc
+    user_ns, new_user = args.user_ns, args.new_user
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the creator's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if user_ns is not None:
+        fd = os.open(user_ns, os.O_RDONLY)
+        if libc.setns(fd, CLONE_NEWUSER) != 0:
+            os.write(report, f"setns(user): {os.strerror(ctypes.get_errno())}".encode())
+            return
+        os.close(fd)
+    flags = CLONE_NEWNET | (CLONE_NEWUSER if new_user else 0)
+    if libc.unshare(flags) != 0:
+        os.write(report, f"unshare: {os.strerror(ctypes.get_errno())}".encode())
+        return
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != args.parent:  # the creator died before the line above
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.execv(args.sleep, [KEEPER_NAME, "infinity"])  # closes ``report`` (close-on-exec)
+
+
+def _read_report(fd: int, pid: int, timeout_s: float) -> str:
+    """Why the keeper failed, or "" once it runs ``sleep`` in its namespace."""
+    deadline = time.monotonic() + timeout_s
+    chunks: list[bytes] = []
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            break
+        chunk = os.read(fd, 512)
+        if chunk:
+            chunks.append(chunk)
+            continue
+        if chunks:
+            return b"".join(chunks).decode(errors="replace")
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return "it exited at once" if done else ""
+    return f"no answer within {timeout_s:g} s (pid {pid})"
+
+
+def fork_keeper(*, user_ns: str | None, new_user: bool, timeout_s: float) -> int:
+    """Fork a keeper; its PID once it holds its namespace, NetnsError if it could not."""
+    args = _KeeperArgs(
+        libc=_libc(),
+        sleep=shutil.which("sleep") or "/bin/sleep",
+        parent=os.getpid(),
+        user_ns=user_ns,
+        new_user=new_user,
+    )
+    for name in ("unshare", "setns", "prctl"):  # resolve the symbols before the fork
+        getattr(args.libc, name)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child execs or exits, coverage cannot follow
+        try:
+            os.close(read)
+            _keeper_child(write, args)
+        except BaseException as e:
+            with contextlib.suppress(BaseException):
+                os.write(write, f"{type(e).__name__}: {e}".encode())
+        finally:
+            os._exit(1)
+    os.close(write)
+    try:
+        report = _read_report(read, pid, timeout_s)
+    finally:
+        os.close(read)
+    if not report:
+        return pid
+    end_keeper(pid, timeout_s)
+    if os.strerror(errno.EPERM) in report:  # not allowed here: the user's to fix
+        raise ValueError(
+            f"emulated hosts: no network namespace may be made here ({report}); run as root "
+            "with CAP_SYS_ADMIN, or allow unprivileged user namespaces"
+        )
+    raise NetnsError(f"a namespace keeper could not start: {report}")
+
+
+def end_keeper(pid: int, timeout_s: float) -> bool:
+    """SIGKILL one keeper (ours, by PID) and reap it; False if it did not end in time."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if done:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+
+
+def write_id_maps(pid: int) -> None:
+    """Map the caller to root in the keeper's new user namespace (so nsenter can be root)."""
+    proc = Path(f"/proc/{pid}")
+    (proc / "setgroups").write_text("deny")
+    (proc / "uid_map").write_text(f"0 {os.geteuid()} 1")
+    (proc / "gid_map").write_text(f"0 {os.getegid()} 1")

@@ -1,0 +1,249 @@
+"""``distsgd run/demo --hosts N``: the tasks run on emulated hosts (network namespaces,
+distsgd.launcher.netns), bind their host's address, exchange bytes over shaped links, and
+nothing of the hosts is left afterwards. The settings' checks are pure; the runs are slow and
+skipped where namespaces cannot be made."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from conftest import SCRIPTS, distsgd_cmd, final_accuracy
+
+from distsgd.cluster import TaskId
+from distsgd.cluster.hosts import parse_links, plan_hosts
+from distsgd.launcher import LaunchConfig
+from distsgd.launcher.emulation import HOSTS_FILE
+from distsgd.launcher.netns import EmulatedHosts, check_capable
+
+BLOBS = str(SCRIPTS / "blobs.py")
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _capable() -> str | None:
+    try:
+        check_capable()
+    except ValueError as e:
+        return str(e)
+    if os.geteuid() != 0:
+        return "the launcher's link to emulated hosts needs root"
+    return None
+
+
+needs_netns = pytest.mark.skipif(_capable() is not None, reason=str(_capable()))
+
+
+# --------------------------------------------------------------------------- settings (pure)
+
+
+def test_hosts_place_the_tasks_and_turn_the_fork_server_off() -> None:
+    config = LaunchConfig(
+        script=BLOBS, scheme="hogwild", workers=3, ps=1, hosts=2, links=("1gbit",)
+    )
+    plan = config.host_plan()
+    assert [[t.name for t in h.tasks] for h in plan.hosts] == [
+        ["ps0", "worker1"],
+        ["worker0", "worker2"],
+    ]
+    assert [h.link and h.link.rate_bits for h in plan.hosts] == [10**9, 10**9]
+    assert not config.forks_workers
+    assert LaunchConfig(script=BLOBS).forks_workers == LaunchConfig(script=BLOBS).fork_server
+    packed = LaunchConfig(script=BLOBS, workers=3, hosts=2, placement="pack").host_plan()
+    assert [[t.name for t in h.tasks] for h in packed.hosts] == [
+        ["ps0", "worker0"],
+        ["worker1", "worker2"],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("knobs", "needle"),
+    [
+        ({"hosts": 4}, "use --hosts 3 or fewer"),
+        ({"hosts": -1}, "--hosts must be 0"),
+        ({"links": ("1gbit",)}, "add --hosts N"),
+        ({"placement": "pack"}, "add --hosts N"),
+        ({"hosts": 2, "ray": ""}, "drop --hosts or --ray"),
+        ({"hosts": 2, "placement": "diagonal"}, "spread"),
+        ({"hosts": 2, "links": ("worker9=1gbit",)}, "worker9"),
+    ],
+)
+def test_bad_host_settings_are_one_line_value_errors(knobs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        LaunchConfig(script=BLOBS, workers=2, **knobs)
+    assert needle in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_host_plan_needs_hosts() -> None:
+    with pytest.raises(ValueError, match="--hosts N"):
+        LaunchConfig(script=BLOBS).host_plan()
+
+
+# --------------------------------------------------------------------------- in namespaces
+
+LOCAL = """
+import json, sys
+from distsgd.transport.carriers.attach import is_local_address
+print(json.dumps([is_local_address(a) for a in sys.argv[1:]]))
+"""
+
+
+@needs_netns
+def test_an_address_another_host_owns_is_not_local() -> None:
+    """Shared memory is only used between tasks of one host: in host1, host0's address (and
+    the launcher's) is not local, its own is."""
+    tasks = [TaskId.parse("worker0"), TaskId.parse("worker1")]
+    plan = plan_hosts(count=2, tasks=tasks, links=parse_links([]))
+    with EmulatedHosts(plan, management=True) as hosts:
+        addresses = [f"{h.address}:5000" for h in plan.hosts] + ["198.18.0.253:5000"]
+        argv = [*hosts.enter("host1"), sys.executable, "-c", LOCAL, *addresses]
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [False, True, False]
+
+
+def _listening(pid: int) -> set[str]:
+    """The addresses listened on in ``pid``'s network namespace (its /proc/PID/net/tcp*)."""
+    out = set()
+    for table, size in (("tcp", 4), ("tcp6", 16)):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] != "0A":  # LISTEN
+                continue
+            raw = bytes.fromhex(fields[1].split(":")[0])
+            if size == 4:
+                out.add(socket.inet_ntop(socket.AF_INET, raw[::-1]))
+            else:  # each 32-bit word in host order
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                text = socket.inet_ntop(socket.AF_INET6, words)
+                out.add(text.removeprefix("::ffff:"))  # an IPv4 address, mapped
+    return out
+
+
+def _demo(run_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """Run the demo on emulated hosts; what it printed, and every address a task listened on
+    while it ran (sampled)."""
+    argv = distsgd_cmd("demo", *args, "--quiet", "--run-dir", str(run_dir))
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL
+    )
+    seen: set[str] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                pids = json.loads((run_dir / "tasks.json").read_text()).values()
+            except (OSError, ValueError):
+                pids = []
+            for pid in pids:
+                seen |= _listening(pid)
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err), seen
+
+
+def _check_hosts_gone(record: dict[str, Any]) -> None:
+    assert record["prefix"] not in _links_here()
+    for pid in record["keepers"].values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@needs_netns
+@pytest.mark.slow  # about 17 s
+def test_hogwild_demo_on_two_hosts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["--scheme", "hogwild", "--workers", "2", "--ps", "1", "--hosts", "2"]
+    done, listened = _demo(run_dir, *args, "--link", "1gbit", "--epochs", "10")
+    assert final_accuracy(done) >= 0.95
+    record = json.loads((run_dir / HOSTS_FILE).read_text())
+    assert [h["name"] for h in record["hosts"]] == ["host0", "host1"]
+    assert [h["link"] for h in record["hosts"]] == ["1gbit", "1gbit"]
+    for name in ("host0", "host1"):
+        assert record["bytes"][name]["sent"] > 1_000_000
+        assert record["bytes"][name]["received"] > 1_000_000
+    ps = json.loads((run_dir / "cluster.json").read_text())["ps"]
+    assert ps[0].startswith("198.18.0.1:")
+    assert listened, "no task was seen listening"
+    assert all(a.startswith("198.18.0.") for a in listened), listened
+    _check_hosts_gone(record)
+
+
+@needs_netns
+@pytest.mark.slow  # about 13 s
+def test_allreduce_demo_on_two_hosts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["--scheme", "allreduce", "--workers", "2", "--hosts", "2", "--link", "1gbit"]
+    done, listened = _demo(run_dir, *args, "--epochs", "10")
+    assert final_accuracy(done) >= 0.95
+    record = json.loads((run_dir / HOSTS_FILE).read_text())
+    for name in ("host0", "host1"):
+        assert record["bytes"][name]["sent"] > 1_000_000
+    assert listened, "no task was seen listening"
+    assert all(a.startswith("198.18.0.") for a in listened), listened
+    _check_hosts_gone(record)
+
+
+@needs_netns
+@pytest.mark.slow  # about 8 s
+def test_a_sigkilled_launcher_leaves_no_host_task_or_link(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    argv = distsgd_cmd(
+        "demo", "--scheme", "hogwild", "--hosts", "2", "--quiet", "--run-dir", str(run_dir)
+    )
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "tasks.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        tasks = json.loads((run_dir / "tasks.json").read_text())
+        record = json.loads((run_dir / HOSTS_FILE).read_text())
+        assert f"{record['prefix']}-m" in _links_here()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        pids = [*tasks.values(), *record["keepers"].values()]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+            any(_alive(pid) for pid in pids) or record["prefix"] in _links_here()
+        ):
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _alive(pid)]
+        assert record["prefix"] not in _links_here()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _links_here() -> str:
+    return subprocess.run(
+        ["ip", "-br", "link"], capture_output=True, text=True, timeout=10, check=True
+    ).stdout
