@@ -73,7 +73,7 @@ SLOW_FIRST = (
     "test_fault_tolerance.py::",
 )
 """Tests of about 15 s or more (pytest --durations of a whole run), longest first, the Ray
-tests spread among them (they run one at a time: :func:`_one_ray_test_at_a_time`): started
+tests spread among them (they run one at a time: :func:`_one_locked_group_test_at_a_time`): started
 before the short ones, so that no long test starts last while the other test processes have
 run out of work."""
 
@@ -92,21 +92,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)
 
 
+LOCKED_GROUPS = ("ray", "hosts")
+"""xdist groups whose tests run one at a time across the test processes: "ray" (each asserts
+that no Ray process is left on the machine, so another's local Ray instance fails it) and
+"hosts" (a run on emulated hosts gives the launcher 198.18.0.253: one such run at a time)."""
+
+
 @pytest.fixture(autouse=True)
-def _one_ray_test_at_a_time(
+def _one_locked_group_test_at_a_time(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[None]:
-    """The tests marked ``xdist_group("ray")`` one at a time across the test processes: each
-    asserts that no Ray process is left on the machine, so another's local Ray instance fails
-    it. The mark alone no longer does this: with pytest 9.2, ``--dist loadgroup`` ignores
-    xdist_group marks (pytest-xdist issue 1386) and schedules test by test."""
+    """The tests marked ``xdist_group(G)``, G in :data:`LOCKED_GROUPS`, one at a time per
+    group, by a lock file. The mark alone no longer does this: with pytest 9.2, ``--dist
+    loadgroup`` ignores xdist_group marks (pytest-xdist issue 1386) and schedules test by
+    test."""
     groups = {m.args[0] for m in request.node.iter_markers("xdist_group") if m.args}
-    if "ray" not in groups:
-        yield
-        return
-    lock = tmp_path_factory.getbasetemp().parent / "distsgd-ray-tests.lock"
-    with open(lock, "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
+    locked = sorted(groups.intersection(LOCKED_GROUPS))
+    with contextlib.ExitStack() as stack:
+        for group in locked:  # in name order: two groups never wait on each other in a cycle
+            lock = tmp_path_factory.getbasetemp().parent / f"distsgd-{group}-tests.lock"
+            held = stack.enter_context(open(lock, "a"))
+            fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
         yield
 
 

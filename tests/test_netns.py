@@ -85,6 +85,7 @@ def _capable() -> str | None:
 
 
 needs_netns = pytest.mark.skipif(_capable() is not None, reason=str(_capable()))
+pytestmark = pytest.mark.xdist_group("hosts")  # one at a time: conftest LOCKED_GROUPS
 
 
 def _plan(count: int, links: list[str] | None = None) -> HostPlan:
