@@ -3,7 +3,8 @@
 
 Unit tests pin the rules (a pure function) and where they apply; a real run trains the
 BatchNorm-free CNN of tests/scripts/cnn_nobn.py, tuned alone, on 4 workers under the schemes the
-rules change most, and asks each to land within 0.03 of the script alone.
+rules change most (every scheme with ``DISTSGD_ALL_SCHEMES=1``), and asks each to land within 0.03
+of the script alone.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,7 @@ DEFAULT_RULES = {
     "downpour": "sqrt",
     "agn": "sqrt",
     "sagn": "sqrt",
-    "easgd": "sqrt",
+    "easgd": "elastic",
     "hogwild": "inverse-sqrt",
     "eamsgd": "inverse-sqrt",
 }
@@ -50,6 +52,9 @@ DEFAULT_RULES = {
         ("sqrt", 1, 1.0),
         ("linear", 1, 1.0),
         ("inverse-sqrt", 1, 1.0),
+        ("elastic", 4, 2.5),
+        ("elastic", 2, math.sqrt(2) * 1.5),
+        ("elastic", 1, 1.0),
     ],
 )
 def test_a_rule_multiplies_the_rate_by_its_factor_and_one_worker_keeps_it(
@@ -161,20 +166,23 @@ def test_a_script_run_alone_records_its_rate_unchanged(tmp_path: Path) -> None:
 CNN = SCRIPTS / "cnn_nobn.py"
 STRESSED = ("sync", "hogwild")
 """The schemes whose default rule moves the rate most on 4 workers, in opposite directions: sync
-takes it x2 (at the rate as given it ended at 0.9250 against 0.9861 alone), Hogwild / 2. Every
-scheme's figures are in docs/schemes/defaults.md (downpour, x2, left out here to keep CI short: with
-it the test took 138 s beside other tests)."""
+takes it x2 (at the rate as given it ended at 0.9250 against 0.9861 alone), Hogwild / 2. These run
+on every CI run; every scheme runs with ``DISTSGD_ALL_SCHEMES=1`` (about 20 s each on 2 cores; the
+figures are in docs/schemes/defaults.md)."""
+ALL_SCHEMES = os.environ.get("DISTSGD_ALL_SCHEMES") == "1"
+CNN_SCHEMES = tuple(schemes.names()) if ALL_SCHEMES else STRESSED
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("demo-runs")  # one xdist worker runs these in turn: 5 processes each
+@pytest.mark.timeout(60 + 60 * len(CNN_SCHEMES))
 def test_a_cnn_tuned_alone_trains_within_3_points_on_4_workers_at_the_same_settings(
     tmp_path: Path,
 ) -> None:
     """tests/scripts/cnn_nobn.py (a user's loop with gradient clipping, lr 0.1 tuned alone):
     alone (one worker, one thread: ``python cnn_nobn.py`` without its start-up) and on 4
-    workers under each stressed scheme with its default ``--lr-rule``, each run recording the
-    rate it applied."""
+    workers under each scheme of ``CNN_SCHEMES`` with its default ``--lr-rule``, each run
+    recording the rate it applied; every scheme is run before the bar is asserted, so a failure
+    names all that missed it."""
     alone_dir = tmp_path / "alone"
     alone = final_accuracy(
         run_distsgd(
@@ -185,11 +193,14 @@ def test_a_cnn_tuned_alone_trains_within_3_points_on_4_workers_at_the_same_setti
         )
     )
     assert alone >= 0.97  # measured 0.9861
-    for scheme in STRESSED:
+    reached: dict[str, float] = {}
+    for scheme in CNN_SCHEMES:
         run_dir = tmp_path / scheme
-        accuracy = final_accuracy(run_scheme(scheme, run_dir, CNN, workers=4))
+        reached[scheme] = final_accuracy(run_scheme(scheme, run_dir, CNN, workers=4))
         scaling = json.loads((run_dir / "result.json").read_text())["lr_scaling"]
-        rule = DEFAULT_RULES[scheme]
+        rule = DEFAULT_RULES.get(scheme, "none")
         assert (scaling["rule"], scaling["workers"], scaling["by_default"]) == (rule, 4, True)
         assert scaling["effective_lr"] == pytest.approx(0.1 * lr_multiplier(rule, 4))
-        assert accuracy >= alone - 0.03, f"{scheme}: {accuracy} on 4 workers, {alone} alone"
+    print(f"alone {alone}, on 4 workers {reached}")
+    missed = {scheme: acc for scheme, acc in reached.items() if acc < alone - 0.03}
+    assert not missed, f"more than 0.03 below {alone} alone on 4 workers: {missed}"

@@ -11,7 +11,7 @@ from typing import Any
 from distsgd.ps.compression import encoding_for
 
 LR_SCHEDULES = ("constant", "cosine")
-LR_RULES = ("auto", "none", "sqrt", "linear", "inverse-sqrt")
+LR_RULES = ("auto", "none", "sqrt", "linear", "inverse-sqrt", "elastic")
 """What ``TrainConfig.lr_rule`` may be: auto (the scheme's default) or a rule by name."""
 SHARED_MEMORY = ("auto", "off")
 """What ``TrainConfig.shared_memory`` may be."""
@@ -42,7 +42,11 @@ def lr_multiplier(rule: str, workers: int) -> float:
     ``none``: 1. ``sqrt``: sqrt(N), for schemes whose N workers together take 1/N of the
     steps on N-fold batches (sync, allreduce; Krizhevsky 2014, Hoffer et al. 2017). ``linear``:
     N (Goyal et al. 2017). ``inverse-sqrt``: 1/sqrt(N), for Hogwild, whose N workers take all
-    the steps but each on parameters about N - 1 updates old. One worker: 1 under every rule.
+    the steps but each on parameters about N - 1 updates old. ``elastic``: sqrt(N) x (N + 1) / N,
+    for EASGD: its elastic exchanges move x_i and the center by opposite amounts, so the mean of
+    the N + 1 variables moves only by the workers' gradient steps, at N / (N + 1) of their rate;
+    the factor (N + 1) / N gives that consensus sqrt's rate (x 2.5 on 4 workers). One worker: 1
+    under every rule.
     """
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
@@ -54,6 +58,8 @@ def lr_multiplier(rule: str, workers: int) -> float:
         return float(workers)
     if rule == "inverse-sqrt":
         return 1.0 / math.sqrt(workers)
+    if rule == "elastic":
+        return math.sqrt(workers) * (workers + 1) / workers if workers > 1 else 1.0
     raise ValueError(f"lr_rule must be one of {', '.join(LR_RULES[1:])}, got {rule!r}")
 
 
@@ -140,7 +146,8 @@ class TrainConfig:
         metadata={
             "help": "how --lr, the rate that trains one process, becomes the rate applied on N "
             "workers: auto (the scheme's default rule, see its guide page), none (as given), "
-            "sqrt (x sqrt N), linear (x N) or inverse-sqrt (/ sqrt N)"
+            "sqrt (x sqrt N), linear (x N), inverse-sqrt (/ sqrt N) or elastic (x sqrt N x "
+            "(N + 1) / N, EASGD's)"
         },
     )
     momentum: float = field(default=0.0, metadata={"help": "heavy-ball momentum of that optimizer"})

@@ -42,8 +42,9 @@ class WorkerScheme(ABC):
 
     lr_rule: ClassVar[str] = "none"
     """What ``--lr-rule auto`` makes of ``--lr`` on N workers: a rule of
-    :func:`~distsgd.control.config.lr_multiplier` (none, sqrt, linear, inverse-sqrt). Each
-    scheme sets its own in its module; its guide page says what the default guarantees."""
+    :func:`~distsgd.control.config.lr_multiplier` (none, sqrt, linear, inverse-sqrt,
+    elastic). Each scheme sets its own in its module; its guide page says what the default
+    guarantees."""
 
     def server_options(self, config: TrainConfig) -> dict[str, Any]:
         """Options sent to the scheme's server rule at registration (JSON-serialisable)."""

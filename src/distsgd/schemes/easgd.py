@@ -73,9 +73,10 @@ class ElasticServer(UpdateRule):
 
 
 class EasgdWorker(WorkerScheme):
-    lr_rule = "sqrt"
-    """N workers take 1/N of the steps and the center follows their elastic average: --lr x
-    sqrt(N)."""
+    lr_rule = "elastic"
+    """N workers take 1/N of the steps (sqrt(N)), and the elastic exchanges conserve the sum of
+    the N workers' variables and the center's, so their consensus moves at N / (N + 1) of each
+    worker's rate: --lr x sqrt(N) x (N + 1) / N."""
 
     def __init__(self, options: EasgdOptions, num_workers: int) -> None:
         self.options = options
