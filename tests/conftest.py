@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import fcntl
+import ipaddress
 import json
 import os
 import shutil
@@ -213,3 +215,64 @@ def spawn() -> Iterator:  # type: ignore[type-arg]
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.kill()
             proc.wait(timeout=10)
+
+
+def one_cert_for_all(folder: Path, ips: Sequence[str] = ("127.0.0.1",)) -> dict[str, Path]:
+    """A CA and one certificate (SAN ``ips`` and localhost, server and client use) that every
+    task shares."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("distsgd test CA"))
+        .issuer_name(name("distsgd test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name("distsgd task"))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [
+                    *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips),
+                    x509.DNSName("localhost"),
+                ]
+            ),
+            critical=False,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    files = {"ca": folder / "ca.crt", "cert": folder / "task.crt", "key": folder / "task.key"}
+    files["ca"].write_bytes(ca.public_bytes(pem))
+    files["cert"].write_bytes(cert.public_bytes(pem))
+    files["key"].write_bytes(
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return files

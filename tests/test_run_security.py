@@ -3,79 +3,20 @@ and a whole run over mutual TLS. Fault injection of delays and partitions."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import stat
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import SCRIPTS, metrics, run_distsgd, wait_for
+from conftest import SCRIPTS, metrics, one_cert_for_all, run_distsgd, wait_for
 
 pytestmark = pytest.mark.slow
 BLOBS = str(SCRIPTS / "blobs.py")
 
 
-def _one_cert_for_all(folder: Path) -> dict[str, Path]:
-    """A CA and one certificate (SAN 127.0.0.1, server and client use) that every task shares."""
-    x509 = pytest.importorskip("cryptography.x509")
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(name("distsgd test CA"))
-        .issuer_name(name("distsgd test CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name("distsgd task"))
-        .issuer_name(ca.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-            ),
-            critical=False,
-        )
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    pem = serialization.Encoding.PEM
-    files = {"ca": folder / "ca.crt", "cert": folder / "task.crt", "key": folder / "task.key"}
-    files["ca"].write_bytes(ca.public_bytes(pem))
-    files["cert"].write_bytes(cert.public_bytes(pem))
-    files["key"].write_bytes(
-        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return files
-
-
 def test_run_over_mutual_tls(tmp_path: Path) -> None:
-    pki = _one_cert_for_all(tmp_path)
+    pki = one_cert_for_all(tmp_path)
     run_dir = tmp_path / "run"
     args = ["run", "--scheme", "sync", "--quiet", "--run-dir", str(run_dir)]
     args += [

@@ -14,6 +14,7 @@ from typing import Any
 
 from distsgd import schemes
 from distsgd.cli.flags import DEMO_SCRIPT, checkpoint_every, collect, scheme_options
+from distsgd.cli.hosts import split_command
 from distsgd.cli.parser import build_parser, parse_argv
 from distsgd.cluster import ClusterSpecError, Role, resolve_cluster
 from distsgd.util import private_dir
@@ -282,35 +283,42 @@ def _cmd_join(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+def _dispatch(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run the parsed command."""
+    if args.command in ("run", "demo"):
+        if args.command == "demo":
+            return _cmd_run(args, str(DEMO_SCRIPT), [])
+        return _cmd_run(args, args.script, args.script_args)
+    if args.command == "compare":
+        return _cmd_compare(args, argv)
+    if args.command in ("server", "worker", "scale", "join"):
+        command = {"server": _cmd_server, "worker": _cmd_worker, "scale": _cmd_scale}
+        return command.get(args.command, _cmd_join)(args)
+    if args.command == "inspect":
+        from distsgd.cli.inspect import inspect
+
+        return inspect(args.path)
+    if args.command == "schemes":
+        return _cmd_schemes()
+    if args.command == "k8s":
+        from distsgd.cli import k8s
+
+        return k8s.main(args)
+    if args.command == "hosts":
+        from distsgd.cli import hosts
+
+        return hosts.main(args)
+    raise AssertionError(f"a command without a handler: {args.command}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv, command = split_command(argv)
     args = parse_argv(parser, argv)
+    args.command_argv = command
     try:
-        if args.command == "run":
-            return _cmd_run(args, args.script, args.script_args)
-        if args.command == "demo":
-            return _cmd_run(args, str(DEMO_SCRIPT), [])
-        if args.command == "compare":
-            return _cmd_compare(args, argv)
-        if args.command == "server":
-            return _cmd_server(args)
-        if args.command == "worker":
-            return _cmd_worker(args)
-        if args.command == "scale":
-            return _cmd_scale(args)
-        if args.command == "join":
-            return _cmd_join(args)
-        if args.command == "inspect":
-            from distsgd.cli.inspect import inspect
-
-            return inspect(args.path)
-        if args.command == "schemes":
-            return _cmd_schemes()
-        if args.command == "k8s":
-            from distsgd.cli import k8s
-
-            return k8s.main(args)
+        return _dispatch(args, argv)
     except (ValueError, ClusterSpecError, OSError) as exc:
         print(f"distsgd: error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -326,8 +334,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    parser.error(f"unknown command {args.command}")
-    return 2
 
 
 def _one_line(exc: BaseException) -> str:

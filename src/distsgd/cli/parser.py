@@ -275,9 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scale(sub)
     _add_join(sub)
     _add_tools(sub)
-    from distsgd.cli import k8s
+    from distsgd.cli import hosts, k8s
 
     k8s.add_command(sub, add_launch_flags)
+    hosts.add_command(sub)
     return parser
 
 

@@ -4,7 +4,7 @@ hosts as network namespaces is :mod:`distsgd.launcher.netns`.
 
 Addresses come from 198.18.0.0/15, the range RFC 2544 sets aside for benchmarking (never routed
 on the internet): host *i* is ``198.18.0.(i+1)`` on a /24 whose bridge is ``198.18.0.254``, so
-at most 253 hosts.
+at most 252 hosts.
 
 A link is given as text, ``RATE[,DELAY[,JITTER]]``: ``1gbit``, ``100mbit,5ms``,
 ``10mbit,5ms,1ms``. Rates take ``bit``, ``kbit``, ``mbit`` or ``gbit`` (powers of 1000, as
@@ -36,14 +36,16 @@ __all__ = [
     "parse_links",
     "place",
     "plan_hosts",
+    "plan_machines",
 ]
 
 HOST_NETWORK = ipaddress.IPv4Network("198.18.0.0/24")
 """The hosts' subnet: inside RFC 2544's benchmarking range 198.18.0.0/15."""
 BRIDGE_ADDRESS = ipaddress.IPv4Address("198.18.0.254")
 """The bridge's own address on :data:`HOST_NETWORK`."""
-MAX_HOSTS = 253
-"""Host addresses run from .1 to .253 (.254 is the bridge, .255 the broadcast)."""
+MAX_HOSTS = 252
+"""Host addresses run from .1 to .252 (.253 is the launcher's management address, .254 the
+bridge, .255 the broadcast)."""
 
 _RATE_UNITS = {"bit": 1, "kbit": 1_000, "mbit": 1_000_000, "gbit": 1_000_000_000}
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -332,3 +334,26 @@ def plan_hosts(
             )
         )
     return HostPlan(hosts=tuple(hosts), policy=Placement(policy))
+
+
+def plan_machines(*, count: int, links: Links | None = None) -> HostPlan:
+    """``count`` hosts with no task placed on them (``distsgd hosts up``: the user starts the
+    tasks by hand, as on real machines); a link override names a host (``host1=10mbit``)."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_HOSTS:
+        raise ValueError(f"{count!r} hosts; use 1 to {MAX_HOSTS} hosts")
+    links = links or Links()
+    names = [host_name(i) for i in range(count)]
+    unknown = sorted(set(links.overrides) - set(names))
+    if unknown:
+        raise ValueError(f"link for {', '.join(unknown)}: no such host; use host0..host{count - 1}")
+    hosts = tuple(
+        Host(
+            index=i,
+            name=name,
+            address=str(HOST_NETWORK.network_address + i + 1),
+            link=links.overrides.get(name, links.default),
+            tasks=(),
+        )
+        for i, name in enumerate(names)
+    )
+    return HostPlan(hosts=hosts, policy=Placement.SPREAD)
