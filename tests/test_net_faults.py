@@ -1,15 +1,25 @@
 """Network faults of emulated hosts (``--inject-fault partition:...,for=`` and ``slow:``): the
-specs parsed (pure), the settings' checks (pure), and which faults a worker injects itself."""
+specs parsed, the settings' checks, which faults a worker injects itself, and when the launcher
+applies and undoes them (launcher/link_faults.py, on recorded fake hosts). All pure: the
+namespaces' side is tests/test_netns.py, a whole run tests/test_hosts_faults.py."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from conftest import SCRIPTS
 
-from distsgd.cluster import ClusterSpec
+from distsgd.cluster import ClusterSpec, TaskId
+from distsgd.cluster.hosts import Host, plan_hosts
 from distsgd.control.faults import Fault, FaultInjector
+from distsgd.control.metrics import MetricsWriter
 from distsgd.launcher import LaunchConfig
 from distsgd.launcher.argv import worker_task
+from distsgd.launcher.link_faults import LinkFaults
+from distsgd.launcher.netns import EmulatedHosts
 
 BLOBS = str(SCRIPTS / "blobs.py")
 
@@ -128,3 +138,83 @@ def test_the_worker_ignores_link_faults() -> None:
     injector = FaultInjector([Fault.parse("slow:worker:0@step=0=1mbit,for=5s")])
     injector.before_step(10)
     assert not injector.partitioned
+
+
+class _FakeHosts:
+    """What LinkFaults calls on EmulatedHosts, recorded (no namespace)."""
+
+    def __init__(self) -> None:
+        tasks = [TaskId.parse(n) for n in ("ps0", "worker0", "worker1")]
+        self.plan = plan_hosts(count=2, tasks=tasks)
+        self.calls: list[tuple[str, str, int | None]] = []
+
+    def cut(self, host: Host | str) -> None:
+        self.calls.append(("cut", _name(host), None))
+
+    def heal(self, host: Host | str) -> None:
+        self.calls.append(("heal", _name(host), None))
+
+    def set_rate(self, host: Host | str, rate_bits: int | None) -> None:
+        self.calls.append(("rate", _name(host), rate_bits))
+
+
+def _name(host: Host | str) -> str:
+    return host if isinstance(host, str) else host.name
+
+
+def test_link_faults_apply_at_their_step_heal_after_for_and_at_the_end(tmp_path: Path) -> None:
+    specs = ["partition:worker:1@step=40,for=5s", "slow:ps:0@step=50=10mbit", "kill:ps:0@step=9"]
+    now = [1000.0]
+    hosts = _FakeHosts()
+    notes: list[str] = []
+    events = MetricsWriter(tmp_path / "metrics.jsonl", "launcher")
+    recorded: list[list[dict[str, Any]]] = []
+    faults = LinkFaults(
+        [Fault.parse(s) for s in specs],
+        cast(EmulatedHosts, hosts),
+        events=events,
+        note=notes.append,
+        run_dir=tmp_path,
+        clock=lambda: now[0],
+    )
+    faults._record = lambda: recorded.append(faults.records())  # type: ignore[method-assign]
+    faults.poll(39)
+    assert hosts.calls == []
+    faults.poll(41)  # spread: ps0 and worker1 on host0, worker0 on host1
+    assert hosts.calls == [("cut", "host0", None)]
+    now[0] += 4.9
+    faults.poll(45)
+    assert len(hosts.calls) == 1
+    now[0] += 0.2
+    faults.poll(52)
+    assert hosts.calls[1:] == [("heal", "host0", None), ("rate", "host0", 10_000_000)]
+    faults.restore(60)
+    faults.restore(61)  # nothing left to undo
+    assert hosts.calls[3:] == [("rate", "host0", None)]
+    first, second = faults.records()
+    assert first["kind"] == "partition" and first["tasks"] == ["ps0", "worker1"]
+    assert (first["step"], first["healed_step"], first["lasted_s"]) == (41, 52, 5.1)
+    assert (second["rate_bits"], second["for_s"], second["healed_step"]) == (10**7, None, 60)
+    assert len(recorded) == 3 and recorded[-1] == faults.records()
+    events.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["fault"]) for e in lines] == [
+        ("fault_injected", "partition"),
+        ("fault_healed", "partition"),
+        ("fault_injected", "slow"),
+        ("fault_healed", "slow"),
+    ]
+    assert "host0 cut off (ps0, worker1) for 5s at step 41" in notes[0]
+
+
+def test_without_hosts_there_are_no_link_faults(tmp_path: Path) -> None:
+    faults = LinkFaults(
+        [Fault.parse("partition:worker:1@step=1,for=1s")],
+        None,
+        events=MetricsWriter(None, "launcher"),
+        note=print,
+        run_dir=tmp_path,
+    )
+    faults.poll(100)
+    faults.restore(100)
+    assert faults.pending == [] and faults.records() == []
