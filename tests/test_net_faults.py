@@ -205,6 +205,7 @@ def test_link_faults_apply_at_their_step_heal_after_for_and_at_the_end(tmp_path:
         ("fault_healed", "slow"),
     ]
     assert "host0 cut off (ps0, worker1) for 5s at step 41" in notes[0]
+    assert len(notes) == 3  # undone at the end: no note (the result is the console's last line)
 
 
 def test_without_hosts_there_are_no_link_faults(tmp_path: Path) -> None:

@@ -129,7 +129,7 @@ class LinkFaults:
         for i, fault in enumerate(self.applied):
             if fault.healed_at is None:
                 try:
-                    self.applied[i] = self._undo(fault, step)
+                    self.applied[i] = self._undo(fault, step, note=False)
                     changed = True
                 except (NetnsError, ValueError) as e:  # the hosts go down next anyway
                     log.warning("could not undo %s of %s: %s", fault.kind, fault.host, e)
@@ -175,7 +175,9 @@ class LinkFaults:
         )
         return applied
 
-    def _undo(self, fault: AppliedLinkFault, step: int) -> AppliedLinkFault:
+    def _undo(self, fault: AppliedLinkFault, step: int, *, note: bool = True) -> AppliedLinkFault:
+        """Heal a cut, or put the host's own link back; with ``note`` say so on the console
+        (not at the run's end: the result is the console's last line)."""
         hosts = self.hosts
         assert hosts is not None
         if fault.kind == "partition":
@@ -183,17 +185,20 @@ class LinkFaults:
         else:
             hosts.set_rate(fault.host, None)
         healed = replace(fault, healed_at=self._clock(), healed_step=step)
-        self._note(
-            f"[distsgd] fault healed: {fault.kind} of {fault.host} ended after "
-            f"{healed.to_dict()['lasted_s']:g}s, at step {step}"
-        )
+        lasted = healed.to_dict()["lasted_s"]
+        if note:
+            self._note(
+                f"[distsgd] fault healed: {fault.kind} of {fault.host} ended after {lasted:g}s, "
+                f"at step {step}"
+            )
+        log.info("undid %s of %s after %ss at step %d", fault.kind, fault.host, lasted, step)
         self._events.log(
             step=step,
             event="fault_healed",
             fault=fault.kind,
             target=fault.target,
             host=fault.host,
-            lasted_s=healed.to_dict()["lasted_s"],
+            lasted_s=lasted,
         )
         return healed
 
