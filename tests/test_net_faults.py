@@ -18,8 +18,10 @@ from distsgd.control.faults import Fault, FaultInjector
 from distsgd.control.metrics import MetricsWriter
 from distsgd.launcher import LaunchConfig
 from distsgd.launcher.argv import worker_task
+from distsgd.launcher.errors import RunFailed
 from distsgd.launcher.link_faults import LinkFaults
 from distsgd.launcher.netns import EmulatedHosts
+from distsgd.launcher.netns_keeper import NetnsError
 
 BLOBS = str(SCRIPTS / "blobs.py")
 
@@ -219,3 +221,21 @@ def test_without_hosts_there_are_no_link_faults(tmp_path: Path) -> None:
     faults.poll(100)
     faults.restore(100)
     assert faults.pending == [] and faults.records() == []
+
+
+def test_a_link_that_cannot_be_changed_fails_the_run_in_one_line(tmp_path: Path) -> None:
+    hosts = _FakeHosts()
+
+    def refuse(host: Host | str) -> None:
+        raise NetnsError("ip failed in switch (exit 2): Cannot find device")
+
+    hosts.cut = refuse  # type: ignore[method-assign]
+    faults = LinkFaults(
+        [Fault.parse("partition:worker:0@step=1,for=1s")],
+        cast(EmulatedHosts, hosts),
+        events=MetricsWriter(None, "launcher"),
+        note=print,
+        run_dir=tmp_path,
+    )
+    with pytest.raises(RunFailed, match="could not be applied or undone: ip failed"):
+        faults.poll(1)

@@ -22,6 +22,7 @@ from typing import Any
 from distsgd.control.faults import Fault
 from distsgd.control.metrics import MetricsWriter
 from distsgd.launcher.emulation import record_faults
+from distsgd.launcher.errors import RunFailed
 from distsgd.launcher.netns import EmulatedHosts
 from distsgd.launcher.netns_keeper import NetnsError
 
@@ -101,23 +102,28 @@ class LinkFaults:
         return [fault.to_dict() for fault in self.applied]
 
     def poll(self, step: int) -> None:
-        """Apply the faults due at ``step``, undo those whose ``for=`` is over."""
+        """Apply the faults due at ``step``, undo those whose ``for=`` is over; RunFailed
+        where a link cannot be changed (the run's ``finally`` then undoes what it can)."""
         if self.hosts is None:
             return
         now = self._clock()
         changed = False
-        for i, fault in enumerate(self.applied):
-            due = fault.seconds and now >= fault.applied_at + fault.seconds
-            if fault.healed_at is None and due:
-                self.applied[i] = self._undo(fault, step)
-                changed = True
-        for pending in list(self.pending):
-            if step >= (pending.step or 0):
-                self.pending.remove(pending)
-                self.applied.append(self._apply(pending, step))
-                changed = True
-        if changed:
-            self._record()
+        try:
+            for i, fault in enumerate(self.applied):
+                due = fault.seconds and now >= fault.applied_at + fault.seconds
+                if fault.healed_at is None and due:
+                    self.applied[i] = self._undo(fault, step)
+                    changed = True
+            for pending in list(self.pending):
+                if step >= (pending.step or 0):
+                    self.pending.remove(pending)
+                    self.applied.append(self._apply(pending, step))
+                    changed = True
+        except NetnsError as e:
+            raise RunFailed(f"a network fault could not be applied or undone: {e}") from e
+        finally:
+            if changed:
+                self._record()
 
     def restore(self, step: int) -> list[dict[str, Any]]:
         """Undo every fault still in effect (the run's end; failures are logged, not raised);
