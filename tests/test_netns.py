@@ -50,7 +50,8 @@ while True:
 CLIENT = """
 import json, socket, sys, time
 try:
-    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+    wait = float(sys.argv[3]) if len(sys.argv) > 3 else 5.0
+    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=wait)
 except OSError as e:
     print(json.dumps({"error": type(e).__name__}))
     sys.exit()
@@ -126,8 +127,8 @@ def _server(hosts: EmulatedHosts, host: str, address: str, size: int = 2) -> Ite
         proc.wait(timeout=5)
 
 
-def _client(hosts: EmulatedHosts, host: str, address: str) -> dict[str, float]:
-    argv = [*hosts.enter(host), sys.executable, "-S", "-c", CLIENT, address, str(PORT)]
+def _client(hosts: EmulatedHosts, host: str, address: str, wait: float = 5.0) -> dict[str, float]:
+    argv = [*hosts.enter(host), sys.executable, "-S", "-c", CLIENT, address, str(PORT), str(wait)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=True)
     return json.loads(done.stdout)
 
@@ -444,3 +445,109 @@ def test_a_sigkilled_creator_leaves_nothing() -> None:
             with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
                 if psutil.Process(pid).name() == "sleep":
                     os.kill(pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@contextlib.contextmanager
+def _streaming(hosts: EmulatedHosts, host: str, address: str) -> Iterator[subprocess.Popen[str]]:
+    """A client receiving from ``address`` in the background (its JSON line on stdout)."""
+    argv = [*hosts.enter(host), sys.executable, "-S", "-c", CLIENT, address, str(PORT)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def _qdiscs(hosts: EmulatedHosts, host: str) -> str:
+    argv = [*hosts.enter(host), "tc", "qdisc", "show", "dev", "eth0"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=5, check=True).stdout
+
+
+@needs_netns
+def test_a_cut_host_is_unreachable_until_healed_and_its_transfer_resumes() -> None:
+    """host1 cut off 0.3 s into a 1 s transfer from host0: no byte crosses its link and no
+    connection is made while it is cut; healed, the same connection carries the rest (TCP
+    sends again once the link is back) and new connections work. Its shaper is unchanged."""
+    plan = _plan(2, ["20mbit"])
+    with EmulatedHosts(plan) as hosts:
+        addr0 = plan.host("host0").address
+        with _server(hosts, "host0", addr0, PAYLOAD), _streaming(hosts, "host1", addr0) as proc:
+            time.sleep(0.3)
+            hosts.cut("host1")
+            assert hosts.cut_off == {"host1"}
+            time.sleep(0.2)  # what was in the switch port's queue when it went down
+            before = hosts.counters()["host1"]
+            assert "error" in _client(hosts, "host1", addr0, wait=0.5)
+            assert "error" in _client(hosts, "host0", plan.host("host1").address, wait=0.5)
+            during = hosts.counters()["host1"]
+            hosts.heal("host1")
+            assert hosts.cut_off == set()
+            out, _ = proc.communicate(timeout=8)
+        after = hosts.counters()["host1"]
+        assert (during.sent, during.received) == (before.sent, before.received)
+        assert json.loads(out)["bytes"] == PAYLOAD
+        assert after.received > during.received + PAYLOAD // 2
+        with _server(hosts, "host0", addr0):
+            assert _client(hosts, "host1", addr0)["bytes"] == 2
+        assert "rate 20Mbit" in _qdiscs(hosts, "host1")
+
+
+def _counted_rate(hosts: EmulatedHosts, host: str, proc: subprocess.Popen[str]) -> float:
+    """Bits/s ``host`` received while ``proc`` ran, read from its link's counters every 0.1 s:
+    from the first sample after bytes began to flow to the last before they stopped."""
+    samples = []
+    while proc.poll() is None:
+        samples.append((time.monotonic(), hosts.counters()[host].received))
+        time.sleep(0.1)
+    start = samples[0][1]
+    moving = [i for i, (_, got) in enumerate(samples) if got > start]
+    end = samples[-1][1]
+    first = moving[0]
+    last = max(i for i, (_, got) in enumerate(samples) if got < end)
+    assert last > first + 4, f"too few samples while bytes flowed: {samples}"
+    (t0, b0), (t1, b1) = samples[first], samples[last]
+    return (b1 - b0) * 8 / (t1 - t0)
+
+
+@needs_netns
+def test_a_link_is_slowed_both_ways_and_restored() -> None:
+    """host1's 100mbit link set to 20mbit: host1 receives at 20 Mbit/s by its counters (frames,
+    headers included) and sends at 20 Mbit/s of payload; restored, it is fast again."""
+    plan = _plan(3, ["100mbit"])
+    with EmulatedHosts(plan) as hosts:
+        addr0, addr1 = plan.host("host0").address, plan.host("host1").address
+        hosts.set_rate("host1", 20_000_000)
+        assert hosts.rates == {"host1": 20_000_000}
+        with _server(hosts, "host0", addr0, PAYLOAD), _server(hosts, "host1", addr1, PAYLOAD):
+            with _streaming(hosts, "host1", addr0) as proc:
+                counted = _counted_rate(hosts, "host1", proc)
+                received = json.loads(proc.communicate(timeout=5)[0])
+            sent = _client(hosts, "host2", addr1)
+            hosts.set_rate("host1", None)
+            assert hosts.rates == {}
+            fast = _client(hosts, "host1", addr0)
+        assert "rate 100Mbit" in _qdiscs(hosts, "host1")
+    print(
+        f"20mbit set: {counted / 1e6:.1f} Mbit/s in by the counters, "
+        f"{_rate(sent) / 1e6:.1f} out; restored: {_rate(fast) / 1e6:.1f} in"
+    )
+    assert received["bytes"] == PAYLOAD
+    assert 16e6 <= counted <= 24e6
+    assert 16e6 <= _rate(sent) <= 24e6
+    assert _rate(fast) > 60e6
+
+
+@needs_netns
+def test_an_unshaped_link_is_shaped_and_unshaped_again() -> None:
+    with EmulatedHosts(_plan(2)) as hosts:
+        hosts.set_rate("host1", None)  # nothing set: nothing to undo
+        hosts.set_rate("host1", 5_000_000)
+        assert "rate 5Mbit" in _qdiscs(hosts, "host1")
+        hosts.set_rate("host1", None)
+        assert "tbf" not in _qdiscs(hosts, "host1")
+    with pytest.raises(ValueError, match="not started"):
+        hosts.cut("host1")

@@ -126,7 +126,9 @@ def _add_fault_tolerance_flags(parser: argparse.ArgumentParser, *, compare: bool
         default=[],
         metavar="SPEC",
         help="kill:worker:1@step=50, kill:ps:0@step=120, delay:worker:2=200ms, "
-        "partition:worker:0@step=30+10s (repeatable)",
+        "partition:worker:0@step=30,for=10s (simulated by the worker; under --hosts its host is "
+        "cut off); with --hosts also partition:ps:0@step=30,for=10s and "
+        "slow:ps:0@step=40=10mbit[,for=10s] (repeatable; docs/fault-tolerance.md)",
     )
 
 

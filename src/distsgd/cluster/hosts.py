@@ -34,6 +34,7 @@ __all__ = [
     "Placement",
     "host_name",
     "parse_links",
+    "parse_rate",
     "place",
     "plan_hosts",
     "plan_machines",
@@ -82,6 +83,15 @@ def _number(text: str, units: Mapping[str, float], what: str, whole: str) -> flo
             f"({names}), {_LINK_EXAMPLE}"
         )
     return float(match.group(1)) * units[match.group(2)]
+
+
+def parse_rate(text: str) -> int:
+    """A rate as text (``10mbit``, ``1gbit``) in bits/s, as a link's RATE is read; ValueError
+    where it is not one, or below 1kbit."""
+    bits = round(_number(text, _RATE_UNITS, "rate", text))
+    if bits < _MIN_RATE:
+        raise ValueError(f"rate {text.strip()!r} is below 1kbit; use at least 1kbit")
+    return bits
 
 
 @dataclass(frozen=True, kw_only=True)

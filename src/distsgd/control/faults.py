@@ -1,11 +1,21 @@
-"""Faults a worker injects into itself (``--inject-fault``): delays and network partitions.
+"""``--inject-fault``: the specs, parsed, and the faults a worker injects into itself.
 
-Kills are done by the launcher (it owns the processes); what a process must do to itself is
-here. Spec forms handled in the worker::
+Kills, and the network faults of emulated hosts (``--hosts``), are done by the launcher (it
+owns the processes and the links); what a process must do to itself is :class:`FaultInjector`.
+Spec forms::
 
-    delay:worker:2=200ms            every step of worker 2 takes 200 ms longer
-    partition:worker:0@step=30+10s  from global step 30, worker 0 cannot reach the parameter
-                                    servers for 10 s: its pushes are lost, its pulls wait
+    kill:worker:1@step=50               SIGKILL worker 1 once the run reaches global step 50
+    delay:worker:2=200ms                every step of worker 2 takes 200 ms longer
+    partition:worker:1@step=40,for=10s  from global step 40, cut worker 1 off for 10 s
+                                        (also written ``@step=40+10s``)
+    partition:ps:0@step=40,for=10s      the same for a parameter server (--hosts only)
+    slow:ps:0@step=40=10mbit            from global step 40, ps 0's host's link is shaped to
+                                        10mbit to the end of the run (--hosts only)
+    slow:worker:1@step=40=10mbit,for=10s  the same for 10 s, then its own link again
+
+Without ``--hosts`` a partition of a worker is simulated by the worker itself (its pushes are
+lost, its pulls wait); with it the launcher cuts the host's link, a real partition of every
+task on that host. A slow link and a partition of a server need ``--hosts``.
 """
 
 from __future__ import annotations
@@ -17,13 +27,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from distsgd.cluster import Role, TaskId
+from distsgd.cluster.hosts import parse_rate
 
 log = logging.getLogger(__name__)
 
+KINDS = ("kill", "delay", "partition", "slow")
+"""The kinds of fault ``--inject-fault`` knows."""
+NETWORK_KINDS = ("partition", "slow")
+"""The kinds that act on a host's link under ``--hosts``."""
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s)$")
 _SPEC = re.compile(
-    r"^(?P<kind>kill|delay|partition):(?P<job>ps|worker):(?P<index>\d+)"
-    r"(?:@step=(?P<step>\d+))?(?:\+(?P<duration>[\d.]+(?:ms|s)))?(?:=(?P<value>[\d.]+(?:ms|s)))?$"
+    r"^(?P<kind>[a-z]+):(?P<job>ps|worker):(?P<index>\d+)"
+    r"(?:@step=(?P<step>\d+))?"
+    r"(?:\+(?P<plus>[^,=]*)|,for=(?P<for1>[^,=]*))?"
+    r"(?:=(?P<value>[^,=]*))?"
+    r"(?:,for=(?P<for2>[^,=]*))?$"
+)
+_USAGE = (
+    "use kill:worker:1@step=50, delay:worker:2=200ms, partition:worker:0@step=30,for=10s "
+    "or slow:ps:0@step=40=10mbit[,for=10s]"
 )
 
 
@@ -40,10 +62,17 @@ class Fault:
     """One parsed ``--inject-fault`` spec."""
 
     kind: str
+    """kill, delay, partition or slow (:data:`KINDS`)."""
     job: str
+    """The target's job: ps or worker."""
     index: int
+    """The target's index in its job."""
     step: int | None = None
+    """The global step from which it applies; None: from the start (delay)."""
     seconds: float = 0.0
+    """delay: added to each step; partition: how long it lasts; slow: how long (0: to the end)."""
+    rate_bits: int | None = None
+    """slow: the rate the target's host's link is shaped to, bits/s; None for other kinds."""
 
     @property
     def task(self) -> str:
@@ -54,33 +83,68 @@ class Fault:
         """The task the fault is injected into."""
         return TaskId(job=Role(self.job), index=self.index)
 
+    @property
+    def network(self) -> bool:
+        """Whether it acts on a link (partition, slow) rather than on a process."""
+        return self.kind in NETWORK_KINDS
+
     @classmethod
     def parse(cls, text: str) -> Fault:
         match = _SPEC.match(text.strip())
-        usage = "use kill:worker:1@step=50, delay:worker:2=200ms or partition:worker:0@step=30+10s"
-        if not match:
-            raise ValueError(f"bad --inject-fault {text!r}; {usage}")
-        kind, step = match["kind"], match["step"]
-        fault = cls(
+        if not match or match["kind"] not in KINDS:
+            raise ValueError(f"bad --inject-fault {text!r}; {_USAGE}")
+        if match["for1"] is not None and match["for2"] is not None:
+            raise ValueError(f"bad --inject-fault {text!r}: give for= once; {_USAGE}")
+        kind, step, value = match["kind"], match["step"], match["value"]
+        length = next((match[g] for g in ("plus", "for1", "for2") if match[g] is not None), None)
+        _check_shape(text, kind, has_step=step is not None, value=value, length=length)
+        seconds = _seconds(text, value if kind == "delay" else length)
+        if kind in NETWORK_KINDS and length is not None and seconds <= 0:
+            raise ValueError(f"bad --inject-fault {text!r}: for= must be above 0s; {_USAGE}")
+        return cls(
             kind=kind,
             job=match["job"],
             index=int(match["index"]),
             step=None if step is None else int(step),
-            seconds=parse_duration(match["value"] or match["duration"] or "0s"),
+            seconds=seconds,
+            rate_bits=_rate(text, value) if kind == "slow" else None,
         )
-        if kind == "kill" and (fault.step is None or match["value"] or match["duration"]):
-            raise ValueError(f"bad --inject-fault {text!r}: kill needs @step=N only; {usage}")
-        if kind == "delay" and (not match["value"] or fault.step is not None):
-            raise ValueError(f"bad --inject-fault {text!r}: delay needs =DURATION only; {usage}")
-        if kind == "partition" and (fault.step is None or not match["duration"]):
-            raise ValueError(
-                f"bad --inject-fault {text!r}: partition needs @step=N+DURATION; {usage}"
-            )
-        if kind != "kill" and fault.job != Role.WORKER:
-            raise ValueError(
-                f"bad --inject-fault {text!r}: only workers can be delayed or partitioned"
-            )
-        return fault
+
+
+def _check_shape(
+    text: str, kind: str, *, has_step: bool, value: str | None, length: str | None
+) -> None:
+    """Which parts each kind takes; ValueError naming the form where they do not fit."""
+    bad = f"bad --inject-fault {text!r}"
+    if kind == "kill" and (not has_step or value is not None or length is not None):
+        raise ValueError(f"{bad}: kill needs @step=N only; {_USAGE}")
+    if kind == "delay" and (value is None or has_step or length is not None):
+        raise ValueError(f"{bad}: delay needs =DURATION only; {_USAGE}")
+    if kind == "delay" and text.split(":")[1] != Role.WORKER:
+        raise ValueError(f"{bad}: only workers can be delayed; {_USAGE}")
+    if kind == "partition" and (not has_step or length is None or value is not None):
+        raise ValueError(f"{bad}: partition needs @step=N,for=DURATION; {_USAGE}")
+    if kind == "slow" and (not has_step or value is None):
+        raise ValueError(f"{bad}: slow needs @step=N=RATE (optionally ,for=DURATION); {_USAGE}")
+
+
+def _seconds(text: str, duration: str | None) -> float:
+    try:
+        return 0.0 if duration is None else parse_duration(duration)
+    except ValueError:
+        raise ValueError(
+            f"bad --inject-fault {text!r}: bad duration {duration!r}; write e.g. 200ms or 10s"
+        ) from None
+
+
+def _rate(text: str, value: str | None) -> int:
+    try:
+        return parse_rate(value or "")
+    except ValueError:
+        raise ValueError(
+            f"bad --inject-fault {text!r}: bad rate {value!r}; write a number and a unit "
+            "(bit, kbit, mbit, gbit) of at least 1kbit, e.g. slow:ps:0@step=40=10mbit"
+        ) from None
 
 
 class FaultInjector:

@@ -81,7 +81,9 @@ def worker_task(
         continue_at=continue_at,
         tls=c.tls,
         ps_address_files=[str(path) for path in ps_address_files],
-        faults=tuple(fault for fault in map(Fault.parse, c.faults) if _worker_fault(fault, index)),
+        faults=tuple(
+            fault for fault in map(Fault.parse, c.faults) if _worker_fault(fault, index, c.hosts)
+        ),
         # an elastic cluster lists --max-workers workers: a collective one trains with those
         # started now (a process group's size), a parameter-server one registers --workers
         registered_workers=(active if c.collective else c.workers) if c.elastic else 0,
@@ -89,7 +91,10 @@ def worker_task(
     )
 
 
-def _worker_fault(fault: Fault, index: int) -> bool:
-    """Whether worker ``index`` injects ``fault`` itself (a delay or partition of its own; kills
-    are the launcher's)."""
-    return fault.task_id == TaskId(job=Role.WORKER, index=index) and fault.kind != "kill"
+def _worker_fault(fault: Fault, index: int, hosts: int) -> bool:
+    """Whether worker ``index`` injects ``fault`` itself: a delay of its own, or a partition of
+    its own without ``--hosts`` (simulated; under ``--hosts`` the launcher cuts its host's
+    link). Kills and slow links are the launcher's."""
+    if fault.task_id != TaskId(job=Role.WORKER, index=index):
+        return False
+    return fault.kind == "delay" or (fault.kind == "partition" and not hosts)

@@ -274,6 +274,11 @@ class LaunchConfig(WorkerBounds):
             fault = Fault.parse(spec_text)
             # a run that may grow (--max-workers) has its later workers' indices too
             count = self.num_ps if fault.job == Role.PS else self.highest_workers
+            if fault.network and not self.hosts and (fault.kind == "slow" or fault.job == Role.PS):
+                raise ValueError(
+                    f"--inject-fault {spec_text}: a slow link or a partition of a server acts "
+                    "on an emulated host's link; add --hosts N"
+                )
             if fault.index >= count:
                 most = " at most" if fault.job == Role.WORKER and self.elastic else ""
                 raise ValueError(

@@ -1,11 +1,13 @@
 """A local run on emulated hosts (``--hosts``): the hosts made before the first task, and
-their record in the run folder, ``hosts.json`` (the plan, the placement, the links as applied
-and, once the run ends, the bytes each host's link carried)."""
+their record in the run folder, ``hosts.json`` (the plan, the placement, the links as applied,
+the network faults applied with their times (:mod:`distsgd.launcher.link_faults`) and, once the
+run ends, the bytes each host's link carried)."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
 from distsgd.launcher.netns_keeper import NetnsError
 from distsgd.util import write_atomic
 
-__all__ = ["HOSTS_FILE", "close_hosts", "start_hosts"]
+__all__ = ["HOSTS_FILE", "close_hosts", "record_faults", "start_hosts"]
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +33,24 @@ def start_hosts(config: LaunchConfig, run_dir: Path) -> EmulatedHosts | None:
     hosts = EmulatedHosts(config.host_plan(), management=True)
     hosts.start()
     try:
-        _write(run_dir, hosts, counters=None)
+        _write(run_dir, hosts, counters=None, faults=())
     except BaseException:
         hosts.close(check=False)
         raise
     return hosts
 
 
-def close_hosts(hosts: EmulatedHosts | None, run_dir: Path) -> None:
-    """Record each host's bytes in ``hosts.json``, then take the hosts down (after the tasks
-    have ended). A failure to count is logged, never raised: the hosts go down either way."""
+def record_faults(run_dir: Path, hosts: EmulatedHosts, faults: Sequence[dict[str, Any]]) -> None:
+    """``hosts.json`` again, with the network faults applied so far (no counters yet)."""
+    _write(run_dir, hosts, counters=None, faults=faults)
+
+
+def close_hosts(
+    hosts: EmulatedHosts | None, run_dir: Path, faults: Sequence[dict[str, Any]] = ()
+) -> None:
+    """Record each host's bytes (and the network ``faults`` applied) in ``hosts.json``, then
+    take the hosts down (after the tasks have ended). A failure to count is logged, never
+    raised: the hosts go down either way."""
     if hosts is None:
         return
     try:
@@ -48,14 +58,20 @@ def close_hosts(hosts: EmulatedHosts | None, run_dir: Path) -> None:
             name: {"sent": link.sent, "received": link.received}
             for name, link in hosts.counters().items()
         }
-        _write(run_dir, hosts, counters=counted)
+        _write(run_dir, hosts, counters=counted, faults=faults)
     except (NetnsError, OSError, ValueError) as e:
         log.warning("could not record the hosts' byte counters: %s", e)
     finally:
         hosts.close(check=False)
 
 
-def _write(run_dir: Path, hosts: EmulatedHosts, *, counters: dict[str, Any] | None) -> None:
+def _write(
+    run_dir: Path,
+    hosts: EmulatedHosts,
+    *,
+    counters: dict[str, Any] | None,
+    faults: Sequence[dict[str, Any]],
+) -> None:
     plan = hosts.plan
     applied = {link.host: link for link in hosts.applied}
     record = {
@@ -77,6 +93,7 @@ def _write(run_dir: Path, hosts: EmulatedHosts, *, counters: dict[str, Any] | No
             }
             for host in plan.hosts
         ],
+        "faults": list(faults),
         "bytes": counters,
     }
     write_atomic(run_dir / HOSTS_FILE, json.dumps(record, indent=2) + "\n")

@@ -35,6 +35,12 @@ at once over one link get less each way (13-18 Mbit/s were measured on 20mbit): 
 direction's ACKs wait behind the other's data in the shaper's FIFO queue, as on a real link
 with a FIFO; this kernel has no flow-queueing qdisc (fq, fq_codel, sfq) to put under tbf.
 
+Faults (``--inject-fault partition:`` and ``slow:`` under ``--hosts``): :meth:`EmulatedHosts.cut`
+sets a host's switch port down (its ``eth0`` loses its carrier: nothing crosses either way, its
+connections stay open) and :meth:`EmulatedHosts.heal` sets it up again, shapers untouched;
+:meth:`EmulatedHosts.set_rate` replaces a host's ``tbf`` on both ends, and with None puts its
+own link back.
+
 By default the machine's own namespace has no link to the hosts: a host's address is not
 reachable from it (where its default route leads to a proxy that accepts any connection, a
 connection seems to succeed, to the proxy), and tasks in the hosts cannot reach its loopback.
@@ -221,6 +227,10 @@ class EmulatedHosts:
         """PID of each namespace's keeper, by host name, and ``"switch"``."""
         self.applied: tuple[AppliedLink, ...] = ()
         """What of each host's link is in effect, by host."""
+        self.cut_off: set[str] = set()
+        """Hosts cut off by :meth:`cut` and not healed yet."""
+        self.rates: dict[str, int] = {}
+        """Rates set by :meth:`set_rate` in place of a host's own link, bits/s, by host."""
 
     # ---------------------------------------------------------------- names
 
@@ -244,6 +254,12 @@ class EmulatedHosts:
         if isinstance(host, int):
             return self.plan.hosts[host]
         return self.plan.host(host)
+
+    def _started(self, host: Host | str | int) -> Host:
+        """``host``, once the hosts run; ValueError before :meth:`start` or after :meth:`close`."""
+        if "switch" not in self.keepers:
+            raise ValueError("the hosts are not started; change their links while they run")
+        return self._host(host)
 
     def _ns(self, keeper: int, argv: Sequence[str]) -> list[str]:
         prefix = ["nsenter", f"--net=/proc/{keeper}/ns/net"]
@@ -466,6 +482,44 @@ class EmulatedHosts:
         if switch_lines:
             self._run("switch", "tc", "\n".join(switch_lines) + "\n")
         return tuple(applied)
+
+    # ---------------------------------------------------------------- faults
+
+    def cut(self, host: Host | str | int) -> None:
+        """Cut ``host`` off the switch: its switch port goes down, so its ``eth0`` loses its
+        carrier and no frame crosses its link either way until :meth:`heal`. Its tasks keep
+        running and their connections stay open (TCP sends again once the link is back); the
+        port's shaper stays as it was, and the host keeps its address and routes."""
+        target = self._started(host)
+        self._run("switch", "ip", f"link set {self.port(target)} down\n")
+        self.cut_off.add(target.name)
+
+    def heal(self, host: Host | str | int) -> None:
+        """Undo :meth:`cut`: the port up again (no effect on a host not cut off)."""
+        target = self._started(host)
+        self._run("switch", "ip", f"link set {self.port(target)} up\n")
+        self.cut_off.discard(target.name)
+
+    def set_rate(self, host: Host | str | int, rate_bits: int | None) -> None:
+        """Shape ``host``'s link to ``rate_bits`` both ways (``tbf`` replaced on its ``eth0``
+        and its switch port, sized by :func:`tbf_sizes`); None: back to its link as started
+        (its own shaper again, or none where it had none)."""
+        target = self._started(host)
+        if rate_bits is not None:
+            self.rates[target.name] = rate_bits
+        elif self.rates.pop(target.name, None) is None:
+            return  # nothing set: its own link is in effect
+        else:
+            rate_bits = None if target.link is None else target.link.rate_bits
+        if rate_bits is None:
+            ours = "qdisc del dev {} root\n"
+        else:
+            burst, limit = tbf_sizes(rate_bits)
+            ours = (
+                f"qdisc replace dev {{}} root tbf rate {rate_bits}bit burst {burst} limit {limit}\n"
+            )
+        self._run(target.name, "tc", ours.format("eth0"))
+        self._run("switch", "tc", ours.format(self.port(target)))
 
     def counters(self) -> dict[str, LinkBytes]:
         """Bytes each host has sent and received over its link so far, by host name (read

@@ -226,7 +226,11 @@ class Restarts(LocalTasks):
         if self.collective or time.monotonic() < self._next_poll:
             return
         self._next_poll = time.monotonic() + 1.0
+        hosts = self.hosts
         for index in range(self.num_ps):
+            task = TaskId(job=Role.PS, index=index)
+            if hosts is not None and hosts.plan.host_of(task).name in hosts.cut_off:
+                continue  # its host is cut off (partition:): it would keep us waiting 2 s
             self._read_version(index)
 
     def _read_version(self, index: int) -> pb.InfoResponse | None:

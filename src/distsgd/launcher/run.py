@@ -31,6 +31,7 @@ from distsgd.control.recovery import restart_all
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.emulation import close_hosts, start_hosts
 from distsgd.launcher.errors import Diverged, Interrupted, RunFailed
+from distsgd.launcher.link_faults import LinkFaults
 from distsgd.launcher.netns import EmulatedHosts
 from distsgd.launcher.progress import Console
 from distsgd.launcher.restart import Restarts
@@ -124,7 +125,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
     finally:
         launcher_file.unlink(missing_ok=True)
         supervisor.close()
-        close_hosts(hosts, run_dir)  # the tasks have ended: count, then take the hosts down
+        close_hosts(hosts, run_dir, local.link_faults.restore(local.progress.step))  # heal, count
         shutil.rmtree(local.wal_root, ignore_errors=True)  # only a restart in this launch reads it
         # Segments are unlinked once a worker maps them; a server killed before that leaves a
         # name behind, which it recorded in its checkpoint folder before creating it.
@@ -187,6 +188,10 @@ class LocalRun(Restarts):
         """The ``seq`` of the last scale request handled."""
         self.faults = [Fault.parse(f) for f in config.faults]
         self.kills_pending = [f for f in self.faults if f.kind == "kill"]
+        self.link_faults = LinkFaults(
+            self.faults, hosts, events=self.events, note=console.note, run_dir=run_dir
+        )
+        """Partitions and slow links of emulated hosts (launcher/link_faults.py)."""
 
     # -- the run --------------------------------------------------------------------------------
     def run(self) -> RunOutcome:
@@ -223,6 +228,7 @@ class LocalRun(Restarts):
             self.progress.poll()
             self._poll_versions()
             self._inject_kills()
+            self.link_faults.poll(self.progress.step)
             if self.config.elastic:
                 self._poll_scale()
                 self._reap_leaving()

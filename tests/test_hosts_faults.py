@@ -1,0 +1,73 @@
+"""``--inject-fault partition:...`` on emulated hosts (``--hosts``): the launcher cuts the
+target's host off the switch at the step, heals it after ``for=``, records both (events in
+``metrics.jsonl``, the faults in ``hosts.json``), and the run survives. Slow; skipped where
+namespaces cannot be made (root is needed for the launcher's link to the hosts)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import final_accuracy, metrics
+from test_hosts_run import _check_hosts_gone, _demo
+
+from distsgd.launcher.emulation import HOSTS_FILE
+from distsgd.launcher.netns import check_capable
+
+
+def _capable() -> str | None:
+    try:
+        check_capable()
+    except ValueError as e:
+        return str(e)
+    if os.geteuid() != 0:
+        return "the launcher's link to emulated hosts needs root"
+    return None
+
+
+needs_netns = pytest.mark.skipif(_capable() is not None, reason=str(_capable()))
+pytestmark = pytest.mark.xdist_group("hosts")  # one at a time: conftest LOCKED_GROUPS
+
+
+def _check_partition(run_dir: Path, host: str, *, seconds: float) -> None:
+    """worker1's ``host`` was cut off once, at step 40 or later, for ``seconds``, then healed:
+    as events in ``metrics.jsonl`` and in ``hosts.json``; nothing of the hosts is left."""
+    record = json.loads((run_dir / HOSTS_FILE).read_text())
+    (fault,) = record["faults"]
+    assert (fault["kind"], fault["target"], fault["host"]) == ("partition", "worker1", host)
+    assert fault["tasks"] == ["worker1"] and fault["step"] >= 40
+    assert fault["healed_step"] >= fault["step"]
+    assert seconds <= fault["lasted_s"] < seconds + 1.0  # the launcher polls every 0.25 s
+    events = [r for r in metrics(run_dir) if r.get("event", "").startswith("fault_")]
+    assert [(e["event"], e["fault"], e["host"]) for e in events] == [
+        ("fault_injected", "partition", host),
+        ("fault_healed", "partition", host),
+    ]
+    _check_hosts_gone(record)
+
+
+@needs_netns
+@pytest.mark.slow  # 18-25 s each
+@pytest.mark.parametrize(
+    ("scheme", "ps", "hosts"),
+    [("hogwild", "1", "3"), ("sync", "1", "3"), ("allreduce", "0", "2")],
+)
+def test_a_scheme_survives_a_partition_of_a_worker_host(
+    tmp_path: Path, scheme: str, ps: str, hosts: str
+) -> None:
+    """What each did during the 5 s cut (measured, default epochs): hogwild's worker0 went on
+    alone, worker1's push waited 6.9 s (the cut, then TCP's next resend), 0 pushes lost; sync
+    and allreduce stopped, and went on 5.2 s (sync: worker0 waited for worker1's gradient)
+    and 6.6 s (the collective) after the cut. Spread placement: worker1 is alone on the last
+    host."""
+    run_dir = tmp_path / "run"
+    args = ["--scheme", scheme, "--workers", "2", "--ps", ps, "--hosts", hosts]
+    fault = ["--inject-fault", "partition:worker:1@step=40,for=5s", "--epochs", "10"]
+    done, _ = _demo(run_dir, *args, *fault)
+    assert final_accuracy(done) >= 0.95
+    host = f"host{int(hosts) - 1}"
+    assert f"fault injected: {host} cut off (worker1) for 5s" in done.stdout
+    assert f"fault healed: partition of {host}" in done.stdout
+    _check_partition(run_dir, host, seconds=5.0)
