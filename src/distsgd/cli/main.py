@@ -14,7 +14,6 @@ from typing import Any
 
 from distsgd import schemes
 from distsgd.cli.flags import DEMO_SCRIPT, checkpoint_every, collect, scheme_options
-from distsgd.cli.hosts import split_command
 from distsgd.cli.parser import build_parser, parse_argv
 from distsgd.cluster import ClusterSpecError, Role, resolve_cluster
 from distsgd.util import private_dir
@@ -314,9 +313,7 @@ def _dispatch(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    argv, command = split_command(argv)
     args = parse_argv(parser, argv)
-    args.command_argv = command
     try:
         return _dispatch(args, argv)
     except (ValueError, ClusterSpecError, OSError) as exc:

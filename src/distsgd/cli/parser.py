@@ -152,7 +152,8 @@ def _add_host_flags(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="SPEC",
         help="shape the hosts' links: RATE[,DELAY[,JITTER]] for every host (1gbit, "
-        "100mbit,5ms; the delay is recorded, not yet applied), NAME=SPEC for one host or "
+        "100mbit,5ms; the delay is waited in user space by each parameter-server call, "
+        "not by collective traffic), NAME=SPEC for one host or "
         "task (host1=10mbit, worker1=10mbit); repeatable; needs --hosts",
     )
     hosts.add_argument(
@@ -456,5 +457,11 @@ def _bare_ray(argv: list[str]) -> list[str]:
 
 
 def parse_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """The command line as the CLI reads it (``--ray`` alone meaning a local Ray instance)."""
-    return parser.parse_args(_bare_ray(list(argv)))
+    """The command line as the CLI reads it (``--ray`` alone meaning a local Ray instance;
+    ``hosts exec``'s command, after ``--``, in ``command_argv``)."""
+    from distsgd.cli.hosts import split_command
+
+    argv, command = split_command(list(argv))
+    args = parser.parse_args(_bare_ray(argv))
+    args.command_argv = command
+    return args

@@ -291,6 +291,19 @@ class HostPlan:
                 return host
         raise ValueError(f"task {task.name} is on no host of this plan; place it first")
 
+    def round_trip(self, a: TaskId, b: TaskId) -> tuple[float, float]:
+        """The delay of the links between tasks ``a`` and ``b``, both ways, and its jitter:
+        ``(2 x (delay_a + delay_b), jitter_a + jitter_b)`` seconds, as a packet crosses the
+        sender's link to the switch and the receiver's from it; (0, 0) on one host."""
+        one, two = self.host_of(a), self.host_of(b)
+        if one is two:
+            return 0.0, 0.0
+        links = [host.link for host in (one, two) if host.link is not None]
+        return (
+            2.0 * sum(link.delay_s for link in links),
+            sum(link.jitter_s for link in links),
+        )
+
     def host(self, name: str) -> Host:
         """The host called ``name`` (``host0``, ...)."""
         for host in self.hosts:

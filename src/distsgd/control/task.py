@@ -113,6 +113,15 @@ class TaskEnv:
         },
     )
 
+    ps_link_delays: list[list[float]] = field(
+        default_factory=list,
+        metadata={
+            "help": "per ps task, [round trip, jitter] in seconds that each call to it waits: "
+            "the emulated links' delay (--hosts with --link RATE,DELAY[,JITTER]), added in "
+            "user space; [] = none"
+        },
+    )
+
     registered_workers: int = field(
         default=0,
         metadata={
@@ -141,6 +150,13 @@ class TaskEnv:
             )
         if self.continue_at < 0:
             raise ValueError(f"continue_at must be 0 or more, got {self.continue_at}")
+        for pair in self.ps_link_delays:
+            if not (
+                isinstance(pair, (list, tuple))
+                and len(pair) == 2
+                and all(isinstance(x, (int, float)) and 0 <= x <= 60 for x in pair)
+            ):
+                raise ValueError(f"ps_link_delays: each must be [round trip, jitter], got {pair!r}")
         if min(self.rpc_timeout, self.startup_timeout, self.wait_timeout) <= 0:
             raise ValueError("rpc_timeout, startup_timeout and wait_timeout must be positive")
 

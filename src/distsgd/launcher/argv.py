@@ -81,6 +81,7 @@ def worker_task(
         continue_at=continue_at,
         tls=c.tls,
         ps_address_files=[str(path) for path in ps_address_files],
+        ps_link_delays=_link_delays(config, index, spec.num_ps),
         faults=tuple(
             fault for fault in map(Fault.parse, c.faults) if _worker_fault(fault, index, c.hosts)
         ),
@@ -89,6 +90,17 @@ def worker_task(
         registered_workers=(active if c.collective else c.workers) if c.elastic else 0,
         reshard=reshard,
     )
+
+
+def _link_delays(config: LaunchConfig, index: int, servers: int) -> list[list[float]]:
+    """Per ps task, the [round trip, jitter] between worker ``index``'s emulated host and the
+    server's, where a ``--link`` gives a delay (none without ``--hosts`` or delays)."""
+    if not config.hosts:
+        return []
+    plan = config.host_plan()
+    worker = TaskId(job=Role.WORKER, index=index)
+    pairs = [list(plan.round_trip(worker, TaskId(job=Role.PS, index=i))) for i in range(servers)]
+    return pairs if any(rtt > 0 for rtt, _ in pairs) else []
 
 
 def _worker_fault(fault: Fault, index: int, hosts: int) -> bool:

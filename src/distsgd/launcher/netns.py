@@ -28,7 +28,8 @@ possible: :func:`check_capable` refuses in one line.
 
 Shaping (:func:`tbf_sizes`): the rate comes from the host's :class:`LinkSpec`; this kernel has
 no delay qdisc (``netem`` is absent), so a link's delay and jitter are recorded but not applied
-(:class:`AppliedLink` says which parts were); a later step adds them in user space. The shaper
+(:class:`AppliedLink` says which parts were); each parameter-server call waits them in user
+space instead (:mod:`distsgd.transport.delay`). The shaper
 counts whole frames, headers included: one TCP transfer over a ``20mbit`` link carries
 19.1-19.2 Mbit/s of payload (1448 of every 1514 bytes on the wire). Bulk transfers both ways
 at once over one link get less each way (13-18 Mbit/s were measured on 20mbit): each
@@ -324,7 +325,9 @@ class EmulatedHosts:
         for link in self.applied:
             if link.missing:
                 log.warning(
-                    "%s: %s not applied (this kernel has no delay qdisc)",
+                    "%s: %s not applied by the kernel (no delay qdisc here): parameter-server "
+                    "calls wait it in user space (transport/delay.py); collective traffic does "
+                    "not",
                     link.host,
                     ", ".join(link.missing),
                 )

@@ -21,6 +21,7 @@ from distsgd.ps import compression
 from distsgd.ps.partition import PartitionPlan
 from distsgd.transport.carriers.base import Payload
 from distsgd.transport.client import PushResult, ShardClient
+from distsgd.transport.delay import LinkDelay
 from distsgd.transport.errors import PushReject, Refusal, RemoteError
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.security import TlsConfig
@@ -47,13 +48,15 @@ class ParameterClient:
         tensor_socket: bool = False,
         wire_dtype: str = "float32",
         topk: float = 0.0,
+        link_delays: Sequence[LinkDelay | None] = (),
     ) -> None:
         """``shared_memory``: tensors to and from servers on this host go through shared memory
         (see :class:`~distsgd.transport.client.ShardClient`), ``tensor_socket``: to other
         servers (or with shared memory off) through a plain TCP connection. ``wire_dtype``
         (float32, bf16, fp16, int8) and ``topk`` (a fraction, 0 = off) compress pushes
         (:mod:`distsgd.ps.compression`); the residual of int8 and top-k stays here and joins
-        the next push (error feedback)."""
+        the next push (error feedback). ``link_delays``: per shard, the emulated link's delay
+        each call to it waits (:mod:`distsgd.transport.delay`; none where not given)."""
         if len(addresses) != plan.num_shards:
             raise ValueError(
                 f"{len(addresses)} ps addresses for a plan of {plan.num_shards} shards"
@@ -72,8 +75,9 @@ class ParameterClient:
                 tls=tls,
                 shared_memory=shared_memory,
                 tensor_socket=tensor_socket,
+                delay=link_delays[i] if i < len(link_delays) else None,
             )
-            for a in addresses
+            for i, a in enumerate(addresses)
         ]
         self._pool = ThreadPoolExecutor(
             max_workers=max(1, len(addresses)), thread_name_prefix="ps-client"

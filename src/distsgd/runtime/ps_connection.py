@@ -33,6 +33,7 @@ from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.modules import exchanged_parameters
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.work import LeasedBatches, wait_members_gone, work_spec
+from distsgd.transport.delay import LinkDelay
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.security import load_secret
 
@@ -198,6 +199,7 @@ def _client(env: TaskEnv, config: TrainConfig, plan: PartitionPlan) -> Parameter
         wire_dtype=config.wire_dtype,
         topk=config.topk,
         tls=env.tls,
+        link_delays=[LinkDelay(round_trip_s=rtt, jitter_s=jit) for rtt, jit in env.ps_link_delays],
     )
 
 

@@ -29,6 +29,7 @@ from distsgd.transport.carriers.segment import SegmentCarrier
 from distsgd.transport.carriers.stream import StreamCarrier
 from distsgd.transport.carriers.tensor_socket import SocketCarrier
 from distsgd.transport.codec import CHUNK_BYTES, iter_chunks, specs_of
+from distsgd.transport.delay import LinkDelay
 from distsgd.transport.errors import (
     MAX_WAIT_SECONDS,
     PROTOCOL_VERSION,
@@ -91,11 +92,15 @@ class ShardClient:
         tls: TlsConfig | None = None,
         shared_memory: bool = False,
         tensor_socket: bool = False,
+        delay: LinkDelay | None = None,
     ) -> None:
         """``shared_memory``: move tensor bytes through a shared-memory segment when the server
         is on this host; ``tensor_socket``: otherwise through a plain TCP connection (never with
-        TLS). Each is tried at the first pull or push and falls back to the stream."""
+        TLS). Each is tried at the first pull or push and falls back to the stream. ``delay``:
+        an emulated link's round trip, waited before every call
+        (:mod:`~distsgd.transport.delay`)."""
         self.address = address
+        self.delay = delay
         self.timeout = timeout
         self.retry_seconds = retry_seconds
         self.chunk_bytes = chunk_bytes
@@ -152,7 +157,13 @@ class ShardClient:
         self.close()
 
     # -- plumbing -------------------------------------------------------------------------------
-    def _call(self, method: str, fn: Callable[[], T], *, retry: bool = True) -> T:
+    def _call(
+        self, method: str, fn: Callable[[], T], *, retry: bool = True, delayed: bool = False
+    ) -> T:
+        """``fn()``, retried while its error is retryable; after the link's delay unless
+        ``delayed`` (the caller waited it)."""
+        if not delayed:
+            self._wait_link()
         give_up = time.monotonic() + self.retry_seconds
         delay = 0.05
         while True:
@@ -165,6 +176,10 @@ class ShardClient:
                 log.debug("%s; retrying in %.2fs", err, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, MAX_RETRY_DELAY)
+
+    def _wait_link(self) -> None:
+        if self.delay is not None:
+            self.delay.wait()
 
     # -- RPCs -----------------------------------------------------------------------------------
     def info(self, *, retry: bool = True) -> pb.InfoResponse:
@@ -227,6 +242,7 @@ class ShardClient:
         if math.isnan(wait) or wait < 0:
             raise ValueError(f"wait_seconds must be 0 or more, got {wait}")
         wait = min(wait, MAX_WAIT_SECONDS)
+        self._wait_link()
         attached = self._attacher.carrier()
         if attached is not None:
             try:
@@ -236,7 +252,9 @@ class ShardClient:
             else:
                 self._attacher.succeeded()
                 return pulled
-        return self._call("Pull", lambda: self._pull_by(self._stream, min_version, wait))
+        return self._call(
+            "Pull", lambda: self._pull_by(self._stream, min_version, wait), delayed=True
+        )
 
     def _pull_by(
         self, carrier: Carrier, min_version: int, wait: float
@@ -270,6 +288,7 @@ class ShardClient:
         retried: the server may have applied it already.
         """
         payload = tensors if isinstance(tensors, Payload) else Payload.raw(tensors)
+        self._wait_link()
         attached = self._attacher.carrier()
         if attached is not None and attached.carries(payload):
             header = self._push_header(attached, payload, base_version, lr_scale)
@@ -281,7 +300,9 @@ class ShardClient:
             self._attacher.succeeded()
             return _push_result(reply)
         header = self._push_header(self._stream, payload, base_version, lr_scale)
-        reply = self._call("Push", lambda: self._stream.push(header, payload), retry=False)
+        reply = self._call(
+            "Push", lambda: self._stream.push(header, payload), retry=False, delayed=True
+        )
         return _push_result(reply)
 
     def _push_header(
