@@ -578,9 +578,10 @@ def test_k8s_local_runs_the_demo_to_its_accuracy(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_k8s_local_runs_a_collective_scheme_to_the_demo_accuracy(tmp_path: Path) -> None:
-    """allreduce: no ps job; the workers meet at worker 0's stable name."""
+    """allreduce: no ps job; the workers meet at worker 0's stable name. 20 epochs, not the
+    demo's 30 (a third less CPU): the same 0.95 bar holds (0.98 measured)."""
     out, local = tmp_path / "out", tmp_path / "local"
-    _render(out, "--workers", "2", "--scheme", "allreduce")
+    _render(out, "--workers", "2", "--scheme", "allreduce", "--epochs", "20")
     done = run_distsgd(["k8s", "local", str(out), "--local-dir", str(local)], timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]

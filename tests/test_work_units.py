@@ -43,6 +43,9 @@ from distsgd.transport.errors import Refusal, RemoteError
 from distsgd.transport.proto import distsgd_pb2 as pb
 
 DEMO = Path(__file__).resolve().parents[1] / "src" / "distsgd" / "demo" / "digits.py"
+DEMO_EPOCHS = "20"
+"""Epochs of the real runs of DEMO below (its own 30 cost a third more CPU; they still reach
+the 0.95 they assert, 0.98 measured)."""
 
 
 # --------------------------------------------------------------------------- the queue itself
@@ -551,6 +554,7 @@ def test_a_killed_worker_loses_no_unit_in_a_real_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["run", "--workers", "2", "--ps", "1", "--scheme", "hogwild", "--quiet"]
     args += ["--world-size", "dynamic", "--inject-fault", "kill:worker:1@step=300"]
+    args += ["--epochs", DEMO_EPOCHS]
     done = run_distsgd([*args, "--run-dir", str(run_dir), str(DEMO)], timeout=120)
     ps_log = (run_dir / "logs" / "ps0.log").read_text()
     assert final_accuracy(done) >= 0.95, done.stdout[-2000:]
@@ -571,7 +575,8 @@ def test_a_worker_sent_sigterm_leaves_and_its_units_are_trained_by_the_others(
     units, leaves with exit code 0, and the run still trains every unit exactly once."""
     run_dir = tmp_path / "run"
     args = ["run", "--workers", "3", "--ps", "1", "--scheme", "hogwild", "--quiet"]
-    args += ["--world-size", "dynamic", "--run-dir", str(run_dir), str(DEMO)]
+    args += ["--world-size", "dynamic", "--epochs", DEMO_EPOCHS]
+    args += ["--run-dir", str(run_dir), str(DEMO)]
     proc = subprocess.Popen(
         distsgd_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
