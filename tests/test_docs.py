@@ -4,7 +4,7 @@
   namespace (one test per block). A block whose first line is ``# doctest: skip`` is skipped.
   Blocks must therefore be self-contained and quick.
 * ``test_the_site_builds`` builds the documentation site (mkdocs.yml) with ``--strict`` where
-  mkdocs-material is installed (the ``docs`` extra; ``.ci/run`` builds it too).
+  mkdocs-material is installed (the ``docs`` extra; ``.ci/run`` installs it).
 * ``test_layering`` parses every module under ``src/distsgd`` and checks that each package
   imports only itself and the packages below it (docs/architecture.md, section 1).
 """
