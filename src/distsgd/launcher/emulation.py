@@ -1,7 +1,8 @@
 """A local run on emulated hosts (``--hosts``): the hosts made before the first task, and
 their record in the run folder, ``hosts.json`` (the plan, the placement, the links as applied,
 the network faults applied with their times (:mod:`distsgd.launcher.link_faults`) and, once the
-run ends, the bytes each host's link carried)."""
+run ends, the bytes each host's link carried, and ``pair_bytes``: the bytes each host sent to
+each other host, to the launcher and elsewhere, :meth:`EmulatedHosts.pair_counters`)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def close_hosts(
             name: {"sent": link.sent, "received": link.received}
             for name, link in hosts.counters().items()
         }
-        _write(run_dir, hosts, counters=counted, faults=faults)
+        pairs = hosts.pair_counters()
+        _write(run_dir, hosts, counters=counted, faults=faults, pairs=pairs)
     except (NetnsError, OSError, ValueError) as e:
         log.warning("could not record the hosts' byte counters: %s", e)
     finally:
@@ -71,6 +73,7 @@ def _write(
     *,
     counters: dict[str, Any] | None,
     faults: Sequence[dict[str, Any]],
+    pairs: dict[str, dict[str, int]] | None = None,
 ) -> None:
     plan = hosts.plan
     applied = {link.host: link for link in hosts.applied}
@@ -95,5 +98,6 @@ def _write(
         ],
         "faults": list(faults),
         "bytes": counters,
+        "pair_bytes": pairs,
     }
     write_atomic(run_dir / HOSTS_FILE, json.dumps(record, indent=2) + "\n")
