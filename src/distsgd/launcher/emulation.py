@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.link_sampler import WINDOW_S
 from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
 from distsgd.launcher.netns_keeper import NetnsError
 from distsgd.util import write_atomic
@@ -47,11 +48,15 @@ def record_faults(run_dir: Path, hosts: EmulatedHosts, faults: Sequence[dict[str
 
 
 def close_hosts(
-    hosts: EmulatedHosts | None, run_dir: Path, faults: Sequence[dict[str, Any]] = ()
+    hosts: EmulatedHosts | None,
+    run_dir: Path,
+    faults: Sequence[dict[str, Any]] = (),
+    busiest: dict[str, dict[str, float]] | None = None,
 ) -> None:
-    """Record each host's bytes (and the network ``faults`` applied) in ``hosts.json``, then
-    take the hosts down (after the tasks have ended). A failure to count is logged, never
-    raised: the hosts go down either way."""
+    """Record each host's bytes, per pair of hosts, its ``busiest`` window's rates (from
+    :mod:`distsgd.launcher.link_sampler`) and the network ``faults`` applied in ``hosts.json``,
+    then take the hosts down (after the tasks have ended). A failure to count is
+    logged, never raised: the hosts go down either way."""
     if hosts is None:
         return
     try:
@@ -60,7 +65,7 @@ def close_hosts(
             for name, link in hosts.counters().items()
         }
         pairs = hosts.pair_counters()
-        _write(run_dir, hosts, counters=counted, faults=faults, pairs=pairs)
+        _write(run_dir, hosts, counters=counted, faults=faults, pairs=pairs, busiest=busiest)
     except (NetnsError, OSError, ValueError) as e:
         log.warning("could not record the hosts' byte counters: %s", e)
     finally:
@@ -74,6 +79,7 @@ def _write(
     counters: dict[str, Any] | None,
     faults: Sequence[dict[str, Any]],
     pairs: dict[str, dict[str, int]] | None = None,
+    busiest: dict[str, dict[str, float]] | None = None,
 ) -> None:
     plan = hosts.plan
     applied = {link.host: link for link in hosts.applied}
@@ -99,5 +105,6 @@ def _write(
         "faults": list(faults),
         "bytes": counters,
         "pair_bytes": pairs,
+        "busiest_window": None if busiest is None else {"window_s": WINDOW_S, "hosts": busiest},
     }
     write_atomic(run_dir / HOSTS_FILE, json.dumps(record, indent=2) + "\n")

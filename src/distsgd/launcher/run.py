@@ -32,6 +32,7 @@ from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.emulation import close_hosts, start_hosts
 from distsgd.launcher.errors import Diverged, Interrupted, RunFailed
 from distsgd.launcher.link_faults import LinkFaults
+from distsgd.launcher.link_sampler import LinkSampler
 from distsgd.launcher.netns import EmulatedHosts
 from distsgd.launcher.progress import Console
 from distsgd.launcher.restart import Restarts
@@ -95,8 +96,10 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, setter(stop))
     launcher_file = run_dir / LAUNCHER_FILE
+    sampler = LinkSampler(hosts, run_dir)  # links.jsonl: the hosts' bytes over time
     try:
         write_atomic(launcher_file, f"{os.getpid()}\n")  # distsgd scale checks it is running
+        sampler.start()
         return local.run()
     except Interrupted:
         console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks")
@@ -125,7 +128,8 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
     finally:
         launcher_file.unlink(missing_ok=True)
         supervisor.close()
-        close_hosts(hosts, run_dir, local.link_faults.restore(local.progress.step))  # heal, count
+        busiest = sampler.stop()
+        close_hosts(hosts, run_dir, local.link_faults.restore(local.progress.step), busiest)
         shutil.rmtree(local.wal_root, ignore_errors=True)  # only a restart in this launch reads it
         # Segments are unlinked once a worker maps them; a server killed before that leaves a
         # name behind, which it recorded in its checkpoint folder before creating it.
