@@ -96,10 +96,8 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, setter(stop))
     launcher_file = run_dir / LAUNCHER_FILE
-    sampler = LinkSampler(hosts, run_dir)  # links.jsonl: the hosts' bytes over time
     try:
         write_atomic(launcher_file, f"{os.getpid()}\n")  # distsgd scale checks it is running
-        sampler.start()
         return local.run()
     except Interrupted:
         console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks")
@@ -128,8 +126,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
     finally:
         launcher_file.unlink(missing_ok=True)
         supervisor.close()
-        busiest = sampler.stop()
-        close_hosts(hosts, run_dir, local.link_faults.restore(local.progress.step), busiest)
+        local.close_hosts()  # heal, count, take down
         shutil.rmtree(local.wal_root, ignore_errors=True)  # only a restart in this launch reads it
         # Segments are unlinked once a worker maps them; a server killed before that leaves a
         # name behind, which it recorded in its checkpoint folder before creating it.
@@ -196,6 +193,14 @@ class LocalRun(Restarts):
             self.faults, hosts, events=self.events, note=console.note, run_dir=run_dir
         )
         """Partitions and slow links of emulated hosts (launcher/link_faults.py)."""
+        self.link_sampler = LinkSampler(hosts, run_dir)
+        """The emulated hosts' bytes over time, from the run's start (``links.jsonl``)."""
+
+    def close_hosts(self) -> None:
+        """Undo the network faults still in effect, stop sampling, record the bytes, and take
+        the emulated hosts down (after the tasks have ended; nothing without hosts)."""
+        faults = self.link_faults.restore(self.progress.step)
+        close_hosts(self.hosts, self.run_dir, faults, self.link_sampler.stop())
 
     # -- the run --------------------------------------------------------------------------------
     def run(self) -> RunOutcome:
@@ -213,6 +218,7 @@ class LocalRun(Restarts):
             )
             self.events.log(step=checkpoint.step, event="resume", checkpoint=checkpoint.path.name)
         self.write_config()
+        self.link_sampler.start()
         self.start_cluster(checkpoint, fresh_ports=True)
         rule, factor = self.config.lr_rule
         self.console.note(
