@@ -393,7 +393,7 @@ def test_the_management_link_joins_this_namespace_to_the_hosts_unshaped_and_unco
 def test_a_second_management_link_is_refused_and_leaves_nothing() -> None:
     with EmulatedHosts(_plan(1), management=True):
         second = EmulatedHosts(_plan(1), management=True)
-        with pytest.raises(ValueError, match="one run on emulated hosts at a time"):
+        with pytest.raises(ValueError, match="one at a time on a machine"):
             second.start()
         assert second.keepers == {}
         assert second.root_links() == []
@@ -621,3 +621,37 @@ def test_bytes_are_counted_per_pair_of_hosts_across_rate_changes_and_cuts() -> N
     assert last["host0"]["host1"] == 0
     assert 2 * PAYLOAD <= last["host2"]["host1"] < 2.4 * PAYLOAD
     assert last["host2"]["host0"] < PAYLOAD // 10
+
+
+@needs_netns
+def test_a_second_set_of_hosts_is_refused_naming_the_first(tmp_path: Path) -> None:
+    """Another process holding the hosts' lock (as a run or `distsgd hosts up` does): a second
+    set of hosts with a management link refuses in one line naming it, and leaves nothing."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(SRC)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        second = EmulatedHosts(_plan(1), management=True)
+        with pytest.raises(ValueError) as refused:
+            second.start()
+        assert f"pid {holder.pid} (emulated hosts dstest" in str(refused.value)
+        assert "one at a time" in str(refused.value) and "\n" not in str(refused.value)
+        assert second.keepers == {} and second.root_links() == []
+    finally:
+        holder.kill()
+        holder.wait(timeout=5)
+    with EmulatedHosts(_plan(1), management=True) as hosts:  # the holder gone: the lock is free
+        assert hosts.keepers
+
+
+LOCK_HOLDER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from distsgd.cluster.hosts import HOST_NETWORK
+from distsgd.launcher.netns_lock import HostsLock
+lock = HostsLock(str(HOST_NETWORK), what="emulated hosts dstest")
+lock.acquire()
+print("locked", flush=True)
+time.sleep(60)
+"""

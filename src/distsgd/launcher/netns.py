@@ -69,9 +69,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from distsgd.cluster.hosts import Host, HostPlan, LinkSpec
+from distsgd.cluster.hosts import HOST_NETWORK, Host, HostPlan, LinkSpec
 from distsgd.launcher import netns_keeper, netns_shaping
 from distsgd.launcher.netns_keeper import NetnsError
+from distsgd.launcher.netns_lock import HostsLock
 from distsgd.launcher.netns_shaping import MANAGEMENT_MINOR, tbf_sizes
 
 __all__ = [
@@ -215,6 +216,7 @@ class EmulatedHosts:
         """Hosts cut off by :meth:`cut` and not healed yet."""
         self.rates: dict[str, int] = {}
         """Rates set by :meth:`set_rate` in place of a host's own link, bits/s, by host."""
+        self._lock = HostsLock(str(HOST_NETWORK), what=f"emulated hosts {self.prefix}")
         self._carried: dict[str, dict[str, int]] = {}
         """Bytes counted per destination by counting classes since rebuilt (by :meth:`set_rate`
         between shaped and unshaped), by sending host, then destination."""
@@ -292,6 +294,8 @@ class EmulatedHosts:
                 "emulated hosts with a link to the launcher need root (a user namespace may not "
                 "add a link to this machine's namespace); run as root"
             )
+        if self.management:  # one at a time on a machine (launcher/netns_lock.py)
+            self._lock.acquire()
         try:
             self._start_keepers()
             self._wire()
@@ -630,6 +634,7 @@ class EmulatedHosts:
             if not netns_keeper.end_keeper(pid, self.timeout_s)
         ]
         self.keepers = {}
+        self._lock.release()
         if not check:
             return
         if stuck:
