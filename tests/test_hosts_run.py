@@ -151,7 +151,7 @@ def _demo(run_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], 
                 pids = json.loads((run_dir / "tasks.json").read_text()).values()
             except (OSError, ValueError):
                 pids = []
-            for pid in pids:
+            for pid in [*pids, *_host_keepers(run_dir)]:  # each task's and host's view
                 seen |= _listening(pid)
             time.sleep(0.2)
         out, err = proc.communicate(timeout=60)
@@ -160,6 +160,15 @@ def _demo(run_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], 
             proc.kill()
             proc.wait(timeout=10)
     return subprocess.CompletedProcess(argv, proc.returncode, out, err), seen
+
+
+def _host_keepers(run_dir: Path) -> list[int]:
+    """The PIDs of the keepers of the run's host namespaces (the switch's left out)."""
+    try:
+        keepers = json.loads((run_dir / HOSTS_FILE).read_text())["keepers"]
+    except (OSError, ValueError, KeyError):
+        return []
+    return [pid for name, pid in keepers.items() if name != "switch"]
 
 
 def _check_hosts_gone(record: dict[str, Any]) -> None:
@@ -190,6 +199,28 @@ def test_hogwild_demo_on_two_hosts(tmp_path: Path) -> None:
 
 
 @needs_netns
+@pytest.mark.slow  # about 16 s
+def test_hogwild_demo_on_three_hosts_every_pair_exchanges_bytes(tmp_path: Path) -> None:
+    """The issue's demo (4 workers, 2 ps, 3 hosts, 1gbit links): nothing listens on loopback
+    in any host's namespace while it runs, every host sends to every other host over its link
+    (``pair_bytes``), and the hosts are gone afterwards."""
+    run_dir = tmp_path / "run"
+    args = ["--scheme", "hogwild", "--workers", "4", "--ps", "2", "--hosts", "3"]
+    done, listened = _demo(run_dir, *args, "--link", "1gbit")
+    assert final_accuracy(done) >= 0.95
+    record = json.loads((run_dir / HOSTS_FILE).read_text())
+    names = [h["name"] for h in record["hosts"]]
+    assert names == ["host0", "host1", "host2"]
+    for sender in names:
+        for receiver in names:
+            if receiver != sender:
+                assert record["pair_bytes"][sender][receiver] > 1_000_000, (sender, receiver)
+    assert listened, "no task was seen listening"
+    assert all(a.startswith("198.18.0.") for a in listened), listened
+    _check_hosts_gone(record)
+
+
+@needs_netns
 @pytest.mark.slow  # about 13 s
 def test_allreduce_demo_on_two_hosts(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -208,9 +239,8 @@ def test_allreduce_demo_on_two_hosts(tmp_path: Path) -> None:
 @pytest.mark.slow  # about 8 s
 def test_a_sigkilled_launcher_leaves_no_host_task_or_link(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    argv = distsgd_cmd(
-        "demo", "--scheme", "hogwild", "--hosts", "2", "--quiet", "--run-dir", str(run_dir)
-    )
+    args = ["--scheme", "hogwild", "--workers", "4", "--ps", "2", "--hosts", "3", "--quiet"]
+    argv = distsgd_cmd("demo", *args, "--run-dir", str(run_dir))
     proc = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
     )
@@ -221,6 +251,7 @@ def test_a_sigkilled_launcher_leaves_no_host_task_or_link(tmp_path: Path) -> Non
         tasks = json.loads((run_dir / "tasks.json").read_text())
         record = json.loads((run_dir / HOSTS_FILE).read_text())
         assert f"{record['prefix']}-m" in _links_here()
+        namespaces = {os.stat(f"/proc/{pid}/ns/net").st_ino for pid in record["keepers"].values()}
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         pids = [*tasks.values(), *record["keepers"].values()]
@@ -231,10 +262,22 @@ def test_a_sigkilled_launcher_leaves_no_host_task_or_link(tmp_path: Path) -> Non
             time.sleep(0.1)
         assert not [pid for pid in pids if _alive(pid)]
         assert record["prefix"] not in _links_here()
+        assert not _in_namespaces(namespaces), "a process is still in a namespace of the run"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def _in_namespaces(inodes: set[int]) -> list[int]:
+    """The live processes in any of the network namespaces ``inodes``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(entry / "ns" / "net").st_ino in inodes and _alive(int(entry.name)):
+                    found.append(int(entry.name))
+    return found
 
 
 def _alive(pid: int) -> bool:

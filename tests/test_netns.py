@@ -23,9 +23,10 @@ import pytest
 
 from distsgd.cluster import TaskId
 from distsgd.cluster.hosts import HostPlan, LinkSpec, parse_links, plan_hosts
-from distsgd.launcher import netns, netns_keeper
-from distsgd.launcher.netns import AppliedLink, EmulatedHosts, check_capable, tbf_sizes
+from distsgd.launcher import netns, netns_keeper, netns_shaping
+from distsgd.launcher.netns import AppliedLink, EmulatedHosts, check_capable
 from distsgd.launcher.netns_keeper import NetnsError
+from distsgd.launcher.netns_shaping import tbf_sizes
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PORT = 5701
@@ -392,7 +393,7 @@ def test_the_management_link_joins_this_namespace_to_the_hosts_unshaped_and_unco
 def test_a_second_management_link_is_refused_and_leaves_nothing() -> None:
     with EmulatedHosts(_plan(1), management=True):
         second = EmulatedHosts(_plan(1), management=True)
-        with pytest.raises(ValueError, match="one run on emulated hosts at a time"):
+        with pytest.raises(ValueError, match="one at a time on a machine"):
             second.start()
         assert second.keepers == {}
         assert second.root_links() == []
@@ -551,3 +552,106 @@ def test_an_unshaped_link_is_shaped_and_unshaped_again() -> None:
         assert "tbf" not in _qdiscs(hosts, "host1")
     with pytest.raises(ValueError, match="not started"):
         hosts.cut("host1")
+
+
+# --------------------------------------------------------------------------- bytes per pair
+
+
+TC_CLASSES = """class tbf 1:1 parent 1: leaf 10:
+
+class htb 10:fe root leaf 8341: prio 0 rate 100Gbit ceil 100Gbit burst 0b cburst 0b
+ Sent 84 bytes 2 pkt (dropped 0, overlimits 2 requeues 0)
+ backlog 0b 0p requeues 0
+
+class htb 10:1a root leaf 8340: prio 0 rate 100Gbit ceil 100Gbit burst 0b cburst 0b
+ Sent 123456 bytes 90 pkt (dropped 0, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+"""
+
+
+def test_counting_classes_are_read_and_scripted() -> None:
+    assert netns_shaping.class_bytes(TC_CLASSES) == {0xFE: 84, 0x1A: 123_456}
+    script = netns_shaping.egress_script(
+        "eth0", rate_bits=10_000_000, sizes=(65_536, 190_536), destinations=[(2, "198.18.0.2")]
+    )
+    assert script.splitlines()[:2] == [
+        "qdisc add dev eth0 root handle 1: tbf rate 10000000bit burst 65536 limit 190536",
+        "qdisc add dev eth0 parent 1:1 handle 10: htb default fe",
+    ]
+    assert "parent 10:2 bfifo limit 190536" in script
+    assert "match ip dst 198.18.0.2/32 flowid 10:2" in script
+    unshaped = netns_shaping.egress_script(
+        "eth0", rate_bits=None, sizes=None, destinations=[(2, "198.18.0.2")]
+    )
+    assert unshaped.startswith("qdisc add dev eth0 root handle 10: htb")
+    assert "tbf" not in unshaped and "bfifo" not in unshaped
+
+
+@needs_netns
+def test_bytes_are_counted_per_pair_of_hosts_across_rate_changes_and_cuts() -> None:
+    """A transfer host0 -> host2 counts in that pair, not in host0 -> host1; the counts go on
+    through a new rate, a cut and heal, and (on an unshaped host) a shaper set and taken off."""
+    plan = _plan(3, ["worker0=200mbit"])
+    addr0, addr2 = plan.host("host0").address, plan.host("host2").address
+    with (
+        EmulatedHosts(plan) as hosts,
+        _server(hosts, "host0", addr0, PAYLOAD),
+        _server(hosts, "host2", addr2, PAYLOAD),
+    ):
+        assert _client(hosts, "host2", addr0)["bytes"] == PAYLOAD
+        first = hosts.pair_counters()
+        hosts.set_rate("host0", 100_000_000)  # tbf to tbf: changed in place
+        hosts.cut("host0")
+        hosts.heal("host0")
+        assert _client(hosts, "host2", addr0)["bytes"] == PAYLOAD
+        hosts.set_rate("host2", 100_000_000)  # unshaped to shaped: made again
+        assert _client(hosts, "host1", addr2)["bytes"] == PAYLOAD
+        hosts.set_rate("host2", None)
+        assert "tbf" not in _qdiscs(hosts, "host2")
+        assert _client(hosts, "host1", addr2)["bytes"] == PAYLOAD
+        hosts.set_rate("host0", None)
+        assert "rate 200Mbit" in _qdiscs(hosts, "host0")
+        last = hosts.pair_counters()
+    assert set(first) == {"host0", "host1", "host2"}
+    assert set(first["host0"]) == {"host0", "host1", "host2", netns.LAUNCHER, netns.ELSEWHERE}
+    assert PAYLOAD <= first["host0"]["host2"] < 1.2 * PAYLOAD
+    assert first["host0"]["host1"] == first["host0"]["host0"] == first["host0"]["launcher"] == 0
+    assert 0 < first["host2"]["host0"] < PAYLOAD // 10  # the ACKs
+    assert 2 * PAYLOAD <= last["host0"]["host2"] < 2.4 * PAYLOAD
+    assert last["host0"]["host1"] == 0
+    assert 2 * PAYLOAD <= last["host2"]["host1"] < 2.4 * PAYLOAD
+    assert last["host2"]["host0"] < PAYLOAD // 10
+
+
+@needs_netns
+def test_a_second_set_of_hosts_is_refused_naming_the_first(tmp_path: Path) -> None:
+    """Another process holding the hosts' lock (as a run or `distsgd hosts up` does): a second
+    set of hosts with a management link refuses in one line naming it, and leaves nothing."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(SRC)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        second = EmulatedHosts(_plan(1), management=True)
+        with pytest.raises(ValueError) as refused:
+            second.start()
+        assert f"pid {holder.pid} (emulated hosts dstest" in str(refused.value)
+        assert "one at a time" in str(refused.value) and "\n" not in str(refused.value)
+        assert second.keepers == {} and second.root_links() == []
+    finally:
+        holder.kill()
+        holder.wait(timeout=5)
+    with EmulatedHosts(_plan(1), management=True) as hosts:  # the holder gone: the lock is free
+        assert hosts.keepers
+
+
+LOCK_HOLDER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from distsgd.cluster.hosts import HOST_NETWORK
+from distsgd.launcher.netns_lock import HostsLock
+lock = HostsLock(str(HOST_NETWORK), what="emulated hosts dstest")
+lock.acquire()
+print("locked", flush=True)
+time.sleep(60)
+"""

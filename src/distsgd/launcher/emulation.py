@@ -1,7 +1,8 @@
 """A local run on emulated hosts (``--hosts``): the hosts made before the first task, and
 their record in the run folder, ``hosts.json`` (the plan, the placement, the links as applied,
 the network faults applied with their times (:mod:`distsgd.launcher.link_faults`) and, once the
-run ends, the bytes each host's link carried)."""
+run ends, the bytes each host's link carried, and ``pair_bytes``: the bytes each host sent to
+each other host, to the launcher and elsewhere, :meth:`EmulatedHosts.pair_counters`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.link_sampler import WINDOW_S
 from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
 from distsgd.launcher.netns_keeper import NetnsError
 from distsgd.util import write_atomic
@@ -46,11 +48,15 @@ def record_faults(run_dir: Path, hosts: EmulatedHosts, faults: Sequence[dict[str
 
 
 def close_hosts(
-    hosts: EmulatedHosts | None, run_dir: Path, faults: Sequence[dict[str, Any]] = ()
+    hosts: EmulatedHosts | None,
+    run_dir: Path,
+    faults: Sequence[dict[str, Any]] = (),
+    busiest: dict[str, dict[str, float]] | None = None,
 ) -> None:
-    """Record each host's bytes (and the network ``faults`` applied) in ``hosts.json``, then
-    take the hosts down (after the tasks have ended). A failure to count is logged, never
-    raised: the hosts go down either way."""
+    """Record each host's bytes, per pair of hosts, its ``busiest`` window's rates (from
+    :mod:`distsgd.launcher.link_sampler`) and the network ``faults`` applied in ``hosts.json``,
+    then take the hosts down (after the tasks have ended). A failure to count is
+    logged, never raised: the hosts go down either way."""
     if hosts is None:
         return
     try:
@@ -58,7 +64,8 @@ def close_hosts(
             name: {"sent": link.sent, "received": link.received}
             for name, link in hosts.counters().items()
         }
-        _write(run_dir, hosts, counters=counted, faults=faults)
+        pairs = hosts.pair_counters()
+        _write(run_dir, hosts, counters=counted, faults=faults, pairs=pairs, busiest=busiest)
     except (NetnsError, OSError, ValueError) as e:
         log.warning("could not record the hosts' byte counters: %s", e)
     finally:
@@ -71,6 +78,8 @@ def _write(
     *,
     counters: dict[str, Any] | None,
     faults: Sequence[dict[str, Any]],
+    pairs: dict[str, dict[str, int]] | None = None,
+    busiest: dict[str, dict[str, float]] | None = None,
 ) -> None:
     plan = hosts.plan
     applied = {link.host: link for link in hosts.applied}
@@ -95,5 +104,7 @@ def _write(
         ],
         "faults": list(faults),
         "bytes": counters,
+        "pair_bytes": pairs,
+        "busiest_window": None if busiest is None else {"window_s": WINDOW_S, "hosts": busiest},
     }
     write_atomic(run_dir / HOSTS_FILE, json.dumps(record, indent=2) + "\n")

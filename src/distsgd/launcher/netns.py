@@ -26,7 +26,8 @@ user namespace in which it is root (where the kernel allows unprivileged user na
 host keepers join it, and every command (``ip``, ``tc``, the tasks) enters it too. Neither
 possible: :func:`check_capable` refuses in one line.
 
-Shaping (:func:`tbf_sizes`): the rate comes from the host's :class:`LinkSpec`; this kernel has
+Shaping (:mod:`distsgd.launcher.netns_shaping`: the tbf's sizes, the counting classes of each
+host's bytes per destination): the rate comes from the host's :class:`LinkSpec`; this kernel has
 no delay qdisc (``netem`` is absent), so a link's delay and jitter are recorded but not applied
 (:class:`AppliedLink` says which parts were); each parameter-server call waits them in user
 space instead (:mod:`distsgd.transport.delay`). The shaper
@@ -69,9 +70,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from distsgd.cluster.hosts import Host, HostPlan, LinkSpec
-from distsgd.launcher import netns_keeper
+from distsgd.cluster.hosts import HOST_NETWORK, Host, HostPlan, LinkSpec
+from distsgd.launcher import netns_keeper, netns_shaping
 from distsgd.launcher.netns_keeper import NetnsError
+from distsgd.launcher.netns_lock import HostsLock
+from distsgd.launcher.netns_shaping import MANAGEMENT_MINOR, tbf_sizes
 
 __all__ = [
     "AppliedLink",
@@ -79,20 +82,20 @@ __all__ = [
     "LinkBytes",
     "Privilege",
     "check_capable",
-    "tbf_sizes",
 ]
 
 log = logging.getLogger(__name__)
 
 MANAGEMENT_ADDRESS = "198.18.0.253"
 """The creator's address on the hosts' network, on the management link."""
+LAUNCHER = "launcher"
+"""In :meth:`EmulatedHosts.pair_counters`: what a host sent to the management address."""
+ELSEWHERE = "other"
+"""In :meth:`EmulatedHosts.pair_counters`: what a host sent to no host and not the launcher."""
 COMMAND_TIMEOUT_S = 10.0
 """How long one ``ip``/``tc`` command or a keeper's start may take."""
 TOOLS = ("ip", "tc", "nsenter", "sleep")
 """The programs this module runs (iproute2, util-linux, coreutils)."""
-_GSO_BYTES = 64 * 1024
-_SHAPER_TICK_S = 0.002
-_QUEUE_S = 0.05
 
 
 class Privilege(enum.StrEnum):
@@ -145,24 +148,6 @@ class LinkBytes:
     """Bytes the host sent to the switch."""
     received: int
     """Bytes the switch delivered to the host."""
-
-
-def tbf_sizes(rate_bits: int) -> tuple[int, int]:
-    """The ``tbf`` burst and limit, in bytes, for a rate in bits/s.
-
-    burst = max(64 KiB, rate x 2 ms): at least one full GSO packet (veth hands the shaper
-    packets of up to 64 KiB; a bucket smaller than a packet makes tbf cut it into MTU-sized
-    pieces), and at high rates enough tokens for the 2 ms a shaper's wake-up may take.
-    limit = burst + max(64 KiB, rate x 50 ms): a queue of about 50 ms at the rate. Measured on
-    a 20mbit link fed by a 1gbit one (2.5 MB, one TCP stream): with 20 ms the sender's link
-    carried 38% more than the payload (drops in the full queue, sent again), with 50 ms
-    10-20%, with 100 ms 1-4%; the payload rate was 19.2 Mbit/s with each. Transfers both ways
-    at once did no better with the longer queue (13-17 Mbit/s each way with 50 ms, 12-14 with
-    100 ms), so 50 ms it is.
-    """
-    rate_bytes = rate_bits / 8
-    burst = max(_GSO_BYTES, round(rate_bytes * _SHAPER_TICK_S))
-    return burst, burst + max(_GSO_BYTES, round(rate_bytes * _QUEUE_S))
 
 
 # --------------------------------------------------------------------------- privilege
@@ -232,6 +217,10 @@ class EmulatedHosts:
         """Hosts cut off by :meth:`cut` and not healed yet."""
         self.rates: dict[str, int] = {}
         """Rates set by :meth:`set_rate` in place of a host's own link, bits/s, by host."""
+        self._lock = HostsLock(str(HOST_NETWORK), what=f"emulated hosts {self.prefix}")
+        self._carried: dict[str, dict[str, int]] = {}
+        """Bytes counted per destination by counting classes since rebuilt (by :meth:`set_rate`
+        between shaped and unshaped), by sending host, then destination."""
 
     # ---------------------------------------------------------------- names
 
@@ -306,6 +295,8 @@ class EmulatedHosts:
                 "emulated hosts with a link to the launcher need root (a user namespace may not "
                 "add a link to this machine's namespace); run as root"
             )
+        if self.management:  # one at a time on a machine (launcher/netns_lock.py)
+            self._lock.acquire()
         try:
             self._start_keepers()
             self._wire()
@@ -452,10 +443,13 @@ class EmulatedHosts:
 
     def _shape(self) -> tuple[AppliedLink, ...]:
         """``tbf`` on both ends of each shaped host's link: its eth0 (what the host sends) and
-        its switch port (what it receives)."""
+        its switch port (what it receives); on every host's eth0 the counting classes
+        (:mod:`distsgd.launcher.netns_shaping`)."""
         applied, switch_lines = [], []
         for host in self.plan.hosts:
-            if host.link is None:
+            rate = None if host.link is None else host.link.rate_bits
+            self._run(host.name, "tc", self._egress(host, rate))
+            if rate is None or host.link is None:
                 applied.append(
                     AppliedLink(
                         host=host.name,
@@ -467,10 +461,8 @@ class EmulatedHosts:
                     )
                 )
                 continue
-            rate = host.link.rate_bits
             burst, limit = tbf_sizes(rate)
             qdisc = f"root tbf rate {rate}bit burst {burst} limit {limit}"
-            self._run(host.name, "tc", f"qdisc add dev eth0 {qdisc}\n")
             switch_lines.append(f"qdisc add dev {self.port(host)} {qdisc}")
             applied.append(
                 AppliedLink(
@@ -485,6 +477,25 @@ class EmulatedHosts:
         if switch_lines:
             self._run("switch", "tc", "\n".join(switch_lines) + "\n")
         return tuple(applied)
+
+    def _destinations(self, host: Host) -> list[tuple[int, str]]:
+        """(counting class, address) of every place ``host`` sends to that is counted apart."""
+        out = [
+            (netns_shaping.minor_of(other.index), other.address)
+            for other in self.plan.hosts
+            if other.index != host.index
+        ]
+        return [*out, (MANAGEMENT_MINOR, MANAGEMENT_ADDRESS)]
+
+    def _egress(self, host: Host, rate_bits: int | None) -> str:
+        """The ``tc`` script that shapes (at ``rate_bits``, None: not) and counts ``host``'s
+        eth0."""
+        return netns_shaping.egress_script(
+            "eth0",
+            rate_bits=rate_bits,
+            sizes=None if rate_bits is None else tbf_sizes(rate_bits),
+            destinations=self._destinations(host),
+        )
 
     # ---------------------------------------------------------------- faults
 
@@ -508,21 +519,47 @@ class EmulatedHosts:
         and its switch port, sized by :func:`tbf_sizes`); None: back to its link as started
         (its own shaper again, or none where it had none)."""
         target = self._started(host)
+        was = self._egress_rate(target)
         if rate_bits is not None:
             self.rates[target.name] = rate_bits
         elif self.rates.pop(target.name, None) is None:
             return  # nothing set: its own link is in effect
         else:
             rate_bits = None if target.link is None else target.link.rate_bits
+        self._reshape_egress(target, was, rate_bits)
         if rate_bits is None:
-            ours = "qdisc del dev {} root\n"
+            port = f"qdisc del dev {self.port(target)} root\n"
         else:
             burst, limit = tbf_sizes(rate_bits)
-            ours = (
-                f"qdisc replace dev {{}} root tbf rate {rate_bits}bit burst {burst} limit {limit}\n"
+            port = (
+                f"qdisc replace dev {self.port(target)} root tbf rate {rate_bits}bit "
+                f"burst {burst} limit {limit}\n"
             )
-        self._run(target.name, "tc", ours.format("eth0"))
-        self._run("switch", "tc", ours.format(self.port(target)))
+        self._run("switch", "tc", port)
+
+    def _reshape_egress(self, host: Host, was: int | None, rate_bits: int | None) -> None:
+        """``host``'s eth0 at ``rate_bits`` (None: unshaped), its counting kept: from one rate
+        to another the tbf and its classes' queues change in place; between shaped and
+        unshaped the tree is made again, and what its classes had counted carried over."""
+        if was is not None and rate_bits is not None:
+            minors = [minor for minor, _ in self._destinations(host)]
+            sizes = tbf_sizes(rate_bits)
+            script = netns_shaping.limit_script(
+                "eth0", rate_bits=rate_bits, sizes=sizes, minors=minors
+            )
+            self._run(host.name, "tc", script)
+            return
+        if was == rate_bits:
+            return
+        counted = self._pair_counts(host)
+        self._run(host.name, "tc", "qdisc del dev eth0 root\n" + self._egress(host, rate_bits))
+        self._carried[host.name] = counted
+
+    def _egress_rate(self, host: Host) -> int | None:
+        """The rate ``host``'s eth0 is shaped to (None: unshaped), as :attr:`rates` says."""
+        if host.name in self.rates:
+            return self.rates[host.name]
+        return None if host.link is None else host.link.rate_bits
 
     def counters(self) -> dict[str, LinkBytes]:
         """Bytes each host has sent and received over its link so far, by host name (read
@@ -546,6 +583,29 @@ class EmulatedHosts:
                 received=int(stats["tx"]["bytes"]),
             )
         return out
+
+    def pair_counters(self) -> dict[str, dict[str, int]]:
+        """Bytes each host has sent to each other host so far, by sender, then receiver (every
+        host a key of each), and to :data:`LAUNCHER` and :data:`ELSEWHERE`; counted as the
+        host sends, frames with headers, at its eth0 (one ``tc`` per host)."""
+        if "switch" not in self.keepers:
+            raise ValueError("the hosts are not started; count while they run")
+        return {host.name: self._pair_counts(host) for host in self.plan.hosts}
+
+    def _pair_counts(self, host: Host) -> dict[str, int]:
+        """:meth:`pair_counters` for one sending host, with what a rebuilt tree had counted."""
+        argv = self._ns(self.keepers[host.name], ["tc", "-s", "class", "show", "dev", "eth0"])
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=self.timeout_s, check=True
+            )
+        except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
+            raise NetnsError(f"could not read {host.name}'s counting classes: {e}") from None
+        counted = netns_shaping.class_bytes(done.stdout)
+        names = {netns_shaping.minor_of(other.index): other.name for other in self.plan.hosts}
+        names |= {MANAGEMENT_MINOR: LAUNCHER, netns_shaping.DEFAULT_MINOR: ELSEWHERE}
+        carried = self._carried.get(host.name, {})
+        return {name: counted.get(minor, 0) + carried.get(name, 0) for minor, name in names.items()}
 
     def root_links(self) -> list[str]:
         """Links of this instance in the caller's own namespace (none, by design)."""
@@ -577,6 +637,7 @@ class EmulatedHosts:
             if not netns_keeper.end_keeper(pid, self.timeout_s)
         ]
         self.keepers = {}
+        self._lock.release()
         if not check:
             return
         if stuck:

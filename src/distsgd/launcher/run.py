@@ -32,6 +32,7 @@ from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.emulation import close_hosts, start_hosts
 from distsgd.launcher.errors import Diverged, Interrupted, RunFailed
 from distsgd.launcher.link_faults import LinkFaults
+from distsgd.launcher.link_sampler import LinkSampler
 from distsgd.launcher.netns import EmulatedHosts
 from distsgd.launcher.progress import Console
 from distsgd.launcher.restart import Restarts
@@ -125,7 +126,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
     finally:
         launcher_file.unlink(missing_ok=True)
         supervisor.close()
-        close_hosts(hosts, run_dir, local.link_faults.restore(local.progress.step))  # heal, count
+        local.close_hosts()  # heal, count, take down
         shutil.rmtree(local.wal_root, ignore_errors=True)  # only a restart in this launch reads it
         # Segments are unlinked once a worker maps them; a server killed before that leaves a
         # name behind, which it recorded in its checkpoint folder before creating it.
@@ -192,6 +193,14 @@ class LocalRun(Restarts):
             self.faults, hosts, events=self.events, note=console.note, run_dir=run_dir
         )
         """Partitions and slow links of emulated hosts (launcher/link_faults.py)."""
+        self.link_sampler = LinkSampler(hosts, run_dir)
+        """The emulated hosts' bytes over time, from the run's start (``links.jsonl``)."""
+
+    def close_hosts(self) -> None:
+        """Undo the network faults still in effect, stop sampling, record the bytes, and take
+        the emulated hosts down (after the tasks have ended; nothing without hosts)."""
+        faults = self.link_faults.restore(self.progress.step)
+        close_hosts(self.hosts, self.run_dir, faults, self.link_sampler.stop())
 
     # -- the run --------------------------------------------------------------------------------
     def run(self) -> RunOutcome:
@@ -209,6 +218,7 @@ class LocalRun(Restarts):
             )
             self.events.log(step=checkpoint.step, event="resume", checkpoint=checkpoint.path.name)
         self.write_config()
+        self.link_sampler.start()
         self.start_cluster(checkpoint, fresh_ports=True)
         rule, factor = self.config.lr_rule
         self.console.note(
