@@ -86,7 +86,9 @@ class Setting:
 PS_SETTINGS = (
     Setting(key="hogwild", label="Hogwild", scheme="hogwild"),
     Setting(
-        key="hogwild-overlap", label="Hogwild, --overlap", scheme="hogwild",
+        key="hogwild-overlap",
+        label="Hogwild, --overlap",
+        scheme="hogwild",
         options=("--overlap",),
     ),
     Setting(key="sync", label="sync", scheme="sync"),
