@@ -548,6 +548,7 @@ def plot(report: dict[str, Any], out: Path) -> bool:
         points.sort()
         axis.plot(*zip(*points, strict=True), marker="o", label=label)
     axis.set_xscale("log")
+    axis.set_yscale("log")
     axis.set_xlabel("link speed (Mbit/s), every host")
     axis.set_ylabel("worker-steps/s (2 workers)")
     axis.set_title("MLP 2.7 MB across emulated hosts")
@@ -571,6 +572,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--best-link", default="100mbit", help="where to screen the candidates")
     parser.add_argument("--out", type=Path, help="default benchmarks/results/hosts-<time>/")
     parser.add_argument("--render", type=Path, help="measure nothing: report this results.json")
+    parser.add_argument(
+        "--update-doc",
+        type=Path,
+        help="put the tables between this page's markers (performance.md)",
+    )
     return parser.parse_args(argv)
 
 
@@ -625,18 +631,39 @@ def measure(args: argparse.Namespace, runner: Runner, report: dict[str, Any]) ->
             )
 
 
-def write(report: dict[str, Any], out: Path) -> None:
+BEGIN, END = "<!-- across hosts: begin -->", "<!-- across hosts: end -->"
+DOC_IMAGE = "performance-across-hosts.png"
+
+
+def put_between_markers(text: str, tables: str) -> str:
+    """``text`` with ``tables`` in place of what stood between ``BEGIN`` and ``END``."""
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"no {BEGIN} ... {END} markers; add them where the tables go")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{tables}{END}{tail}"
+
+
+def write(report: dict[str, Any], out: Path, doc: Path | None = None) -> None:
+    """results.json, results.md and throughput.png into ``out``; with ``doc``, the tables
+    between its markers and the picture in its ``images/`` (if under run.py's size limit)."""
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     text = markdown(report)
     (out / "results.md").write_text(text)
-    plot(report, out)
+    drawn = plot(report, out)
     print(text, flush=True)
+    if doc is None:
+        return
+    doc.write_text(put_between_markers(doc.read_text(encoding="utf-8"), text), encoding="utf-8")
+    if drawn and (out / "throughput.png").stat().st_size <= bench.MAX_IMAGE_BYTES:
+        (doc.parent / "images" / DOC_IMAGE).write_bytes((out / "throughput.png").read_bytes())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render is not None:
-        write(json.loads(args.render.read_text()), args.out or args.render.parent)
+        write(json.loads(args.render.read_text()), args.out or args.render.parent, args.update_doc)
         return 0
     out = args.out or HERE / "results" / datetime.now().strftime("hosts-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
@@ -655,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         procs.stop_all()
         report["load_after"] = _load()
-        write(report, out)
+        write(report, out, args.update_doc)
     return 0
 
 

@@ -220,3 +220,13 @@ def test_a_busy_launcher_address_is_waited_for(monkeypatch: pytest.MonkeyPatch) 
 
     with pytest.raises(ValueError, match="something else"):
         ah._when_free(broken)
+
+
+def test_the_tables_go_between_the_markers() -> None:
+    page = f"# Page\n\nbefore\n{ah.BEGIN}\nold tables\n{ah.END}\nafter\n"
+    assert (
+        ah.put_between_markers(page, "new\n")
+        == f"# Page\n\nbefore\n{ah.BEGIN}\nnew\n{ah.END}\nafter\n"
+    )
+    with pytest.raises(ValueError, match="markers"):
+        ah.put_between_markers("# Page\n", "new\n")
