@@ -9,6 +9,8 @@ loop. ``--ready-dir`` with ``--peers N`` makes N independent processes start the
 together (each waits for the others' ready files), so their rates overlap as a cluster's do.
 DDP: rank 0 hosts the torch.distributed TCPStore on 127.0.0.1 port 0 and writes the port it got
 to ``--store-file``; the others read it there. The gloo process group then binds its own ports.
+``--address`` puts the store elsewhere (rank 0's address on emulated hosts: ``across_hosts.py``
+starts each rank inside its host, with ``GLOO_SOCKET_IFNAME`` naming the host's link).
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ def _wait_for_peers(ready_dir: Path, peers: int, name: str, timeout: float = 120
         time.sleep(0.005)
 
 
-def _store(rank: int, world: int, store_file: Path, timeout: float = 120.0):  # type: ignore[no-untyped-def]
+def _store(  # type: ignore[no-untyped-def]
+    rank: int, world: int, store_file: Path, address: str = "127.0.0.1", timeout: float = 120.0
+):
     import torch.distributed as dist
 
     if rank == 0:
         store = dist.TCPStore(
-            "127.0.0.1",
+            address,
             0,
             world,
             is_master=True,
@@ -57,9 +61,7 @@ def _store(rank: int, world: int, store_file: Path, timeout: float = 120.0):  # 
             raise TimeoutError(f"no store port in {store_file}")
         time.sleep(0.01)
     port = int(store_file.read_text())
-    return dist.TCPStore(
-        "127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout)
-    )
+    return dist.TCPStore(address, port, world, is_master=False, timeout=timedelta(seconds=timeout))
 
 
 def main() -> None:
@@ -71,6 +73,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--store-file", type=Path)
+    parser.add_argument("--address", default="127.0.0.1", help="the ddp store's address (rank 0's)")
     parser.add_argument("--ready-dir", type=Path)
     parser.add_argument("--peers", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
@@ -84,7 +87,7 @@ def main() -> None:
 
         if args.store_file is None:
             parser.error("ddp needs --store-file")
-        store = _store(args.rank, args.world, args.store_file)
+        store = _store(args.rank, args.world, args.store_file, args.address)
         dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
         model = DistributedDataParallel(model)  # broadcasts rank 0's parameters: start-up
         # this rank's shard, as distsgd gives each worker a disjoint one

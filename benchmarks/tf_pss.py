@@ -17,6 +17,12 @@ What it measures: the steady state. It schedules ``--warmup`` steps per worker a
 functions are traced, the datasets and connections built), then times ``--steps`` steps per
 worker scheduled at once until ``join`` returns, and writes worker-steps per second (all
 workers together) to ``--out`` as JSON. It stops every process it started, by PID, in any case.
+
+``--placement FILE`` runs the tasks elsewhere than 127.0.0.1 (the across-hosts suite,
+``across_hosts.py``): a JSON object ``{"chief": ADDRESS, "ps": [TASK], "worker": [TASK]}``, a
+TASK being ``{"address": ADDRESS, "prefix": [ARGV...]}``: the task listens on its address (a
+free port) and is started as ``prefix + [python, tf_pss.py, ...]`` (the ``nsenter`` prefix of
+its emulated host); the chief runs here and listens on its address. Without it: as above.
 """
 
 from __future__ import annotations
@@ -40,6 +46,29 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def _load_placement(path: Path, workers: int) -> dict[str, object]:
+    """The ``--placement`` file, checked: one ps and ``workers`` workers, each with an address."""
+    placement = json.loads(path.read_text())
+    if len(placement.get("ps", [])) != 1 or len(placement.get("worker", [])) != workers:
+        raise ValueError(f"{path}: needs 1 ps and {workers} workers; fix the placement file")
+    if not isinstance(placement.get("chief"), str):
+        raise ValueError(f"{path}: 'chief' must be the chief's address; fix the placement file")
+    return placement
+
+
+def _cluster(placement: dict | None, workers: int) -> tuple[dict, dict[str, list[list[str]]]]:  # type: ignore[type-arg]
+    """TF_CONFIG's cluster (addresses with free ports) and the launch prefix of every task."""
+    if placement is None:
+        here = {"address": "127.0.0.1", "prefix": []}
+        placement = {"chief": "127.0.0.1", "ps": [here], "worker": [here] * workers}
+    cluster = {"chief": [f"{placement['chief']}:{_free_port()}"]}
+    prefixes: dict[str, list[list[str]]] = {}
+    for role in ("worker", "ps"):
+        cluster[role] = [f"{task['address']}:{_free_port()}" for task in placement[role]]
+        prefixes[role] = [list(task.get("prefix", [])) for task in placement[role]]
+    return cluster, prefixes
 
 
 def _limit_threads(tf) -> None:  # type: ignore[no-untyped-def]
@@ -143,6 +172,9 @@ def main() -> None:
         "--steps-per-execution", type=int, default=1, help="steps in one scheduled function"
     )
     parser.add_argument("--out", type=Path, help="write the result here as JSON")
+    parser.add_argument(
+        "--placement", type=Path, help="JSON file: each task's address and launch prefix"
+    )
     parser.add_argument("--role", choices=["chief", "ps", "worker"], help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -150,11 +182,8 @@ def main() -> None:
     if args.role in ("ps", "worker"):
         _serve(args.role, args.index)
         return
-    cluster = {
-        "chief": [f"127.0.0.1:{_free_port()}"],
-        "worker": [f"127.0.0.1:{_free_port()}" for _ in range(args.workers)],
-        "ps": [f"127.0.0.1:{_free_port()}"],
-    }
+    placement = _load_placement(args.placement, args.workers) if args.placement else None
+    cluster, prefixes = _cluster(placement, args.workers)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     children: list[subprocess.Popen[bytes]] = []
@@ -164,7 +193,10 @@ def main() -> None:
                 config = {"cluster": cluster, "task": {"type": role, "index": index}}
                 children.append(
                     subprocess.Popen(
-                        [sys.executable, __file__, "--role", role, "--index", str(index)],
+                        [
+                            *prefixes[role][index],
+                            *[sys.executable, __file__, "--role", role, "--index", str(index)],
+                        ],
                         env={**env, "TF_CONFIG": json.dumps(config)},
                         stdin=subprocess.DEVNULL,
                     )
