@@ -343,8 +343,9 @@ class Runner:
         )
 
 
-BUSY = "is already on a link"
-"""How distsgd says that another run on emulated hosts holds the launcher's address."""
+BUSY = ("is already on a link", "network is in use by")
+"""How distsgd says that another run on emulated hosts holds the launcher's address (the
+address itself, or the lock of the hosts' network, launcher/netns_lock.py)."""
 BUSY_WAIT_S, BUSY_TRIES = 5.0, 120
 
 
@@ -355,7 +356,7 @@ def _when_free(measure_once: Callable[[], Measurement]) -> Measurement:
         try:
             return measure_once()
         except (ValueError, bench.Failed) as e:
-            if BUSY not in str(e):
+            if not any(busy in str(e) for busy in BUSY):
                 raise
             print(f"    198.18.0.253 is busy; trying again in {BUSY_WAIT_S:g} s", flush=True)
             time.sleep(BUSY_WAIT_S)
