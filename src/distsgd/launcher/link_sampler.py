@@ -56,10 +56,13 @@ def busiest_rates(
     if len(samples) < 2:
         return {}
     pairs = []
+    end = 0  # the first sample a window from ``first`` reaches: it only moves forward
     for i, first in enumerate(samples[:-1]):
-        later = [s for s in samples[i + 1 :] if s.t - first.t >= window_s]
-        if later:
-            pairs.append((first, later[0]))
+        end = max(end, i + 1)
+        while end < len(samples) and samples[end].t - first.t < window_s:
+            end += 1
+        if end < len(samples):
+            pairs.append((first, samples[end]))
         elif not pairs:
             pairs.append((first, samples[-1]))
     out: dict[str, dict[str, float]] = {}
