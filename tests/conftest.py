@@ -81,7 +81,12 @@ run out of work."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests in SLOW_FIRST first, in its order; the rest as collected."""
+    """The tests in SLOW_FIRST first, in its order; the rest as collected, except that the
+    tests of each of :data:`LOCKED_GROUPS` are spread evenly through them.
+
+    The two test processes take tests from this order nearly in turn: two tests of one locked
+    group side by side would often run at once, one of them waiting for the other's lock
+    with its process idle (18 s once, for one test on emulated hosts)."""
 
     def rank(item: pytest.Item) -> int:
         path, _, name = item.nodeid.partition("::")
@@ -92,6 +97,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         )
 
     items.sort(key=rank)
+    first = [item for item in items if rank(item) < len(SLOW_FIRST)]
+    rest = [item for item in items if rank(item) == len(SLOW_FIRST)]
+    items[:] = first + _spread_locked_groups(rest)
+
+
+def _locked_group(item: pytest.Item) -> str | None:
+    groups = {m.args[0] for m in item.iter_markers("xdist_group") if m.args}
+    return next(iter(sorted(groups.intersection(LOCKED_GROUPS))), None)
+
+
+def _spread_locked_groups(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` with each locked group's tests moved to even intervals among the others (the
+    groups offset from each other), each group's own order kept."""
+    others = [item for item in items if _locked_group(item) is None]
+    keyed: list[tuple[float, int, pytest.Item]] = [
+        (float(i), 0, item) for i, item in enumerate(others)
+    ]
+    for g, group in enumerate(LOCKED_GROUPS, start=1):
+        members = [item for item in items if _locked_group(item) == group]
+        step = len(others) / max(1, len(members))
+        offset = g / (len(LOCKED_GROUPS) + 1)
+        keyed += [((k + offset) * step, g, item) for k, item in enumerate(members)]
+    keyed.sort(key=lambda entry: (entry[0], entry[1]))
+    return [item for _, _, item in keyed]
 
 
 LOCKED_GROUPS = ("ray", "hosts")
