@@ -58,12 +58,9 @@ def test_faults_are_survived_without_flags(fault: str, tmp_path: Path) -> None:
 
 @pytest.mark.xdist_group("demo-runs")
 def test_divergence_is_named_and_exits_nonzero(tmp_path: Path) -> None:
-    """Hogwild at lr 2 on 4 workers ends at chance: exit 3, a line saying so, result.json.
-    10 epochs, not the demo's 30 (half the CPU): at chance there too (6 runs: 0.078 to 0.108;
-    chance is 0.117)."""
+    """Hogwild at lr 2 on 4 workers ends at chance: exit 3, a line saying so, result.json."""
     run_dir = tmp_path / "run"
-    args = ["demo", "--scheme", "hogwild", "--workers", "4", "--lr", "2", "--epochs", "10"]
-    args += ["--quiet"]
+    args = ["demo", "--scheme", "hogwild", "--workers", "4", "--lr", "2", "--quiet"]
     done = run_distsgd([*args, "--run-dir", str(run_dir)])
     assert done.returncode == EXIT_DIVERGED, done.stdout[-2000:] + done.stderr[-2000:]
     lines = [line for line in done.stderr.splitlines() if "diverged" in line]
