@@ -246,6 +246,22 @@ def spawn() -> Iterator:  # type: ignore[type-arg]
             proc.wait(timeout=10)
 
 
+@pytest.fixture
+def ps_server() -> Iterator[tuple[str, object]]:
+    """One in-process parameter server (shard 0, the default rules) on a free loopback port;
+    yields (address, service) and stops the server with the test."""
+    from distsgd.ps import start_server, stop_server
+    from distsgd.schemes import make_server_rule
+
+    srv, address, service = start_server(
+        address="127.0.0.1:0", shard_index=0, rule_factory=make_server_rule
+    )
+    try:
+        yield address, service
+    finally:
+        stop_server(srv, service, grace=0.1)
+
+
 def one_cert_for_all(folder: Path, ips: Sequence[str] = ("127.0.0.1",)) -> dict[str, Path]:
     """A CA and one certificate (SAN ``ips`` and localhost, server and client use) that every
     task shares."""

@@ -5,15 +5,13 @@ malformed encodings are refused whole."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
 
-from distsgd.ps import ParameterClient, PartitionPlan, compression, start_server, stop_server
+from distsgd.ps import ParameterClient, PartitionPlan, compression
 from distsgd.ps.service import ParameterService
-from distsgd.schemes import make_server_rule
 from distsgd.transport import PROTOCOL_VERSION, ShardClient
 from distsgd.transport.proto import distsgd_pb2 as pb
 
@@ -26,14 +24,8 @@ def _model() -> dict[str, np.ndarray]:
 
 
 @pytest.fixture
-def server() -> Iterator[tuple[str, ParameterService]]:
-    srv, address, service = start_server(
-        address="127.0.0.1:0", shard_index=0, rule_factory=make_server_rule
-    )
-    try:
-        yield address, service
-    finally:
-        stop_server(srv, service, grace=0.1)
+def server(ps_server: tuple[str, ParameterService]) -> tuple[str, ParameterService]:
+    return ps_server
 
 
 def test_the_proto_enum_mirrors_the_encodings() -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distsgd.ps.compression import encoding_for
+from distsgd.ps.pull_encoding import pull_encoding_for
 
 LR_SCHEDULES = ("constant", "cosine")
 LR_RULES = ("auto", "none", "sqrt", "linear", "inverse-sqrt", "elastic")
@@ -174,6 +175,14 @@ class TrainConfig:
             "per piece); servers keep and apply float32. Under allreduce: DDP's fp16 or bf16 hook"
         },
     )
+    pull_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "dtype pulled parameters travel in where a pull crosses a network (the "
+            "gRPC stream, a tensor socket): float32, bf16 or fp16 (half the bytes; workers "
+            "compute on the servers' values rounded to it). Shared-memory pulls stay float32"
+        },
+    )
     topk: float = field(
         default=0.0,
         metadata={
@@ -262,6 +271,7 @@ class TrainConfig:
         _fraction("warmup", self.warmup, "a fraction in [0, 1)")
         _either("nonfinite", self.nonfinite, ("skip", "stop"))
         encoding_for(self.wire_dtype)  # the flag's one check, the parameter server's
+        pull_encoding_for(self.pull_dtype)  # the same for pulls
         _fraction("topk", self.topk, "a fraction in [0, 1) (0 = off, e.g. 0.01)")
         if self.powersgd_rank < 0:
             raise ValueError(f"powersgd_rank must be 0 (off) or more, got {self.powersgd_rank}")

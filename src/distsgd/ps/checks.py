@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 
 from distsgd.ps import compression
+from distsgd.ps import pull_encoding as pull_encoding_module
 from distsgd.ps.rules import MAX_LR_SCALE
 from distsgd.ps.service_errors import abort, clip
 from distsgd.ps.shard import Shard
@@ -129,6 +130,14 @@ def wait_seconds(value: float, context: grpc.ServicerContext) -> float:
             f"{MAX_WAIT_SECONDS:g}s",
         )
     return min(value, MAX_WAIT_SECONDS)
+
+
+def pull_encoding(value: int, context: grpc.ServicerContext) -> compression.Encoding:
+    """``PullRequest.encoding``: RAW, FP16 or BF16."""
+    try:
+        return pull_encoding_module.check_requested(value)
+    except ValueError as exc:
+        abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; ask RAW, FP16 or BF16")
 
 
 def decode(

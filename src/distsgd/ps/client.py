@@ -19,6 +19,7 @@ import numpy as np
 
 from distsgd.ps import compression
 from distsgd.ps.partition import PartitionPlan
+from distsgd.ps.pull_encoding import PullDecoder, pull_encoding_for
 from distsgd.transport.carriers.base import Payload
 from distsgd.transport.client import PushResult, ShardClient
 from distsgd.transport.delay import LinkDelay
@@ -49,6 +50,7 @@ class ParameterClient:
         wire_dtype: str = "float32",
         topk: float = 0.0,
         link_delays: Sequence[LinkDelay | None] = (),
+        pull_dtype: str = "float32",
     ) -> None:
         """``shared_memory``: tensors to and from servers on this host go through shared memory
         (see :class:`~distsgd.transport.client.ShardClient`), ``tensor_socket``: to other
@@ -56,7 +58,11 @@ class ParameterClient:
         (float32, bf16, fp16, int8) and ``topk`` (a fraction, 0 = off) compress pushes
         (:mod:`distsgd.ps.compression`); the residual of int8 and top-k stays here and joins
         the next push (error feedback). ``link_delays``: per shard, the emulated link's delay
-        each call to it waits (:mod:`distsgd.transport.delay`; none where not given)."""
+        each call to it waits (:mod:`distsgd.transport.delay`; none where not given).
+        ``pull_dtype`` (float32, bf16, fp16): the dtype pulled float pieces travel in where a
+        pull crosses a network (:mod:`distsgd.ps.pull_encoding`)."""
+        pull_encoding = pull_encoding_for(pull_dtype)
+        decoder = None if pull_encoding is compression.Encoding.RAW else PullDecoder(pull_encoding)
         if len(addresses) != plan.num_shards:
             raise ValueError(
                 f"{len(addresses)} ps addresses for a plan of {plan.num_shards} shards"
@@ -76,6 +82,7 @@ class ParameterClient:
                 shared_memory=shared_memory,
                 tensor_socket=tensor_socket,
                 delay=link_delays[i] if i < len(link_delays) else None,
+                pull_decoding=decoder,
             )
             for i, a in enumerate(addresses)
         ]
@@ -188,7 +195,7 @@ class ParameterClient:
         self.last_waited = max(shard.last_waited for shard in self.shards)
         if record:
             self.versions = [version for version, _ in results]
-        self.bytes_received += sum(sum(a.nbytes for a in arrays.values()) for _, arrays in results)
+        self.bytes_received += sum(shard.last_pull_nbytes for shard in self.shards)
         pieces = [arrays for _, arrays in results]
         joined = self.plan.join(pieces) if into is None else self.plan.join_into(pieces, into)
         return min(version for version, _ in results), joined

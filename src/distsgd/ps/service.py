@@ -32,6 +32,7 @@ import numpy as np
 from distsgd.ps import checks, wal
 from distsgd.ps.checks import push_nbytes
 from distsgd.ps.membership import DEFAULT_EVICT_AFTER, check_evict_after
+from distsgd.ps.pull_encoding import encode_pull
 from distsgd.ps.rules import (
     MAX_WORKERS,
     PushMeta,
@@ -482,18 +483,21 @@ class ParameterService(SharedPlane, pb_grpc.ParameterServerServicer):
         self, request: pb.PullRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.PullResponse]:
         shard, wait = self._check_pull(request, context)
+        encoding = checks.pull_encoding(request.encoding, context)
         waited = self._await_version(shard, wait, request, context)
         # A locked rule's values are copied under its lock (one version); an unlocked rule's
-        # are streamed as they are, each chunk copied as it goes, as its readers expect.
+        # are streamed as they are, each chunk copied (or encoded) as it goes, as its readers
+        # expect.
         version, values = shard.snapshot() if shard.rule.locked else shard.live()
+        specs, arrays = encode_pull(values, encoding)
         header = pb.PullHeader(
             version=version,
-            tensors=specs_of(values),
+            tensors=specs,
             server_incarnation=self.incarnation,
             waited_seconds=waited,
         )
         yield pb.PullResponse(header=header)
-        for chunk in iter_chunks(list(values.values()), self.chunk_bytes):
+        for chunk in iter_chunks(arrays, self.chunk_bytes):
             yield pb.PullResponse(chunk=chunk)
 
     @guarded

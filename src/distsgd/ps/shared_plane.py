@@ -17,6 +17,8 @@ import grpc
 import numpy as np
 
 from distsgd.ps import channel, checks
+from distsgd.ps.compression import Encoding
+from distsgd.ps.pull_encoding import encode_pull
 from distsgd.ps.segments import Attached, Layout, SegmentTable
 from distsgd.ps.service_errors import abort, clip, guarded
 from distsgd.ps.shard import Shard
@@ -253,18 +255,22 @@ class SharedPlane:
     ) -> tuple[pb.PullHeader, list[np.ndarray]]:
         """A PullShared: its answer, and (tensor socket) the values to send after it."""
         shard, wait = self._check_pull(request, context)
+        encoding = checks.pull_encoding(request.encoding, context)
         entry = self._own_entry(request.segment, request.header, context, via)
         waited = self._await_version(shard, wait, request, context)
         arrays: list[np.ndarray] = []
+        specs = list(entry.layout.specs)
         with entry.lock:
-            if entry.segment is not None:
+            if entry.segment is not None:  # memory is not a link: RAW whatever was asked
                 version = shard.snapshot_into(entry.pull_views())
             else:  # a locked rule's values copied under its lock, an unlocked rule's as they are
                 version, values = shard.snapshot() if shard.rule.locked else shard.live()
                 arrays = list(values.values())
+                if encoding is not Encoding.RAW:
+                    specs, arrays = encode_pull(values, encoding)
         header = pb.PullHeader(
             version=version,
-            tensors=list(entry.layout.specs),
+            tensors=specs,
             server_incarnation=self.incarnation,
             waited_seconds=waited,
             in_segment=True,

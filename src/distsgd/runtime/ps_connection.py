@@ -197,6 +197,7 @@ def _client(env: TaskEnv, config: TrainConfig, plan: PartitionPlan) -> Parameter
         shared_memory=config.shared_memory == "auto",
         tensor_socket=config.tensor_socket == "auto",
         wire_dtype=config.wire_dtype,
+        pull_dtype=config.pull_dtype,
         topk=config.topk,
         tls=env.tls,
         link_delays=[LinkDelay(round_trip_s=rtt, jitter_s=jit) for rtt, jit in env.ps_link_delays],

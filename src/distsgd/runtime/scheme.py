@@ -105,12 +105,22 @@ class WorkerScheme(ABC):
 
     def refuse_compression(self, config: TrainConfig, scheme: str) -> None:
         """(For schemes that average with plain collectives) refuse ``--wire-dtype`` and
-        ``--topk``, which only parameter-server pushes and DDP's hooks apply."""
+        ``--topk``, which only parameter-server pushes and DDP's hooks apply (and
+        ``--pull-dtype``, see :meth:`refuse_pull_dtype`)."""
+        self.refuse_pull_dtype(config, scheme)
         if config.wire_dtype != "float32" or config.topk:
             flag = "--topk" if config.topk else f"--wire-dtype {config.wire_dtype}"
             raise ValueError(
                 f"{flag} under {scheme}: its averages travel uncompressed (compression applies "
                 "to parameter-server pushes, and to allreduce through DDP); drop the flag"
+            )
+
+    def refuse_pull_dtype(self, config: TrainConfig, scheme: str) -> None:
+        """(For schemes without parameter servers) refuse ``--pull-dtype``: nothing is pulled."""
+        if config.pull_dtype != "float32":
+            raise ValueError(
+                f"--pull-dtype {config.pull_dtype} under {scheme}: it has no parameter servers "
+                "to pull from (--pull-dtype applies to parameter-server pulls); drop the flag"
             )
 
     def start(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook

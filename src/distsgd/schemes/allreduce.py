@@ -76,6 +76,7 @@ class AllreduceWorker(WorkerScheme):
     def check_config(self, config: TrainConfig) -> None:
         if self.alone:  # nothing travels: a script run alone (python train.py) keeps its config
             return
+        self.refuse_pull_dtype(config, "allreduce")
         if config.wire_dtype == "int8":
             raise ValueError(
                 "--wire-dtype int8 under allreduce: int8 is for parameter-server schemes; "

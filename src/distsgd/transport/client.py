@@ -36,7 +36,7 @@ from distsgd.transport.errors import (
     PushReject,
     remote_error,
 )
-from distsgd.transport.link import Link
+from distsgd.transport.link import Link, PullDecoding
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
 from distsgd.transport.security import (
@@ -93,12 +93,14 @@ class ShardClient:
         shared_memory: bool = False,
         tensor_socket: bool = False,
         delay: LinkDelay | None = None,
+        pull_decoding: PullDecoding | None = None,
     ) -> None:
         """``shared_memory``: move tensor bytes through a shared-memory segment when the server
         is on this host; ``tensor_socket``: otherwise through a plain TCP connection (never with
         TLS). Each is tried at the first pull or push and falls back to the stream. ``delay``:
         an emulated link's round trip, waited before every call
-        (:mod:`~distsgd.transport.delay`)."""
+        (:mod:`~distsgd.transport.delay`). ``pull_decoding``: pulls ask their float pieces
+        encoded ("Encoded pulls" in the .proto) where they cross a network, decoded by it."""
         self.address = address
         self.delay = delay
         self.timeout = timeout
@@ -109,6 +111,8 @@ class ShardClient:
         self.last_waited = 0.0
         """Seconds the server spent waiting for ``min_version`` in the last pull (its report,
         clamped to the pull's own duration)."""
+        self.last_pull_nbytes = 0
+        """Bytes of values the last pull moved (encoded pieces at their encoded size)."""
         self._channel = (
             grpc.secure_channel(address, channel_credentials(tls), options=GRPC_OPTIONS)
             if tls is not None
@@ -125,6 +129,7 @@ class ShardClient:
             ),
             metadata=((METADATA_KEY, check_secret(secret)),) if secret else None,
             timeout=timeout,
+            pull_decoding=pull_decoding,
         )
         self._stream = StreamCarrier(self.link, chunk_bytes)
         self._attacher = Attacher(
@@ -267,8 +272,14 @@ class ShardClient:
             wait_seconds=wait,
             server_incarnation=self.server_incarnation,
             segment=carrier.segment_id,
+            encoding=(
+                pb.TENSOR_ENCODING_RAW
+                if self.link.pull_decoding is None
+                else self.link.pull_decoding.requested
+            ),
         )
         reply, arrays = carrier.pull(request, wait)
+        self.last_pull_nbytes = sum(self.link.pull_nbytes(spec) for spec in reply.tensors)
         self.server_incarnation = reply.server_incarnation
         self.last_waited = _waited(reply.waited_seconds, time.monotonic() - began)
         return reply.version, arrays

@@ -89,7 +89,8 @@ class AttachedCarrier(Carrier):
             else:
                 deadline = time.monotonic() + wait + link.timeout
                 reply = parse(pb.PullHeader, self._call(pb.CHANNEL_FRAME_PULL, request, deadline))
-                self.receive_values(deadline)
+                self._check_answer(reply)
+                self.receive_values(reply, deadline)
         except bulk.SocketClosed as exc:
             raise CarrierFailed(exc) from None
         except (grpc.RpcError, RemoteError) as exc:
@@ -97,13 +98,17 @@ class AttachedCarrier(Carrier):
             if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and err.refusal is None:
                 raise CarrierFailed(err, error=err, counted=False) from None
             raise CarrierFailed(err) from None
-        if not reply.in_segment or [t.key for t in reply.tensors] != list(self.pull_views):
-            raise CarrierFailed("the server answered a pull outside the segment")
+        self._check_answer(reply)
         return reply, self.pull_views
 
-    def receive_values(self, deadline: float) -> None:
-        """Read a pull's values that follow its answer on the data channel (a segment's are
-        in the segment already)."""
+    def _check_answer(self, reply: pb.PullHeader) -> None:
+        """A pull's answer names the segment's pieces, in its order."""
+        if not reply.in_segment or [t.key for t in reply.tensors] != list(self.pull_views):
+            raise CarrierFailed("the server answered a pull outside the segment")
+
+    def receive_values(self, reply: pb.PullHeader, deadline: float) -> None:
+        """Read a pull's values that follow its answer ``reply`` on the data channel (a
+        segment's are in the segment already)."""
 
     # -- pushes -----------------------------------------------------------------------------------
     def send_push(self, header: pb.PushHeader, after: Sequence[np.ndarray] = ()) -> pb.PushResponse:

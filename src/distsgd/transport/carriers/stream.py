@@ -31,10 +31,14 @@ class StreamCarrier(Carrier):
         first = next(stream)
         if first.WhichOneof("part") != "header":
             raise RemoteError(link.address, "Pull", grpc.StatusCode.INTERNAL, "no header first")
-        assembler = ChunkAssembler(first.header.tensors)
+        specs = first.header.tensors
+        assembler = ChunkAssembler(specs, nbytes=link.pull_nbytes)
         for message in stream:
             assembler.add(message.chunk)
-        return first.header, assembler.finish()
+        values = assembler.finish()
+        for spec in specs:
+            values[spec.key] = link.decode_pulled(spec, values[spec.key])
+        return first.header, values
 
     def carries(self, payload: Payload) -> bool:
         return True
