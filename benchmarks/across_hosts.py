@@ -95,6 +95,12 @@ PS_SETTINGS = (
     Setting(
         key="downpour", label="DOWNPOUR window 10", scheme="downpour", options=("--window", "10")
     ),
+    Setting(
+        key="hogwild-bf16x2",
+        label="Hogwild, --wire-dtype bf16 --pull-dtype bf16",
+        scheme="hogwild",
+        options=("--wire-dtype", "bf16", "--pull-dtype", "bf16"),
+    ),
 )
 ALLREDUCE = Setting(key="allreduce", label="all-reduce", scheme="allreduce", ps=0)
 CANDIDATES = (
@@ -458,6 +464,7 @@ def _ratio_text(ratio: float | None) -> str:
 
 TARGETS = (
     ("1gbit", "ps", "hogwild", 1.5, "Hogwild ≥ 1.5x TF PSS at 1 Gbit/s"),
+    ("1gbit", "ps", "hogwild-bf16x2", 1.5, "Hogwild, bf16 both ways, ≥ 1.5x TF PSS at 1 Gbit/s"),
     ("1gbit", "allreduce", "allreduce", 1.0, "all-reduce ≥ 1.0x DDP at 1 Gbit/s"),
     ("100mbit", "best", None, 3.0, "best distsgd setting ≥ 3x TF PSS at 100 Mbit/s"),
 )

@@ -69,7 +69,7 @@ def test_plan_has_a_ps_and_an_allreduce_block_per_link_and_one_screen() -> None:
         ("100mbit", "screen"),
     ]
     ps = blocks[0]
-    assert ps.keys == ("hogwild", "hogwild-overlap", "sync", "downpour", "tf")
+    assert ps.keys == ("hogwild", "hogwild-overlap", "sync", "downpour", "hogwild-bf16x2", "tf")
     assert blocks[1].keys == ("allreduce", "ddp")
     assert blocks[-1].reference is None and "tf" not in blocks[-1].keys
     assert ah.plan(["1gbit"], None)[-1].name == "allreduce"
