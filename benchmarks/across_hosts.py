@@ -103,6 +103,13 @@ PS_SETTINGS = (
     ),
 )
 ALLREDUCE = Setting(key="allreduce", label="all-reduce", scheme="allreduce", ps=0)
+ALLREDUCE_BF16 = Setting(
+    key="allreduce-bf16",
+    label="all-reduce, --wire-dtype bf16",
+    scheme="allreduce",
+    ps=0,
+    options=("--wire-dtype", "bf16"),
+)
 CANDIDATES = (
     Setting(key="hogwild-ps2", label="Hogwild, --ps 2", scheme="hogwild", ps=2),
     Setting(
@@ -160,7 +167,14 @@ def plan(links: Sequence[str], best_link: str | None) -> list[Block]:
     blocks = []
     for link in links:
         blocks.append(Block(link=link, name="ps", settings=PS_SETTINGS, reference="tf"))
-        blocks.append(Block(link=link, name="allreduce", settings=(ALLREDUCE,), reference="ddp"))
+        blocks.append(
+            Block(
+                link=link,
+                name="allreduce",
+                settings=(ALLREDUCE, ALLREDUCE_BF16),
+                reference="ddp",
+            )
+        )
         if link == best_link:
             blocks.append(Block(link=link, name="screen", settings=CANDIDATES, reference=None))
     return blocks
@@ -466,6 +480,7 @@ TARGETS = (
     ("1gbit", "ps", "hogwild", 1.5, "Hogwild ≥ 1.5x TF PSS at 1 Gbit/s"),
     ("1gbit", "ps", "hogwild-bf16x2", 1.5, "Hogwild, bf16 both ways, ≥ 1.5x TF PSS at 1 Gbit/s"),
     ("1gbit", "allreduce", "allreduce", 1.0, "all-reduce ≥ 1.0x DDP at 1 Gbit/s"),
+    ("1gbit", "allreduce", "allreduce-bf16", 1.0, "all-reduce, bf16, ≥ 1.0x DDP at 1 Gbit/s"),
     ("100mbit", "best", None, 3.0, "best distsgd setting ≥ 3x TF PSS at 100 Mbit/s"),
 )
 
@@ -620,7 +635,7 @@ def measure(args: argparse.Namespace, runner: Runner, report: dict[str, Any]) ->
 
     links = [link.strip() for link in args.links.split(",") if link.strip()]
     blocks = plan(links, args.best_link)
-    by_key = {s.key: s for s in (*PS_SETTINGS, ALLREDUCE, *CANDIDATES)}
+    by_key = {s.key: s for s in (*PS_SETTINGS, ALLREDUCE, ALLREDUCE_BF16, *CANDIDATES)}
     while blocks:
         block = blocks.pop(0)
         steps = steps_for(parse_rate(block.link), args.steps)

@@ -70,7 +70,7 @@ def test_plan_has_a_ps_and_an_allreduce_block_per_link_and_one_screen() -> None:
     ]
     ps = blocks[0]
     assert ps.keys == ("hogwild", "hogwild-overlap", "sync", "downpour", "hogwild-bf16x2", "tf")
-    assert blocks[1].keys == ("allreduce", "ddp")
+    assert blocks[1].keys == ("allreduce", "allreduce-bf16", "ddp")
     assert blocks[-1].reference is None and "tf" not in blocks[-1].keys
     assert ah.plan(["1gbit"], None)[-1].name == "allreduce"
 
@@ -91,7 +91,7 @@ def test_settings_give_hosts_and_argv() -> None:
     assert shards.hosts == 4 and shards.argv()[-2:] == ["--ps", "2"]
     downpour = next(s for s in ah.PS_SETTINGS if s.key == "downpour")
     assert downpour.argv()[-2:] == ["--window", "10"]
-    keys = [s.key for s in (*ah.PS_SETTINGS, ah.ALLREDUCE, *ah.CANDIDATES)]
+    keys = [s.key for s in (*ah.PS_SETTINGS, ah.ALLREDUCE, ah.ALLREDUCE_BF16, *ah.CANDIDATES)]
     assert len(keys) == len(set(keys))
 
 
