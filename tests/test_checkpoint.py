@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,27 @@ def _complete_checkpoint(root: Path, step: int) -> Path:
     writer.complete(folder.name, step, shards, {"scheme": "hogwild"})
     writer.join(10)
     return folder
+
+
+def test_a_settled_writer_completes_what_it_can_and_does_not_wait_for_a_worker_gone(
+    tmp_path: Path,
+) -> None:
+    """At a run's end every worker has saved what it ever will: a checkpoint whose states are
+    all there is completed, one that waits for a worker who left (an elastic scale-down) is
+    given up at once, not after the join's timeout."""
+    root = tmp_path / "checkpoints"
+    for step in (10, 20):
+        (root / f"ckpt-{step:08d}").mkdir(parents=True)
+        save_worker_state(root / "workers" / f"worker0-{step:08d}.pt", worker_state(step))
+    save_worker_state(root / "workers" / f"worker1-{10:08d}.pt", worker_state(10))
+    writer = ManifestWriter(root, 2, wait=60)
+    for step in (10, 20):
+        writer.complete(f"ckpt-{step:08d}", step, [], {"scheme": "hogwild"})
+    started = time.monotonic()
+    writer.join(30, settled=True)
+    assert time.monotonic() - started < 10  # not the join's 30 s
+    assert (root / "ckpt-00000010" / MANIFEST).is_file()  # worker1 reached step 10
+    assert not (root / "ckpt-00000020" / MANIFEST).exists()  # worker1 never reached 20
 
 
 def test_latest_checkpoint_skips_damaged_and_incomplete(tmp_path: Path) -> None:

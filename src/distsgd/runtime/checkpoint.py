@@ -304,5 +304,7 @@ class Checkpointer:
         self.writer.complete(name, self.due_step, shards, extra)
 
     def close(self, timeout: float = 5.0) -> None:
+        """(After the other workers finished) complete what checkpoints can be completed, give
+        up the others, and stop the chief's manifest writer."""
         if self.writer is not None:
-            self.writer.join(timeout)
+            self.writer.join(timeout, settled=True)

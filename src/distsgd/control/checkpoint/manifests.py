@@ -42,6 +42,7 @@ class ManifestWriter:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closing = False
+        self._settled = False
         self._thread = threading.Thread(target=self._run, name="manifests", daemon=True)
         self._thread.start()
 
@@ -52,35 +53,46 @@ class ManifestWriter:
             self._pending.append((name, step, shards, extra, time.monotonic() + self.wait))
         self._wake.set()
 
-    def join(self, timeout: float) -> None:
-        """Finish what can be finished within ``timeout`` seconds, then stop."""
+    def join(self, timeout: float, *, settled: bool = False) -> None:
+        """Finish what can be finished within ``timeout`` seconds, then stop. ``settled``:
+        every worker has finished and saved what it ever will, so one last pass completes what
+        can be completed and gives the rest up at once (a checkpoint waiting for a worker that
+        left the run early, or was dropped, would otherwise hold the run's end ``timeout``)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while not settled and time.monotonic() < deadline:
             with self._lock:
                 if not self._pending:
                     break
             time.sleep(0.05)
+        self._settled = settled
         self._closing = True
         self._wake.set()
         self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
 
     def _run(self) -> None:
-        while not self._closing:
+        while True:
+            last = self._closing  # read before the pass: the pass after close is the last
+            self._pass(give_up_all=last and self._settled)
+            if last:
+                return
             self._wake.wait(0.1)
             self._wake.clear()
-            with self._lock:
-                pending = list(self._pending)
-            for item in pending:
-                name, step, shards, extra, give_up = item
-                done = self._try(name, step, shards, extra)
-                if done or time.monotonic() > give_up:
-                    if not done:
-                        log.warning(
-                            "checkpoint %s: not every worker reached step %d; given up", name, step
-                        )
-                    with self._lock:
-                        self._pending.remove(item)
-                    self._prune()
+
+    def _pass(self, *, give_up_all: bool) -> None:
+        """Try every pending checkpoint once; drop those done or past their wait."""
+        with self._lock:
+            pending = list(self._pending)
+        for item in pending:
+            name, step, shards, extra, give_up = item
+            done = self._try(name, step, shards, extra)
+            if done or give_up_all or time.monotonic() > give_up:
+                if not done:
+                    log.warning(
+                        "checkpoint %s: not every worker reached step %d; given up", name, step
+                    )
+                with self._lock:
+                    self._pending.remove(item)
+                self._prune()
 
     def _try(
         self, name: str, step: int, shards: list[dict[str, Any]], extra: dict[str, Any]
