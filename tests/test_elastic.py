@@ -112,12 +112,15 @@ def _members_seen(run_dir: Path, count: int) -> bool:
 
 
 EPOCHS = "20"
-PACE = "100ms"
+PACE = "60ms"
 """Every step of every worker (those that join later too) sleeps this long: a scripted run
-must last while its changes of size happen (about 40 s), and sleeping costs no CPU, where the
-100 epochs these runs used to train for the same purpose cost a minute of it each (and 40
-epochs paced by 50 ms, the same length, cost twice the CPU of these 20: measured 0.98 at 20
-epochs, 0.975 at 40, for a fixed run of 3 hogwild workers)."""
+must last while its changes of size happen, and sleeping costs no CPU, where the 100 epochs
+these runs used to train for the same purpose cost a minute of it each (and 40 epochs paced by
+50 ms, the same length, cost twice the CPU of these 20: measured 0.98 at 20 epochs, 0.975 at
+40, for a fixed run of 3 hogwild workers). The changes take about 3 s from the first step on
+an idle machine (scale to 4 at 1.5 s, the last at 2.5 s, in a sync run); paced by 60 ms a run
+lasts about 20 s, so a loaded machine has several times that (100 ms until the run's end no
+longer waited 5 s on a checkpoint a scale-down left incomplete)."""
 
 
 def _demo(scheme: str, run_dir: Path, *flags: str, paced: bool = True) -> list[str]:
