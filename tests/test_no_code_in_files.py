@@ -317,6 +317,7 @@ class _FakeServers:
         self.arrays = arrays
         self.versions = [0]
         self.bytes_sent = 0
+        self.bytes_received = 0
         self.last_waited = 0.0
 
     def pull(self, *, min_version: Any = 0, into: Any = None) -> tuple[int, dict[str, np.ndarray]]:

@@ -377,3 +377,9 @@ class WorkerContext:
     def bytes_sent(self) -> int:
         sent = 0 if self._ps is None else self._ps.bytes_sent
         return sent + (0 if self._collective is None else self._collective.bytes_sent)
+
+    @property
+    def bytes_received(self) -> int:
+        """Tensor bytes this worker's pulls brought from the parameter servers, as they
+        travelled (halved by ``--pull-dtype bf16``); 0 under collective schemes."""
+        return 0 if self._ps is None else self._ps.bytes_received

@@ -18,6 +18,8 @@ class TrainResult:
     seconds: float
     samples: int
     bytes_sent: int
+    bytes_received: int = 0
+    """Tensor bytes this worker's pulls received from the parameter servers (0 without)."""
     test_loss: float | None = None
     test_accuracy: float | None = None
     diverged: bool = False

@@ -406,6 +406,7 @@ class WorkerSession:
             seconds=seconds,
             samples=self.samples,
             bytes_sent=ctx.bytes_sent,
+            bytes_received=ctx.bytes_received,
             time_split={k: round(v, 4) for k, v in ctx.clock.totals().items()},
             work=work_counts(work_status) if self.chief and work_status is not None else None,
             left=self.left,

@@ -55,6 +55,7 @@ class StepLog:
             samples=samples,
             **({"epoch": epoch} if epoch is not None else {}),
             bytes_sent=ctx.bytes_sent,
+            bytes_received=ctx.bytes_received,
             lost_pushes=ctx.lost_pushes,
             nonfinite_skipped=ctx.nonfinite_skipped,
             **extra,
