@@ -14,8 +14,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -145,6 +146,19 @@ def _one_locked_group_test_at_a_time(
             held = stack.enter_context(open(lock, "a"))
             fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
         yield
+
+
+def on_emulated_hosts(cannot: str | None) -> Callable[[Any], Any]:
+    """The marks of a test that makes network namespaces: skipped where it ``cannot`` (why;
+    None: it can), and one such test at a time (the "hosts" group of LOCKED_GROUPS). The pure
+    tests of the same modules take no lock: marked for the whole module, they waited for the
+    other test process's run on emulated hosts with their process idle (14 s once)."""
+
+    def mark(test: Any) -> Any:
+        skip = pytest.mark.skipif(cannot is not None, reason=str(cannot))
+        return pytest.mark.xdist_group("hosts")(skip(test))
+
+    return mark
 
 
 def distsgd_cmd(*args: str) -> list[str]:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import final_accuracy, metrics
+from conftest import final_accuracy, metrics, on_emulated_hosts
 from test_hosts_run import _check_hosts_gone, _demo
 
 from distsgd.launcher.emulation import HOSTS_FILE
@@ -27,8 +27,7 @@ def _capable() -> str | None:
     return None
 
 
-needs_netns = pytest.mark.skipif(_capable() is not None, reason=str(_capable()))
-pytestmark = pytest.mark.xdist_group("hosts")  # one at a time: conftest LOCKED_GROUPS
+needs_netns = on_emulated_hosts(_capable())  # one at a time; the pure tests take no lock
 
 
 def _check_partition(run_dir: Path, host: str, *, seconds: float) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import distsgd_cmd
+from conftest import distsgd_cmd, on_emulated_hosts
 
 from distsgd.launcher.emulation import HOSTS_FILE
 from distsgd.launcher.link_sampler import LINKS_FILE, LinkSample, LinkSampler, busiest_rates
@@ -31,8 +31,7 @@ def _capable() -> str | None:
     return None
 
 
-needs_netns = pytest.mark.skipif(_capable() is not None, reason=str(_capable()))
-pytestmark = pytest.mark.xdist_group("hosts")  # one at a time: conftest LOCKED_GROUPS
+needs_netns = on_emulated_hosts(_capable())  # one at a time; the pure tests take no lock
 
 
 def _sample(t: float, sent: int, received: int = 0) -> LinkSample:

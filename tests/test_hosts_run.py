@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import SCRIPTS, distsgd_cmd, final_accuracy
+from conftest import SCRIPTS, distsgd_cmd, final_accuracy, on_emulated_hosts
 
 from distsgd.cluster import TaskId
 from distsgd.cluster.hosts import parse_links, plan_hosts
@@ -40,8 +40,7 @@ def _capable() -> str | None:
     return None
 
 
-needs_netns = pytest.mark.skipif(_capable() is not None, reason=str(_capable()))
-pytestmark = pytest.mark.xdist_group("hosts")  # one at a time: conftest LOCKED_GROUPS
+needs_netns = on_emulated_hosts(_capable())  # one at a time; the pure tests take no lock
 
 
 # --------------------------------------------------------------------------- settings (pure)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import on_emulated_hosts
 
 from distsgd.cluster import TaskId
 from distsgd.cluster.hosts import HostPlan, LinkSpec, parse_links, plan_hosts
@@ -86,8 +87,7 @@ def _capable() -> str | None:
     return None
 
 
-needs_netns = pytest.mark.skipif(_capable() is not None, reason=str(_capable()))
-pytestmark = pytest.mark.xdist_group("hosts")  # one at a time: conftest LOCKED_GROUPS
+needs_netns = on_emulated_hosts(_capable())  # one at a time; the pure tests take no lock
 
 
 def _plan(count: int, links: list[str] | None = None) -> HostPlan:
