@@ -8,16 +8,15 @@ import dataclasses
 import inspect
 import sys
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
 from distsgd.control.config import TrainConfig
 from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS
+from distsgd.launcher.config import DEMO_SCRIPT as DEMO_SCRIPT  # where it was first named
 
 _TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
 
-DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
 """The script of ``distsgd demo``, and of ``compare`` and ``k8s render`` without SCRIPT."""
 
 

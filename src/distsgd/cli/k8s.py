@@ -104,8 +104,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from distsgd.cli.flags import DEMO_SCRIPT, checkpoint_every, collect, scheme_options
-    from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, LaunchConfig
+    from distsgd.cli.flags import checkpoint_every, collect, scheme_options
+    from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, DEMO_SCRIPT, LaunchConfig
     from distsgd.launcher.k8s import K8sConfig, render
 
     unsupported = [

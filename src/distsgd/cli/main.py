@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
-from distsgd.cli.flags import DEMO_SCRIPT, checkpoint_every, collect, scheme_options
+from distsgd.cli.flags import checkpoint_every, collect, scheme_options
 from distsgd.cli.parser import build_parser, parse_argv
 from distsgd.cluster import ClusterSpecError, Role, resolve_cluster
+from distsgd.launcher.config import DEMO_SCRIPT
 from distsgd.util import private_dir
 
 DEBUG_ENV = "DISTSGD_DEBUG"

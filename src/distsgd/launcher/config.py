@@ -17,6 +17,9 @@ from distsgd.control.folder import new_run_folder, runs_root
 from distsgd.control.spec import RunSpec, WorkerBounds, check_worker_bounds
 from distsgd.transport.security import TlsConfig
 
+DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
+"""The bundled demo's training script (``distsgd demo``)."""
+
 DEFAULT_CHECKPOINT_SECONDS = 30.0
 """Checkpoint cadence when none is given: a restart costs at most this much of a task's work."""
 DEFAULT_MAX_RESTARTS = 3
@@ -249,6 +252,16 @@ class LaunchConfig(WorkerBounds):
         """Whether workers come from the fork server: ``fork_server``, except under ``--hosts``
         (a forked worker would be in the fork server's network namespace, not its host's)."""
         return self.fork_server and not self.hosts
+
+    @property
+    def preloads_optimizer(self) -> bool:
+        """Whether the fork server imports what ``torch.optim`` needs (``torch._dynamo``, over
+        a CPU-second) before forking workers: where they will build an optimizer, that is under
+        a scheme with a local one or with a script of the user's own; not for the bundled demo
+        under a scheme without (most parameter-server schemes: their servers update)."""
+        if schemes.get(self.scheme).local_optimizer:
+            return True
+        return Path(self.script).resolve() != DEMO_SCRIPT
 
     @property
     def tasks(self) -> tuple[TaskId, ...]:

@@ -25,6 +25,9 @@ from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.zygote import (
     FORKABLE,
     MAX_MESSAGE,
+    PRELOAD_ENV,
+    PRELOAD_OPTIMIZER,
+    PRELOAD_TORCH,
     ProtocolError,
     Report,
     encode,
@@ -77,13 +80,17 @@ class ForkServer:
         self._reader.start()
 
     @classmethod
-    def spawn(cls, env: Mapping[str, str], log_path: Path) -> ForkServer:
+    def spawn(
+        cls, env: Mapping[str, str], log_path: Path, *, preload_optimizer: bool = True
+    ) -> ForkServer:
         """Start a server (it imports in the background) with the environment ``env`` less
-        each task's own settings, its output going to ``log_path``."""
+        each task's own settings, its output going to ``log_path``; ``preload_optimizer``:
+        it imports what torch.optim needs too (:data:`~distsgd.launcher.zygote.PRELOAD_ENV`)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         server_env = {k: v for k, v in env.items() if k not in SERVER_ENV_DROP}
         server_env.update({PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
         server_env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        server_env[PRELOAD_ENV] = PRELOAD_OPTIMIZER if preload_optimizer else PRELOAD_TORCH
         with theirs, os.fdopen(open_private(log_path, os.O_WRONLY | os.O_APPEND), "ab") as out:
             process = subprocess.Popen(
                 [sys.executable, "-m", "distsgd.launcher.zygote", str(theirs.fileno())],

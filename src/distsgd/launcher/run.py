@@ -153,7 +153,12 @@ def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
     """Local processes, or (``config.ray``) Ray actors, one bundle of resources per task."""
     if config.ray is None:
         server_log = run_dir / FORK_SERVER_LOG if config.forks_workers else None
-        return Supervisor(log_dir=run_dir / "logs", echo=console.line, fork_server_log=server_log)
+        return Supervisor(
+            log_dir=run_dir / "logs",
+            echo=console.line,
+            fork_server_log=server_log,
+            preload_optimizer=config.preloads_optimizer,
+        )
     from distsgd.launcher.ray_tasks import RaySupervisor
 
     bundles = {f"ps{i}": {"CPU": 1.0} for i in range(config.num_ps)}

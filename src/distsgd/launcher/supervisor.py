@@ -117,11 +117,19 @@ class Supervisor:
     """Owns the task processes of one run."""
 
     def __init__(
-        self, *, log_dir: Path, echo: Callable[[str], None], fork_server_log: Path | None = None
+        self,
+        *,
+        log_dir: Path,
+        echo: Callable[[str], None],
+        fork_server_log: Path | None = None,
+        preload_optimizer: bool = True,
     ) -> None:
         self.log_dir = log_dir
         self.echo = echo
         self.tasks: dict[str, Task | ForkedTask] = {}
+        self.preload_optimizer = preload_optimizer
+        """Whether the fork server imports what torch.optim needs before forking
+        (``LaunchConfig.preloads_optimizer``)."""
         self.fork_server_log = fork_server_log
         """Where the fork server's own output goes; None: no fork server, every task is a
         process (it is started with the first worker task, and this is None once it is gone)."""
@@ -169,7 +177,9 @@ class Supervisor:
             return None
         if self._server is None:
             try:
-                self._server = ForkServer.spawn(env, server_log)
+                self._server = ForkServer.spawn(
+                    env, server_log, preload_optimizer=self.preload_optimizer
+                )
             except OSError as exc:
                 log.warning("could not start the fork server (%s); starting processes", exc)
                 self.fork_server_log = None

@@ -183,15 +183,23 @@ def _request_id(data: bytes) -> int:
 
 
 # -- the server ---------------------------------------------------------------------------------
+PRELOAD_ENV = "DISTSGD_FORK_PRELOAD"
+"""What the server imports before it serves: :data:`PRELOAD_OPTIMIZER` (the default) or
+:data:`PRELOAD_TORCH` (the launcher knows no worker will build an optimizer)."""
+PRELOAD_OPTIMIZER = "optimizer"
+PRELOAD_TORCH = "torch"
+
+
 def preload() -> None:
     """Import what every worker imports (torch above all), creating no thread."""
     os.environ["OMP_NUM_THREADS"] = "1"  # libgomp reads these once, when torch loads it;
     os.environ["MKL_NUM_THREADS"] = "1"  # each task then sets its own (limit_threads)
     import torch
 
-    # torch.optim imports this when a process makes its first optimizer (over a CPU-second,
-    # in nearly every worker: a local optimizer of a scheme, or the user's own).
-    import torch._dynamo  # noqa: F401
+    if os.environ.get(PRELOAD_ENV, PRELOAD_OPTIMIZER) != PRELOAD_TORCH:
+        # torch.optim imports this when a process makes its first optimizer (over a
+        # CPU-second, in most workers: a local optimizer of a scheme, or the user's own).
+        import torch._dynamo  # noqa: F401
 
     import distsgd.api
     import distsgd.launcher.bootstrap  # noqa: F401

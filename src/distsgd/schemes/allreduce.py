@@ -122,4 +122,5 @@ SPEC = SchemeSpec(
     summary="synchronous SGD by all-reduce of gradients (torch.distributed), no parameter servers",
     options=AllreduceOptions,
     worker=AllreduceWorker,
+    local_optimizer=True,
 )

@@ -148,4 +148,5 @@ SPEC = SchemeSpec(
     options=DilocoOptions,
     worker=DilocoWorker,
     step_size=("inner_lr", "outer_lr"),
+    local_optimizer=True,
 )

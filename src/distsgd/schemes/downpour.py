@@ -226,4 +226,5 @@ SPEC = SchemeSpec(
         "lr",
         "server_lr",
     ),
+    local_optimizer=True,
 )

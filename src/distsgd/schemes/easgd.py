@@ -122,4 +122,5 @@ SPEC = SchemeSpec(
         "lr",
         "alpha",
     ),
+    local_optimizer=True,
 )

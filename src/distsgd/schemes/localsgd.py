@@ -78,4 +78,5 @@ SPEC = SchemeSpec(
     summary="local SGD: average the replicas every `period` steps (post-local: sync first)",
     options=LocalsgdOptions,
     worker=LocalsgdWorker,
+    local_optimizer=True,
 )

@@ -30,6 +30,10 @@ class SchemeSpec:
     """The server half, an :class:`UpdateRule` subclass built as ``server(options, num_workers)``
     (options: the parsed JSON object; it raises ValueError naming a bad option); None for
     collective-only schemes."""
+    local_optimizer: bool = False
+    """Whether its workers build a torch optimizer (``ctx.make_optimizer``): a local run's fork
+    server then imports what ``torch.optim`` needs once, before forking them, instead of each
+    worker at its first step (over a CPU-second each)."""
     step_size: tuple[str, ...] = ("lr",)
     """The settings (``TrainConfig`` fields or the scheme's options) that set how far an update
     moves the parameters: what a diverged run of this scheme is told to lower."""
