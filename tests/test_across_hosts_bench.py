@@ -69,7 +69,15 @@ def test_plan_has_a_ps_and_an_allreduce_block_per_link_and_one_screen() -> None:
         ("100mbit", "screen"),
     ]
     ps = blocks[0]
-    assert ps.keys == ("hogwild", "hogwild-overlap", "sync", "downpour", "hogwild-bf16x2", "tf")
+    assert ps.keys == (
+        "hogwild",
+        "hogwild-overlap",
+        "sync",
+        "downpour",
+        "hogwild-bf16x2",
+        "hogwild-int8-bf16",
+        "tf",
+    )
     assert blocks[1].keys == ("allreduce", "allreduce-bf16", "ddp")
     assert blocks[-1].reference is None and "tf" not in blocks[-1].keys
     assert ah.plan(["1gbit"], None)[-1].name == "allreduce"
@@ -173,9 +181,20 @@ def report(blocks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def test_markdown_has_a_table_per_block_and_the_targets() -> None:
+    ps = block(
+        measures={
+            "hogwild": [sample(40.0), sample(38.0)],
+            "hogwild-int8-bf16": [sample(75.0), sample(70.0)],
+            "tf": [sample(37.0), sample(38.0)],
+        }
+    )
     ar = block(
         "allreduce",
-        measures={"allreduce": [sample(55.0), sample(50.0)], "ddp": [sample(50.0), sample(50.0)]},
+        measures={
+            "allreduce": [sample(50.0), sample(49.0)],
+            "allreduce-bf16": [sample(55.0), sample(50.0)],
+            "ddp": [sample(50.0), sample(50.0)],
+        },
         reference="ddp",
     )
     best = block(
@@ -191,15 +210,19 @@ def test_markdown_has_a_table_per_block_and_the_targets() -> None:
     assert (
         "| Hogwild | 55.0 (50.0-60.0) | 35.0 (30.0-40.0) | 1.62 | host0 5.50 | host0 5.40 |" in text
     )
-    assert "| Hogwild ≥ 1.5x TF PSS at 1 Gbit/s | 1.62 (Hogwild) | yes |" in text
-    assert "| all-reduce ≥ 1.0x DDP at 1 Gbit/s | 1.05 (Allreduce) | yes |" in text
+    text = ah.markdown(report([ps, ar, best]))
+    assert "| Hogwild ≥ 1.5x TF PSS at 1 Gbit/s | 1.93 (Hogwild-int8-bf16) | yes |" in text
+    assert "| all-reduce ≥ 1.0x DDP at 1 Gbit/s | 1.05 (Allreduce-bf16) | yes |" in text
     assert "| best distsgd setting ≥ 3x TF PSS at 100 Mbit/s | 4.20 (Downpour-w50) | yes |" in text
+    # the float32 rows are listed beside the targets, never judged
+    assert "| Hogwild, float32: parity expected (the same bytes) | 1.04 (Hogwild) | — |" in text
+    assert "| all-reduce, float32: parity expected (DDP) | 0.99 (Allreduce) | — |" in text
 
 
 def test_targets_not_met_say_no() -> None:
-    slow = block(measures={"hogwild": [sample(20.0)], "tf": [sample(30.0)]})
+    slow = block(measures={"hogwild-int8-bf16": [sample(40.0)], "tf": [sample(30.0)]})
     assert ah.targets(report([slow])) == [
-        ("Hogwild ≥ 1.5x TF PSS at 1 Gbit/s", "0.67 (Hogwild)", "no")
+        ("Hogwild ≥ 1.5x TF PSS at 1 Gbit/s", "1.33 (Hogwild-int8-bf16)", "no")
     ]
 
 
