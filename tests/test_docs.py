@@ -34,6 +34,7 @@ LAYERS = (
     "transport",
     "ps",
     "control",
+    "plan",
     "runtime",
     "schemes",
     "api",

@@ -308,6 +308,10 @@ def _dispatch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from distsgd.cli import hosts
 
         return hosts.main(args)
+    if args.command == "plan":
+        from distsgd.cli import plan
+
+        return plan.main(args)
     raise AssertionError(f"a command without a handler: {args.command}")
 
 

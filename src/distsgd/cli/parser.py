@@ -21,7 +21,9 @@ from distsgd.launcher.config import (
     FORK_SERVER_DEFAULT,
 )
 
-DESCRIPTION = "The ``distsgd`` command: run, demo, compare, server, worker, inspect, schemes, k8s."
+DESCRIPTION = (
+    "The ``distsgd`` command: run, demo, compare, plan, server, worker, inspect, schemes, k8s."
+)
 
 
 def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -278,10 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scale(sub)
     _add_join(sub)
     _add_tools(sub)
-    from distsgd.cli import hosts, k8s
+    from distsgd.cli import hosts, k8s, plan
 
     k8s.add_command(sub, add_launch_flags)
     hosts.add_command(sub)
+    plan.add_command(sub)
     return parser
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from distsgd.plan.traffic import Traffic
 from distsgd.schemes.downpour import DownpourOptions, DownpourServer, DownpourWorker
 from distsgd.schemes.registry import SchemeSpec
 
@@ -74,4 +75,5 @@ SPEC = SchemeSpec(
         "lr",
         "server_lr",
     ),
+    traffic=Traffic(kind="async", period_option="window"),
 )

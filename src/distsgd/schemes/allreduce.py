@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from distsgd.control.config import TrainConfig
+from distsgd.plan.traffic import Traffic
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.schemes.registry import SchemeSpec
@@ -123,4 +124,5 @@ SPEC = SchemeSpec(
     options=AllreduceOptions,
     worker=AllreduceWorker,
     local_optimizer=True,
+    traffic=Traffic(kind="collective"),
 )

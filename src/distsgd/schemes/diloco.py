@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from distsgd.control.config import TrainConfig
+from distsgd.plan.traffic import Traffic
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.schemes.registry import SchemeSpec
@@ -149,4 +150,5 @@ SPEC = SchemeSpec(
     worker=DilocoWorker,
     step_size=("inner_lr", "outer_lr"),
     local_optimizer=True,
+    traffic=Traffic(kind="collective", period_option="inner_steps"),
 )

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from distsgd.control.config import TrainConfig
+from distsgd.plan.traffic import Traffic
 from distsgd.ps.rules import (
     ACCEPTED,
     MAX_RATE,
@@ -227,4 +228,5 @@ SPEC = SchemeSpec(
         "server_lr",
     ),
     local_optimizer=True,
+    traffic=Traffic(kind="async", period_option="window", overlap_option="overlap"),
 )

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from distsgd.plan.traffic import Traffic
 from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, SgdServerOptions, UpdateRule
 from distsgd.ps.shard import Shard
 from distsgd.runtime.context import WorkerContext
@@ -78,4 +79,5 @@ SPEC = SchemeSpec(
     options=DynsgdOptions,
     worker=DynsgdWorker,
     server=DynsgdServer,
+    traffic=Traffic(kind="async"),
 )

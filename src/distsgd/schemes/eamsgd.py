@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distsgd.plan.traffic import Traffic
 from distsgd.runtime.context import WorkerContext
 from distsgd.schemes.easgd import EasgdOptions, EasgdWorker, ElasticServer
 from distsgd.schemes.registry import SchemeSpec
@@ -88,4 +89,5 @@ SPEC = SchemeSpec(
     worker=EamsgdWorker,
     server=ElasticServer,
     step_size=("lr", "alpha", "delta"),
+    traffic=Traffic(kind="async", period_option="tau"),
 )

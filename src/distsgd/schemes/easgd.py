@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from distsgd.plan.traffic import Traffic
 from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, ServerOptions, UpdateRule
 from distsgd.ps.shard import Shard
 from distsgd.runtime.context import WorkerContext
@@ -123,4 +124,5 @@ SPEC = SchemeSpec(
         "alpha",
     ),
     local_optimizer=True,
+    traffic=Traffic(kind="async", period_option="tau"),
 )

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from distsgd.plan.traffic import Traffic
 from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, SgdServerOptions, UpdateRule
 from distsgd.ps.shard import Shard
 from distsgd.runtime.context import WorkerContext
@@ -127,4 +128,5 @@ SPEC = SchemeSpec(
     options=HogwildOptions,
     worker=HogwildWorker,
     server=HogwildServer,
+    traffic=Traffic(kind="async", overlap_option="overlap"),
 )

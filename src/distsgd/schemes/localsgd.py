@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from distsgd.control.config import TrainConfig
+from distsgd.plan.traffic import Traffic
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.schemes.registry import SchemeSpec
@@ -79,4 +80,5 @@ SPEC = SchemeSpec(
     options=LocalsgdOptions,
     worker=LocalsgdWorker,
     local_optimizer=True,
+    traffic=Traffic(kind="collective", period_option="period"),
 )

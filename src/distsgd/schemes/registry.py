@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distsgd.control.config import TrainConfig
+from distsgd.plan.traffic import Exchange, Traffic
 from distsgd.ps.rules import UpdateRule
 from distsgd.runtime.scheme import WorkerScheme
 
@@ -34,6 +35,11 @@ class SchemeSpec:
     """Whether its workers build a torch optimizer (``ctx.make_optimizer``): a local run's fork
     server then imports what ``torch.optim`` needs once, before forking them, instead of each
     worker at its first step (over a CPU-second each)."""
+    traffic: Traffic | None = None
+    """What it sends, for the cost model (``distsgd plan``): ``async`` (pull, compute, push on
+    its own), ``sync`` (rounds through the servers) or ``collective`` (all-reduce), every step
+    or every ``period_option`` steps. None: ``async`` with a server half, else ``collective``,
+    every step."""
     step_size: tuple[str, ...] = ("lr",)
     """The settings (``TrainConfig`` fields or the scheme's options) that set how far an update
     moves the parameters: what a diverged run of this scheme is told to lower."""
@@ -48,6 +54,12 @@ class SchemeSpec:
 
     def _step_flags(self) -> str:
         return " or ".join(f"--{name.replace('_', '-')}" for name in self.step_size)
+
+    def exchange(self, options: Any) -> Exchange:
+        """Its communication with ``options`` (its parsed options dataclass) applied."""
+        if self.traffic is not None:
+            return self.traffic.resolve(options)
+        return Exchange(kind="async" if self.server is not None else "collective")
 
     @property
     def uses_parameter_servers(self) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from distsgd.control.config import TrainConfig
+from distsgd.plan.traffic import Traffic
 from distsgd.runtime.context import WorkerContext
 from distsgd.schemes.agn import AgnOptions, AgnWorker
 from distsgd.schemes.registry import SchemeSpec
@@ -102,4 +103,5 @@ SPEC = SchemeSpec(
         "lr",
         "server_lr",
     ),
+    traffic=Traffic(kind="sync", period_option="window"),
 )

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from distsgd.control.config import TrainConfig
+from distsgd.plan.traffic import Traffic
 from distsgd.ps.rules import (
     ACCEPTED,
     MAX_WORKERS,
@@ -293,4 +294,5 @@ SPEC = SchemeSpec(
     options=SyncOptions,
     worker=SyncWorker,
     server=SyncServer,
+    traffic=Traffic(kind="sync"),
 )

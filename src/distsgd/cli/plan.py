@@ -1,0 +1,245 @@
+"""``distsgd plan``: predict a run's worker-steps/s, bytes, bottleneck and staleness before it
+starts (the cost model of ``distsgd.plan.cost``), for each scheme of ``--schemes``.
+
+The model's parts are measured on this machine by short probe runs of the script
+(``launcher/probe.py``) unless ``--step-ms`` and ``--model-mb`` are given; the data paths
+it did not measure are taken from this project's published figures and said to be assumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from distsgd import schemes
+from distsgd.cluster.hosts import parse_rate
+from distsgd.compare.entries import SchemeEntry, parse_entry, split_schemes
+from distsgd.launcher.config import DEMO_SCRIPT
+from distsgd.plan.choices import (
+    ASSUMED_PATHS,
+    pull_encode,
+    pull_factor,
+    push_encode,
+    push_factor,
+    recommend,
+)
+from distsgd.plan.cost import Cluster, Part, Path, Prediction, Setting, Workload, predict
+
+DEFAULT_SCHEMES = "hogwild,sync,downpour(window=10),allreduce"
+
+
+def add_command(sub: Any) -> None:
+    """The ``plan`` command."""
+    plan = sub.add_parser(
+        "plan",
+        help="predict each scheme's worker-steps/s, bytes per step, bottleneck and staleness "
+        "on a cluster before running it",
+        description="Predict a run from a cost model (docs/performance.md, 'The cost model'): "
+        "the script's step time and size measured by short probe runs on this machine, or "
+        "given with --step-ms and --model-mb.",
+    )
+    plan.add_argument(
+        "--schemes",
+        default=DEFAULT_SCHEMES,
+        help=f"comma-separated entries as in distsgd compare, e.g. downpour(window=10) or "
+        f"hogwild(wire_dtype=bf16,pull_dtype=bf16) (default {DEFAULT_SCHEMES})",
+    )
+    plan.add_argument("--workers", type=int, default=2, help="N workers (default 2)")
+    plan.add_argument("--ps", type=int, default=1, help="M servers (default 1)")
+    plan.add_argument(
+        "--link",
+        default=None,
+        metavar="RATE",
+        help="every host's link (1gbit, 100mbit): each task on a host of its own; default: "
+        "one host, no link",
+    )
+    plan.add_argument(
+        "--cores",
+        type=float,
+        default=None,
+        help="cores the tasks share (default: this machine's without --link, none with it; "
+        "give this machine's for emulated hosts, --hosts)",
+    )
+    plan.add_argument("--step-ms", type=float, default=None, help="a step's compute, ms")
+    plan.add_argument("--model-mb", type=float, default=None, help="the model's float32 MB")
+    plan.add_argument(
+        "--assume",
+        action="store_true",
+        help="measure nothing: the paths' published figures (needs --step-ms and --model-mb)",
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    plan.add_argument("script", nargs="?", help="training script (default: the bundled demo)")
+    plan.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parts:
+    """Everything the model takes besides a setting: the workload and each path."""
+
+    workload: Workload
+    paths: dict[str, Path]
+
+
+def _probe_parts(args: argparse.Namespace, entries: Sequence[SchemeEntry]) -> Parts:
+    """Measure the workload and the paths the cluster will use, with short runs."""
+    from distsgd.launcher.probe import probe_allreduce, probe_exchange
+
+    script = args.script or str(DEMO_SCRIPT)
+    across = args.link is not None
+    _say(f"measuring {os.path.basename(script)}: Hogwild, 1 worker + 1 ps ...")
+    got = probe_exchange(script, args.script_args, shared_memory=not across)
+    measured = f"measured: {got.steps} steps of Hogwild, 1 worker + 1 ps, {got.path}"
+    workload = Workload(
+        param_bytes=Part(value=got.param_bytes, source=f"{measured} (bytes of a float32 push)"),
+        step=Part(value=got.compute_s, source=f"{measured} (the loop outside pull and push)"),
+    )
+    latency = ASSUMED_PATHS[got.path].latency.value
+    paths = dict(ASSUMED_PATHS)
+    paths[got.path] = dataclasses.replace(
+        ASSUMED_PATHS[got.path],
+        pull=Part(value=got.param_bytes / max(got.pull_s - latency, 1e-6), source=measured),
+        push=Part(value=got.param_bytes / max(got.push_s - latency, 1e-6), source=measured),
+    )
+    if any(schemes.get(e.scheme).collective for e in entries) and not across:
+        _say("measuring all-reduce, 2 workers ...")
+        ar = probe_allreduce(script, args.script_args, got.compute_s)
+        comm = max(ar.step_s - got.compute_s, 1e-6)
+        source = f"measured: {ar.steps} steps of all-reduce, 2 workers (step beyond compute)"
+        rate = Part(value=got.param_bytes / comm, source=source)
+        gloo = ASSUMED_PATHS["gloo"]
+        paths["gloo"] = Path(name="gloo", latency=gloo.latency, pull=rate, push=rate)
+    return Parts(workload=workload, paths=paths)
+
+
+def _given_parts(args: argparse.Namespace) -> Parts:
+    if args.step_ms is None or args.model_mb is None:
+        raise ValueError("--assume needs --step-ms and --model-mb (or drop --assume to measure)")
+    if args.step_ms <= 0 or args.model_mb <= 0:
+        raise ValueError("--step-ms and --model-mb must be > 0")
+    workload = Workload(
+        param_bytes=Part(value=args.model_mb * 1e6, source="given: --model-mb"),
+        step=Part(value=args.step_ms / 1e3, source="given: --step-ms"),
+    )
+    return Parts(workload=workload, paths=dict(ASSUMED_PATHS))
+
+
+def _setting(entry: SchemeEntry, workers: int) -> Setting:
+    spec = schemes.get(entry.scheme)
+    options = spec.parse_options(entry.options)
+    spec.worker(options, workers)  # the scheme's own checks of its options
+    wire = str(entry.overrides.get("wire_dtype", "float32"))
+    pull = str(entry.overrides.get("pull_dtype", "float32"))
+    topk = float(entry.overrides.get("topk", 0.0))
+    return Setting(
+        label=entry.label,
+        exchange=spec.exchange(options),
+        push_factor=push_factor(wire, topk),
+        pull_factor=pull_factor(pull),
+        push_encode=push_encode(wire, topk),
+        pull_encode=pull_encode(pull),
+    )
+
+
+def _cluster(args: argparse.Namespace, collective: bool) -> Cluster:
+    link = parse_rate(args.link) / 8 if args.link is not None else None
+    cores = args.cores
+    if cores is None and link is None:
+        cores = float(os.cpu_count() or 1)
+    return Cluster(workers=args.workers, ps=0 if collective else args.ps, link=link, cores=cores)
+
+
+def _path_for(parts: Parts, link: float | None, collective: bool) -> Path:
+    if collective:
+        return parts.paths["gloo"]
+    return parts.paths["tensor socket" if link is not None else "shared memory"]
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.workers < 1 or args.ps < 1:
+        raise ValueError("--workers and --ps must be at least 1")
+    entries = [parse_entry(text) for text in split_schemes(args.schemes)]
+    if not entries:
+        raise ValueError("--schemes is empty; name at least one scheme (see distsgd schemes)")
+    given = args.assume or (args.step_ms is not None and args.model_mb is not None)
+    parts = _given_parts(args) if given else _probe_parts(args, entries)
+    rows = []
+    for entry in entries:
+        setting = _setting(entry, args.workers)
+        collective = setting.exchange.kind == "collective"
+        cluster = _cluster(args, collective)
+        path = _path_for(parts, cluster.link, collective)
+        got = predict(setting, parts.workload, cluster, path)
+        advice = None
+        if not collective:
+            advice = recommend(
+                setting, parts.workload, cluster, lambda c: _path_for(parts, c.link, False)
+            )
+        rows.append((got, path, advice))
+    if args.json:
+        print(json.dumps(_report(parts, rows), indent=1))
+    else:
+        print(_table(args, parts, rows))
+    return 0
+
+
+Row = tuple[Prediction, Path, tuple[Prediction, str] | None]
+
+
+def _report(parts: Parts, rows: Sequence[Row]) -> dict[str, Any]:
+    def prediction(p: Prediction) -> dict[str, Any]:
+        out = dataclasses.asdict(p)
+        out["bounds"] = {b.name: b.rate for b in p.bounds}
+        return out
+
+    return {
+        "workload": dataclasses.asdict(parts.workload),
+        "predictions": [
+            {
+                **prediction(got),
+                "path": dataclasses.asdict(path),
+                "recommended": None
+                if advice is None
+                else {"flags": advice[1], "rate": advice[0].rate},
+            }
+            for got, path, advice in rows
+        ],
+    }
+
+
+def _table(args: argparse.Namespace, parts: Parts, rows: Sequence[Row]) -> str:
+    w = parts.workload
+    where = f"links of {args.link}" if args.link else "one host"
+    lines = [
+        f"cluster: {args.workers} workers, {args.ps} ps (parameter-server schemes), {where}",
+        f"model: {w.param_bytes.value / 1e6:.2f} MB ({w.param_bytes.source})",
+        f"step compute: {w.step.value * 1e3:.2f} ms ({w.step.source})",
+        "",
+        "| scheme | worker-steps/s | MB per worker-step | bottleneck | staleness | "
+        "recommended (predicted worker-steps/s) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    used: dict[str, Path] = {}
+    for got, path, advice in rows:
+        used[path.name] = path
+        tip = "—" if advice is None else f"{advice[1]} ({advice[0].rate:.1f})"
+        lines.append(
+            f"| {got.setting.label} | {got.rate:.1f} | {got.bytes_per_step / 1e6:.2f} | "
+            f"{got.bottleneck} | {got.staleness:.2f} | {tip} |"
+        )
+    lines.append("")
+    for path in used.values():
+        lines.append(
+            f"{path.name}: pulls {path.pull.value / 1e9:.2f} GB/s ({path.pull.source}); "
+            f"pushes {path.push.value / 1e9:.2f} GB/s ({path.push.source})"
+        )
+    return "\n".join(lines)
+
+
+def _say(text: str) -> None:
+    print(f"distsgd plan: {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,141 @@
+"""The inputs the planner assumes where it measured nothing, the wire's byte factors, and the
+recommendation: which number of servers and which wire setting to run.
+
+The assumed paths are this project's own measurements on its 2-core CI machine (AMD EPYC):
+docs/performance.md, figure 5 (pull and push through one server, at the 2.7 MB MLP's size) and
+figure 3 (all-reduce over gloo on loopback). ``distsgd plan`` replaces them with figures it
+measures on the machine it runs on unless told not to (``--assume``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from distsgd.plan.cost import Cluster, Part, Path, Prediction, Setting, Workload, predict
+from distsgd.ps.compression import encoding_for, value_itemsize
+from distsgd.ps.pull_encoding import pull_encoding_for
+
+_FIG5 = "docs/performance.md figure 5 (2-core AMD EPYC, 2.7 MB model)"
+_LATENCY = Part(value=1e-4, source="assumed: 0.1 ms a call on loopback (docs/performance.md)")
+
+ASSUMED_PATHS: dict[str, Path] = {
+    "shared memory": Path(
+        name="shared memory",
+        latency=_LATENCY,
+        pull=Part(value=2.9e9, source=f"assumed: 0.92 ms a pull, {_FIG5}"),
+        push=Part(value=1.8e9, source=f"assumed: 1.50 ms a push, {_FIG5}"),
+        encoded_pulls=False,
+    ),
+    "tensor socket": Path(
+        name="tensor socket",
+        latency=_LATENCY,
+        pull=Part(value=1.5e9, source=f"assumed: tensor socket pulls, {_FIG5}"),
+        push=Part(value=1.1e9, source=f"assumed: tensor socket pushes, {_FIG5}"),
+    ),
+    "gloo": Path(
+        name="gloo",
+        latency=_LATENCY,
+        pull=Part(value=0.42e9, source="assumed: DDP over gloo on loopback, docs/performance.md"),
+        push=Part(value=0.42e9, source="assumed: DDP over gloo on loopback, docs/performance.md"),
+    ),
+}
+"""Each data path's figures where nothing was measured."""
+
+
+def push_factor(wire_dtype: str = "float32", topk: float = 0.0) -> float:
+    """Bytes a push sends per float32 byte: the value's size over 4, and with top-k of a
+    fraction ``topk`` the kept share, each value beside a 4-byte index."""
+    size = value_itemsize(encoding_for(wire_dtype), "float32") / 4
+    if topk:
+        return min(2.0, topk * (size + 1.0))
+    return size
+
+
+def pull_factor(pull_dtype: str = "float32") -> float:
+    """Bytes a pull brings per float32 byte."""
+    return value_itemsize(pull_encoding_for(pull_dtype), "float32") / 4
+
+
+_PER_MB = 1e-3 / 2.7e6
+ENCODE_COST: dict[str, float] = {"float32": 0.0, "bf16": 0.3 * _PER_MB, "fp16": 0.4 * _PER_MB}
+"""Assumed CPU seconds per float32 byte to encode and decode a 16-bit piece (docs/compression.md:
+0.2 ms to encode, about 0.1 to decode 2.7 MB on the project's machine)."""
+INT8_COST = 0.8 * _PER_MB
+"""int8 with its error feedback (a residual added, the scale found, the rounding, the residual
+kept): about 0.8 ms per 2.7 MB, assumed."""
+TOPK_COST = 1.5 * _PER_MB
+"""top-k with error feedback (a selection over the piece), assumed."""
+
+
+def push_encode(wire_dtype: str = "float32", topk: float = 0.0) -> float:
+    """CPU seconds per float32 byte to encode and decode a push."""
+    encoding_for(wire_dtype)  # the flag's one check
+    if topk:
+        return TOPK_COST
+    return INT8_COST if wire_dtype == "int8" else ENCODE_COST[wire_dtype]
+
+
+def pull_encode(pull_dtype: str = "float32") -> float:
+    """CPU seconds per float32 byte to encode and decode a pull."""
+    pull_encoding_for(pull_dtype)
+    return ENCODE_COST[pull_dtype]
+
+
+WIRES: tuple[tuple[str, str], ...] = (
+    ("float32", "float32"),
+    ("bf16", "float32"),
+    ("bf16", "bf16"),
+    ("int8", "bf16"),
+)
+"""(--wire-dtype, --pull-dtype) the recommendation tries, the lightest compression first."""
+
+MARGIN = 0.1
+"""A costlier choice (more servers, more compression) must predict this much more to win."""
+
+
+def wire_flags(wire: str, pull: str) -> str:
+    """The flags of a wire setting (nothing for the default)."""
+    flags = [f"--wire-dtype {wire}"] if wire != "float32" else []
+    flags += [f"--pull-dtype {pull}"] if pull != "float32" else []
+    return " ".join(flags)
+
+
+def recommend(
+    setting: Setting,
+    workload: Workload,
+    cluster: Cluster,
+    path_for: Callable[[Cluster], Path],
+    max_ps: int | None = None,
+) -> tuple[Prediction, str]:
+    """The best choice of servers and wire for a parameter-server ``setting``: each number of
+    servers up to ``max_ps`` (default: the workers') and each of :data:`WIRES`, cheapest first;
+    a costlier choice replaces the current one only if it predicts ``MARGIN`` more. Returns its
+    prediction and its flags (``--ps M`` and the wire's)."""
+    assert setting.exchange.kind != "collective", "collective schemes have no servers to choose"
+    limit = max_ps if max_ps is not None else cluster.workers
+    best: tuple[Prediction, str] | None = None
+    for servers in _powers_of_two(limit):
+        for wire, pull in WIRES:
+            candidate = replace(
+                setting,
+                push_factor=push_factor(wire),
+                pull_factor=pull_factor(pull),
+                push_encode=push_encode(wire),
+                pull_encode=pull_encode(pull),
+            )
+            shaped = replace(cluster, ps=servers)
+            got = predict(candidate, workload, shaped, path_for(shaped))
+            flags = " ".join(f for f in (f"--ps {servers}", wire_flags(wire, pull)) if f)
+            if best is None or got.rate > best[0].rate * (1 + MARGIN):
+                best = (got, flags)
+    assert best is not None
+    return best
+
+
+def _powers_of_two(limit: int) -> Sequence[int]:
+    out, m = [], 1
+    while m <= max(1, limit):
+        out.append(m)
+        m *= 2
+    return out

@@ -1,0 +1,229 @@
+"""The cost model (``distsgd.plan``) and ``distsgd plan``: the equations on hand-made parts,
+each bound in the regime where it binds, the recommendation, every scheme's declared traffic,
+the probe's arithmetic on recorded metrics, and the command (one real probe run)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from conftest import ROOT
+
+from distsgd import schemes
+from distsgd.cli.main import main as cli_main
+from distsgd.launcher import probe
+from distsgd.plan.choices import (
+    ASSUMED_PATHS,
+    pull_factor,
+    push_encode,
+    push_factor,
+    recommend,
+)
+from distsgd.plan.cost import Cluster, Part, Path, Setting, Workload, predict
+from distsgd.plan.traffic import Exchange, Traffic
+
+B = 2.7e6
+C = 5e-3
+
+
+def part(value: float) -> Part:
+    return Part(value=value, source="given: test")
+
+
+def path(beta: float = 1e9, latency: float = 0.0, encoded_pulls: bool = True) -> Path:
+    return Path(
+        name="test",
+        latency=part(latency),
+        pull=part(beta),
+        push=part(beta),
+        encoded_pulls=encoded_pulls,
+    )
+
+
+WORK = Workload(param_bytes=part(B), step=part(C))
+
+
+def setting(kind: str = "async", period: int = 1, overlap: bool = False, **kw: Any) -> Setting:
+    return Setting(label=kind, exchange=Exchange(kind=kind, period=period, overlap=overlap), **kw)
+
+
+def test_async_without_contention_is_compute_plus_exchange() -> None:
+    got = predict(setting(), WORK, Cluster(workers=2, ps=1), path(beta=1e9))
+    step = C + 2 * B / 1e9
+    assert got.rate == pytest.approx(2 / step)
+    assert got.bottleneck == "compute and exchange"
+    assert got.bytes_per_step == pytest.approx(2 * B)
+    # staleness: the other worker's pushes while this one computes and pushes
+    assert got.staleness == pytest.approx(0.5 * got.rate * (C + B / 1e9))
+
+
+def test_a_window_divides_the_exchange_and_overlap_hides_it() -> None:
+    cluster = Cluster(workers=2, ps=1)
+    windowed = predict(setting(period=10), WORK, cluster, path(beta=1e9))
+    assert windowed.rate == pytest.approx(2 / (C + 2 * B / 1e9 / 10))
+    assert windowed.bytes_per_step == pytest.approx(2 * B / 10)
+    hidden = predict(setting(overlap=True), WORK, cluster, path(beta=1e10))
+    assert hidden.rate == pytest.approx(2 / C)  # the exchange (0.54 ms) is under the compute
+    assert hidden.staleness > predict(setting(), WORK, cluster, path(beta=1e10)).staleness
+
+
+def test_a_slow_link_binds_at_the_server_and_fewer_bytes_lift_it() -> None:
+    link = 125e6  # 1 Gbit/s
+    cluster = Cluster(workers=8, ps=1, link=link)
+    got = predict(setting(), WORK, cluster, path(beta=1e9))
+    assert got.bottleneck == "server link"
+    assert got.rate == pytest.approx(link / B)
+    half = predict(setting(push_factor=0.5, pull_factor=0.5), WORK, cluster, path(beta=1e9))
+    assert half.rate == pytest.approx(2 * got.rate)
+    two = predict(setting(), WORK, Cluster(workers=8, ps=2, link=link), path(beta=1e9))
+    assert two.rate == pytest.approx(2 * got.rate)
+    assert two.server_link_bytes_per_step == pytest.approx(got.server_link_bytes_per_step / 2)
+
+
+def test_sync_rounds_share_the_servers_link() -> None:
+    link = 125e6
+    got = predict(setting("sync"), WORK, Cluster(workers=4, ps=1, link=link), path(beta=1e9))
+    # pushes of 4 workers in, then pulls of 4 out: one way of the link idles in each phase
+    assert got.rate == pytest.approx(4 / (C + 2 * 4 * B / link))
+    assert got.staleness == 0.0
+
+
+def test_shared_cores_bound_the_rate() -> None:
+    got = predict(setting(), WORK, Cluster(workers=8, ps=1, cores=2), path(beta=1e9))
+    assert got.bottleneck == "cpu"
+    assert got.rate == pytest.approx(2 / (C + 2 * B / 1e9))
+
+
+def test_the_ring_all_reduce_sends_two_n_minus_one_over_n() -> None:
+    got = predict(setting("collective"), WORK, Cluster(workers=4, ps=0), path(beta=1e9))
+    sent = 2 * 3 / 4 * B
+    assert got.rate == pytest.approx(4 / (C + sent / 1e9))
+    assert got.bytes_per_step == pytest.approx(2 * sent)
+    assert got.server_link_bytes_per_step == 0.0 and got.staleness == 0.0
+
+
+def test_shared_memory_pulls_stay_float32() -> None:
+    cluster = Cluster(workers=2, ps=1)
+    plain = predict(setting(), WORK, cluster, path(encoded_pulls=False))
+    asked = predict(setting(pull_factor=0.5), WORK, cluster, path(encoded_pulls=False))
+    assert asked.rate == pytest.approx(plain.rate)
+
+
+def test_encoding_costs_cpu() -> None:
+    cluster = Cluster(workers=2, ps=1)
+    plain = predict(setting(), WORK, cluster, path(beta=1e10))
+    encoded = predict(setting(push_factor=0.25, push_encode=1e-9), WORK, cluster, path(beta=1e10))
+    assert encoded.rate < plain.rate  # memory-speed path: the encoding costs more than it saves
+
+
+def test_wire_factors() -> None:
+    assert push_factor() == 1.0 and push_factor("bf16") == 0.5 and push_factor("int8") == 0.25
+    assert push_factor("float32", topk=0.01) == pytest.approx(0.02)
+    assert pull_factor("bf16") == 0.5 and pull_factor() == 1.0
+    assert push_encode("int8") > push_encode("bf16") > push_encode() == 0.0
+    with pytest.raises(ValueError, match="wire dtype"):
+        push_factor("int4")
+
+
+def test_recommend_compresses_on_a_slow_link_but_not_on_one_host() -> None:
+    base = setting()
+    link = Cluster(workers=2, ps=1, link=125e6, cores=2)
+    got, flags = recommend(base, WORK, link, lambda c: ASSUMED_PATHS["tensor socket"])
+    assert "--wire-dtype" in flags and got.rate > predict(base, WORK, link, path()).rate
+    local = Cluster(workers=2, ps=1, cores=2)
+    _, flags = recommend(base, WORK, local, lambda c: ASSUMED_PATHS["shared memory"])
+    assert flags == "--ps 1"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: Part(value=-1.0, source="x"),
+        lambda: Part(value=math.nan, source="x"),
+        lambda: Exchange(kind="async", period=0),
+        lambda: Exchange(kind="gossip"),  # type: ignore[arg-type]
+        lambda: Cluster(workers=0, ps=1),
+        lambda: Cluster(workers=2, ps=1, link=0.0),
+        lambda: Setting(label="x", exchange=Exchange(kind="async"), push_factor=0.0),
+    ],
+)
+def test_bad_parts_are_refused(bad: Any) -> None:
+    with pytest.raises(ValueError):
+        bad()
+
+
+@pytest.mark.parametrize("name", schemes.names())
+def test_every_scheme_declares_its_traffic(name: str) -> None:
+    spec = schemes.get(name)
+    assert spec.traffic is not None, f"{name}: add traffic=Traffic(...) to its SchemeSpec"
+    exchange = spec.exchange(spec.options())
+    assert (exchange.kind == "collective") == spec.collective
+    if spec.traffic.period_option:
+        option = spec.traffic.period_option
+        assert exchange.period == getattr(spec.options(), option)
+
+
+def test_traffic_reads_the_options() -> None:
+    spec = schemes.get("downpour")
+    exchange = spec.exchange(spec.parse_options({"window": 7, "overlap": True}))
+    assert exchange == Exchange(kind="async", period=7, overlap=True)
+    assert Traffic(kind="sync").resolve(object()) == Exchange(kind="sync")
+
+
+def test_the_probe_reads_per_step_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    records = [
+        {"task": "worker0", "local_step": 10, "bytes_sent": 27_000_000},
+        {"task": "worker0", "local_step": 20, "bytes_sent": 54_000_000},
+        {
+            "task": "worker0",
+            "event": "finished_steps",
+            "local_step": 20,
+            "seconds": 0.2,
+            "compute_s": 0.1,
+            "pull_s": 0.02,
+            "push_s": 0.04,
+        },
+    ]
+    monkeypatch.setattr(probe, "_run", lambda *a, **k: records)
+    got = probe.probe_exchange("s.py", shared_memory=True)
+    assert got.param_bytes == 2_700_000 and got.steps == 20
+    assert (got.compute_s, got.pull_s, got.push_s) == pytest.approx((0.005, 0.001, 0.002))
+    monkeypatch.setattr(probe, "_run", lambda *a, **k: records[:2])
+    with pytest.raises(probe.ProbeFailed, match="finished_steps"):
+        probe.probe_exchange("s.py", shared_memory=False)
+
+
+def test_plan_with_given_parts_prints_a_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["plan", "--assume", "--step-ms", "4.6", "--model-mb", "2.7", "--workers", "4"]
+    assert cli_main([*flags, "--link", "1gbit", "--cores", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| hogwild |" in out and "| downpour(window=10) |" in out
+    assert "assumed: tensor socket" in out and "given: --step-ms" in out
+    assert cli_main([*flags, "--json", "--schemes", "sync,allreduce"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    kinds = [p["setting"]["exchange"]["kind"] for p in report["predictions"]]
+    assert kinds == ["sync", "collective"]
+    assert report["predictions"][1]["recommended"] is None
+
+
+def test_plan_refuses_assume_without_parts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["plan", "--assume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--step-ms" in err[0]
+
+
+def test_plan_measures_a_script() -> None:
+    """One real probe run (Hogwild, 1 worker + 1 ps) of the benchmark's MLP script."""
+    cmd = [sys.executable, "-m", "distsgd", "plan", "--json", "--schemes", "hogwild"]
+    script = str(ROOT / "benchmarks" / "mlp_script.py")
+    done = subprocess.run([*cmd, script], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["workload"]["param_bytes"]["value"] == 669_706 * 4
+    assert report["workload"]["step"]["source"].startswith("measured")
+    (hogwild,) = report["predictions"]
+    assert hogwild["rate"] > 0 and hogwild["path"]["pull"]["source"].startswith("measured")
