@@ -181,7 +181,7 @@ def test_shell_commands_in_docs_parse(path: Path) -> None:
             raise AssertionError(f"{where} does not parse") from exc
         if getattr(args, "scheme", None) and args.command in ("run", "demo"):
             scheme_options(args)  # ValueError: an option of another scheme
-        if args.command == "compare":
+        if args.command in ("compare", "plan"):
             for entry in split_schemes(args.schemes):
                 parse_entry(entry)  # ValueError: an unknown scheme, option or value
 

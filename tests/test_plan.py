@@ -227,3 +227,73 @@ def test_plan_measures_a_script() -> None:
     assert report["workload"]["step"]["source"].startswith("measured")
     (hogwild,) = report["predictions"]
     assert hogwild["rate"] > 0 and hogwild["path"]["pull"]["source"].startswith("measured")
+
+
+# --------------------------------------------------------------------------- the simulator
+
+
+def sim(s: Setting, cluster: Cluster, p: Path | None = None, **kw: Any) -> Any:
+    from distsgd.plan.simulate import simulate
+
+    return simulate(s, WORK, cluster, p or path(beta=1e9), steps=kw.pop("steps", 200), **kw)
+
+
+@pytest.mark.parametrize(
+    ("s", "cluster"),
+    [
+        (setting(), Cluster(workers=1, ps=1)),  # a worker on its own: compute + exchange
+        (setting(period=10), Cluster(workers=2, ps=1, cores=2)),
+        (setting(), Cluster(workers=8, ps=1, link=125e6)),  # the server's link binds
+        (setting(), Cluster(workers=8, ps=2, link=125e6)),
+        (setting(), Cluster(workers=8, ps=1, cores=2)),  # the cores bind
+        (setting("collective"), Cluster(workers=4, ps=0)),
+    ],
+)
+def test_the_simulator_agrees_with_the_model_where_one_bound_rules(
+    s: Setting, cluster: Cluster
+) -> None:
+    played = sim(s, cluster)
+    assert played.rate == pytest.approx(predict(s, WORK, cluster, path(beta=1e9)).rate, rel=0.03)
+    assert played.worker_steps == 200 * cluster.workers
+
+
+def test_the_simulator_queues_where_the_model_takes_a_minimum() -> None:
+    """Near the knee (link and loop nearly equal) queues cost throughput the roofline misses."""
+    cluster = Cluster(workers=3, ps=1, link=125e6)
+    model = predict(setting(), WORK, cluster, path(beta=1e9)).rate
+    assert sim(setting(), cluster).rate < model
+
+
+def test_the_simulator_reports_load_staleness_and_stragglers() -> None:
+    from distsgd.plan.simulate import Stragglers
+
+    cluster = Cluster(workers=4, ps=2, link=125e6)
+    played = sim(setting(), cluster, stragglers=Stragglers(sigma=0.3), seed=1)
+    assert len(played.server_busy) == 2 and len(played.link_busy) == 2
+    assert all(0 < b <= 1.0 + 1e-9 for b in played.link_busy)
+    assert sum(played.staleness.values()) == 200 * 4 * 2  # one per server piece of each push
+    assert played.staleness_mean() > 0
+    slow = sim(setting(), Cluster(workers=4, ps=1), stragglers=Stragglers(slow=2, factor=3.0))
+    even = sim(setting(), Cluster(workers=4, ps=1))
+    assert slow.rate < even.rate
+    synced = sim(setting("sync"), Cluster(workers=4, ps=1), stragglers=Stragglers(sigma=0.3))
+    assert set(synced.staleness) == {0}
+    again = sim(setting(), cluster, stragglers=Stragglers(sigma=0.3), seed=1)
+    assert again.rate == played.rate  # seeded: the same run
+
+
+def test_overlap_hides_the_exchange_in_the_simulator() -> None:
+    cluster = Cluster(workers=2, ps=1)
+    hidden = sim(setting(overlap=True), cluster, path(beta=1e10))
+    assert hidden.rate == pytest.approx(2 / C, rel=0.03)
+
+
+def test_simulate_command_sweeps(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["simulate", "--assume", "--step-ms", "5", "--model-mb", "10", "--link", "1gbit"]
+    argv = [*flags, "--schemes", "hogwild", "--steps", "50", "--sweep-ps", "1,2"]
+    assert cli_main([*argv, "--sweep-workers", "4,8", "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [(r["workers"], r["ps"]) for r in runs] == [(4, 1), (4, 2), (8, 1), (8, 2)]
+    assert runs[3]["rate"] > runs[2]["rate"]  # a second server's link
+    assert cli_main([*flags, "--slow", "x"]) == 2
+    assert "--slow" in capsys.readouterr().err

@@ -308,10 +308,10 @@ def _dispatch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from distsgd.cli import hosts
 
         return hosts.main(args)
-    if args.command == "plan":
-        from distsgd.cli import plan
+    if args.command in ("plan", "simulate"):
+        from distsgd.cli import plan, simulate
 
-        return plan.main(args)
+        return (plan if args.command == "plan" else simulate).main(args)
     raise AssertionError(f"a command without a handler: {args.command}")
 
 

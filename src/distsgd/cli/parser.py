@@ -22,7 +22,8 @@ from distsgd.launcher.config import (
 )
 
 DESCRIPTION = (
-    "The ``distsgd`` command: run, demo, compare, plan, server, worker, inspect, schemes, k8s."
+    "The ``distsgd`` command: run, demo, compare, plan, simulate, server, worker, inspect, "
+    "schemes, k8s."
 )
 
 
@@ -280,11 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scale(sub)
     _add_join(sub)
     _add_tools(sub)
-    from distsgd.cli import hosts, k8s, plan
+    from distsgd.cli import hosts, k8s, plan, simulate
 
     k8s.add_command(sub, add_launch_flags)
     hosts.add_command(sub)
     plan.add_command(sub)
+    simulate.add_command(sub)
     return parser
 
 

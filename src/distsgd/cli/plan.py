@@ -44,38 +44,43 @@ def add_command(sub: Any) -> None:
         "the script's step time and size measured by short probe runs on this machine, or "
         "given with --step-ms and --model-mb.",
     )
-    plan.add_argument(
+    add_model_flags(plan, workers=2, ps=1)
+    plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def add_model_flags(parser: argparse.ArgumentParser, *, workers: int, ps: int) -> None:
+    """The flags ``plan`` and ``simulate`` share: schemes, cluster, parts, the script."""
+    parser.add_argument(
         "--schemes",
         default=DEFAULT_SCHEMES,
         help=f"comma-separated entries as in distsgd compare, e.g. downpour(window=10) or "
         f"hogwild(wire_dtype=bf16,pull_dtype=bf16) (default {DEFAULT_SCHEMES})",
     )
-    plan.add_argument("--workers", type=int, default=2, help="N workers (default 2)")
-    plan.add_argument("--ps", type=int, default=1, help="M servers (default 1)")
-    plan.add_argument(
+    parser.add_argument("--workers", type=int, default=workers, help=f"N (default {workers})")
+    parser.add_argument("--ps", type=int, default=ps, help=f"M servers (default {ps})")
+    parser.add_argument(
         "--link",
         default=None,
         metavar="RATE",
         help="every host's link (1gbit, 100mbit): each task on a host of its own; default: "
         "one host, no link",
     )
-    plan.add_argument(
+    parser.add_argument(
         "--cores",
         type=float,
         default=None,
         help="cores the tasks share (default: this machine's without --link, none with it; "
         "give this machine's for emulated hosts, --hosts)",
     )
-    plan.add_argument("--step-ms", type=float, default=None, help="a step's compute, ms")
-    plan.add_argument("--model-mb", type=float, default=None, help="the model's float32 MB")
-    plan.add_argument(
+    parser.add_argument("--step-ms", type=float, default=None, help="a step's compute, ms")
+    parser.add_argument("--model-mb", type=float, default=None, help="the model's float32 MB")
+    parser.add_argument(
         "--assume",
         action="store_true",
         help="measure nothing: the paths' published figures (needs --step-ms and --model-mb)",
     )
-    plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    plan.add_argument("script", nargs="?", help="training script (default: the bundled demo)")
-    plan.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    parser.add_argument("script", nargs="?", help="training script (default: the bundled demo)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,12 +151,12 @@ def _setting(entry: SchemeEntry, workers: int) -> Setting:
     )
 
 
-def _cluster(args: argparse.Namespace, collective: bool) -> Cluster:
+def _cluster(args: argparse.Namespace, workers: int, ps: int) -> Cluster:
     link = parse_rate(args.link) / 8 if args.link is not None else None
     cores = args.cores
     if cores is None and link is None:
         cores = float(os.cpu_count() or 1)
-    return Cluster(workers=args.workers, ps=0 if collective else args.ps, link=link, cores=cores)
+    return Cluster(workers=workers, ps=ps, link=link, cores=cores)
 
 
 def _path_for(parts: Parts, link: float | None, collective: bool) -> Path:
@@ -160,20 +165,39 @@ def _path_for(parts: Parts, link: float | None, collective: bool) -> Path:
     return parts.paths["tensor socket" if link is not None else "shared memory"]
 
 
-def main(args: argparse.Namespace) -> int:
+def entries_of(args: argparse.Namespace) -> list[SchemeEntry]:
+    """``--schemes`` parsed, with the cluster's sizes checked."""
     if args.workers < 1 or args.ps < 1:
         raise ValueError("--workers and --ps must be at least 1")
     entries = [parse_entry(text) for text in split_schemes(args.schemes)]
     if not entries:
         raise ValueError("--schemes is empty; name at least one scheme (see distsgd schemes)")
+    return entries
+
+
+def parts_of(args: argparse.Namespace, entries: Sequence[SchemeEntry]) -> Parts:
+    """The parts given (``--assume``, or both ``--step-ms`` and ``--model-mb``) or measured."""
     given = args.assume or (args.step_ms is not None and args.model_mb is not None)
-    parts = _given_parts(args) if given else _probe_parts(args, entries)
+    return _given_parts(args) if given else _probe_parts(args, entries)
+
+
+def model_inputs(
+    args: argparse.Namespace, parts: Parts, entry: SchemeEntry, workers: int, ps: int
+) -> tuple[Setting, Cluster, Path]:
+    """What the model takes for one entry on a cluster of ``workers`` and ``ps``."""
+    setting = _setting(entry, workers)
+    collective = setting.exchange.kind == "collective"
+    cluster = _cluster(args, workers, 0 if collective else ps)
+    return setting, cluster, _path_for(parts, cluster.link, collective)
+
+
+def main(args: argparse.Namespace) -> int:
+    entries = entries_of(args)
+    parts = parts_of(args, entries)
     rows = []
     for entry in entries:
-        setting = _setting(entry, args.workers)
+        setting, cluster, path = model_inputs(args, parts, entry, args.workers, args.ps)
         collective = setting.exchange.kind == "collective"
-        cluster = _cluster(args, collective)
-        path = _path_for(parts, cluster.link, collective)
         got = predict(setting, parts.workload, cluster, path)
         advice = None
         if not collective:
