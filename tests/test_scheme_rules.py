@@ -262,6 +262,7 @@ def test_sync_options_negative_and_unknown() -> None:
         "momentum": 0.5,
         "required": 2,
         "step_timeout": 60.0,
+        "adaptive_deadline": False,
     }
 
 

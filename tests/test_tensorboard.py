@@ -47,7 +47,9 @@ def accumulator(directory: Path) -> Any:
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(directory), size_guidance={"scalars": 0, "tensors": 0})
+    acc = EventAccumulator(
+        str(directory), size_guidance={"scalars": 0, "tensors": 0, "histograms": 0}
+    )
     acc.Reload()
     return acc
 
@@ -108,7 +110,14 @@ def log_worker(run_dir: Path, task: str = "worker0", clock: Clock | None = None)
         if step == 20:
             writer.log(step=40, local_step=20, test_loss=0.9, accuracy=0.71)
     clock.now += 0.25
-    writer.log(step=60, local_step=30, event="finished_steps", seconds=4.5, compute_s=3.5)
+    writer.log(
+        step=60,
+        local_step=30,
+        event="finished_steps",
+        seconds=4.5,
+        compute_s=3.5,
+        staleness={"0": 5, "1": 20, "3": 5},
+    )
     writer.log(step=60, local_step=30, test_loss=0.4, accuracy=0.875, final=True)
     writer.close()
     return clock
@@ -146,6 +155,13 @@ def test_a_worker_run_holds_the_series_of_its_metrics_lines(run_dir: Path) -> No
     shown = texts(acc)
     assert "**membership**" in shown[0] and "members=`[0, 1]`" in shown[0]
     assert "**finished_steps**" in shown[30] and "seconds=`4.5`" in shown[30]
+    # The staleness histogram of finished_steps: one bucket per value, at the last step.
+    (histogram,) = acc.Histograms("comm/staleness")
+    value = histogram.histogram_value
+    assert histogram.step == 30 and (value.min, value.max, value.num) == (0.0, 3.0, 30.0)
+    assert value.sum == 35.0 and value.sum_squares == 65.0
+    assert list(value.bucket_limit) == [0.5, 1.5, 2.5, 3.5]
+    assert list(value.bucket) == [5.0, 20.0, 0.0, 5.0]
 
 
 def test_event_files_have_the_mode_of_metrics_jsonl(run_dir: Path) -> None:
@@ -337,6 +353,11 @@ def test_a_demo_run_folder_reads_back_like_its_metrics(tmp_path: Path) -> None:
     assert series(acc, "eval/accuracy")[-1][1] == f32(final["accuracy"])
     result = json.loads((run / "result.json").read_text())
     assert series(acc, "eval/accuracy")[-1][1] == pytest.approx(result["test_accuracy"], abs=1e-6)
+    # Each worker's staleness histogram: sync's pushes are never stale
+    assert sorted(result["staleness"]) == ["worker0", "worker1"]
+    assert set(result["staleness"]["worker0"]) == {"0"}
+    (histogram,) = acc.Histograms("comm/staleness")
+    assert histogram.histogram_value.num == result["staleness"]["worker0"]["0"]
     launcher = accumulator(root / "launcher")
     assert series(launcher, "events/fault_injected")[-1][1] == 1.0
     assert series(launcher, "events/fault")[-1][1] == 1.0

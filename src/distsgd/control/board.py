@@ -22,7 +22,8 @@ after the session start written before a process's first training line).
 
 **Tags** (docs/tensorboard.md): ``train/loss``, ``train/samples_per_s`` (from this line and
 the one before), ``train/global_step``, ``train/progress``, ``train/epoch``, ``train/samples``;
-``comm/bytes_sent``, ``comm/bytes_per_s``, ``comm/mean_staleness``, ``comm/lost_pushes``;
+``comm/bytes_sent``, ``comm/bytes_per_s``, ``comm/mean_staleness``, ``comm/lost_pushes``, the
+histogram ``comm/staleness`` (a worker's pushes by staleness, at its last step);
 ``time/<phase>_s`` (cumulative seconds, see :mod:`distsgd.control.timing`) and
 ``time_share/<phase>``, ``time_share/communication`` (the phase's share of the time since the
 line before); ``eval/test_loss``, ``eval/accuracy``; ``membership/ps<N>/workers``,
@@ -106,12 +107,33 @@ class Points:
     wall_time: float
     scalars: dict[str, float] = field(default_factory=dict)
     texts: dict[str, str] = field(default_factory=dict)
+    histograms: dict[str, dict[int, int]] = field(default_factory=dict)
+    """Counts by integer value (the staleness histogram of ``finished_steps``)."""
 
 
 def _number(value: object) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return None
+
+
+def _counts(value: object) -> dict[int, int]:
+    """A ``{"0": 12, "1": 30}`` histogram as ints; {} for anything else."""
+    if not isinstance(value, Mapping):
+        return {}
+    out: dict[int, int] = {}
+    for key, pushes in value.items():
+        try:
+            k, n = int(key), int(pushes)
+        except (TypeError, ValueError):
+            return {}
+        if k >= 0 and n > 0:
+            out[k] = n
+    return out
+
+
+HISTOGRAM_BUCKETS = 1024
+"""Integer values above this share the last bucket of a histogram."""
 
 
 class Series:
@@ -155,6 +177,9 @@ class Series:
                         out.scalars[f"user/{name}"] = number
         else:
             self._event(str(kind), record, out)
+        histogram = _counts(record.get("staleness"))
+        if histogram:
+            out.histograms["comm/staleness"] = histogram
         self._time_split(record, out, shares=kind is None)
         return out
 
@@ -364,7 +389,7 @@ class BoardWriter:
             if self._closed:
                 return
             points = self._series.points(record, wall_time)
-            if not points.scalars and not points.texts:
+            if not points.scalars and not points.texts and not points.histograms:
                 return
             data = _framed(self._encode(points))
             if not self._started and "loss" in record and "event" not in record:
@@ -418,8 +443,27 @@ class BoardWriter:
             value.metadata.plugin_data.plugin_name = "text"
             value.tensor.dtype = self._protos.types.DT_STRING
             value.tensor.string_val.append(text.encode())
+        for tag, counts in points.histograms.items():
+            _histogram(event.summary.value.add(tag=tag).histo, counts)
         data: bytes = event.SerializeToString()
         return data
+
+
+def _histogram(histo: Any, counts: Mapping[int, int]) -> None:
+    """Fill a ``HistogramProto`` with integer ``counts``: one bucket per value from 0 up
+    (value ``k`` in the bucket ending at ``k + 0.5``), the values above
+    :data:`HISTOGRAM_BUCKETS` in the last one."""
+    top = min(max(counts), HISTOGRAM_BUCKETS)
+    buckets = [0] * (top + 1)
+    for k, n in counts.items():
+        buckets[min(k, top)] += n
+    histo.min = float(min(counts))
+    histo.max = float(max(counts))
+    histo.num = float(sum(counts.values()))
+    histo.sum = float(sum(k * n for k, n in counts.items()))
+    histo.sum_squares = float(sum(k * k * n for k, n in counts.items()))
+    histo.bucket_limit.extend([k + 0.5 for k in range(top)] + [float(max(counts)) + 0.5])
+    histo.bucket.extend(float(n) for n in buckets)
 
 
 def _write_all(fd: int | None, data: bytes) -> None:

@@ -129,6 +129,8 @@ class Progress:
         self.time_split: dict[str, dict[str, float]] = {}
         """Per worker, its seconds per phase when it finished its steps."""
         self.local_steps: dict[str, int] = {}
+        self.staleness: dict[str, dict[str, int]] = {}
+        """Per worker, the staleness histogram of its ``finished_steps`` line (if it pushed)."""
         self.fractions: dict[str, tuple[float, float]] = {}
         """Per worker, (wall time, fraction of the run done) of its last metrics line."""
         self.started = time.time()
@@ -174,6 +176,9 @@ class Progress:
                 self.fractions[str(record.get("task"))] = (float(record["time"]), fraction)
             if record.get("event") == "finished_steps":
                 self.time_split[str(record.get("task"))] = split_from_metrics(record)
+                histogram = record.get("staleness")
+                if isinstance(histogram, dict):
+                    self.staleness[str(record.get("task"))] = histogram
             if record.get("event") == "diverged" and self.divergence is None:
                 self.divergence = str(record.get("reason", "training diverged"))
 

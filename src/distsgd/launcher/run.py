@@ -392,6 +392,9 @@ class LocalRun(Restarts):
         if split:
             self.console.final(f"[distsgd] {split}")
             result["time_split"] = {k: round(v, 4) for k, v in self.progress.total_split().items()}
+        if self.progress.staleness:
+            result["staleness"] = dict(sorted(self.progress.staleness.items()))
+        if split or self.progress.staleness:
             write_atomic(result_path, json.dumps(result, indent=2) + "\n")
         if result.get("test_accuracy") is not None:
             self.console.final(f"test accuracy: {result['test_accuracy']:.4f}")

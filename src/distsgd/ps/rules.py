@@ -323,7 +323,13 @@ class UpdateRule(ABC):
         the shard's lock. Rules that count workers under ``world_size`` dynamic react here."""
 
     def tick(self, shard: Shard, now: float) -> None:  # noqa: B027 - optional hook
-        """Called about twice a second under the shard's lock (timeouts, e.g. a dead worker)."""
+        """Called about twice a second under the shard's lock (timeouts, e.g. a dead worker),
+        and by a pull waiting for a version once :meth:`deadline_at` has passed."""
+
+    def deadline_at(self) -> float | None:
+        """The ``time.monotonic()`` at which the rule wants :meth:`tick` sooner than the
+        ticker's half second (a synchronous round's learned deadline); None: no such time."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """The rule's state for a checkpoint: numpy arrays and JSON values, by name.

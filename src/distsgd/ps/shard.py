@@ -105,14 +105,24 @@ class Shard:
             return self.version
 
     def wait_for(self, min_version: int, timeout: float) -> bool:
-        """Block until ``version >= min_version`` or :meth:`close`; False on timeout.
+        """Block until ``version >= min_version`` or :meth:`close`; False on timeout. A rule's
+        deadline (:meth:`UpdateRule.deadline_at`) that passes meanwhile is acted on here, by
+        the waiting pull, rather than at the ticker's next half second.
 
         After it returns, ``closing`` tells whether the shard was closed meanwhile.
         """
+        end = time.monotonic() + max(0.0, timeout)
         with self.cond:
-            return self.cond.wait_for(
-                lambda: self.closing or self.version >= min_version, timeout=max(0.0, timeout)
-            )
+            while not (self.closing or self.version >= min_version):
+                now = time.monotonic()
+                if now >= end:
+                    return False
+                due = self.rule.deadline_at()
+                if due is not None and now >= due:
+                    self._rule_tick(now)  # a round's deadline passed: close it now
+                    continue
+                self.cond.wait(timeout=(end if due is None else min(end, due)) - now)
+            return True
 
     def close(self) -> None:
         """Wake every reader waiting in :meth:`wait_for`; the server is stopping."""
@@ -297,10 +307,15 @@ class Shard:
                 for worker in evicted:
                     self._work_released(worker, "was evicted")
                 self._membership_changed(f"evicted {evicted}")
-            before = self.version
-            self.rule.tick(self, time.monotonic())
-            if self.wal is not None and self.version != before:
-                self.wal.append_tick(self, before)  # its effect: replayed, not re-decided
+            self._rule_tick(time.monotonic())
+
+    def _rule_tick(self, now: float) -> None:
+        """The rule's :meth:`~UpdateRule.tick`, under the lock, logged to the WAL if it changed
+        the parameters."""
+        before = self.version
+        self.rule.tick(self, now)
+        if self.wal is not None and self.version != before:
+            self.wal.append_tick(self, before)  # its effect: replayed, not re-decided
 
     # -- checkpoints ----------------------------------------------------------------------------
     def to_bytes(self) -> tuple[int, bytes]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, TypeVar
@@ -80,6 +80,8 @@ class WorkerContext:
         self.staleness_sum = 0
         """Sum over accepted shard pushes of the updates other pushes made between the
         version the payload was computed on and its own (0 when nothing came between)."""
+        self.staleness_counts: Counter[int] = Counter()
+        """Accepted shard pushes by their staleness: the histogram of ``staleness_sum``."""
         self.local_step = 0
         """Steps this worker has taken."""
         self.global_step = 0
@@ -256,7 +258,9 @@ class WorkerContext:
         for base, result in zip(self._per_shard(bases), results, strict=True):
             if result.accepted:  # the push made version result.version (or joined its step)
                 self.applied_pushes += 1
-                self.staleness_sum += max(0, result.version - 1 - base)
+                gap = max(0, result.version - 1 - base)
+                self.staleness_sum += gap
+                self.staleness_counts[gap] += 1
         self.push_outcomes.append((number, all(r.accepted for r in results)))
         if any(r.reject is PushReject.LOST for r in results):
             self.lost_pushes += 1
@@ -291,6 +295,10 @@ class WorkerContext:
         loop waits counts as ``push``."""
         with self.clock.measure("push"):
             return future.result()
+
+    def staleness_histogram(self) -> dict[str, int]:
+        """``staleness_counts`` as JSON wants it: staleness (as text) -> pushes, ascending."""
+        return {str(k): v for k, v in sorted(self.staleness_counts.items())}
 
     @property
     def mean_staleness(self) -> float:

@@ -71,7 +71,8 @@ class StepLog:
         extra: Mapping[str, Any],
     ) -> None:
         """The ``finished_steps`` line: the loop's ``seconds``, the checkpoints taken, the
-        connection's ``extra`` values and the time split."""
+        connection's ``extra`` values, the time split, and (through parameter servers) the
+        ``staleness`` histogram of this worker's accepted shard pushes."""
         self.metrics.log(
             step=ctx.global_step,
             local_step=ctx.local_step,
@@ -81,4 +82,5 @@ class StepLog:
             checkpoint_seconds=0.0 if checkpoints is None else round(checkpoints.seconds, 4),
             **extra,
             **ctx.clock.metrics(),
+            **({"staleness": ctx.staleness_histogram()} if ctx.applied_pushes else {}),
         )

@@ -30,10 +30,11 @@ import numpy as np
 
 from distsgd.control.config import TrainConfig
 from distsgd.plan.traffic import Traffic
+from distsgd.ps.deadline import parse_step_timeout
 from distsgd.runtime.context import WorkerContext
 from distsgd.schemes.agn import AgnOptions, AgnWorker
 from distsgd.schemes.registry import SchemeSpec
-from distsgd.schemes.sync import SyncServer
+from distsgd.schemes.sync import SyncServer, step_timeout_options
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,15 +46,17 @@ class SagnOptions:
         default=1.0,
         metadata={"help": "rate on the sum of a round's normalized updates (1/workers: mean)"},
     )
-    step_timeout: float = field(
-        default=60.0,
-        metadata={"help": "seconds a round waits for missing (dead) workers, then closes"},
+    step_timeout: str = field(
+        default="60",
+        metadata={
+            "help": "seconds a round waits for missing (dead) workers, then closes; auto: a "
+            "deadline learned from the rounds before"
+        },
     )
 
     def __post_init__(self) -> None:
         AgnOptions(window=self.window, server_lr=self.server_lr)  # same checks
-        if not self.step_timeout > 0:
-            raise ValueError(f"step_timeout must be positive, got {self.step_timeout}")
+        parse_step_timeout(self.step_timeout)
 
 
 class SagnServer(SyncServer):
@@ -80,7 +83,7 @@ class SagnWorker(AgnWorker):
         return {
             "lr": self.server_lr,
             "required": self.num_workers,
-            "step_timeout": self.step_timeout,
+            **step_timeout_options(self.step_timeout),
         }
 
     def stats(self) -> dict[str, float]:

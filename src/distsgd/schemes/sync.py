@@ -38,6 +38,7 @@ import numpy as np
 
 from distsgd.control.config import TrainConfig
 from distsgd.plan.traffic import Traffic
+from distsgd.ps.deadline import StepDeadline, parse_step_timeout
 from distsgd.ps.rules import (
     ACCEPTED,
     MAX_WORKERS,
@@ -68,10 +69,11 @@ class SyncOptions:
         },
     )
 
-    step_timeout: float = field(
-        default=60.0,
+    step_timeout: str = field(
+        default="60",
         metadata={
-            "help": "seconds a step waits for missing (dead) workers, then closes without them"
+            "help": "seconds a step waits for missing (dead) workers, then closes without them; "
+            "auto: a deadline learned from the rounds before (stragglers' gradients dropped)"
         },
     )
 
@@ -84,8 +86,7 @@ class SyncOptions:
         self.rates(None)
         if self.replicas_to_aggregate < 0 or self.backup_workers < 0:
             raise ValueError("replicas_to_aggregate and backup_workers must be 0 or more")
-        if not self.step_timeout > 0:
-            raise ValueError(f"step_timeout must be positive, got {self.step_timeout}")
+        parse_step_timeout(self.step_timeout)
 
     def rates(self, num_workers: int | None) -> list[float]:
         """``worker_lrs`` as numbers (empty when not given); ValueError if malformed."""
@@ -139,6 +140,14 @@ class SyncServerOptions(SgdServerOptions):
     step_timeout: float = bounded(
         60.0, low=0.0, low_open=True, high=86400.0, doc="seconds a step waits for dead workers"
     )
+    adaptive_deadline: bool = False
+    """``--step-timeout auto``: close a round at a deadline learned from the rounds before."""
+
+
+def step_timeout_options(value: str) -> dict[str, Any]:
+    """The server options of a ``--step-timeout`` value (seconds, or ``auto``)."""
+    seconds, adaptive = parse_step_timeout(value)
+    return {"step_timeout": seconds, "adaptive_deadline": adaptive}
 
 
 class SyncServer(UpdateRule):
@@ -152,7 +161,7 @@ class SyncServer(UpdateRule):
             )
         self.required = self.options.required
         self.sgd = self.options.sgd()
-        self.step_timeout = self.options.step_timeout
+        self.deadline = StepDeadline(self.options.step_timeout, self.options.adaptive_deadline)
         self.sums: dict[str, np.ndarray] = {}
         self.contributors: set[int] = set()
         self.opened = time.monotonic()
@@ -174,8 +183,11 @@ class SyncServer(UpdateRule):
                 self.sums[key] += grad
             else:
                 self.sums[key] = np.array(grad, copy=True)
+        now = time.monotonic()
         if not self.contributors:
-            self.opened = time.monotonic()
+            self.opened = now
+        else:
+            self.deadline.arrived(now - self.opened)
         self.contributors.add(meta.worker)
         self.lr_scales.append(meta.lr_scale)
         self._maybe_close(shard)
@@ -190,12 +202,28 @@ class SyncServer(UpdateRule):
         if self.dynamic:
             self._maybe_close(shard)
 
+    def deadline_at(self) -> float | None:
+        """When the open step closes without the workers still missing (None: none open)."""
+        return self.opened + self.deadline.allowed() if self.contributors else None
+
     def tick(self, shard: Shard, now: float) -> None:
-        """Close a step that waited ``step_timeout`` seconds for a dead or stuck worker."""
-        if not self.contributors or now - self.opened < self.step_timeout:
+        """Close a step that waited its deadline: the step timeout for a dead or stuck worker,
+        or under ``--step-timeout auto`` the deadline learned for stragglers."""
+        if not self.contributors or now - self.opened < self.deadline.allowed():
             return
         everyone = shard.membership.members if self.dynamic else range(self.num_workers)
         missing = sorted(set(everyone) - self.contributors - shard.finished)
+        if self.deadline.learned():
+            self.deadline.early_closes += 1
+            log.debug(
+                "shard %d: step %d closed at its learned deadline (%.3fs) without worker(s) %s",
+                shard.index,
+                shard.version,
+                self.deadline.allowed(),
+                missing,
+            )
+            self._close(shard)
+            return
         log.warning(
             "shard %d: step %d closed after %.0fs with %d of %d gradients; no gradient from "
             "worker(s) %s",
@@ -246,6 +274,7 @@ class SyncServer(UpdateRule):
         return lr_scale / len(self.contributors)
 
     def _close(self, shard: Shard) -> None:
+        self.deadline.closed(time.monotonic())
         self.sgd.step(shard.values, self.sums, scale=self.step_scale())
         self.sums = {}
         self.contributors = set()
@@ -268,7 +297,7 @@ class SyncWorker(WorkerScheme):
         return {
             **super().server_options(config),
             "required": self.required,
-            "step_timeout": self.options.step_timeout,
+            **step_timeout_options(self.options.step_timeout),
         }
 
     def stats(self) -> dict[str, float]:
