@@ -109,14 +109,18 @@ def recommend(
     max_ps: int | None = None,
 ) -> tuple[Prediction, str]:
     """The best choice of servers and wire for a parameter-server ``setting``: each number of
-    servers up to ``max_ps`` (default: the workers') and each of :data:`WIRES`, cheapest first;
+    servers up to ``max_ps`` (default: the workers') and, where tasks talk over links, each of
+    :data:`WIRES`, cheapest first (on one host, float32 only);
     a costlier choice replaces the current one only if it predicts ``MARGIN`` more. Returns its
     prediction and its flags (``--ps M`` and the wire's)."""
     assert setting.exchange.kind != "collective", "collective schemes have no servers to choose"
     limit = max_ps if max_ps is not None else cluster.workers
+    # On one host a transfer is a copy: its time is mostly a fixed cost per call, which the
+    # probe cannot tell from its bytes, and an encoding only adds CPU (docs/compression.md).
+    wires = WIRES if cluster.link is not None else WIRES[:1]
     best: tuple[Prediction, str] | None = None
     for servers in _powers_of_two(limit):
-        for wire, pull in WIRES:
+        for wire, pull in wires:
             candidate = replace(
                 setting,
                 push_factor=push_factor(wire),
