@@ -174,25 +174,28 @@ def test_traffic_reads_the_options() -> None:
     assert Traffic(kind="sync").resolve(object()) == Exchange(kind="sync")
 
 
-def test_the_probe_reads_per_step_figures(monkeypatch: pytest.MonkeyPatch) -> None:
-    records = [
-        {"task": "worker0", "local_step": 10, "bytes_sent": 27_000_000},
-        {"task": "worker0", "local_step": 20, "bytes_sent": 54_000_000},
-        {
+def test_the_probe_reads_steady_state_per_step_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    def line(step: int, compute: float, pull: float, push: float, **kw: Any) -> dict[str, Any]:
+        return {
             "task": "worker0",
-            "event": "finished_steps",
-            "local_step": 20,
-            "seconds": 0.2,
-            "compute_s": 0.1,
-            "pull_s": 0.02,
-            "push_s": 0.04,
-        },
+            "local_step": step,
+            "compute_s": compute,
+            "pull_s": pull,
+            "push_s": push,
+            **kw,
+        }
+
+    records = [
+        line(10, 0.08, 0.03, 0.05, bytes_sent=27_000_000),  # the slow first steps
+        line(20, 0.13, 0.04, 0.07, bytes_sent=54_000_000),
+        line(30, 0.18, 0.05, 0.09, bytes_sent=81_000_000),
+        line(30, 0.18, 0.05, 0.09, event="finished_steps", seconds=0.4),
     ]
     monkeypatch.setattr(probe, "_run", lambda *a, **k: records)
     got = probe.probe_exchange("s.py", shared_memory=True)
-    assert got.param_bytes == 2_700_000 and got.steps == 20
+    assert got.param_bytes == 2_700_000 and got.steps == 20  # from step 10 on
     assert (got.compute_s, got.pull_s, got.push_s) == pytest.approx((0.005, 0.001, 0.002))
-    monkeypatch.setattr(probe, "_run", lambda *a, **k: records[:2])
+    monkeypatch.setattr(probe, "_run", lambda *a, **k: records[:3])
     with pytest.raises(probe.ProbeFailed, match="finished_steps"):
         probe.probe_exchange("s.py", shared_memory=False)
 
@@ -297,3 +300,23 @@ def test_simulate_command_sweeps(capsys: pytest.CaptureFixture[str]) -> None:
     assert runs[3]["rate"] > runs[2]["rate"]  # a second server's link
     assert cli_main([*flags, "--slow", "x"]) == 2
     assert "--slow" in capsys.readouterr().err
+
+
+def test_a_server_that_logs_each_push_binds_and_more_servers_share_it() -> None:
+    """A push that takes longer than its transfer (the write-ahead log): the extra is the
+    server's, one push after another, not the workers' CPU."""
+    slow = Path(
+        name="test",
+        latency=part(0.0),
+        pull=part(5e9),
+        push=part(B / 5e-3),  # 5 ms a push
+        push_cpu=part(5e9),
+        server=part(4.5e-3 / B),  # of which 4.5 ms the server's
+    )
+    one = predict(setting(), WORK, Cluster(workers=4, ps=1, cores=2), slow)
+    assert one.bottleneck == "server" and one.rate == pytest.approx(1 / 4.5e-3)
+    two = predict(setting(), WORK, Cluster(workers=4, ps=2, cores=2), slow)
+    assert two.rate > one.rate
+    played = sim(setting(), Cluster(workers=4, ps=1, cores=2), slow)
+    assert played.rate == pytest.approx(one.rate, rel=0.05)
+    assert max(played.server_busy) > 0.95

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PROBE_STEPS = 60
+PROBE_STEPS = 120
 """Steps of a probe run: enough that start-up noise (the first pull, the first optimizer)
 weighs little, short enough for a few seconds."""
 
@@ -122,13 +122,22 @@ def probe_exchange(
         raise ProbeFailed("the probe run took no step; does the script's data hold a batch?")
     last = sent[-1]
     per_step = int(last["bytes_sent"]) // max(1, int(last["local_step"]))
+    # The steady state: from the first line past a third of the steps (the first steps map
+    # the segments, fill the caches, write the server's first log pages) to the end.
+    start = next((r for r in sent if int(r["local_step"]) >= local / 3), None)
+    base = start if start is not None and int(start["local_step"]) < local else {}
+    steps = local - int(base.get("local_step", 0))
+
+    def per(phase: str) -> float:
+        return (float(done[phase]) - float(base.get(phase, 0.0))) / steps
+
     return ExchangeProbe(
         path="shared memory" if shared_memory else "tensor socket",
         param_bytes=per_step,
-        compute_s=float(done["compute_s"]) / local,
-        pull_s=float(done["pull_s"]) / local,
-        push_s=float(done["push_s"]) / local,
-        steps=local,
+        compute_s=per("compute_s"),
+        pull_s=per("pull_s"),
+        push_s=per("push_s"),
+        steps=steps,
     )
 
 

@@ -38,8 +38,8 @@ float32):
     T_step   = c + (2 (N - 1) * a + 2 (N - 1) / N * u / min(beta, R)) / P
     X_serial = N / T_step
 
-Through parameter servers a server's own work (checking and applying each push, ``s``
-seconds per float32 byte; a server is one process, one core at most) bounds the rate::
+Through parameter servers a server's own work (checking, logging and applying each push, ``s``
+seconds per float32 byte, one push after another) bounds the rate::
 
     X_server = P * M / (B * s)
 
@@ -94,6 +94,12 @@ class Path:
     """Bytes/s of a push, the server's update included."""
     encoded_pulls: bool = True
     """Whether ``--pull-dtype`` applies on this path (shared memory pulls stay float32)."""
+    push_cpu: Part | None = None
+    """Bytes/s of a push's CPU work where its time (``push``) also holds waiting (the
+    server's write-ahead log, the page cache's writeback); None: the same as ``push``."""
+    server: Part | None = None
+    """Seconds a server spends per pushed float32 byte, one push after another (its update
+    and its log); None: :data:`SERVER_APPLY_S_PER_BYTE`."""
 
     def __post_init__(self) -> None:
         if self.pull.value <= 0 or self.push.value <= 0:
@@ -202,6 +208,11 @@ SERVER_APPLY_S_PER_BYTE = Part(
 """The server's own CPU per pushed float32 byte."""
 
 
+def server_s_per_byte(path: Path) -> float:
+    """A server's seconds per pushed float32 byte on ``path``."""
+    return (path.server or SERVER_APPLY_S_PER_BYTE).value
+
+
 def _transfer(
     nbytes: float, beta: float, encode: float, path: Path, link: float | None
 ) -> tuple[float, float]:
@@ -221,7 +232,9 @@ def predict(setting: Setting, workload: Workload, cluster: Cluster, path: Path) 
     down = b * setting.pull_factor if path.encoded_pulls else b
     if ex.kind == "collective":
         return _collective(setting, c, up, cluster, path)
-    t_up, cpu_up = _transfer(up, path.push.value, b * setting.push_encode, path, cluster.link)
+    t_up, _ = _transfer(up, path.push.value, b * setting.push_encode, path, cluster.link)
+    beta_cpu = (path.push_cpu or path.push).value
+    _, cpu_up = _transfer(up, beta_cpu, b * setting.push_encode, path, cluster.link)
     pull_encode = b * setting.pull_encode if path.encoded_pulls else 0.0
     t_down, cpu_down = _transfer(down, path.pull.value, pull_encode, path, cluster.link)
     bounds: list[Bound] = []
@@ -235,7 +248,7 @@ def predict(setting: Setting, workload: Workload, cluster: Cluster, path: Path) 
         shared = (lambda x: n * x / (m * cluster.link)) if cluster.link else (lambda x: 0.0)
         step = c + (max(t_up, shared(up)) + max(t_down, shared(down))) / p
         bounds.append(Bound("compute and exchange", n / step))
-    bounds.append(Bound("server", p * m / (b * SERVER_APPLY_S_PER_BYTE.value)))
+    bounds.append(Bound("server", p * m / (b * server_s_per_byte(path))))
     if cluster.cores is not None:
         bounds.append(Bound("cpu", cluster.cores / (c + (cpu_up + cpu_down) / p)))
     rate, bottleneck = _smallest(bounds)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distsgd.plan.cost import SERVER_APPLY_S_PER_BYTE, Cluster, Path, Setting, Workload
+from distsgd.plan.cost import Cluster, Path, Setting, Workload, server_s_per_byte
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,9 +155,10 @@ class _Run:
         self.down = b * setting.pull_factor if path.encoded_pulls else b
         pull_encode = setting.pull_encode if path.encoded_pulls else 0.0
         a = path.latency.value
-        self.cpu_up = a + b * setting.push_encode + self.up / path.push.value
+        self.cpu_up = a + b * setting.push_encode + self.up / (path.push_cpu or path.push).value
+        self.t_up = a + b * setting.push_encode + self.up / path.push.value  # the server's too
         self.cpu_down = a + b * pull_encode + self.down / path.pull.value
-        self.apply_s = b / self.m * SERVER_APPLY_S_PER_BYTE.value
+        self.apply_s = b / self.m * server_s_per_byte(path)
         self.ring_bytes = 2 * (self.n - 1) / self.n * self.up
         self.ring_cpu = (
             2 * (self.n - 1) * a + b * setting.push_encode + self.ring_bytes / (path.push.value)
@@ -250,7 +251,7 @@ class _Run:
 
     def _push(self, t: float, w: int) -> None:
         arrived = self.machine.wire(t, self.up / self.m, w, outbound=False)
-        sent = self.machine.cpu(t, self.cpu_up)
+        sent = max(self.machine.cpu(t, self.cpu_up), t + self.t_up)
         if self.kind == "sync":
             self.pending.append(max(float(np.max(arrived)), sent))
             if len(self.pending) == self.n:
