@@ -12,7 +12,9 @@ sum over workers of ``local_step / seconds`` (``finished_steps``), as ``run.py``
 With ``--link RATE`` (root), every run places each task on an emulated host of its own
 (``--hosts``), links shaped to RATE, and the plan is told the link and this machine's cores.
 Writes ``results.json`` and ``results.md`` into ``--out``; ``--update-doc`` puts the table
-between the page's ``plan check`` markers. Every process is stopped by its PID in ``finally``.
+between the page's ``plan check`` markers (``plan check 1gbit`` with ``--link 1gbit``);
+``--render RESULTS_JSON`` does that again from an earlier run, measuring nothing. Every
+process is stopped by its PID in ``finally``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ SCHEMES = (
     ("allreduce", "allreduce", ()),
 )
 """(plan entry, scheme, run flags)."""
-BEGIN, END = "<!-- plan check: begin -->", "<!-- plan check: end -->"
+
+
+def markers(link: str | None) -> tuple[str, str]:
+    """The page's markers of the table for ``link`` (one host: ``plan check``)."""
+    name = f"plan check {link}" if link else "plan check"
+    return f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
 
 
 def plan(workers: int, link: str | None, timeout: float) -> dict[str, Any]:
@@ -54,6 +61,35 @@ def plan(workers: int, link: str | None, timeout: float) -> dict[str, Any]:
     if done.returncode != 0:
         raise bench.Failed(f"distsgd plan exited {done.returncode}: {done.stderr.strip()}")
     return json.loads(done.stdout)
+
+
+def simulated(got: dict[str, Any], workload: dict[str, Any], workers: int, link: str | None,
+              steps: int) -> float:  # fmt: skip
+    """The simulator's rate for one of ``distsgd plan --json``'s predictions (its parts)."""
+    from distsgd.plan.choices import link_bytes_per_s
+    from distsgd.plan.cost import Cluster, Part, Path, Setting, Workload
+    from distsgd.plan.simulate import Stragglers, simulate
+    from distsgd.plan.traffic import Exchange
+
+    def part(d: dict[str, Any] | None) -> Part | None:
+        return None if d is None else Part(**d)
+
+    p = got["path"]
+    path = Path(
+        name=p["name"], latency=Part(**p["latency"]), pull=Part(**p["pull"]),
+        push=Part(**p["push"]), encoded_pulls=p["encoded_pulls"],
+        push_cpu=part(p.get("push_cpu")), server=part(p.get("server")),
+    )  # fmt: skip
+    s = got["setting"]
+    setting = Setting(**{**s, "exchange": Exchange(**s["exchange"])})
+    work = Workload(param_bytes=Part(**workload["param_bytes"]), step=Part(**workload["step"]))
+    collective = s["exchange"]["kind"] == "collective"
+    cluster = Cluster(
+        workers=workers, ps=0 if collective else 1,
+        link=link_bytes_per_s(link) if link else None, cores=float(os.cpu_count() or 1),
+    )  # fmt: skip
+    noise = Stragglers(sigma=0.1)
+    return simulate(setting, work, cluster, path, steps=steps, stragglers=noise).rate
 
 
 def measure(
@@ -97,19 +133,27 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
-        "| workers | scheme | predicted worker-steps/s | bottleneck | measured | error |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| workers | scheme | predicted worker-steps/s | bottleneck | error | simulated | error "
+        "| measured |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def error(row: dict[str, Any], key: str) -> str:
+        if key not in row or not row["measured"]:
+            return "—"
+        return f"{row[key] / row['measured'] - 1:+.0%}"
+
     for row in report["rows"]:
-        error = row["predicted"] / row["measured"] - 1 if row["measured"] else None
-        shown = "—" if error is None else f"{error:+.0%}"
+        sim = f"{row['simulated']:.1f}" if "simulated" in row else "—"
         lines.append(
             f"| {row['workers']} | {row['entry']} | {row['predicted']:.1f} | "
-            f"{row['bottleneck']} | {row['measured']:.1f} | {shown} |"
+            f"{row['bottleneck']} | {error(row, 'predicted')} | {sim} | "
+            f"{error(row, 'simulated')} | {row['measured']:.1f} |"
         )
-    within = [r for r in report["rows"] if r["measured"]]
-    worst = max((abs(r["predicted"] / r["measured"] - 1) for r in within), default=0.0)
-    lines += ["", f"Largest error: {worst:.0%} (the target: within 25%)."]
+    for key, name in (("predicted", "the model's"), ("simulated", "the simulator's")):
+        rows = [r for r in report["rows"] if r["measured"] and key in r]
+        worst = max((abs(r[key] / r["measured"] - 1) for r in rows), default=0.0)
+        lines += ["", f"Largest error of {name} rates: {worst:.0%} (the target: within 25%)."]
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link", default=None, help="emulated hosts with this link (root)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--update-doc", type=Path, default=None)
+    parser.add_argument("--render", type=Path, default=None, help="a results.json: no runs")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        write(json.loads(args.render.read_text()), args.render.parent, args.update_doc)
+        return 0
     out = args.out or HERE / "results" / datetime.now().strftime("plan-%Y%m%d-%H%M%S")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -132,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     procs = bench.Processes()
     try:
         for workers in (int(w) for w in args.workers.split(",")):
-            predicted = plan(workers, args.link, 600)["predictions"]
+            planned = plan(workers, args.link, 600)
+            predicted = planned["predictions"]
             for (entry, scheme, flags), got in zip(SCHEMES, predicted, strict=True):
                 rate = measure(
                     procs, out / "runs", scheme, flags, workers, args.steps, args.link, 900
@@ -145,22 +194,32 @@ def main(argv: list[str] | None = None) -> int:
                         "entry": entry,
                         "predicted": got["rate"],
                         "bottleneck": got["bottleneck"],
+                        "simulated": simulated(
+                            got, planned["workload"], workers, args.link, args.steps
+                        ),
                         "measured": rate,
                     }
                 )
     finally:
         procs.stop_all()
+    write(report, out, args.update_doc)
+    return 0
+
+
+def write(report: dict[str, Any], out: Path, doc_path: Path | None) -> None:
+    """results.json and results.md into ``out``; the table between the page's markers."""
     (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     text = markdown(report)
     (out / "results.md").write_text(text)
     print(text)
-    if args.update_doc is not None:
-        doc = args.update_doc.read_text(encoding="utf-8")
-        if BEGIN not in doc or END not in doc:
-            raise SystemExit(f"{args.update_doc}: no {BEGIN} ... {END} markers")
-        head, rest = doc.split(BEGIN, 1)
-        args.update_doc.write_text(f"{head}{BEGIN}\n{text}{END}{rest.split(END, 1)[1]}")
-    return 0
+    if doc_path is None:
+        return
+    begin, end = markers(report["link"])
+    doc = doc_path.read_text(encoding="utf-8")
+    if begin not in doc or end not in doc:
+        raise SystemExit(f"{doc_path}: no {begin} ... {end} markers")
+    head, rest = doc.split(begin, 1)
+    doc_path.write_text(f"{head}{begin}\n{text}{end}{rest.split(end, 1)[1]}")
 
 
 if __name__ == "__main__":

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from distsgd import schemes
-from distsgd.cluster.hosts import parse_rate
 from distsgd.compare.entries import SchemeEntry, parse_entry, split_schemes
 from distsgd.launcher.config import DEMO_SCRIPT
 from distsgd.plan.choices import (
     ASSUMED_PATHS,
+    LINK_PAYLOAD,
+    link_bytes_per_s,
     pull_encode,
     pull_factor,
     push_encode,
@@ -170,7 +171,7 @@ def _setting(entry: SchemeEntry, workers: int) -> Setting:
 
 
 def _cluster(args: argparse.Namespace, workers: int, ps: int) -> Cluster:
-    link = parse_rate(args.link) / 8 if args.link is not None else None
+    link = link_bytes_per_s(args.link) if args.link is not None else None
     cores = args.cores
     if cores is None and link is None:
         cores = float(os.cpu_count() or 1)
@@ -256,7 +257,11 @@ def _report(parts: Parts, rows: Sequence[Row]) -> dict[str, Any]:
 
 def _table(args: argparse.Namespace, parts: Parts, rows: Sequence[Row]) -> str:
     w = parts.workload
-    where = f"links of {args.link}" if args.link else "one host"
+    where = (
+        f"links of {args.link} ({LINK_PAYLOAD.value:.0%} of it payload: {LINK_PAYLOAD.source})"
+        if args.link
+        else "one host"
+    )
     lines = [
         f"cluster: {args.workers} workers, {args.ps} ps (parameter-server schemes), {where}",
         f"model: {w.param_bytes.value / 1e6:.2f} MB ({w.param_bytes.source})",

@@ -43,6 +43,21 @@ ASSUMED_PATHS: dict[str, Path] = {
 """Each data path's figures where nothing was measured."""
 
 
+LINK_PAYLOAD = Part(
+    value=0.86,
+    source="assumed: payload is 86% of a link's rate (TCP/IP headers and acknowledgements; the "
+    "busiest second of a shaped emulated link carried 85-87%, docs/performance.md)",
+)
+"""The share of a link's nominal rate that carries tensors."""
+
+
+def link_bytes_per_s(rate: str) -> float:
+    """A ``--link`` rate (``1gbit``) as the payload bytes per second it carries each way."""
+    from distsgd.cluster.hosts import parse_rate
+
+    return parse_rate(rate) / 8 * LINK_PAYLOAD.value
+
+
 def push_factor(wire_dtype: str = "float32", topk: float = 0.0) -> float:
     """Bytes a push sends per float32 byte: the value's size over 4, and with top-k of a
     fraction ``topk`` the kept share, each value beside a 4-byte index."""

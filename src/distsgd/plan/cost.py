@@ -27,9 +27,12 @@ float32):
     X_link   = P * M * R / max(d, u)            (each way of a server's link carries d or u
                                                  per exchange of every worker)
 
-``sync`` (rounds: all push, the servers apply, all pull; a server's link carries N of each)::
+``sync`` (rounds: all push, the servers apply, all pull; a server's link carries N of each,
+and its process takes the round's N pushes one after another while no worker computes; on K
+shared cores the N steps of a round take ``c * max(1, N / K)``)::
 
-    T_step   = c + (max(t(u), N * u / (M * R)) + max(t(d), N * d / (M * R))) / P
+    T_step   = c * max(1, N / K) + (max(t(u), N * u / (M * R), N * B / M * s)
+                                    + max(t(d), N * d / (M * R))) / P
     X_serial = N / T_step
 
 ``collective`` (ring all-reduce of the whole model; each worker sends and receives
@@ -246,7 +249,9 @@ def predict(setting: Setting, workload: Workload, cluster: Cluster, path: Path) 
             bounds.append(Bound("server link", p * m * cluster.link / max(up, down)))
     else:
         shared = (lambda x: n * x / (m * cluster.link)) if cluster.link else (lambda x: 0.0)
-        step = c + (max(t_up, shared(up)) + max(t_down, shared(down))) / p
+        serial = n * b / m * server_s_per_byte(path)  # the round's pushes, one after another
+        computed = c * max(1.0, n / cluster.cores) if cluster.cores else c
+        step = computed + (max(t_up, shared(up), serial) + max(t_down, shared(down))) / p
         bounds.append(Bound("compute and exchange", n / step))
     bounds.append(Bound("server", p * m / (b * server_s_per_byte(path))))
     if cluster.cores is not None:

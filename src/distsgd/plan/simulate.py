@@ -108,6 +108,18 @@ class _Machine:
         mine[worker] = max(mine[worker], t) + hold * len(ways)
         return np.maximum(ways, mine[worker])
 
+    def wire_together(self, t: float, piece: float, workers: int) -> float:
+        """``workers`` pulls of ``piece`` bytes from each server, all asked at ``t`` (a
+        synchronous round's): concurrent flows share a link fairly, so they end together,
+        when the last would have in turn."""
+        if self.link is None:
+            return t
+        hold = workers * piece / self.link
+        start = np.maximum(self.s_out, t)
+        np.add(start, hold, out=self.s_out)
+        self.s_out_busy += hold
+        return float(np.max(self.s_out))
+
     def apply(self, arrivals: np.ndarray | float, seconds: float) -> np.ndarray:
         """When each server has applied its piece: a push's time over the path includes the
         update (the path's figures are measured so), so the update takes the last ``seconds``
@@ -252,27 +264,27 @@ class _Run:
     def _push(self, t: float, w: int) -> None:
         arrived = self.machine.wire(t, self.up / self.m, w, outbound=False)
         sent = max(self.machine.cpu(t, self.cpu_up), t + self.t_up)
-        if self.kind == "sync":
-            self.pending.append(max(float(np.max(arrived)), sent))
+        applied = self.machine.apply(np.maximum(arrived, sent), self.apply_s)
+        if self.kind == "sync":  # each push applied (summed) as it comes; the last closes
+            self.pending.append(float(np.max(applied)))
             if len(self.pending) == self.n:
                 self._close_round()
             return
-        applied = self.machine.apply(np.maximum(arrived, sent), self.apply_s)
         for gap in self.versions - self.base[w]:
             self.stale[int(gap)] += 1
         self.versions += 1
         self._next(w, float(np.max(applied)))
 
     def _close_round(self) -> None:
-        arrivals, self.pending = max(self.pending), []
-        applied = self.machine.apply(arrivals, self.n * self.apply_s)
+        end, self.pending = max(self.pending), []
         self.versions += 1
-        end = float(np.max(applied))
         self.finished = max(self.finished, end)
-        for w in range(self.n):
-            self.stale[0] += self.m
-            if self.done[w] < self.steps:
-                self.at(end, w, "pull")
+        left = [w for w in range(self.n) if self.done[w] < self.steps]
+        pulled = self.machine.wire_together(end, self.down / self.m, len(left))
+        self.stale[0] += self.m * self.n
+        for w in left:  # every worker's pull of the new round, asked as it closes
+            self.base[w] = self.versions.copy()
+            self.at(max(pulled, self.machine.cpu(end, self.cpu_down)), w, "compute")
 
     def _next(self, w: int, exchanged: float) -> None:
         self.finished = max(self.finished, exchanged)
