@@ -28,6 +28,8 @@ histogram ``comm/staleness`` (a worker's pushes by staleness, at its last step);
 ``time_share/<phase>``, ``time_share/communication`` (the phase's share of the time since the
 line before); ``eval/test_loss``, ``eval/accuracy``; ``membership/ps<N>/workers``,
 ``membership/ps<N>/epoch``, ``membership/workers`` (the launcher's after a scale);
+``load/ps<N>/<rate>`` (the launcher's ``shard_load`` events: pushes and pulls per second, their
+MB/s, ``busy``);
 ``events/<event>`` (how many so far in this process) and the text ``events`` (each event's
 fields). Any other number of a training line is ``train/<field>`` (scheme counters such as
 ``dropped``); the user's values (``worker.log``, ``train(metrics=...)``) are ``user/<name>``.
@@ -246,6 +248,12 @@ class Series:
                     out.scalars[f"membership/ps{shard}/epoch"] = number
         elif kind == "scale" and (workers := _number(record.get("workers"))) is not None:
             out.scalars["membership/workers"] = workers
+        elif kind == "shard_load" and isinstance(shard := record.get("ps"), int):
+            for key, value in record.items():  # series, not a line of text every 5 s
+                number = _number(value)
+                if number is not None and key not in ("ps", "step", "seconds", "time"):
+                    out.scalars[f"load/ps{shard}/{key}"] = number
+            return
         if out.step != self._event_step:  # TensorBoard keeps one text per step: the last
             self._event_step, self._event_lines = out.step, []
         if len(self._event_lines) < _MAX_EVENTS_PER_STEP:

@@ -242,6 +242,7 @@ class Restarts(LocalTasks):
         reply = read_info(address, run_id=self.run_id, secret=self.secret, tls=self.config.tls)
         if reply is not None and reply.registered:
             self.seen_versions[index] = max(self.seen_versions.get(index, 0), reply.version)
+            self.shard_loads.see(index, reply, time.monotonic(), self.progress.step)
         return reply
 
     def _tell_finished(self, index: int, finished: list[int]) -> None:

@@ -30,6 +30,7 @@ from distsgd.launcher.keras_env import keras_environment
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
 from distsgd.launcher.progress import Console, Progress
+from distsgd.launcher.shard_load import ShardLoadLog
 from distsgd.launcher.supervisor import TaskHandle, Tasks
 from distsgd.ps import wal
 from distsgd.transport.security import (
@@ -166,6 +167,8 @@ class LocalTasks:
         """Tasks that have finished (or left, or were dropped)."""
         self.progress = Progress(run_dir / METRICS_FILE)
         self.events = MetricsWriter(run_dir / METRICS_FILE, "launcher")
+        self.shard_loads = ShardLoadLog(self.events.log)
+        """Each server's load over time, from the Info polls (``shard_load`` events)."""
 
     # -- where tasks run ------------------------------------------------------------------------
     def task_host(self, task: TaskId) -> str:

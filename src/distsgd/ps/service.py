@@ -318,6 +318,16 @@ class ParameterService(SharedPlane, pb_grpc.ParameterServerServicer):
                 reply.nonfinite_rejected = shard.nonfinite_rejected
                 reply.membership_epoch = shard.membership.epoch
                 reply.members.extend(shard.membership.live)
+                load = shard.load
+                reply.load.CopyFrom(
+                    pb.ShardLoad(
+                        pushes=load.pushes,
+                        push_bytes=load.push_bytes,
+                        pulls=load.pulls,
+                        pull_bytes=load.pull_bytes,
+                        busy_seconds=load.busy_seconds,
+                    )
+                )
                 if shard.work is not None:
                     reply.work.CopyFrom(work_status(shard.work))
         return reply
@@ -490,6 +500,7 @@ class ParameterService(SharedPlane, pb_grpc.ParameterServerServicer):
         # expect.
         version, values = shard.snapshot() if shard.rule.locked else shard.live()
         specs, arrays = encode_pull(values, encoding)
+        shard.load.pulled(sum(a.nbytes for a in arrays))
         header = pb.PullHeader(
             version=version,
             tensors=specs,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from distsgd.ps.load import ShardLoad
 from distsgd.ps.membership import DEFAULT_EVICT_AFTER, Membership
 from distsgd.ps.rules import (
     PushMeta,
@@ -82,6 +83,8 @@ class Shard:
         self.incarnations: dict[int, int] = {}
         self.pushes_accepted = 0
         self.pushes_rejected = 0
+        self.load = ShardLoad()
+        """Pushes, pulls, their bytes and the seconds pushes took here (``Info``)."""
         self.nonfinite_rejected = 0
         self.restored_version = 0
         self.closing = False
@@ -238,6 +241,13 @@ class Shard:
         The caller has checked every key, dtype and shape against :attr:`values`. A payload
         with NaN or Inf anywhere is refused (and counted) before the rule sees any of it.
         """
+        started = time.perf_counter()
+        try:
+            return self._push(payload, meta)
+        finally:
+            self.load.pushed(sum(a.nbytes for a in payload.values()), started)
+
+    def _push(self, payload: dict[str, np.ndarray], meta: PushMeta) -> tuple[PushOutcome, int]:
         self.see(meta.worker, meta.incarnation)
         for key, array in payload.items():
             if not all_finite(array):

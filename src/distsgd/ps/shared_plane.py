@@ -268,6 +268,8 @@ class SharedPlane:
                 arrays = list(values.values())
                 if encoding is not Encoding.RAW:
                     specs, arrays = encode_pull(values, encoding)
+        sent = arrays or list(shard.values.values())  # a segment's pull: the whole shard, raw
+        shard.load.pulled(sum(a.nbytes for a in sent))
         header = pb.PullHeader(
             version=version,
             tensors=specs,

@@ -266,7 +266,7 @@ class InfoRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "registered", "scheme", "version", "tensors", "num_workers", "active_workers", "finished_workers", "shard_index", "pushes_accepted", "pushes_rejected", "server_incarnation", "restored_version", "nonfinite_rejected", "membership_epoch", "members", "work")
+    __slots__ = ("protocol_version", "registered", "scheme", "version", "tensors", "num_workers", "active_workers", "finished_workers", "shard_index", "pushes_accepted", "pushes_rejected", "server_incarnation", "restored_version", "nonfinite_rejected", "membership_epoch", "members", "work", "load")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class InfoResponse(_message.Message):
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     WORK_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     registered: bool
     scheme: str
@@ -301,7 +302,22 @@ class InfoResponse(_message.Message):
     membership_epoch: int
     members: _containers.RepeatedScalarFieldContainer[int]
     work: WorkStatus
-    def __init__(self, protocol_version: _Optional[int] = ..., registered: _Optional[bool] = ..., scheme: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_workers: _Optional[int] = ..., active_workers: _Optional[int] = ..., finished_workers: _Optional[int] = ..., shard_index: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., server_incarnation: _Optional[int] = ..., restored_version: _Optional[int] = ..., nonfinite_rejected: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., work: _Optional[_Union[WorkStatus, _Mapping]] = ...) -> None: ...
+    load: ShardLoad
+    def __init__(self, protocol_version: _Optional[int] = ..., registered: _Optional[bool] = ..., scheme: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_workers: _Optional[int] = ..., active_workers: _Optional[int] = ..., finished_workers: _Optional[int] = ..., shard_index: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., server_incarnation: _Optional[int] = ..., restored_version: _Optional[int] = ..., nonfinite_rejected: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., work: _Optional[_Union[WorkStatus, _Mapping]] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ...) -> None: ...
+
+class ShardLoad(_message.Message):
+    __slots__ = ("pushes", "push_bytes", "pulls", "pull_bytes", "busy_seconds")
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    PULL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pushes: int
+    push_bytes: int
+    pulls: int
+    pull_bytes: int
+    busy_seconds: float
+    def __init__(self, pushes: _Optional[int] = ..., push_bytes: _Optional[int] = ..., pulls: _Optional[int] = ..., pull_bytes: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("header",)
