@@ -72,6 +72,10 @@ def test_collective_run_survives_2_4_1_3_by_restarts_from_its_checkpoints(
         [
             *("demo", "--scheme", "allreduce", "--workers", "2", "--min-workers", "1"),
             *("--max-workers", "4", "--checkpoint-every", "20", "--epochs", "30", "--quiet"),
+            # Paced: all-reduce waits for worker 0 at every step, so every stage lasts past
+            # its first checkpoint (unpaced, 4 workers once finished the run's steps before
+            # the launcher had their checkpoint to scale from).
+            f"--inject-fault=delay:worker:0={COLLECTIVE_PACE}",
             *("--run-dir", str(run_dir)),
         ]
     )
@@ -113,6 +117,8 @@ def _members_seen(run_dir: Path, count: int) -> bool:
 
 EPOCHS = "20"
 PACE = "60ms"
+COLLECTIVE_PACE = "20ms"
+"""The all-reduce run's pace: worker 0's steps 20 ms longer, and so every worker's."""
 """Every step of every worker (those that join later too) sleeps this long: a scripted run
 must last while its changes of size happen, and sleeping costs no CPU, where the 100 epochs
 these runs used to train for the same purpose cost a minute of it each (and 40 epochs paced by
