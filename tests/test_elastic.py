@@ -117,8 +117,6 @@ def _members_seen(run_dir: Path, count: int) -> bool:
 
 EPOCHS = "20"
 PACE = "60ms"
-COLLECTIVE_PACE = "20ms"
-"""The all-reduce run's pace: worker 0's steps 20 ms longer, and so every worker's."""
 """Every step of every worker (those that join later too) sleeps this long: a scripted run
 must last while its changes of size happen, and sleeping costs no CPU, where the 100 epochs
 these runs used to train for the same purpose cost a minute of it each (and 40 epochs paced by
@@ -127,6 +125,8 @@ these runs used to train for the same purpose cost a minute of it each (and 40 e
 an idle machine (scale to 4 at 1.5 s, the last at 2.5 s, in a sync run); paced by 60 ms a run
 lasts about 20 s, so a loaded machine has several times that (100 ms until the run's end no
 longer waited 5 s on a checkpoint a scale-down left incomplete)."""
+COLLECTIVE_PACE = "20ms"
+"""The all-reduce run's pace: worker 0's steps 20 ms longer, and so every worker's."""
 
 
 def _demo(scheme: str, run_dir: Path, *flags: str, paced: bool = True) -> list[str]:
