@@ -32,6 +32,7 @@ from distsgd.compare.summary import (
     build_curves,
     mean_staleness,
     seconds_to,
+    staleness_quantile,
     training_origin,
     with_target,
 )
@@ -576,6 +577,19 @@ def test_curves_sum_the_samples_of_all_workers_and_start_at_training() -> None:
     assert seconds_to(curves, 0.95) is None
     # worker0 at 20 local steps with 1.0, worker1 at 30 with 3.0
     assert mean_staleness(records) == pytest.approx((20 * 1.0 + 30 * 3.0) / 50)
+
+
+def test_the_staleness_quantile_merges_every_workers_histogram() -> None:
+    result = {"staleness": {"worker0": {"0": 50, "1": 40}, "worker1": {"1": 9, "7": 1}}}
+    assert staleness_quantile(result, 0.5) == 0
+    assert staleness_quantile(result, 0.99) == 1  # 99 of 100 pushes at 1 or less
+    assert staleness_quantile(result, 1.0) == 7
+    assert staleness_quantile({}, 0.99) is None
+    assert staleness_quantile({"staleness": {"worker0": {"x": 1}}}, 0.99) is None
+    run = SchemeRun(scheme="hogwild", status="ok", mean_staleness=0.5, staleness_p99=1)
+    from distsgd.compare.report import _staleness
+
+    assert _staleness(run) == "0.50 (p99 1)"
 
 
 def test_curves_of_a_run_without_metrics_are_empty() -> None:

@@ -138,7 +138,8 @@ def _number(value: float | None, digits: int = 4) -> str:
 
 def _staleness(run: SchemeRun) -> str:
     if run.mean_staleness is not None:
-        return f"{run.mean_staleness:.2f}"
+        p99 = "" if run.staleness_p99 is None else f" (p99 {run.staleness_p99})"
+        return f"{run.mean_staleness:.2f}{p99}"
     if run.parameter_servers == 0 and run.status == "ok":
         return "n/a (no parameter servers)"
     return "n/a"
@@ -333,7 +334,8 @@ def markdown(context: Context, runs: Sequence[SchemeRun]) -> str:
         "- seconds count from the start of training (start-up excluded); "
         "training s ends at the final evaluation; sent = bytes all workers sent; "
         "mean staleness = updates applied between a worker's pull and its push, "
-        "averaged over pushes (parameter-server schemes only); steps = global updates / "
+        "averaged over pushes, and p99 its 99th percentile over every push (parameter-server "
+        "schemes only); steps = global updates / "
         "local steps of worker0",
         *fair,
         "",

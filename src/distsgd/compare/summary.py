@@ -87,6 +87,8 @@ class SchemeRun:
     wall_seconds: float | None = None
     bytes_sent: int | None = None
     mean_staleness: float | None = None
+    staleness_p99: int | None = None
+    """The 99th percentile of every push's staleness (``result.json``'s per-worker histograms)."""
     global_step: int | None = None
     local_steps: int | None = None
     samples: int | None = None
@@ -308,6 +310,32 @@ def mean_staleness(records: Sequence[dict[str, Any]]) -> float | None:
     return total / sum(weights.values())
 
 
+def staleness_quantile(result: dict[str, Any], q: float) -> int | None:
+    """The ``q`` quantile of every worker's pushes' staleness, from ``result.json``'s
+    ``staleness`` (worker -> {staleness: pushes}); None where there is none."""
+    merged: dict[int, int] = {}
+    workers = result.get("staleness")
+    if not isinstance(workers, dict):
+        return None
+    for histogram in workers.values():
+        if not isinstance(histogram, dict):
+            continue
+        for key, count in histogram.items():
+            try:
+                merged[int(key)] = merged.get(int(key), 0) + int(count)
+            except (TypeError, ValueError):
+                continue
+    total = sum(merged.values())
+    if total <= 0:
+        return None
+    seen = 0
+    for value in sorted(merged):
+        seen += merged[value]
+        if seen >= q * total:
+            return value
+    return max(merged)
+
+
 def seconds_to(curves: Curves, target: float | None) -> float | None:
     """Seconds until the first evaluation at or above ``target`` accuracy (None: never)."""
     if target is None:
@@ -362,6 +390,7 @@ def summarize(
         wall_seconds=wall_seconds,
         bytes_sent=total_bytes_sent(records),
         mean_staleness=mean_staleness(records),
+        staleness_p99=staleness_quantile(result, 0.99),
         global_step=result.get("global_step"),
         local_steps=result.get("local_steps"),
         samples=curves.loss_samples[-1] if curves.loss_samples else None,
