@@ -320,3 +320,15 @@ def test_a_server_that_logs_each_push_binds_and_more_servers_share_it() -> None:
     played = sim(setting(), Cluster(workers=4, ps=1, cores=2), slow)
     assert played.rate == pytest.approx(one.rate, rel=0.05)
     assert max(played.server_busy) > 0.95
+
+
+def test_windowed_workers_exchange_together_over_links() -> None:
+    """DOWNPOUR's workers compute their windows side by side and meet at the servers' links:
+    each exchange shares the link with the others computing beside it (min(N, cores))."""
+    link = 125e6
+    got = predict(setting(period=10), WORK, Cluster(workers=2, ps=1, link=link, cores=2), path())
+    assert got.rate == pytest.approx(2 / (C + 2 * 2 * B / link / 10))
+    four = predict(setting(period=10), WORK, Cluster(workers=4, ps=1, link=link, cores=2), path())
+    assert four.rate == pytest.approx(4 / (C + 2 * 2 * B / link / 10))  # two at a time
+    alone = predict(setting(), WORK, Cluster(workers=2, ps=1, link=link, cores=2), path())
+    assert alone.rate == pytest.approx(2 / (C + 2 * B / link))  # Hogwild: they alternate
