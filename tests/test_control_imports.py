@@ -13,6 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 import distsgd.control
+import distsgd.plan
 import distsgd.ps
 
 SRC = Path(distsgd.control.__file__).resolve().parents[1]
@@ -26,7 +27,9 @@ def _modules(package: ModuleType) -> list[str]:
 
 def test_control_and_the_server_import_with_torch_blocked() -> None:
     modules = ["distsgd.control", *_modules(distsgd.control), "distsgd.ps", *_modules(distsgd.ps)]
+    modules += ["distsgd.plan", *_modules(distsgd.plan)]  # the cost model: planning, no torch
     assert "distsgd.control.recovery" in modules and "distsgd.control.checkpoint.store" in modules
+    assert "distsgd.plan.cost" in modules and "distsgd.plan.simulate" in modules
     assert "distsgd.ps.server" in modules and "distsgd.ps.wal" in modules
     code = (
         "import importlib, sys\n"
@@ -53,7 +56,7 @@ def _imported(path: Path) -> set[str]:
 def test_launcher_compare_and_control_import_nothing_from_runtime() -> None:
     found = [
         f"{path.relative_to(SRC)}: {name}"
-        for package in ("launcher", "compare", "control")
+        for package in ("launcher", "compare", "control", "plan")
         for path in sorted((SRC / package).rglob("*.py"))
         for name in sorted(_imported(path))
         if name == "distsgd.runtime" or name.startswith("distsgd.runtime.")
