@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
 import subprocess
 import sys
 from typing import Any
@@ -332,3 +333,14 @@ def test_windowed_workers_exchange_together_over_links() -> None:
     assert four.rate == pytest.approx(4 / (C + 2 * 2 * B / link / 10))  # two at a time
     alone = predict(setting(), WORK, Cluster(workers=2, ps=1, link=link, cores=2), path())
     assert alone.rate == pytest.approx(2 / (C + 2 * B / link))  # Hogwild: they alternate
+
+
+def test_a_script_that_cannot_be_measured_is_a_one_line_error(tmp_path: pathlib.Path) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text("raise RuntimeError('no data here')\n")
+    cmd = [sys.executable, "-m", "distsgd", "plan", "--schemes", "hogwild", str(script)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if line.startswith("distsgd: error:")]
+    assert len(errors) == 1 and "could not measure broken.py" in errors[0]
+    assert "--step-ms" in errors[0] and "internal error" not in done.stderr

@@ -102,10 +102,23 @@ class Parts:
 
 
 def _probe_parts(args: argparse.Namespace, entries: Sequence[SchemeEntry]) -> Parts:
-    """Measure the workload and the paths the cluster will use, with short runs."""
-    from distsgd.launcher.probe import probe_allreduce, probe_exchange
+    """Measure the workload and the paths the cluster will use, with short runs; a probe that
+    fails is the user's to fix (their script), told in one line."""
+    from distsgd.launcher.probe import ProbeFailed
 
     script = args.script or str(DEMO_SCRIPT)
+    try:
+        return _measured_parts(args, entries, script)
+    except ProbeFailed as exc:
+        raise ValueError(
+            f"could not measure {os.path.basename(script)} ({exc}); run it with distsgd run "
+            "to see why, or give --step-ms and --model-mb"
+        ) from None
+
+
+def _measured_parts(args: argparse.Namespace, entries: Sequence[SchemeEntry], script: str) -> Parts:
+    from distsgd.launcher.probe import probe_allreduce, probe_exchange
+
     across = args.link is not None
     _say(f"measuring {os.path.basename(script)}: Hogwild, 1 worker + 1 ps ...")
     got = probe_exchange(script, args.script_args, shared_memory=not across)
