@@ -145,7 +145,7 @@ def _measured_parts(args: argparse.Namespace, entries: Sequence[SchemeEntry], sc
     )
     if any(schemes.get(e.scheme).collective for e in entries) and not across:
         _say("measuring all-reduce, 2 workers ...")
-        ar = probe_allreduce(script, args.script_args, got.compute_s)
+        ar = probe_allreduce(script, args.script_args)
         comm = max(ar.step_s - got.compute_s, 1e-6)
         source = f"measured: {ar.steps} steps of all-reduce, 2 workers (step beyond compute)"
         rate = Part(value=got.param_bytes / comm, source=source)

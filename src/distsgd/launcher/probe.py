@@ -52,8 +52,6 @@ class AllreduceProbe:
 
     step_s: float
     """Loop seconds per step (compute and the all-reduce)."""
-    compute_s: float
-    """The loop's compute per step in the exchange probe (to subtract)."""
     steps: int
 
 
@@ -144,7 +142,6 @@ def probe_exchange(
 def probe_allreduce(
     script: str,
     script_args: Sequence[str],
-    compute_s: float,
     *,
     steps: int = PROBE_STEPS,
     timeout: float = 300.0,
@@ -156,4 +153,4 @@ def probe_allreduce(
     local = int(done["local_step"])
     if local < 1:
         raise ProbeFailed("the all-reduce probe took no step")
-    return AllreduceProbe(step_s=float(done["seconds"]) / local, compute_s=compute_s, steps=local)
+    return AllreduceProbe(step_s=float(done["seconds"]) / local, steps=local)

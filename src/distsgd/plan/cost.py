@@ -64,7 +64,7 @@ the server's application of its push: ``async``: ``(N - 1) / N * X / P * (P * c 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from distsgd.plan.traffic import Exchange
 
@@ -81,10 +81,6 @@ class Part:
     def __post_init__(self) -> None:
         if not math.isfinite(self.value) or self.value < 0:
             raise ValueError(f"a cost-model part must be finite and >= 0, got {self.value}")
-
-    @property
-    def measured(self) -> bool:
-        return self.source.startswith("measured")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,7 +200,6 @@ class Prediction:
     collective scheme)."""
     staleness: float
     """Expected updates by others between a worker's pull and its push's application."""
-    notes: tuple[str, ...] = field(default=())
 
 
 SERVER_APPLY_S_PER_BYTE = Part(
