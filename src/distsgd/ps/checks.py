@@ -88,9 +88,12 @@ def check_register_specs(specs: Iterable[pb.TensorSpec], context: grpc.ServicerC
 def check_push_specs(
     shard: Shard, specs: Iterable[pb.TensorSpec], context: grpc.ServicerContext
 ) -> None:
-    """Every piece of a Push is registered, with its registered dtype and shape."""
+    """Every piece of a Push is registered, with its registered dtype and shape (a piece that
+    moved away passes: the shard refuses the push MOVED, see :mod:`distsgd.ps.moves`)."""
     for spec in specs:
         have = shard.values.get(spec.key)
+        if have is None and spec.key in shard.moved:
+            continue
         if have is None:
             abort(
                 context,

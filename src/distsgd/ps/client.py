@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 
 from distsgd.ps import compression
+from distsgd.ps.moves import follow
 from distsgd.ps.partition import PartitionPlan
 from distsgd.ps.pull_encoding import PullDecoder, pull_encoding_for
 from distsgd.transport.carriers.base import Payload
@@ -67,7 +68,14 @@ class ParameterClient:
             raise ValueError(
                 f"{len(addresses)} ps addresses for a plan of {plan.num_shards} shards"
             )
+        self.base_plan = plan
+        """The plan every task computes (:class:`PartitionPlan`); :attr:`plan` adds the moves."""
         self.plan = plan
+        """Where each piece is, as last heard: the base plan with the pieces the servers moved
+        (``--rebalance``; see :mod:`distsgd.ps.moves`)."""
+        self._where = {p.key: p.shard for p in plan.pieces}
+        self.moves_followed = 0
+        """How many times this client learned that pieces had moved."""
         self.worker = worker
         self.shards = [
             ShardClient(
@@ -157,8 +165,10 @@ class ParameterClient:
         return self.shards[0].lease_work(done, want)
 
     def wait_registered(self, timeout: float) -> None:
-        """Block until every shard is registered with this plan's pieces."""
+        """Block until every shard is registered with this plan's pieces (following the moves
+        the shards report: a worker that starts after pieces moved learns where they are)."""
         deadline = time.monotonic() + timeout
+        infos: list[pb.InfoResponse] = []
         for i, shard in enumerate(self.shards):
             while True:
                 info = shard.info()
@@ -170,8 +180,13 @@ class ParameterClient:
                         "is the chief (worker 0) running?"
                     )
                 time.sleep(0.05)
+            infos.append(info)
+        self._follow_moves(infos)
+        for i, info in enumerate(infos):
             expected = sorted((p.key, p.shape) for p in self.plan.shard_pieces(i))
-            have = sorted((t.key, tuple(t.shape)) for t in info.tensors)
+            have = sorted(
+                (t.key, tuple(t.shape)) for t in info.tensors if self._owner(t.key) in (i, None)
+            )
             if expected != have:
                 raise ValueError(
                     f"ps{i} holds different parameters than this worker's model "
@@ -192,6 +207,11 @@ class ParameterClient:
             [min_version] * len(self.shards) if isinstance(min_version, int) else list(min_version)
         )
         results = self._each(lambda i, s: s.pull(min_version=mins[i], wait_seconds=wait_seconds))
+        if self._lacks_pieces(results):  # pieces moved: learn where, and pull again
+            self._follow_moves(self.info())
+            results = self._each(
+                lambda i, s: s.pull(min_version=mins[i], wait_seconds=wait_seconds)
+            )
         self.last_waited = max(shard.last_waited for shard in self.shards)
         if record:
             self.versions = [version for version, _ in results]
@@ -218,28 +238,97 @@ class ParameterClient:
             )
         )
         parts = self.plan.split(arrays)
-        sent = [0] * len(self.shards)
+        payloads = [Payload.raw({}) for _ in parts]
 
-        def send(i: int, shard: ShardClient) -> PushResult:
-            payload = self._payload(parts[i])
-            sent[i] = sum(a.nbytes for a in payload.arrays)
-            return shard.push(base_version=bases[i], tensors=payload, lr_scale=lr_scale)
+        def first(i: int, shard: ShardClient) -> PushResult:
+            payloads[i] = self._payload(parts[i])  # encoded side by side, in the pool
+            return self._send(i, payloads[i], bases[i], lr_scale)
 
-        def one(i: int, shard: ShardClient) -> PushResult:
-            try:
-                return send(i, shard)
-            except RemoteError as exc:
-                if exc.code != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                # The server is down (or restarting): this update is lost, training goes on;
-                # the next pull waits, with backoff, until the server is back.
-                log.warning("push to ps%d lost: %s", i, exc.message)
-                lost = PushReject.LOST
-                return PushResult(False, self.versions[i], f"{lost.label}: {exc.message}", lost)
-
-        results = self._each(one)
-        self.bytes_sent += sum(sent)
+        results = self._each(first)
+        moved = [i for i, r in enumerate(results) if r.reject is PushReject.MOVED]
+        if moved:  # pieces moved: send them on to where they are
+            results = self._resend(moved, payloads, results, lr_scale)
         return results
+
+    def _send(self, i: int, payload: Payload, base: int, lr_scale: float) -> PushResult:
+        """One shard's part of a push; a server that is down loses it (LOST), training goes on."""
+        self.bytes_sent += sum(a.nbytes for a in payload.arrays)
+        try:
+            return self.shards[i].push(base_version=base, tensors=payload, lr_scale=lr_scale)
+        except RemoteError as exc:
+            if exc.code != grpc.StatusCode.UNAVAILABLE:
+                raise
+            # The server is down (or restarting): this update is lost, training goes on;
+            # the next pull waits, with backoff, until the server is back.
+            log.warning("push to ps%d lost: %s", i, exc.message)
+            lost = PushReject.LOST
+            return PushResult(False, self.versions[i], f"{lost.label}: {exc.message}", lost)
+
+    def _resend(
+        self,
+        moved: list[int],
+        payloads: list[Payload],
+        results: list[PushResult],
+        lr_scale: float,
+    ) -> list[PushResult]:
+        """Shards ``moved`` refused their part MOVED (nothing of it applied): follow the moves
+        and send each of its pieces to the shard that holds it now (again, should it have
+        moved on meanwhile, up to :data:`MAX_MOVE_HOPS` times)."""
+        out = list(results)
+        for i in moved:
+            pending = [(payloads[i], results[i])]
+            done: list[tuple[Payload, PushResult]] = []
+            for _ in range(MAX_MOVE_HOPS):
+                self._adopt_plan({k: s for _, r in pending for k, s in r.moved.items()})
+                again: list[tuple[Payload, PushResult]] = []
+                for payload, _ in pending:
+                    for j, keys in self._by_owner(payload).items():
+                        part = payload.only(keys)
+                        reply = self._send(j, part, self.versions[j], lr_scale)
+                        (again if reply.reject is PushReject.MOVED else done).append((part, reply))
+                pending = again
+                if not pending:
+                    break
+            replies = [r for _, r in done + pending]
+            out[i] = next((r for r in replies if not r.accepted), replies[0])
+        return out
+
+    def _by_owner(self, payload: Payload) -> dict[int, list[str]]:
+        """The payload's piece keys by the shard that holds each now."""
+        by_shard: dict[int, list[str]] = {}
+        for spec in payload.specs:
+            by_shard.setdefault(self._where[spec.key], []).append(spec.key)
+        return by_shard
+
+    def _owner(self, key: str) -> int | None:
+        """The shard that holds piece ``key`` as last heard (None: no such piece)."""
+        return self._where.get(key)
+
+    def _lacks_pieces(self, results: Sequence[tuple[int, Mapping[str, np.ndarray]]]) -> bool:
+        """Whether a pull's answers lack a piece the plan places on their shard."""
+        return any(piece.key not in results[piece.shard][1] for piece in self.plan.pieces)
+
+    def _follow_moves(self, infos: Sequence[pb.InfoResponse]) -> None:
+        """Learn from every shard's ``moved`` where the pieces are (see :func:`moves.follow`)."""
+        start = {piece.key: piece.shard for piece in self.base_plan.pieces}
+        reported = [{m.key: m.shard for m in info.moved} for info in infos]
+        self._adopt_plan(follow(start, reported), replace=True)
+
+    def _adopt_plan(self, owners: Mapping[str, int], *, replace: bool = False) -> None:
+        """Place the pieces of ``owners`` there (``replace``: those and no other moves)."""
+        if not owners and not replace:
+            return
+        base = {p.key: p.shard for p in self.base_plan.pieces}
+        known = {k: s for k, s in self._where.items() if s != base[k]}
+        merged = dict(owners) if replace else {**known, **owners}
+        plan = self.base_plan.with_owners(merged)
+        if [p.shard for p in plan.pieces] != [p.shard for p in self.plan.pieces]:
+            self.moves_followed += 1
+            log.info(
+                "worker %d: pieces moved; bytes per shard now %s", self.worker, plan.shard_bytes
+            )
+        self.plan = plan
+        self._where = {p.key: p.shard for p in plan.pieces}
 
     def _payload(self, pieces: Mapping[str, np.ndarray]) -> Payload:
         """One shard's pieces as they travel: raw, or encoded by :attr:`feedback`."""
@@ -349,6 +438,10 @@ def _first_difference(expected: list[Any], have: list[Any]) -> str:
         return f"expected {len(expected)} pieces, server has {len(have)}"
     return "none"
 
+
+MAX_MOVE_HOPS = 8
+"""How many times one push follows its pieces to another shard before it gives up (a piece
+moved again between two answers); the last answer, MOVED, is then the push's."""
 
 MembershipCallback = Callable[[int, int, list[int]], None]
 """Called with (shard index, epoch, members) whenever a shard's membership epoch changes."""

@@ -7,7 +7,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+
+@dataclass
+class PieceCounts:
+    """What one piece brought to its shard: its bytes in pushes and pulls, and the pushes of it
+    that were applied. Moves with the piece (``--rebalance``), so the sum over the shards of a
+    piece's ``applies`` counts every update it ever took."""
+
+    push_bytes: int = 0
+    pull_bytes: int = 0
+    applies: int = 0
 
 
 @dataclass
@@ -21,17 +33,42 @@ class ShardLoad:
     busy_seconds: float = 0.0
     """Seconds spent inside :meth:`Shard.push` (overlapping where an unlocked rule lets
     pushes run side by side: then more than the wall time can pass)."""
+    pieces: dict[str, PieceCounts] = field(default_factory=dict)
+    """Per piece held now, by key (read under :meth:`piece_counts`)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def pushed(self, nbytes: int, started: float) -> None:
-        """A push of ``nbytes`` handled since ``started`` (``time.perf_counter()``)."""
+    def pushed(self, nbytes: Mapping[str, int], started: float, *, applied: bool) -> None:
+        """A push of these pieces' bytes handled since ``started`` (``time.perf_counter()``);
+        ``applied``: the rule took it."""
         seconds = time.perf_counter() - started
         with self._lock:
             self.pushes += 1
-            self.push_bytes += nbytes
+            self.push_bytes += sum(nbytes.values())
             self.busy_seconds += seconds
+            for key, n in nbytes.items():
+                counts = self.pieces.setdefault(key, PieceCounts())
+                counts.push_bytes += n
+                counts.applies += applied
 
-    def pulled(self, nbytes: int) -> None:
+    def pulled(self, nbytes: Mapping[str, int]) -> None:
+        """A pull of these pieces' bytes (as sent)."""
         with self._lock:
             self.pulls += 1
-            self.pull_bytes += nbytes
+            self.pull_bytes += sum(nbytes.values())
+            for key, n in nbytes.items():
+                self.pieces.setdefault(key, PieceCounts()).pull_bytes += n
+
+    def piece_counts(self, keys: Iterable[str]) -> dict[str, PieceCounts]:
+        """Copies of these pieces' counters (zero for a piece not pushed or pulled yet)."""
+        with self._lock:
+            return {k: PieceCounts(**vars(self.pieces.get(k, PieceCounts()))) for k in keys}
+
+    def take(self, keys: Iterable[str]) -> dict[str, PieceCounts]:
+        """Remove these pieces' counters and return them (the pieces left this shard)."""
+        with self._lock:
+            return {k: self.pieces.pop(k, PieceCounts()) for k in keys}
+
+    def give(self, counts: Mapping[str, PieceCounts]) -> None:
+        """Take over pieces' counters (the pieces came to this shard)."""
+        with self._lock:
+            self.pieces.update({k: PieceCounts(**vars(c)) for k, c in counts.items()})

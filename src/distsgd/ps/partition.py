@@ -6,13 +6,19 @@ huge embedding cannot leave a single server holding most of the model. Pieces th
 first, to the least-loaded shard (greedy LPT scheduling: the resulting maximum load is within 4/3
 of the optimum). The plan is a pure function of the parameters' names, shapes and dtypes, so the
 chief and every worker compute the same one without talking.
+
+``placement="round-robin"`` is TensorFlow 1's ``replica_device_setter``: whole parameters go to
+shards in turn, by order, whatever their size. It is there to compare with, and to make an
+unbalanced placement on purpose (a run with ``--rebalance auto`` then moves pieces, see
+:mod:`distsgd.ps.moves`). A plan whose pieces moved is :meth:`PartitionPlan.with_owners`.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -61,17 +67,36 @@ class Piece:
         return (self.stop - self.start) * np.dtype(self.param.dtype).itemsize
 
 
+PLACEMENTS = ("balanced", "round-robin")
+"""``balanced``: byte-balanced LPT with large parameters cut (the default); ``round-robin``:
+whole parameters to shards in turn (TensorFlow 1's ``replica_device_setter``)."""
+
+
 class PartitionPlan:
     """Which shard holds which piece of which parameter; splits and joins named arrays."""
 
-    def __init__(self, params: Sequence[ParamInfo], num_shards: int) -> None:
+    def __init__(
+        self, params: Sequence[ParamInfo], num_shards: int, *, placement: str = "balanced"
+    ) -> None:
         if num_shards < 1:
             raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement {placement!r} is not one of {', '.join(PLACEMENTS)}")
         names = [p.name for p in params]
         if len(set(names)) != len(names):
             raise ValueError("parameter names must be unique")
         self.params = list(params)
         self.num_shards = num_shards
+        self.placement = placement
+        if placement == "round-robin":
+            self.pieces = [
+                Piece(param=p, start=0, stop=p.numel, shard=i % num_shards)
+                for i, p in enumerate(params)
+            ]
+            self.shard_bytes = [
+                sum(x.nbytes for x in self.shard_pieces(s)) for s in range(num_shards)
+            ]
+            return
         total = sum(p.nbytes for p in params)
         fair = max(1, math.ceil(total / num_shards))
         cuts: list[tuple[ParamInfo, int, int]] = []
@@ -97,11 +122,31 @@ class PartitionPlan:
         self.shard_bytes = load
 
     @classmethod
-    def from_arrays(cls, arrays: Mapping[str, np.ndarray], num_shards: int) -> PartitionPlan:
+    def from_arrays(
+        cls, arrays: Mapping[str, np.ndarray], num_shards: int, *, placement: str = "balanced"
+    ) -> PartitionPlan:
         infos = [
             ParamInfo(name=k, shape=tuple(v.shape), dtype=v.dtype.name) for k, v in arrays.items()
         ]
-        return cls(infos, num_shards)
+        return cls(infos, num_shards, placement=placement)
+
+    def with_owners(self, owners: Mapping[str, int]) -> PartitionPlan:
+        """This plan with the pieces named in ``owners`` (piece key -> shard) held elsewhere:
+        the plan of a run whose servers moved pieces. Unknown keys and shards are ValueError."""
+        known = {piece.key for piece in self.pieces}
+        for key, shard in owners.items():
+            if key not in known:
+                raise ValueError(f"no piece {key!r} in this plan")
+            if not 0 <= shard < self.num_shards:
+                raise ValueError(f"piece {key!r} moved to shard {shard} of {self.num_shards}")
+        plan = copy.copy(self)
+        plan.pieces = [
+            replace(piece, shard=owners.get(piece.key, piece.shard)) for piece in self.pieces
+        ]
+        plan.shard_bytes = [
+            sum(x.nbytes for x in plan.shard_pieces(s)) for s in range(self.num_shards)
+        ]
+        return plan
 
     def shard_pieces(self, shard: int) -> list[Piece]:
         return [piece for piece in self.pieces if piece.shard == shard]

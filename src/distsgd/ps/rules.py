@@ -13,7 +13,7 @@ import math
 import threading
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -289,6 +289,10 @@ class UpdateRule(ABC):
     """
 
     locked: ClassVar[bool] = True
+    movable: ClassVar[bool] = False
+    """Whether the rule's state is per piece (its :class:`ServerSGD` buffers and nothing else),
+    so a piece can move to another shard with its state (``--rebalance``, see
+    :mod:`distsgd.ps.moves`). Rules with an open synchronous step leave it False."""
 
     def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
         """``options``: the parsed JSON object the worker half's ``server_options`` returned; a
@@ -344,6 +348,38 @@ class UpdateRule(ABC):
                 for key, buf in value.buffers.items():
                     out[f"{name}.buffers/{key}"] = buf
         return out
+
+    def piece_state(self, keys: Collection[str]) -> dict[str, np.ndarray]:
+        """Copies of these pieces' state, named ``<attribute>/<key>`` (a movable rule's
+        :class:`ServerSGD` buffers)."""
+        return {
+            f"{name}/{key}": buf.copy()
+            for name, sgd in self._sgds().items()
+            for key, buf in sgd.buffers.items()
+            if key in keys
+        }
+
+    def take_piece_state(self, state: Mapping[str, np.ndarray], values: Mapping[str, Any]) -> None:
+        """Adopt :meth:`piece_state` of another shard; ValueError, changing nothing, if a name
+        is not this rule's or a buffer does not match its piece in ``values``."""
+        sgds = self._sgds()
+        for name, buf in state.items():
+            attribute, _, key = name.partition("/")
+            have = values.get(key)
+            if attribute not in sgds or have is None or buf.shape != have.shape:
+                raise ValueError(f"rule state {name!r} does not belong to a piece that moved")
+        for name, buf in state.items():
+            attribute, _, key = name.partition("/")
+            sgds[attribute].buffers[key] = np.array(buf, dtype=values[key].dtype, copy=True)
+
+    def drop_piece_state(self, keys: Collection[str]) -> None:
+        """Forget these pieces' state (they left the shard)."""
+        for sgd in self._sgds().values():
+            for key in keys:
+                sgd.buffers.pop(key, None)
+
+    def _sgds(self) -> dict[str, ServerSGD]:
+        return {name: v for name, v in vars(self).items() if isinstance(v, ServerSGD)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""

@@ -32,6 +32,7 @@ import numpy as np
 from distsgd.ps import checks, wal
 from distsgd.ps.checks import push_nbytes
 from distsgd.ps.membership import DEFAULT_EVICT_AFTER, check_evict_after
+from distsgd.ps.move_plane import MovePlane, moved_owners, piece_loads, push_response
 from distsgd.ps.pull_encoding import encode_pull
 from distsgd.ps.rules import (
     MAX_WORKERS,
@@ -88,7 +89,7 @@ def work_status(queue: WorkQueue) -> pb.WorkStatus:
     )
 
 
-class ParameterService(SharedPlane, pb_grpc.ParameterServerServicer):
+class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
     """Serves one shard. The shard exists once the chief has registered it.
 
     At most ``max_waiting_pulls`` Pulls wait for a version at once (each holds a server thread);
@@ -326,8 +327,10 @@ class ParameterService(SharedPlane, pb_grpc.ParameterServerServicer):
                         pulls=load.pulls,
                         pull_bytes=load.pull_bytes,
                         busy_seconds=load.busy_seconds,
+                        pieces=piece_loads(load.piece_counts(shard.values)),
                     )
                 )
+                reply.moved.extend(moved_owners(shard, list(shard.moved)))
                 if shard.work is not None:
                     reply.work.CopyFrom(work_status(shard.work))
         return reply
@@ -500,7 +503,7 @@ class ParameterService(SharedPlane, pb_grpc.ParameterServerServicer):
         # expect.
         version, values = shard.snapshot() if shard.rule.locked else shard.live()
         specs, arrays = encode_pull(values, encoding)
-        shard.load.pulled(sum(a.nbytes for a in arrays))
+        shard.load.pulled({spec.key: a.nbytes for spec, a in zip(specs, arrays, strict=True)})
         header = pb.PullHeader(
             version=version,
             tensors=specs,
@@ -534,11 +537,8 @@ class ParameterService(SharedPlane, pb_grpc.ParameterServerServicer):
             base_version=head.base_version,
         )
         outcome, version = shard.push(payload, meta)
-        return pb.PushResponse(
-            accepted=outcome.accepted,
-            version=version,
-            reason=outcome.reason,
-            reject=outcome.reject.wire_name,
+        return push_response(
+            shard, outcome.accepted, version, outcome.reason, outcome.reject, list(payload)
         )
 
     @guarded

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from distsgd.ps import moves
+from distsgd.ps.gate import Gate
 from distsgd.ps.load import ShardLoad
 from distsgd.ps.membership import DEFAULT_EVICT_AFTER, Membership
 from distsgd.ps.rules import (
@@ -99,6 +101,13 @@ class Shard:
         """The write-ahead log every change is appended to before it is applied (None: off;
         see :mod:`distsgd.ps.wal`)."""
         self._leaving = False
+        self.gate = Gate()
+        """An unlocked rule's pushes hold it shared; a compaction or an export exclusive."""
+        self.frozen: dict[str, float] = {}
+        """Pieces being moved away (key -> the ``time.monotonic()`` their freeze ends); a push
+        that contains one waits (see :mod:`distsgd.ps.moves`). Changed under ``cond``."""
+        self.moved: dict[str, int] = {}
+        """Pieces that left this shard: key -> the shard they went to. Changed under ``cond``."""
 
     def bump(self, steps: int = 1) -> int:
         """Advance the version and wake readers waiting for it."""
@@ -238,14 +247,18 @@ class Shard:
     def push(self, payload: dict[str, np.ndarray], meta: PushMeta) -> tuple[PushOutcome, int]:
         """Hand a validated payload to the rule; returns the outcome and the version after it.
 
-        The caller has checked every key, dtype and shape against :attr:`values`. A payload
-        with NaN or Inf anywhere is refused (and counted) before the rule sees any of it.
+        The caller has checked every key, dtype and shape against :attr:`values` (a key that
+        moved away, see :attr:`moved`, passes and is refused here, MOVED). A payload with NaN
+        or Inf anywhere is refused (and counted) before the rule sees any of it.
         """
         started = time.perf_counter()
+        outcome: PushOutcome | None = None
         try:
-            return self._push(payload, meta)
+            outcome, version = self._push(payload, meta)
+            return outcome, version
         finally:
-            self.load.pushed(sum(a.nbytes for a in payload.values()), started)
+            nbytes = {k: a.nbytes for k, a in payload.items()}
+            self.load.pushed(nbytes, started, applied=outcome is not None and outcome.accepted)
 
     def _push(self, payload: dict[str, np.ndarray], meta: PushMeta) -> tuple[PushOutcome, int]:
         self.see(meta.worker, meta.incarnation)
@@ -256,23 +269,47 @@ class Shard:
                     self.pushes_rejected += 1
                     refusal = PushOutcome.refused(PushReject.NONFINITE, f"NaN or Inf in {key}")
                     return refusal, self.version
+        while True:
+            outcome = self._push_unless_moving(payload, meta)
+            if outcome is not None:
+                return outcome, self.version
+            moves.wait_unfrozen(self, payload)
+
+    def _push_unless_moving(
+        self, payload: dict[str, np.ndarray], meta: PushMeta
+    ) -> PushOutcome | None:
+        """The rule's outcome (or MOVED, counted); None if a piece of it is frozen (a move is
+        under way): wait and try again."""
         wal = self.wal
         if self.rule.locked:
             with self.cond:
+                if moves.blocked(self, payload):
+                    return self._moved(payload)
                 if wal is not None:
                     wal.append_push(self, payload, meta)
                 outcome = self.rule.apply(self, payload, meta)
                 self._count(outcome)
-                return outcome, self.version
-        if wal is None:
-            outcome = self.rule.apply(self, payload, meta)
-        else:
-            with wal.gate.shared():
+                return outcome
+        with self.gate.shared():
+            if moves.blocked(self, payload):
+                return self._moved(payload)
+            if wal is not None:
                 wal.append_push(self, payload, meta)
-                outcome = self.rule.apply(self, payload, meta)
+            outcome = self.rule.apply(self, payload, meta)
         with self.cond:
             self._count(outcome)
-            return outcome, self.version
+            return outcome
+
+    def _moved(self, payload: Mapping[str, np.ndarray]) -> PushOutcome | None:
+        """A push that meets a move: None while a piece of it is frozen, else MOVED."""
+        with self.cond:
+            if any(key in self.frozen for key in payload):
+                return None
+            self.pushes_rejected += 1
+            gone = sorted(key for key in payload if key in self.moved)
+            return PushOutcome.refused(
+                PushReject.MOVED, f"{len(gone)} piece(s) moved to another shard: {gone[:4]}"
+            )
 
     def _count(self, outcome: PushOutcome) -> None:
         if outcome.accepted:
@@ -317,7 +354,9 @@ class Shard:
                 for worker in evicted:
                     self._work_released(worker, "was evicted")
                 self._membership_changed(f"evicted {evicted}")
-            self._rule_tick(time.monotonic())
+            now = time.monotonic()
+            moves.expire(self, now)
+            self._rule_tick(now)
 
     def _rule_tick(self, now: float) -> None:
         """The rule's :meth:`~UpdateRule.tick`, under the lock, logged to the WAL if it changed
@@ -359,6 +398,7 @@ class Shard:
                 "nonfinite_rejected": self.nonfinite_rejected,
                 "rule": {k: v for k, v in rule_state.items() if not isinstance(v, np.ndarray)},
                 "keys": list(self.values),
+                "moved": dict(self.moved),
                 **({} if self.work is None else {"work": self.work.state_dict()}),
             }
             return self.version, arrays, header
@@ -419,6 +459,7 @@ class Shard:
         shard.pushes_rejected = int(header["pushes_rejected"])
         shard.nonfinite_rejected = int(header["nonfinite_rejected"])
         shard.work = work
+        shard.moved = {str(k): int(v) for k, v in header.get("moved", {}).items()}
         return shard
 
 

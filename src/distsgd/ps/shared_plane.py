@@ -268,8 +268,10 @@ class SharedPlane:
                 arrays = list(values.values())
                 if encoding is not Encoding.RAW:
                     specs, arrays = encode_pull(values, encoding)
-        sent = arrays or list(shard.values.values())  # a segment's pull: the whole shard, raw
-        shard.load.pulled(sum(a.nbytes for a in sent))
+        if arrays:
+            shard.load.pulled({spec.key: a.nbytes for spec, a in zip(specs, arrays, strict=True)})
+        else:  # a segment's pull: the whole shard, raw
+            shard.load.pulled({key: value.nbytes for key, value in shard.values.items()})
         header = pb.PullHeader(
             version=version,
             tensors=specs,

@@ -132,46 +132,6 @@ def has_state(folder: Path) -> bool:
     return bool(_generations(Path(folder), _SNAPSHOT))
 
 
-class Gate:
-    """Shared/exclusive gate for an unlocked rule: pushes append and apply under ``shared``,
-    a compaction copies the state under ``exclusive`` (no push half-applied). Waiting writers
-    block new readers, so a compaction never starves."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._readers = 0
-        self._writer = False
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer:
-                self._cond.wait()
-            self._writer = True
-            while self._readers:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
-
-
 def _members_body(shard: Shard, hook: bool) -> bytes:
     """Under the shard's lock: its membership as a MEMBERS body."""
     m = shard.membership
@@ -193,22 +153,24 @@ class WriteAheadLog:
         self.folder = folder
         self.generation = generation
         self.bound = bound
-        self.gate = Gate()
-        """Unlocked rules: pushes hold it shared (see :class:`Gate`)."""
         self._fd = fd
         self._offset = 0
         self._lock = threading.Lock()
         self._head = bytearray(HEAD.size)
         self._head_view = memoryview(self._head)
-        self._index = {k: i for i, k in enumerate(keys)}
-        self._keys = keys
-        self._all = np.arange(len(keys), dtype="<u4").tobytes()
+        self._set_keys(keys)
         self._compacting = threading.Lock()
         self.broken = False
         """Set when a write failed: the folder was emptied and nothing more is logged."""
         self.records = 0
 
     # -- creating -------------------------------------------------------------------------------
+    def _set_keys(self, keys: list[str]) -> None:
+        """The pieces a push record indexes, in the order of the generation's snapshot."""
+        self._index = {k: i for i, k in enumerate(keys)}
+        self._keys = keys
+        self._all = np.arange(len(keys), dtype="<u4").tobytes()
+
     @classmethod
     def start(cls, folder: Path, shard: Shard, generation: int = 0) -> WriteAheadLog:
         """Write ``shard``'s snapshot as ``generation`` into ``folder``, open its log, attach the
@@ -342,13 +304,14 @@ class WriteAheadLog:
         self.compact(shard)
         return True
 
-    def compact(self, shard: Shard) -> None:
+    def compact(self, shard: Shard, *, wait: bool = False) -> None:
         """Copy the state and switch to the other log file (under the locks: a copy and an
-        open), then write the snapshot and remove the older one."""
-        if not self._compacting.acquire(blocking=False):
+        open), then write the snapshot and remove the older one. ``wait``: if another thread
+        is compacting, wait for it and compact again (the shard's pieces changed: a move)."""
+        if not self._compacting.acquire(blocking=wait):
             return  # another thread is at it
         try:
-            gate = self.gate.exclusive() if not shard.rule.locked else _nothing()
+            gate = shard.gate.exclusive() if not shard.rule.locked else _nothing()
             with gate, shard.cond:
                 version, arrays, header = shard.state_copy()
                 members = _members_body(shard, False)
@@ -358,6 +321,7 @@ class WriteAheadLog:
                     old, closed = self._fd, self._fd < 0  # closed: the server stopped
                     if not closed:
                         self._fd, self._offset, self.generation = fd, 0, generation
+                        self._set_keys(list(shard.values))  # pieces may have moved
                 if closed:
                     os.close(fd)
                     return

@@ -107,6 +107,8 @@ class DownpourServerOptions(ServerOptions):
 
 
 class DownpourServer(UpdateRule):
+    movable = True
+
     def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
         super().__init__(options, num_workers)
         self.options = DownpourServerOptions.from_json(options)

@@ -40,6 +40,8 @@ class DynsgdOptions:
 
 
 class DynsgdServer(UpdateRule):
+    movable = True
+
     def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
         super().__init__(options, num_workers)
         self.options = SgdServerOptions.from_json(options)

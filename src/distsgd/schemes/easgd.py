@@ -62,6 +62,8 @@ class ElasticServerOptions(ServerOptions):
 class ElasticServer(UpdateRule):
     """Center update: ``c <- c + diff`` for each pushed elastic difference."""
 
+    movable = True
+
     def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
         super().__init__(options, num_workers)
         self.options = ElasticServerOptions.from_json(options)

@@ -57,6 +57,7 @@ class HogwildOptions:
 
 class HogwildServer(UpdateRule):
     locked = False
+    movable = True
 
     def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
         super().__init__(options, num_workers)

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -28,12 +28,13 @@ from distsgd.transport.carriers.base import Carrier, CarrierFailed, Payload
 from distsgd.transport.carriers.segment import SegmentCarrier
 from distsgd.transport.carriers.stream import StreamCarrier
 from distsgd.transport.carriers.tensor_socket import SocketCarrier
-from distsgd.transport.codec import CHUNK_BYTES, iter_chunks, specs_of
+from distsgd.transport.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks, specs_of
 from distsgd.transport.delay import LinkDelay
 from distsgd.transport.errors import (
     MAX_WAIT_SECONDS,
     PROTOCOL_VERSION,
     PushReject,
+    RemoteError,
     remote_error,
 )
 from distsgd.transport.link import Link, PullDecoding
@@ -68,6 +69,8 @@ class PushResult:
     version: int
     reason: str = ""
     reject: PushReject = PushReject.NONE
+    moved: Mapping[str, int] = field(default_factory=dict)
+    """(MOVED) piece key -> the shard that holds it now."""
 
 
 class ShardClient:
@@ -381,6 +384,67 @@ class ShardClient:
             ),
         )
 
+    # -- moving pieces (the launcher; see "Moving pieces" in the .proto) -------------------------
+    def export_pieces(
+        self, keys: Sequence[str], peer: int
+    ) -> tuple[pb.ExportHeader, dict[str, np.ndarray]]:
+        """Copy and freeze these pieces for a move to shard ``peer``: the header and arrays.
+        Not retried (a second export of frozen pieces is refused NOT_FROZEN)."""
+        request = pb.MoveRequest(header=self.link.header, keys=list(keys), peer_shard=peer)
+
+        def call() -> tuple[pb.ExportHeader, dict[str, np.ndarray]]:
+            link = self.link
+            stream = link.stub.ExportPieces(request, timeout=self.timeout, metadata=link.metadata)
+            first = next(stream)
+            if first.WhichOneof("part") != "header":
+                raise RemoteError(
+                    self.address, "ExportPieces", grpc.StatusCode.INTERNAL, "no header"
+                )
+            assembler = ChunkAssembler(first.header.tensors)
+            for message in stream:
+                assembler.add(message.chunk)
+            return first.header, assembler.finish()
+
+        return self._call("ExportPieces", call, retry=False)
+
+    def import_pieces(
+        self, from_shard: int, header: pb.ExportHeader, arrays: Mapping[str, np.ndarray]
+    ) -> pb.MoveResponse:
+        """Hand this shard the pieces another exported (:meth:`export_pieces`)."""
+        head = pb.ImportHeader(
+            header=self.link.header,
+            from_shard=from_shard,
+            tensors=list(header.tensors),
+            loads=list(header.loads),
+        )
+        values = list(arrays.values())
+
+        def messages() -> Iterator[pb.ImportRequest]:
+            yield pb.ImportRequest(header=head)
+            for chunk in iter_chunks(values, self.chunk_bytes):
+                yield pb.ImportRequest(chunk=chunk)
+
+        return self._call(
+            "ImportPieces",
+            lambda: self.link.stub.ImportPieces(
+                messages(), timeout=self.timeout, metadata=self.link.metadata
+            ),
+            retry=False,
+        )
+
+    def finish_move(self, keys: Sequence[str], peer: int, *, commit: bool) -> pb.MoveResponse:
+        """Commit (or undo) a move of these pieces; see :mod:`distsgd.ps.moves`."""
+        request = pb.MoveRequest(
+            header=self.link.header, keys=list(keys), peer_shard=peer, commit=commit
+        )
+        return self._call(
+            "FinishMove",
+            lambda: self.link.stub.FinishMove(
+                request, timeout=self.timeout, metadata=self.link.metadata
+            ),
+            retry=False,
+        )
+
     def leave(self) -> int:
         """Tell the shard this worker has finished; returns the shard's version."""
         request = pb.LeaveRequest(header=self.link.header)
@@ -398,6 +462,7 @@ def _push_result(reply: pb.PushResponse) -> PushResult:
         version=reply.version,
         reason=reply.reason,
         reject=_push_reject(reply.reject),
+        moved={owner.key: owner.shard for owner in reply.moved},
     )
 
 

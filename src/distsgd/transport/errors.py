@@ -53,6 +53,12 @@ class Refusal(enum.Enum):
     evicted); it calls Join again."""
     RUN_FULL = "run-full"
     """RESOURCE_EXHAUSTED (Join): the worker index is beyond the server's ``--max-workers``."""
+    NOT_MOVABLE = "not-movable"
+    """FAILED_PRECONDITION (ExportPieces): the shard's rule keeps state that is not per piece
+    (a synchronous step), so its pieces cannot move."""
+    NOT_FROZEN = "not-frozen"
+    """FAILED_PRECONDITION (ExportPieces, FinishMove): the pieces are not (or already) being
+    moved: the freeze ended, or another move holds them; start the move again."""
     NO_WORK = "no-work"
     """FAILED_PRECONDITION (LeaseWork): this shard hands out no work units (only shard 0 of a
     run registered with a work spec does)."""
@@ -86,6 +92,9 @@ class PushReject(enum.IntEnum):
     NONFINITE = 3
     LOST = 4
     """Never sent by a server: the client marks a push that did not reach the server."""
+    MOVED = 5
+    """A piece of the push lives on another shard now (``PushResponse.moved`` says where);
+    nothing of it was applied: send its pieces again, each to its shard."""
 
     @property
     def label(self) -> str:

@@ -4,7 +4,7 @@ and what travels through it: a push's :class:`Payload`, raw or encoded."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +46,16 @@ class Payload:
             specs=tuple(spec for spec, _ in pieces.values()),
             arrays=tuple(_as_bytes(parts) for _, parts in pieces.values()),
             encoded=True,
+        )
+
+    def only(self, keys: Collection[str]) -> Payload:
+        """The pieces among ``keys``, as they are (a push re-sent to the shards its pieces
+        moved to, without encoding them again)."""
+        pairs = [(s, a) for s, a in zip(self.specs, self.arrays, strict=True) if s.key in keys]
+        return Payload(
+            specs=tuple(s for s, _ in pairs),
+            arrays=tuple(a for _, a in pairs),
+            encoded=self.encoded,
         )
 
     def items(self) -> list[tuple[str, np.ndarray]]:

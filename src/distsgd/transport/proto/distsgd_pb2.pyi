@@ -25,6 +25,7 @@ class PushRejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_REJECT_REASON_STALE: _ClassVar[PushRejectReason]
     PUSH_REJECT_REASON_DUPLICATE: _ClassVar[PushRejectReason]
     PUSH_REJECT_REASON_NONFINITE: _ClassVar[PushRejectReason]
+    PUSH_REJECT_REASON_MOVED: _ClassVar[PushRejectReason]
     PUSH_REJECT_REASON_LOST: _ClassVar[PushRejectReason]
 
 class ChannelFrame(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -43,6 +44,7 @@ PUSH_REJECT_REASON_UNSPECIFIED: PushRejectReason
 PUSH_REJECT_REASON_STALE: PushRejectReason
 PUSH_REJECT_REASON_DUPLICATE: PushRejectReason
 PUSH_REJECT_REASON_NONFINITE: PushRejectReason
+PUSH_REJECT_REASON_MOVED: PushRejectReason
 PUSH_REJECT_REASON_LOST: PushRejectReason
 CHANNEL_FRAME_UNSPECIFIED: ChannelFrame
 CHANNEL_FRAME_PULL: ChannelFrame
@@ -248,16 +250,18 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("accepted", "version", "reason", "reject")
+    __slots__ = ("accepted", "version", "reason", "reject", "moved")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REJECT_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     version: int
     reason: str
     reject: PushRejectReason
-    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., reject: _Optional[_Union[PushRejectReason, str]] = ...) -> None: ...
+    moved: _containers.RepeatedCompositeFieldContainer[PieceOwner]
+    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., reject: _Optional[_Union[PushRejectReason, str]] = ..., moved: _Optional[_Iterable[_Union[PieceOwner, _Mapping]]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ("header",)
@@ -266,7 +270,7 @@ class InfoRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "registered", "scheme", "version", "tensors", "num_workers", "active_workers", "finished_workers", "shard_index", "pushes_accepted", "pushes_rejected", "server_incarnation", "restored_version", "nonfinite_rejected", "membership_epoch", "members", "work", "load")
+    __slots__ = ("protocol_version", "registered", "scheme", "version", "tensors", "num_workers", "active_workers", "finished_workers", "shard_index", "pushes_accepted", "pushes_rejected", "server_incarnation", "restored_version", "nonfinite_rejected", "membership_epoch", "members", "work", "load", "moved")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +289,7 @@ class InfoResponse(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     WORK_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     registered: bool
     scheme: str
@@ -303,21 +308,102 @@ class InfoResponse(_message.Message):
     members: _containers.RepeatedScalarFieldContainer[int]
     work: WorkStatus
     load: ShardLoad
-    def __init__(self, protocol_version: _Optional[int] = ..., registered: _Optional[bool] = ..., scheme: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_workers: _Optional[int] = ..., active_workers: _Optional[int] = ..., finished_workers: _Optional[int] = ..., shard_index: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., server_incarnation: _Optional[int] = ..., restored_version: _Optional[int] = ..., nonfinite_rejected: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., work: _Optional[_Union[WorkStatus, _Mapping]] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ...) -> None: ...
+    moved: _containers.RepeatedCompositeFieldContainer[PieceOwner]
+    def __init__(self, protocol_version: _Optional[int] = ..., registered: _Optional[bool] = ..., scheme: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_workers: _Optional[int] = ..., active_workers: _Optional[int] = ..., finished_workers: _Optional[int] = ..., shard_index: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., server_incarnation: _Optional[int] = ..., restored_version: _Optional[int] = ..., nonfinite_rejected: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., work: _Optional[_Union[WorkStatus, _Mapping]] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ..., moved: _Optional[_Iterable[_Union[PieceOwner, _Mapping]]] = ...) -> None: ...
 
 class ShardLoad(_message.Message):
-    __slots__ = ("pushes", "push_bytes", "pulls", "pull_bytes", "busy_seconds")
+    __slots__ = ("pushes", "push_bytes", "pulls", "pull_bytes", "busy_seconds", "pieces")
     PUSHES_FIELD_NUMBER: _ClassVar[int]
     PUSH_BYTES_FIELD_NUMBER: _ClassVar[int]
     PULLS_FIELD_NUMBER: _ClassVar[int]
     PULL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
     pushes: int
     push_bytes: int
     pulls: int
     pull_bytes: int
     busy_seconds: float
-    def __init__(self, pushes: _Optional[int] = ..., push_bytes: _Optional[int] = ..., pulls: _Optional[int] = ..., pull_bytes: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
+    pieces: _containers.RepeatedCompositeFieldContainer[PieceLoad]
+    def __init__(self, pushes: _Optional[int] = ..., push_bytes: _Optional[int] = ..., pulls: _Optional[int] = ..., pull_bytes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., pieces: _Optional[_Iterable[_Union[PieceLoad, _Mapping]]] = ...) -> None: ...
+
+class PieceLoad(_message.Message):
+    __slots__ = ("key", "push_bytes", "pull_bytes", "applies")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PUSH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PULL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    APPLIES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    push_bytes: int
+    pull_bytes: int
+    applies: int
+    def __init__(self, key: _Optional[str] = ..., push_bytes: _Optional[int] = ..., pull_bytes: _Optional[int] = ..., applies: _Optional[int] = ...) -> None: ...
+
+class PieceOwner(_message.Message):
+    __slots__ = ("key", "shard")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    shard: int
+    def __init__(self, key: _Optional[str] = ..., shard: _Optional[int] = ...) -> None: ...
+
+class MoveRequest(_message.Message):
+    __slots__ = ("header", "keys", "peer_shard", "commit")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PEER_SHARD_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    peer_shard: int
+    commit: bool
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., keys: _Optional[_Iterable[str]] = ..., peer_shard: _Optional[int] = ..., commit: _Optional[bool] = ...) -> None: ...
+
+class ExportHeader(_message.Message):
+    __slots__ = ("version", "tensors", "loads")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    loads: _containers.RepeatedCompositeFieldContainer[PieceLoad]
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[PieceLoad, _Mapping]]] = ...) -> None: ...
+
+class ExportResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ExportHeader
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[ExportHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class ImportHeader(_message.Message):
+    __slots__ = ("header", "from_shard", "tensors", "loads")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    FROM_SHARD_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    from_shard: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    loads: _containers.RepeatedCompositeFieldContainer[PieceLoad]
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., from_shard: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[PieceLoad, _Mapping]]] = ...) -> None: ...
+
+class ImportRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ImportHeader
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[ImportHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class MoveResponse(_message.Message):
+    __slots__ = ("version", "pieces")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    pieces: int
+    def __init__(self, version: _Optional[int] = ..., pieces: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("header",)

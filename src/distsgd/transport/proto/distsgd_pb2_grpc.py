@@ -94,6 +94,21 @@ class ParameterServerStub:
                 request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaseRequest.SerializeToString,
                 response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaseResponse.FromString,
                 _registered_method=True)
+        self.ExportPieces = channel.unary_stream(
+                '/distsgd.v1.ParameterServer/ExportPieces',
+                request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MoveRequest.SerializeToString,
+                response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.ExportResponse.FromString,
+                _registered_method=True)
+        self.ImportPieces = channel.stream_unary(
+                '/distsgd.v1.ParameterServer/ImportPieces',
+                request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.ImportRequest.SerializeToString,
+                response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MoveResponse.FromString,
+                _registered_method=True)
+        self.FinishMove = channel.unary_unary(
+                '/distsgd.v1.ParameterServer/FinishMove',
+                request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MoveRequest.SerializeToString,
+                response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MoveResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -171,6 +186,24 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportPieces(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportPieces(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishMove(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +266,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.LeaseWork,
                     request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaseRequest.FromString,
                     response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaseResponse.SerializeToString,
+            ),
+            'ExportPieces': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportPieces,
+                    request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MoveRequest.FromString,
+                    response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.ExportResponse.SerializeToString,
+            ),
+            'ImportPieces': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportPieces,
+                    request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.ImportRequest.FromString,
+                    response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MoveResponse.SerializeToString,
+            ),
+            'FinishMove': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishMove,
+                    request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MoveRequest.FromString,
+                    response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MoveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +607,87 @@ class ParameterServer:
             '/distsgd.v1.ParameterServer/LeaseWork',
             distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaseRequest.SerializeToString,
             distsgd_dot_transport_dot_proto_dot_distsgd__pb2.LeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportPieces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/distsgd.v1.ParameterServer/ExportPieces',
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MoveRequest.SerializeToString,
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.ExportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportPieces(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/distsgd.v1.ParameterServer/ImportPieces',
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.ImportRequest.SerializeToString,
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishMove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/distsgd.v1.ParameterServer/FinishMove',
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MoveRequest.SerializeToString,
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.MoveResponse.FromString,
             options,
             channel_credentials,
             insecure,

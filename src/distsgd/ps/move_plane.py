@@ -1,0 +1,145 @@
+"""The RPCs that move pieces between shards (ExportPieces, ImportPieces, FinishMove) of
+:class:`~distsgd.ps.service.ParameterService`, which inherits them; the decisions and the
+locking are :mod:`distsgd.ps.moves`'."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from distsgd.ps import checks, moves
+from distsgd.ps.load import PieceCounts
+from distsgd.ps.segments import SegmentTable
+from distsgd.ps.service_errors import abort, clip, guarded
+from distsgd.transport.codec import iter_chunks, specs_of
+from distsgd.transport.errors import PushReject
+from distsgd.transport.proto import distsgd_pb2 as pb
+
+if TYPE_CHECKING:
+    from distsgd.ps.shard import Shard
+
+log = logging.getLogger(__name__)
+
+
+def piece_loads(counts: dict[str, PieceCounts]) -> list[pb.PieceLoad]:
+    return [
+        pb.PieceLoad(key=k, push_bytes=c.push_bytes, pull_bytes=c.pull_bytes, applies=c.applies)
+        for k, c in counts.items()
+    ]
+
+
+def moved_owners(shard: Shard, keys: Iterator[str] | list[str]) -> list[pb.PieceOwner]:
+    """Where the pieces among ``keys`` that left ``shard`` went."""
+    return [pb.PieceOwner(key=k, shard=shard.moved[k]) for k in keys if k in shard.moved]
+
+
+class MovePlane:
+    """Moving pieces: the three calls of the .proto's "Moving pieces"."""
+
+    shard_index: int
+    chunk_bytes: int
+    _segments: SegmentTable
+
+    if TYPE_CHECKING:
+
+        def _check(self, header: pb.RequestHeader, context: grpc.ServicerContext) -> None: ...
+
+        def _registered(self, context: grpc.ServicerContext) -> Shard: ...
+
+    def _move_request(self, request: pb.MoveRequest, context: grpc.ServicerContext) -> Shard:
+        self._check(request.header, context)
+        shard = self._registered(context)
+        if request.header.worker != -1:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "only the launcher moves pieces")
+        if any(not 0 < len(k) <= checks.MAX_KEY_CHARS for k in request.keys):
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a piece key of bad length")
+        return shard
+
+    def _refused(self, exc: moves.MoveRefused, context: grpc.ServicerContext) -> None:
+        code = (
+            grpc.StatusCode.INVALID_ARGUMENT
+            if exc.refusal is None
+            else grpc.StatusCode.FAILED_PRECONDITION
+        )
+        abort(context, code, clip(str(exc), 400), exc.refusal)
+
+    @guarded
+    def ExportPieces(
+        self, request: pb.MoveRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ExportResponse]:
+        shard = self._move_request(request, context)
+        try:
+            out = moves.export(shard, list(request.keys), request.peer_shard)
+        except moves.MoveRefused as exc:
+            self._refused(exc, context)
+        log.info(
+            "shard %d: exporting %d piece(s) to shard %d at version %d",
+            self.shard_index,
+            len(request.keys),
+            request.peer_shard,
+            out.version,
+        )
+        header = pb.ExportHeader(
+            version=out.version, tensors=specs_of(out.arrays), loads=piece_loads(out.loads)
+        )
+        yield pb.ExportResponse(header=header)
+        for chunk in iter_chunks(list(out.arrays.values()), self.chunk_bytes):
+            yield pb.ExportResponse(chunk=chunk)
+
+    @guarded
+    def ImportPieces(
+        self, request_iterator: Iterator[pb.ImportRequest], context: grpc.ServicerContext
+    ) -> pb.MoveResponse:
+        head = checks.first_header(request_iterator, context)
+        self._check(head.header, context)
+        shard = self._registered(context)
+        if head.header.worker != -1 or head.from_shard == self.shard_index:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "an import from the launcher only")
+        checks.check_register_specs(head.tensors, context)
+        arrays = checks.assemble(head.tensors, request_iterator, context)
+        loads = {p.key: PieceCounts(p.push_bytes, p.pull_bytes, p.applies) for p in head.loads}
+        try:
+            taken = moves.adopt(shard, arrays, loads)
+        except (moves.MoveRefused, ValueError) as exc:
+            refusal = exc.refusal if isinstance(exc, moves.MoveRefused) else None
+            self._refused(moves.MoveRefused(refusal, str(exc)), context)
+        self._segments.close()  # the layout changed: workers attach again
+        log.info(
+            "shard %d: took %d piece(s) from shard %d", self.shard_index, taken, head.from_shard
+        )
+        return pb.MoveResponse(version=shard.version, pieces=taken)
+
+    @guarded
+    def FinishMove(self, request: pb.MoveRequest, context: grpc.ServicerContext) -> pb.MoveResponse:
+        shard = self._move_request(request, context)
+        try:
+            changed = moves.finish(
+                shard, list(request.keys), request.peer_shard, commit=request.commit
+            )
+        except moves.MoveRefused as exc:
+            self._refused(exc, context)
+        if changed:
+            self._segments.close()
+        log.info(
+            "shard %d: move of %d piece(s) to shard %d %s",
+            self.shard_index,
+            len(request.keys),
+            request.peer_shard,
+            "committed" if request.commit else "undone",
+        )
+        return pb.MoveResponse(version=shard.version, pieces=changed)
+
+
+def push_response(
+    shard: Shard, accepted: bool, version: int, reason: str, reject: PushReject, keys: list[str]
+) -> pb.PushResponse:
+    """A push's answer; a MOVED one says where its pieces went."""
+    reply = pb.PushResponse(
+        accepted=accepted, version=version, reason=reason, reject=reject.wire_name
+    )
+    if reject is PushReject.MOVED:
+        reply.moved.extend(moved_owners(shard, keys))
+    return reply

@@ -1,0 +1,211 @@
+"""Moving pieces between shards (``--rebalance``): the three steps on real in-process servers,
+pushes that meet a move, clients that follow it, and the count of updates (none lost)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distsgd.ps import moves, start_server, stop_server
+from distsgd.ps.client import ParameterClient
+from distsgd.ps.partition import PartitionPlan
+from distsgd.schemes import make_server_rule
+from distsgd.transport.client import ShardClient
+from distsgd.transport.errors import PushReject, Refusal, RemoteError
+
+
+def _model() -> dict[str, np.ndarray]:
+    arrays = {"big": np.zeros(4000, np.float32)}
+    arrays.update({f"small{i}": np.zeros(50, np.float32) for i in range(8)})
+    return arrays
+
+
+@pytest.fixture
+def two_servers(tmp_path: Path) -> Iterator[list[str]]:
+    started = [
+        start_server(
+            address="127.0.0.1:0",
+            shard_index=i,
+            rule_factory=make_server_rule,
+            wal_dir=tmp_path / f"wal{i}",
+        )
+        for i in range(2)
+    ]
+    try:
+        yield [address for _, address, _ in started]
+    finally:
+        for srv, _, service in started:
+            stop_server(srv, service, grace=0.1)
+
+
+def _client(addresses: list[str], worker: int, scheme: str = "hogwild") -> ParameterClient:
+    plan = PartitionPlan.from_arrays(_model(), 2, placement="round-robin")
+    client = ParameterClient(addresses, plan, worker=worker, timeout=10)
+    if worker == 0:
+        options = {"lr": 1.0, **({"required": 2} if scheme == "sync" else {})}
+        client.register(_model(), scheme=scheme, options=options, num_workers=2)
+    client.wait_registered(10)
+    return client
+
+
+def move(addresses: list[str], keys: list[str], a: int, b: int) -> None:
+    """What the launcher does: export from ``a``, import into ``b``, commit on ``a``."""
+    with ShardClient(addresses[a]) as src, ShardClient(addresses[b]) as dst:
+        header, arrays = src.export_pieces(keys, b)
+        dst.import_pieces(a, header, arrays)
+        src.finish_move(keys, b, commit=True)
+
+
+def _applies(addresses: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for address in addresses:
+        with ShardClient(address) as shard:
+            for piece in shard.info().load.pieces:
+                out[piece.key] = out.get(piece.key, 0) + piece.applies
+    return out
+
+
+def test_round_robin_places_whole_parameters_in_turn() -> None:
+    plan = PartitionPlan.from_arrays(_model(), 2, placement="round-robin")
+    assert [p.shard for p in plan.pieces] == [0, 1, 0, 1, 0, 1, 0, 1, 0]
+    assert plan.shard_bytes == [16000 + 4 * 200, 4 * 200]
+    moved = plan.with_owners({"small0#0": 0})
+    assert moved.shard_bytes == [16000 + 5 * 200, 3 * 200]
+    assert plan.shard_bytes == [16000 + 4 * 200, 4 * 200]  # the original is untouched
+    with pytest.raises(ValueError, match="no piece"):
+        plan.with_owners({"nope#0": 1})
+    with pytest.raises(ValueError, match="placement"):
+        PartitionPlan.from_arrays(_model(), 2, placement="random")
+
+
+def test_follow_walks_each_piece_to_where_it_is_now() -> None:
+    start = {"a": 0, "b": 0, "c": 1}
+    assert moves.follow(start, [{"a": 1}, {}]) == {"a": 1}
+    assert moves.follow(start, [{"a": 1}, {"a": 2}, {}]) == {"a": 2}
+    assert moves.follow(start, [{"a": 1}, {"a": 0}]) == {"a": 1}  # a cycle: stops before it
+    assert moves.follow(start, [{}, {"c": 0}]) == {"c": 0}
+
+
+def test_a_moved_piece_keeps_its_value_and_the_clients_follow_it(two_servers: list[str]) -> None:
+    chief, other = _client(two_servers, 0), _client(two_servers, 1)
+    grads = {k: np.ones_like(v) for k, v in _model().items()}
+    chief.pull()
+    assert all(r.accepted for r in chief.push(grads))
+    move(two_servers, ["small1#0", "small3#0"], 0, 1)
+    # The chief's plan is stale: its push is refused MOVED by ps0, and sent on to ps1.
+    results = chief.push(grads)
+    assert all(r.accepted for r in results), results
+    assert chief.plan.shard_bytes == [16000 + 2 * 200, 6 * 200]
+    assert chief.moves_followed == 1
+    # The other worker learns it at its pull (ps0's answer lacks the pieces).
+    _, values = other.pull()
+    assert other.plan.shard_bytes == chief.plan.shard_bytes
+    for key, value in values.items():
+        np.testing.assert_allclose(value, -2.0, err_msg=key)  # two pushes of lr 1.0 x 1
+    applied = _applies(two_servers)
+    assert applied == {piece.key: 2 for piece in chief.plan.pieces}
+    # A worker that starts now (a restart) finds the pieces where they are.
+    late = _client(two_servers, 1)
+    assert late.plan.shard_bytes == chief.plan.shard_bytes
+    for c in (chief, other, late):
+        c.close()
+
+
+def test_pushes_during_moves_lose_no_update(two_servers: list[str]) -> None:
+    """Two workers push as fast as they can while pieces move back and forth; every push of
+    every piece is applied exactly once (the counters move with the pieces)."""
+    clients = [_client(two_servers, w) for w in range(2)]
+    grads = {k: np.full_like(v, 0.001) for k, v in _model().items()}
+    stop = threading.Event()
+    pushed = [0, 0]
+
+    def work(w: int) -> None:
+        while not stop.is_set():
+            clients[w].pull()
+            results = clients[w].push(grads)
+            assert all(r.accepted for r in results), results
+            pushed[w] += 1
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        keys = ["small1#0", "small3#0", "small5#0"]
+        for hop in range(6):
+            a, b = (0, 1) if hop % 2 == 0 else (1, 0)
+            move(two_servers, keys, a, b)
+            time.sleep(0.05)  # pushes go on between moves, as under the launcher's pace
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    total = sum(pushed)
+    assert total > 0
+    assert set(_applies(two_servers).values()) == {total}
+    _, values = clients[0].pull()
+    for key, value in values.items():
+        np.testing.assert_allclose(value, -0.001 * total, rtol=1e-4, err_msg=key)
+    for c in clients:
+        c.close()
+
+
+def test_a_move_not_committed_in_time_is_undone(two_servers: list[str]) -> None:
+    client = _client(two_servers, 0)
+    with ShardClient(two_servers[0]) as src:
+        src.export_pieces(["small1#0"], 1)
+        with pytest.raises(RemoteError) as frozen:
+            src.export_pieces(["small1#0"], 1)
+        assert frozen.value.refusal is Refusal.NOT_FROZEN
+        src.finish_move(["small1#0"], 1, commit=False)  # undone: the piece stays
+        assert all(
+            r.accepted for r in client.push({k: np.ones_like(v) for k, v in _model().items()})
+        )
+        with pytest.raises(RemoteError) as late:
+            src.finish_move(["small1#0"], 1, commit=True)
+        assert late.value.refusal is Refusal.NOT_FROZEN
+    client.close()
+
+
+def test_a_synchronous_rule_refuses_to_move_its_pieces(two_servers: list[str]) -> None:
+    client = _client(two_servers, 0, scheme="sync")
+    with ShardClient(two_servers[0]) as src, pytest.raises(RemoteError) as refused:
+        src.export_pieces(["small1#0"], 1)
+    assert refused.value.refusal is Refusal.NOT_MOVABLE
+    client.close()
+
+
+def test_only_the_launcher_moves_pieces(two_servers: list[str]) -> None:
+    client = _client(two_servers, 0)
+    with ShardClient(two_servers[0], worker=0) as worker, pytest.raises(RemoteError) as refused:
+        worker.export_pieces(["small1#0"], 1)
+    assert "launcher" in str(refused.value)
+    with ShardClient(two_servers[0]) as src, pytest.raises(RemoteError):
+        src.export_pieces(["small1#0"], 0)  # to itself
+    client.close()
+
+
+def test_a_restarted_shard_comes_back_with_what_it_held_after_the_move(
+    tmp_path: Path, two_servers: list[str]
+) -> None:
+    client = _client(two_servers, 0)
+    move(two_servers, ["small1#0"], 0, 1)
+    assert client.push({k: np.ones_like(v) for k, v in _model().items()})[0].accepted
+    from distsgd.ps import wal
+
+    for i, holds in ((0, False), (1, True)):
+        recovery = wal.recover(tmp_path / f"wal{i}", make_server_rule)
+        assert recovery is not None
+        recovered = recovery.shard
+        assert ("small1#0" in recovered.values) is holds
+        if not holds:
+            assert recovered.moved == {"small1#0": 1}
+    client.close()
+
+
+def test_moved_reject_is_typed() -> None:
+    assert PushReject.MOVED.wire_name == "PUSH_REJECT_REASON_MOVED"
