@@ -48,6 +48,7 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
         "hosts": args.hosts,
         "links": tuple(args.link),
         "placement": args.placement,
+        "rebalance": getattr(args, "rebalance", "off"),
     }
     resume = getattr(args, "resume", None)
     if resume is not None:

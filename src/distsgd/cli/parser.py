@@ -116,6 +116,15 @@ def _add_fault_tolerance_flags(parser: argparse.ArgumentParser, *, compare: bool
             help="each parameter server logs every update before applying it, so that a killed "
             "one comes back without losing any (default on; see docs/fault-tolerance.md)",
         )
+    if not compare:
+        ft.add_argument(
+            "--rebalance",
+            choices=("off", "auto"),
+            default="off",
+            help="auto: move pieces from a parameter server carrying over 1.2x the mean load "
+            "to the least loaded, at one version and losing no update (asynchronous schemes, "
+            "--ps 2 or more; see docs/performance.md, 'Re-balancing'); default off",
+        )
     ft.add_argument(
         "--max-restarts",
         type=int,

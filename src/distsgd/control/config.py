@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distsgd.ps.compression import encoding_for
+from distsgd.ps.partition import PLACEMENTS
 from distsgd.ps.pull_encoding import pull_encoding_for
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -183,6 +184,14 @@ class TrainConfig:
             "compute on the servers' values rounded to it). Shared-memory pulls stay float32"
         },
     )
+    param_placement: str = field(
+        default="balanced",
+        metadata={
+            "help": "how parameters go on the servers: balanced (by bytes, large ones cut in "
+            "pieces; ps/partition.py) or round-robin (whole parameters in turn, TensorFlow 1's "
+            "replica_device_setter)"
+        },
+    )
     topk: float = field(
         default=0.0,
         metadata={
@@ -272,6 +281,7 @@ class TrainConfig:
         _either("nonfinite", self.nonfinite, ("skip", "stop"))
         encoding_for(self.wire_dtype)  # the flag's one check, the parameter server's
         pull_encoding_for(self.pull_dtype)  # the same for pulls
+        _one_of("param_placement", self.param_placement, PLACEMENTS)
         _fraction("topk", self.topk, "a fraction in [0, 1) (0 = off, e.g. 0.01)")
         if self.powersgd_rank < 0:
             raise ValueError(f"powersgd_rank must be 0 (off) or more, got {self.powersgd_rank}")

@@ -162,6 +162,15 @@ class LaunchConfig(WorkerBounds):
         },
     )
 
+    rebalance: str = field(
+        default="off",
+        metadata={
+            "help": "auto: the launcher moves pieces from a parameter server that carries over "
+            "1.2x the mean load (bytes/s) to the least loaded one, at one version and losing "
+            "no update (asynchronous schemes, 2 or more servers; ps/moves.py); off: never"
+        },
+    )
+
     def __post_init__(self) -> None:
         self._check_sizes()
         if Path(self.script).is_dir():
@@ -224,7 +233,22 @@ class LaunchConfig(WorkerBounds):
                 f"scheme {self.scheme!r} uses no parameter servers; drop --ps or use --ps 0"
             )
         worker.check_config(TrainConfig().replace(**self.overrides))  # each valid, and here
+        self._check_rebalance(spec)
         return spec.uses_parameter_servers
+
+    def _check_rebalance(self, spec: schemes.SchemeSpec) -> None:
+        if self.rebalance not in ("off", "auto"):
+            raise ValueError(f"--rebalance must be off or auto, got {self.rebalance!r}")
+        if self.rebalance == "off":
+            return
+        if spec.server is None or not spec.server.movable:
+            raise ValueError(
+                f"--rebalance auto under {self.scheme}: its servers keep state that is not per "
+                "piece (a synchronous step) or it has none; use an asynchronous scheme "
+                "(hogwild, downpour, dynsgd, easgd) or --rebalance off"
+            )
+        if self.ps is not None and self.ps < 2:
+            raise ValueError("--rebalance auto needs 2 or more servers to move pieces between")
 
     def _check_hosts(self) -> None:
         """--hosts, --link and --placement (the plan is made once, to check them)."""

@@ -232,6 +232,8 @@ class Restarts(LocalTasks):
             if hosts is not None and hosts.plan.host_of(task).name in hosts.cut_off:
                 continue  # its host is cut off (partition:): it would keep us waiting 2 s
             self._read_version(index)
+        if self.rebalancer is not None:
+            self.rebalancer.poll(time.monotonic(), self.progress.step)
 
     def _read_version(self, index: int) -> pb.InfoResponse | None:
         """ps ``index``'s Info (None if it does not answer at once), its version remembered."""
@@ -243,6 +245,8 @@ class Restarts(LocalTasks):
         if reply is not None and reply.registered:
             self.seen_versions[index] = max(self.seen_versions.get(index, 0), reply.version)
             self.shard_loads.see(index, reply, time.monotonic(), self.progress.step)
+            if self.rebalancer is not None:
+                self.rebalancer.see(index, reply)
         return reply
 
     def _tell_finished(self, index: int, finished: list[int]) -> None:

@@ -372,9 +372,35 @@ class LocalRun(Restarts):
                 task.kill()
                 self.leaving[name] = now + LEAVE_GRACE_SECONDS  # noted once per grace period
 
+    def _rebalance_summary(self) -> dict[str, Any] | None:
+        """(``--rebalance auto``) the moves made and each piece's updates over the run, summed
+        over the servers (a moved piece's count moves with it): equal for every piece when
+        no update was lost."""
+        rebalancer = self.rebalancer
+        if rebalancer is None:
+            return None
+        rebalancer.join()
+        applies: dict[str, int] = {}
+        for index in range(self.num_ps):
+            reply = self._read_version(index)
+            if reply is None:
+                continue
+            held = {t.key for t in reply.tensors}
+            for piece in reply.load.pieces:
+                if piece.key in held:
+                    applies[piece.key] = applies.get(piece.key, 0) + piece.applies
+        counts = list(applies.values()) or [0]
+        return {
+            "moves": rebalancer.moves,
+            "failed": rebalancer.failed,
+            "applies_min": min(counts),
+            "applies_max": max(counts),
+        }
+
     def finish(self) -> RunOutcome:
         self.progress.poll()
         self.console.clear_status()
+        moved = self._rebalance_summary()  # read while the servers still answer
         self.supervisor.stop()  # the parameter servers; their last words come before the result
         result_path = self.run_dir / RESULT_FILE
         if not result_path.exists():
@@ -394,7 +420,13 @@ class LocalRun(Restarts):
             result["time_split"] = {k: round(v, 4) for k, v in self.progress.total_split().items()}
         if self.progress.staleness:
             result["staleness"] = dict(sorted(self.progress.staleness.items()))
-        if split or self.progress.staleness:
+        if moved is not None:
+            result["rebalance"] = moved
+            self.console.final(
+                f"[distsgd] rebalance: {moved['moves']} move(s), {moved['failed']} failed; "
+                f"updates per piece {moved['applies_min']}..{moved['applies_max']}"
+            )
+        if split or self.progress.staleness or moved is not None:
             write_atomic(result_path, json.dumps(result, indent=2) + "\n")
         if result.get("test_accuracy") is not None:
             self.console.final(f"test accuracy: {result['test_accuracy']:.4f}")

@@ -30,6 +30,7 @@ from distsgd.launcher.keras_env import keras_environment
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
 from distsgd.launcher.progress import Console, Progress
+from distsgd.launcher.rebalance import Rebalancer
 from distsgd.launcher.shard_load import ShardLoadLog
 from distsgd.launcher.supervisor import TaskHandle, Tasks
 from distsgd.ps import wal
@@ -169,6 +170,20 @@ class LocalTasks:
         self.events = MetricsWriter(run_dir / METRICS_FILE, "launcher")
         self.shard_loads = ShardLoadLog(self.events.log)
         """Each server's load over time, from the Info polls (``shard_load`` events)."""
+        self.rebalancer = (
+            Rebalancer(
+                num_ps=self.num_ps,
+                address_of=lambda i: self.spec.address(self.spec.task(Role.PS, i)),
+                run_id=self.run_id,
+                secret=self.secret,
+                tls=config.tls,
+                event=self.events.log,
+                note=console.note,
+            )
+            if config.rebalance == "auto"
+            else None
+        )
+        """``--rebalance auto``: moves pieces between servers (launcher/rebalance.py)."""
 
     # -- where tasks run ------------------------------------------------------------------------
     def task_host(self, task: TaskId) -> str:

@@ -69,7 +69,7 @@ class PsConnection(Connection):
                 f"scheme {env.scheme!r} needs parameter servers; run with --ps 1 or more"
             )
         arrays = {n: p.detach().cpu().numpy() for n, p in exchanged_parameters(model).items()}
-        plan = PartitionPlan.from_arrays(arrays, spec.num_ps)
+        plan = PartitionPlan.from_arrays(arrays, spec.num_ps, placement=config.param_placement)
         conn = cls(_client(env, config, plan), rank=rank)
         try:
             if rank == 0:
