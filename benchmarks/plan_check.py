@@ -214,12 +214,8 @@ def write(report: dict[str, Any], out: Path, doc_path: Path | None) -> None:
     print(text)
     if doc_path is None:
         return
-    begin, end = markers(report["link"])
-    doc = doc_path.read_text(encoding="utf-8")
-    if begin not in doc or end not in doc:
-        raise SystemExit(f"{doc_path}: no {begin} ... {end} markers")
-    head, rest = doc.split(begin, 1)
-    doc_path.write_text(f"{head}{begin}\n{text}{end}{rest.split(end, 1)[1]}")
+    link = report["link"]
+    bench.put_between_markers(doc_path, f"plan check {link}" if link else "plan check", text)
 
 
 if __name__ == "__main__":

@@ -806,6 +806,16 @@ DOC_IMAGES = {
 MAX_IMAGE_BYTES = 200_000
 
 
+def put_between_markers(doc_path: Path, name: str, text: str) -> None:
+    """Put ``text`` between the page's ``<!-- NAME: begin -->`` and ``<!-- NAME: end -->``."""
+    begin, end = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+    doc = doc_path.read_text(encoding="utf-8")
+    if begin not in doc or end not in doc:
+        raise SystemExit(f"{doc_path}: no {begin} ... {end} markers")
+    head, rest = doc.split(begin, 1)
+    doc_path.write_text(f"{head}{begin}\n{text}{end}{rest.split(end, 1)[1]}", encoding="utf-8")
+
+
 def update_doc(doc: Path, report: dict[str, Any], out: Path) -> None:
     """Replace the results between ``BEGIN`` and ``END`` in ``doc``; copy the pictures beside
     it (``images/``) when they are small enough to commit."""

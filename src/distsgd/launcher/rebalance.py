@@ -23,9 +23,9 @@ from distsgd.transport.security import TlsConfig
 
 log = logging.getLogger(__name__)
 
-WINDOW_SECONDS = 5.0
+WINDOW_SECONDS = 3.0
 """Seconds of load a decision reads (rates over at least this long)."""
-SETTLE_SECONDS = 2.0
+SETTLE_SECONDS = 1.0
 """Seconds after a move before the next window starts (the workers follow the move)."""
 MOVE_TIMEOUT = 30.0
 """Seconds each call of a move may take."""
