@@ -7,10 +7,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from distsgd.launcher.rebalance import Rebalancer
 from distsgd.ps import moves, start_server, stop_server
 from distsgd.ps.client import ParameterClient
 from distsgd.ps.partition import PartitionPlan
@@ -20,8 +22,8 @@ from distsgd.transport.errors import PushReject, Refusal, RemoteError
 
 
 def _model() -> dict[str, np.ndarray]:
-    arrays = {"big": np.zeros(4000, np.float32)}
-    arrays.update({f"small{i}": np.zeros(50, np.float32) for i in range(8)})
+    arrays = {"big": np.zeros(1000, np.float32)}
+    arrays.update({f"small{i}": np.zeros(250, np.float32) for i in range(8)})
     return arrays
 
 
@@ -73,10 +75,10 @@ def _applies(addresses: list[str]) -> dict[str, int]:
 def test_round_robin_places_whole_parameters_in_turn() -> None:
     plan = PartitionPlan.from_arrays(_model(), 2, placement="round-robin")
     assert [p.shard for p in plan.pieces] == [0, 1, 0, 1, 0, 1, 0, 1, 0]
-    assert plan.shard_bytes == [16000 + 4 * 200, 4 * 200]
+    assert plan.shard_bytes == [4000 + 4 * 1000, 4 * 1000]
     moved = plan.with_owners({"small0#0": 0})
-    assert moved.shard_bytes == [16000 + 5 * 200, 3 * 200]
-    assert plan.shard_bytes == [16000 + 4 * 200, 4 * 200]  # the original is untouched
+    assert moved.shard_bytes == [4000 + 5 * 1000, 3 * 1000]
+    assert plan.shard_bytes == [4000 + 4 * 1000, 4 * 1000]  # the original is untouched
     with pytest.raises(ValueError, match="no piece"):
         plan.with_owners({"nope#0": 1})
     with pytest.raises(ValueError, match="placement"):
@@ -100,7 +102,7 @@ def test_a_moved_piece_keeps_its_value_and_the_clients_follow_it(two_servers: li
     # The chief's plan is stale: its push is refused MOVED by ps0, and sent on to ps1.
     results = chief.push(grads)
     assert all(r.accepted for r in results), results
-    assert chief.plan.shard_bytes == [16000 + 2 * 200, 6 * 200]
+    assert chief.plan.shard_bytes == [4000 + 2 * 1000, 6 * 1000]
     assert chief.moves_followed == 1
     # The other worker learns it at its pull (ps0's answer lacks the pieces).
     _, values = other.pull()
@@ -209,3 +211,50 @@ def test_a_restarted_shard_comes_back_with_what_it_held_after_the_move(
 
 def test_moved_reject_is_typed() -> None:
     assert PushReject.MOVED.wire_name == "PUSH_REJECT_REASON_MOVED"
+
+
+def test_the_launchers_mover_evens_the_load_and_loses_nothing(
+    two_servers: list[str],
+) -> None:
+    """Two readings of real servers' counters, with pushes between them: the mover moves
+    ps0's small pieces to ps1, logs the event, and every piece keeps its count of updates."""
+    client = _client(two_servers, 0)
+    grads = {k: np.full_like(v, 0.01) for k, v in _model().items()}
+    events: list[dict[str, Any]] = []
+    notes: list[str] = []
+    mover = Rebalancer(
+        num_ps=2,
+        address_of=lambda i: two_servers[i],
+        run_id="",
+        secret=None,
+        tls=None,
+        event=lambda **fields: events.append(fields),
+        note=notes.append,
+        window=0.0,
+    )
+
+    def read() -> None:
+        for i, address in enumerate(two_servers):
+            with ShardClient(address) as shard:
+                mover.see(i, shard.info())
+
+    read()
+    mover.poll(0.0, step=0)  # the window starts
+    for _ in range(5):
+        client.pull()
+        client.push(grads)
+    read()
+    mover.poll(1.0, step=5)
+    mover.join()
+    assert mover.moves == 1, (notes, events)
+    (event,) = events
+    assert event["event"] == "rebalance" and event["ok"] and event["source"] == 0
+    assert event["pause_s"] < 5
+    plan = PartitionPlan.from_arrays(_model(), 2, placement="round-robin")
+    assert event["before_mb_per_s"][0] == pytest.approx(2 * event["before_mb_per_s"][1], rel=0.2)
+    for _ in range(3):
+        client.pull()
+        assert all(r.accepted for r in client.push(grads))
+    assert set(_applies(two_servers).values()) == {8}
+    assert client.plan.shard_bytes != plan.shard_bytes
+    client.close()

@@ -1,0 +1,83 @@
+"""``--rebalance``: the pure decision (plan/rebalance.py) and the launcher's flag checks (the
+mover on real servers: tests/test_moves.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distsgd.launcher.config import LaunchConfig
+from distsgd.plan import rebalance as rb
+
+MB = 1e6
+
+
+def test_an_unbalanced_pair_moves_small_pieces_to_even_it() -> None:
+    # ps0: one 1 MB/s piece and four of 0.25; ps1: four of 0.25 -> 2.0 against 1.0.
+    rates = {"big": 1 * MB, **{f"a{i}": 0.25 * MB for i in range(4)}}
+    rates.update({f"b{i}": 0.25 * MB for i in range(4)})
+    owner = {"big": 0, **{f"a{i}": 0 for i in range(4)}, **{f"b{i}": 1 for i in range(4)}}
+    decision = rb.decide(rates, owner, 2)
+    move = decision.move
+    assert move is not None, decision.why
+    assert (move.source, move.dest) == (0, 1)
+    assert "big" not in move.keys and len(move.keys) == 2  # half the gap: 0.5 MB/s
+    assert move.before == (2 * MB, 1 * MB) and move.after == (1.5 * MB, 1.5 * MB)
+    assert move.gain == pytest.approx(0.25)
+
+
+def test_a_balanced_placement_stays() -> None:
+    rates = {"a": 1.0, "b": 1.1}
+    decision = rb.decide(rates, {"a": 0, "b": 1}, 2)
+    assert decision.move is None and "balanced" in decision.why
+
+
+def test_a_piece_larger_than_the_gap_allows_stays_where_it_is() -> None:
+    # One piece carries everything: moving it would only move the bottleneck.
+    decision = rb.decide({"big": 10.0, "tiny": 0.1}, {"big": 0, "tiny": 1}, 2)
+    assert decision.move is None
+    assert "overshooting" in decision.why
+
+
+def test_one_piece_moves_when_none_fits_in_half_the_gap() -> None:
+    # ps0: 3 + 3, ps1: 2 -> no piece fits in (6 - 2) / 2 = 2; moving one 3 gives 3 and 5.
+    decision = rb.decide({"x": 3.0, "y": 3.0, "z": 2.0}, {"x": 0, "y": 0, "z": 1}, 2)
+    assert decision.move is not None
+    assert decision.move.keys == ("x",) and decision.move.after == (3.0, 5.0)
+
+
+def test_a_small_gain_is_not_worth_a_move() -> None:
+    rates = {"a": 1.3, "b": 0.02, "c": 1.0}
+    decision = rb.decide(rates, {"a": 0, "b": 0, "c": 1}, 2, margin=0.05, min_gain=0.05)
+    assert decision.move is None and "gain" in decision.why
+
+
+def test_nothing_moves_without_load_or_with_one_server() -> None:
+    assert rb.decide({"a": 0.0}, {"a": 0}, 2).move is None
+    assert rb.decide({"a": 5.0}, {"a": 0}, 1).move is None
+
+
+def test_rates_come_from_two_readings_of_the_counters() -> None:
+    assert rb.piece_rates({"a": 100}, {"a": 400, "b": 50}, 2.0) == {"a": 150.0, "b": 25.0}
+    assert rb.piece_rates({"a": 400}, {"a": 100}, 1.0) == {"a": 0.0}  # a restarted server
+    with pytest.raises(ValueError):
+        rb.piece_rates({}, {}, 0.0)
+
+
+def _launch(tmp_path: Path, **changes: Any) -> LaunchConfig:
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    base: dict[str, Any] = {"script": str(script), "scheme": "hogwild", "workers": 2, "ps": 2}
+    return LaunchConfig(**{**base, **changes})
+
+
+def test_rebalance_auto_needs_an_asynchronous_scheme_and_two_servers(tmp_path: Path) -> None:
+    assert _launch(tmp_path, rebalance="auto").rebalance == "auto"
+    with pytest.raises(ValueError, match="synchronous"):
+        _launch(tmp_path, rebalance="auto", scheme="sync")
+    with pytest.raises(ValueError, match="2 or more servers"):
+        _launch(tmp_path, rebalance="auto", ps=1)
+    with pytest.raises(ValueError, match="off or auto"):
+        _launch(tmp_path, rebalance="sometimes")
