@@ -245,7 +245,7 @@ class LaunchConfig(WorkerBounds):
             raise ValueError(
                 f"--rebalance auto under {self.scheme}: its servers keep state that is not per "
                 "piece (a synchronous step) or it has none; use an asynchronous scheme "
-                "(hogwild, downpour, dynsgd, easgd) or --rebalance off"
+                "(hogwild, downpour, agn, dynsgd, easgd, eamsgd) or --rebalance off"
             )
         if self.ps is not None and self.ps < 2:
             raise ValueError("--rebalance auto needs 2 or more servers to move pieces between")
