@@ -15,7 +15,8 @@ seconds``), the moves (``rebalance`` events) and the updates each piece took, su
 servers (``result.json`` ``rebalance``), which must all equal workers x steps: no update lost.
 For ``auto`` runs it also reads the servers' pushes/s before and after the first move
 (``shard_load`` events). Writes ``results.json`` and ``results.md`` into ``--out``;
-``--update-doc`` puts the table between the page's ``rebalance`` markers. Every process is
+``--update-doc`` puts the table between the page's ``rebalance LINK`` markers (``rebalance
+one host`` without a link). Every process is
 stopped by its PID in ``finally``.
 """
 
@@ -221,7 +222,8 @@ def write(report: dict[str, Any], out: Path, doc_path: Path | None) -> None:
     (out / "results.md").write_text(text)
     print(text)
     if doc_path is not None:
-        bench.put_between_markers(doc_path, "rebalance", text)
+        link = report["link"]
+        bench.put_between_markers(doc_path, f"rebalance {link or 'one host'}", text)
 
 
 if __name__ == "__main__":
