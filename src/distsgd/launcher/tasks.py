@@ -170,20 +170,22 @@ class LocalTasks:
         self.events = MetricsWriter(run_dir / METRICS_FILE, "launcher")
         self.shard_loads = ShardLoadLog(self.events.log)
         """Each server's load over time, from the Info polls (``shard_load`` events)."""
-        self.rebalancer = (
-            Rebalancer(
-                num_ps=self.num_ps,
-                address_of=lambda i: self.spec.address(self.spec.task(Role.PS, i)),
-                run_id=self.run_id,
-                secret=self.secret,
-                tls=config.tls,
-                event=self.events.log,
-                note=console.note,
-            )
-            if config.rebalance == "auto"
-            else None
-        )
+        self.rebalancer = self._rebalancer(config, console)
         """``--rebalance auto``: moves pieces between servers (launcher/rebalance.py)."""
+
+    def _rebalancer(self, config: LaunchConfig, console: Console) -> Rebalancer | None:
+        """``--rebalance auto``'s mover (None: off)."""
+        if config.rebalance != "auto":
+            return None
+        return Rebalancer(
+            num_ps=self.num_ps,
+            address_of=lambda i: self.spec.address(self.spec.task(Role.PS, i)),
+            run_id=self.run_id,
+            secret=self.secret,
+            tls=config.tls,
+            event=self.events.log,
+            note=console.note,
+        )
 
     # -- where tasks run ------------------------------------------------------------------------
     def task_host(self, task: TaskId) -> str:

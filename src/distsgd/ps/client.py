@@ -62,8 +62,6 @@ class ParameterClient:
         each call to it waits (:mod:`distsgd.transport.delay`; none where not given).
         ``pull_dtype`` (float32, bf16, fp16): the dtype pulled float pieces travel in where a
         pull crosses a network (:mod:`distsgd.ps.pull_encoding`)."""
-        pull_encoding = pull_encoding_for(pull_dtype)
-        decoder = None if pull_encoding is compression.Encoding.RAW else PullDecoder(pull_encoding)
         if len(addresses) != plan.num_shards:
             raise ValueError(
                 f"{len(addresses)} ps addresses for a plan of {plan.num_shards} shards"
@@ -90,7 +88,7 @@ class ParameterClient:
                 shared_memory=shared_memory,
                 tensor_socket=tensor_socket,
                 delay=link_delays[i] if i < len(link_delays) else None,
-                pull_decoding=decoder,
+                pull_decoding=_pull_decoder(pull_dtype),
             )
             for i, a in enumerate(addresses)
         ]
@@ -428,6 +426,12 @@ class ParameterClient:
 
     def info(self) -> list[pb.InfoResponse]:
         return self._each(lambda i, s: s.info())
+
+
+def _pull_decoder(pull_dtype: str) -> PullDecoder | None:
+    """The decoder of pulls asked in ``pull_dtype`` (None: float32, nothing to decode)."""
+    encoding = pull_encoding_for(pull_dtype)
+    return None if encoding is compression.Encoding.RAW else PullDecoder(encoding)
 
 
 def _first_difference(expected: list[Any], have: list[Any]) -> str:
