@@ -286,6 +286,22 @@ def test_the_simulator_reports_load_staleness_and_stragglers() -> None:
     assert again.rate == played.rate  # seeded: the same run
 
 
+def test_windows_that_end_together_share_the_servers_link_in_the_simulator() -> None:
+    """DOWNPOUR across hosts: two workers compute their windows side by side (2 cores) and
+    exchange at once, each transfer taking twice one alone, as the cost model counts them."""
+    cluster = Cluster(workers=2, ps=1, link=125e6, cores=2)
+    s = setting(period=10)
+    played = sim(s, cluster)
+    model = predict(s, WORK, cluster, path(beta=1e9)).rate
+    assert played.rate == pytest.approx(model, rel=0.1)
+    # Every window's update is applied once: one per server piece of each exchange.
+    assert sum(played.staleness.values()) == 2 * 200 // 10
+    # With one core the windows take turns, and so do their exchanges: faster than together.
+    alone = sim(s, Cluster(workers=2, ps=1, link=125e6, cores=1))
+    one_core = predict(s, WORK, Cluster(workers=2, ps=1, link=125e6, cores=1), path(beta=1e9))
+    assert alone.rate == pytest.approx(one_core.rate, rel=0.15)
+
+
 def test_overlap_hides_the_exchange_in_the_simulator() -> None:
     cluster = Cluster(workers=2, ps=1)
     hidden = sim(setting(overlap=True), cluster, path(beta=1e10))

@@ -15,6 +15,15 @@ An action reserves what it uses, first come first served, from its event's time 
 - a **server**: one process each, applying pushes in arrival order, ``(B / M) * s`` each (the
   last part of a push's time over the path, which includes it; more where pushes queue).
 
+Two kinds of exchange share a link fairly instead, ending together when the last would have in
+turn: a synchronous round's pulls (asked as the round closes), and, across hosts, the exchanges
+of windowed asynchronous schemes (DOWNPOUR, EASGD: ``period`` > 1) whose windows end within one
+step of each other, up to as many workers as compute side by side (``min(N, cores)``, the cost
+model's assumption). Their workers start together, compute their windows side by side and hit
+the servers' links at once; measured on emulated hosts, each such exchange took about twice as
+long as one alone (docs/performance.md, "The cost model"), and served one after the other they
+would drift apart instead.
+
 A push's staleness is the number of updates its server applied between the worker's pull and
 this push's application. The model's assumptions hold here too (pieces balanced over the
 servers, the path's figures fixed); what the simulator adds is contention and variance: queues
@@ -108,17 +117,20 @@ class _Machine:
         mine[worker] = max(mine[worker], t) + hold * len(ways)
         return np.maximum(ways, mine[worker])
 
-    def wire_together(self, t: float, piece: float, workers: int) -> float:
-        """``workers`` pulls of ``piece`` bytes from each server, all asked at ``t`` (a
-        synchronous round's): concurrent flows share a link fairly, so they end together,
-        when the last would have in turn."""
+    def wire_together(
+        self, t: float, piece: float, workers: int, *, outbound: bool = True
+    ) -> float:
+        """``workers`` transfers of ``piece`` bytes to or from each server, all at ``t`` (a
+        synchronous round's pulls, or windows that end together): concurrent flows share a
+        link fairly, so they end together, when the last would have in turn."""
         if self.link is None:
             return t
         hold = workers * piece / self.link
-        start = np.maximum(self.s_out, t)
-        np.add(start, hold, out=self.s_out)
-        self.s_out_busy += hold
-        return float(np.max(self.s_out))
+        ways, busy = (self.s_out, self.s_out_busy) if outbound else (self.s_in, self.s_in_busy)
+        start = np.maximum(ways, t)
+        np.add(start, hold, out=ways)
+        busy += hold
+        return float(np.max(ways))
 
     def apply(self, arrivals: np.ndarray | float, seconds: float) -> np.ndarray:
         """When each server has applied its piece: a push's time over the path includes the
@@ -188,6 +200,19 @@ class _Run:
         self.left = [self.period] * self.n  # steps left before this window's exchange
         self.inflight = [False] * self.n  # overlap: an exchange of this worker travels
         self.waiting: list[float | None] = [None] * self.n  # overlap: computed, waiting for it
+        cores = cluster.cores or self.n
+        self.group_size = max(1, min(self.n, math.floor(cores)))
+        """As many workers as compute side by side exchange together (the cost model's)."""
+        self.together = (
+            self.kind == "async"
+            and self.period > 1
+            and not self.overlap
+            and cluster.link is not None
+            and self.group_size > 1
+        )
+        """Windowed exchanges across hosts: windows that end together exchange together."""
+        self.group: list[tuple[float, int]] = []
+        self.flush_at = math.inf
 
     def at(self, t: float, worker: int, action: str) -> None:
         self.seq += 1
@@ -195,8 +220,11 @@ class _Run:
 
     def play(self) -> SimResult:
         first = "compute" if self.kind == "collective" else "pull"
+        if self.together:  # every worker's first pull at once: they share the links too
+            pulled = self.machine.wire_together(0.0, self.down / self.m, self.n)
+            first = "compute"
         for w in range(self.n):
-            self.at(0.0, w, first)
+            self.at(pulled if self.together else 0.0, w, first)
         while self.events:
             t, _, w, action = heapq.heappop(self.events)
             getattr(self, "_" + action)(t, w)
@@ -247,6 +275,14 @@ class _Run:
         self.at(end, w, "ring" if self.kind == "collective" else "computed")
 
     def _computed(self, t: float, w: int) -> None:
+        if self.together:  # windows that end within a step of each other exchange together
+            self.group.append((t, w))
+            if len(self.group) == self.group_size:  # as many as compute side by side
+                self._together(t, w)
+            elif len(self.group) == 1:
+                self.flush_at = t + self.c
+                self.at(self.flush_at, w, "together")
+            return
         if not self.overlap:
             self._push(t, w)
         elif self.inflight[w]:  # wait for the exchange before this one
@@ -274,6 +310,32 @@ class _Run:
             self.stale[int(gap)] += 1
         self.versions += 1
         self._next(w, float(np.max(applied)))
+
+    def _together(self, t: float, _: int) -> None:
+        """The windows that ended since the first of the group: their pushes share the
+        servers' links, then their pulls (the cost model's assumption, measured on DOWNPOUR
+        across hosts: each exchange took twice as long as one alone)."""
+        if not self.group or (t < self.flush_at and len(self.group) < self.group_size):
+            return  # flushed already (the group filled up), or a stale timer
+        group, self.group = self.group, []
+        self.flush_at = math.inf
+        start = min(at for at, _ in group)
+        k = len(group)
+        pushed = self.machine.wire_together(start, self.up / self.m, k, outbound=False)
+        for at, w in group:
+            sent = max(self.machine.cpu(at, self.cpu_up), pushed)
+            applied = self.machine.apply(np.full(self.m, sent), self.apply_s)
+            for gap in self.versions - self.base[w]:
+                self.stale[int(gap)] += 1
+            self.versions += 1
+            pushed = max(pushed, float(np.max(applied)))
+        pulled = self.machine.wire_together(pushed, self.down / self.m, k)
+        for _at, w in group:
+            ready = max(pulled, self.machine.cpu(pushed, self.cpu_down))
+            self.base[w] = self.versions.copy()
+            self.finished = max(self.finished, ready)
+            if self.done[w] < self.steps:
+                self.at(ready, w, "compute")
 
     def _close_round(self) -> None:
         end, self.pending = max(self.pending), []
