@@ -3,10 +3,12 @@ mover on real servers: tests/test_moves.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ROOT, alive, metrics, run_distsgd, task_pids
 
 from distsgd.launcher.config import LaunchConfig
 from distsgd.plan import rebalance as rb
@@ -81,3 +83,36 @@ def test_rebalance_auto_needs_an_asynchronous_scheme_and_two_servers(tmp_path: P
         _launch(tmp_path, rebalance="auto", ps=1)
     with pytest.raises(ValueError, match="off or auto"):
         _launch(tmp_path, rebalance="sometimes")
+
+
+SCRIPT = ROOT / "benchmarks" / "unbalanced_script.py"
+
+
+def test_a_run_with_rebalance_auto_moves_pieces_and_loses_no_update(tmp_path: Path) -> None:
+    """The whole path: the launcher reads the servers' loads, moves ps0's small pieces (the
+    round-robin placement gives ps0 about 3x ps1's bytes) and every piece takes 2 x steps
+    updates; no task outlives the run."""
+    steps = 1500
+    run_dir = tmp_path / "run"
+    flags = "--scheme hogwild --workers 2 --ps 2 --param-placement round-robin --rebalance auto"
+    args = ["run", *flags.split(), "--steps", str(steps), "--threads", "1"]
+    args += ["--checkpoint-every", "0", "--quiet", "--run-dir", str(run_dir), str(SCRIPT)]
+    done = run_distsgd(args)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    moved = result["rebalance"]
+    assert moved["moves"] >= 1 and moved["failed"] == 0, done.stdout[-2000:]
+    assert moved["applies_min"] == moved["applies_max"] == 2 * steps
+    events = [r for r in metrics(run_dir) if r.get("event") == "rebalance"]
+    assert events and events[0]["ok"] and events[0]["source"] == 0 and events[0]["dest"] == 1
+    assert "rebalance: moving" in done.stdout
+    assert not alive(list(task_pids(run_dir).values()))
+
+
+def test_rebalance_auto_under_a_synchronous_scheme_is_a_one_line_error(tmp_path: Path) -> None:
+    done = run_distsgd(
+        ["run", "--scheme", "sync", "--ps", "2", "--rebalance", "auto", str(SCRIPT)], timeout=60
+    )
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--rebalance auto" in lines[0], done.stderr
