@@ -288,11 +288,18 @@ def _table(args: argparse.Namespace, parts: Parts, rows: Sequence[Row]) -> str:
     for got, path, advice in rows:
         used[path.name] = path
         tip = "—" if advice is None else f"{advice[1]} ({advice[0].rate:.1f})"
+        rate = f"{got.rate:.1f}" + ("" if got.staggered is None else f" to {got.staggered:.1f}")
         lines.append(
-            f"| {got.setting.label} | {got.rate:.1f} | {got.bytes_per_step / 1e6:.2f} | "
+            f"| {got.setting.label} | {rate} | {got.bytes_per_step / 1e6:.2f} | "
             f"{got.bottleneck} | {got.staleness:.2f} | {tip} |"
         )
     lines.append("")
+    if any(got.staggered is not None for got, _, _ in rows):
+        lines.append(
+            "A range (windowed schemes across hosts): the first rate if the workers exchange "
+            "together, sharing the servers' links; the second if their exchanges fall apart. "
+            "A run settles in one or the other (docs/performance.md, 'The cost model')."
+        )
     for path in used.values():
         lines.append(
             f"{path.name}: pulls {path.pull.value / 1e9:.2f} GB/s ({path.pull.source}); "

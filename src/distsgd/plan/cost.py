@@ -200,6 +200,11 @@ class Prediction:
     collective scheme)."""
     staleness: float
     """Expected updates by others between a worker's pull and its push's application."""
+    staggered: float | None = None
+    """(Windowed schemes across hosts) the rate if the workers' exchanges fall apart instead
+    of together, each alone on the servers' links: such runs settle in either regime, which
+    one depends on how their first exchanges fell (docs/performance.md, "The cost model");
+    ``rate`` is the together one. None where there is one regime."""
 
 
 SERVER_APPLY_S_PER_BYTE = Part(
@@ -240,10 +245,11 @@ def predict(setting: Setting, workload: Workload, cluster: Cluster, path: Path) 
     pull_encode = b * setting.pull_encode if path.encoded_pulls else 0.0
     t_down, cpu_down = _transfer(down, path.pull.value, pull_encode, path, cluster.link)
     bounds: list[Bound] = []
+    alone: float | None = None  # a windowed exchange's time without others on the link
     if ex.kind == "async":
         exchange = t_up + t_down
         if p > 1 and cluster.link is not None:
-            exchange = _together(exchange, up, down, n, m, cluster)
+            exchange, alone = _together(exchange, up, down, n, m, cluster), exchange
         step = max(c, exchange / p) if ex.overlap else c + exchange / p
         bounds.append(Bound("compute and exchange", n / step))
         if cluster.link is not None:
@@ -258,6 +264,10 @@ def predict(setting: Setting, workload: Workload, cluster: Cluster, path: Path) 
     if cluster.cores is not None:
         bounds.append(Bound("cpu", cluster.cores / (c + (cpu_up + cpu_down) / p)))
     rate, bottleneck = _smallest(bounds)
+    staggered = None
+    if alone is not None:
+        step = max(c, alone / p) if ex.overlap else c + alone / p
+        staggered = _smallest([Bound("", n / step), *bounds[1:]])[0]
     extra = 1.0 if ex.overlap else 0.0
     stale = (n - 1) / n * rate / p * (p * c + t_up) + extra if ex.kind == "async" else 0.0
     return Prediction(
@@ -268,6 +278,7 @@ def predict(setting: Setting, workload: Workload, cluster: Cluster, path: Path) 
         bytes_per_step=(up + down) / p,
         server_link_bytes_per_step=(up + down) / (p * m),
         staleness=stale,
+        staggered=staggered if staggered is not None and staggered > rate * 1.001 else None,
     )
 
 

@@ -151,11 +151,16 @@ def simulate(
     steps: int,
     stragglers: Stragglers | None = None,
     seed: int = 0,
+    staggered: bool = False,
 ) -> SimResult:
-    """Play ``steps`` steps of every worker; see the module docstring."""
+    """Play ``steps`` steps of every worker; see the module docstring. ``staggered``: play
+    windowed exchanges across hosts first come first served (the regime where they fall
+    apart) instead of together."""
     if steps < 1:
         raise ValueError(f"simulate at least 1 step, got {steps}")
-    return _Run(setting, workload, cluster, path, steps, stragglers or Stragglers(), seed).play()
+    run = _Run(setting, workload, cluster, path, steps, stragglers or Stragglers(), seed)
+    run.together = run.together and not staggered
+    return run.play()
 
 
 class _Run:
