@@ -302,6 +302,19 @@ def test_windows_that_end_together_share_the_servers_link_in_the_simulator() -> 
     assert alone.rate == pytest.approx(one_core.rate, rel=0.15)
 
 
+def test_windowed_schemes_across_hosts_get_a_range_and_others_one_rate() -> None:
+    """Together (the rate) or staggered (each exchange alone on the link): both predicted,
+    and the simulator plays either; Hogwild and one-host runs have one regime."""
+    cluster = Cluster(workers=2, ps=1, link=125e6, cores=2)
+    got = predict(setting(period=10), WORK, cluster, path(beta=1e9))
+    assert got.staggered is not None and got.staggered > got.rate * 1.2
+    apart = sim(setting(period=10), cluster, staggered=True)
+    assert apart.rate == pytest.approx(got.staggered, rel=0.15)
+    assert predict(setting(), WORK, cluster, path(beta=1e9)).staggered is None
+    one_host = Cluster(workers=2, ps=1, cores=2)
+    assert predict(setting(period=10), WORK, one_host, path(beta=1e9)).staggered is None
+
+
 def test_overlap_hides_the_exchange_in_the_simulator() -> None:
     cluster = Cluster(workers=2, ps=1)
     hidden = sim(setting(overlap=True), cluster, path(beta=1e10))

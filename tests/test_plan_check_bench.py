@@ -56,6 +56,18 @@ def test_the_table_gives_each_error_and_the_largest() -> None:
     assert "Largest error of the simulator's rates: 5%" in text
 
 
+def test_a_range_counts_as_met_inside_and_to_its_nearer_end_outside() -> None:
+    row = {"workers": 2, "entry": "downpour(window=10)", "predicted": 150.0,
+           "predicted_staggered": 250.0, "bottleneck": "compute and exchange",
+           "simulated": 145.0, "simulated_staggered": 245.0, "measured": 200.0}  # fmt: skip
+    assert pc.relative_error(row, "predicted") == 0.0
+    assert pc.relative_error({**row, "measured": 300.0}, "predicted") == pytest.approx(-1 / 6)
+    assert pc.relative_error({**row, "measured": 100.0}, "predicted") == pytest.approx(0.5)
+    text = pc.markdown(report([row], link="1gbit"))
+    assert "| 150.0 to 250.0 | compute and exchange | +0% | 145.0 to 245.0 | +0% | 200.0 |" in text
+    assert "nearer end" in text
+
+
 def test_markers_per_link(tmp_path: Path) -> None:
     assert pc.markers(None) == ("<!-- plan check: begin -->", "<!-- plan check: end -->")
     begin, end = pc.markers("1gbit")
