@@ -258,3 +258,20 @@ def test_the_launchers_mover_evens_the_load_and_loses_nothing(
     assert set(_applies(two_servers).values()) == {8}
     assert client.plan.shard_bytes != plan.shard_bytes
     client.close()
+
+
+def test_an_undone_import_drops_only_the_copy_it_took(two_servers: list[str]) -> None:
+    """The launcher undoes a move whose commit failed by dropping the copy on the
+    destination; a destination never drops a piece it did not take from that shard."""
+    client = _client(two_servers, 0)
+    with ShardClient(two_servers[0]) as src, ShardClient(two_servers[1]) as dst:
+        with pytest.raises(RemoteError, match="took no such pieces"):
+            dst.finish_move(["small0#0"], 0, commit=False)  # ps1's own piece: kept
+        header, arrays = src.export_pieces(["small1#0"], 1)
+        dst.import_pieces(0, header, arrays)
+        assert dst.finish_move(["small1#0"], 0, commit=False).pieces == 1  # the copy goes
+        src.finish_move(["small1#0"], 1, commit=False)  # the source keeps it
+        held = {t.key for t in dst.info().tensors}
+    assert "small0#0" in held and "small1#0" not in held
+    assert all(r.accepted for r in client.push({k: np.ones_like(v) for k, v in _model().items()}))
+    client.close()

@@ -153,8 +153,11 @@ class Rebalancer:
             try:
                 src.finish_move(keys, move.dest, commit=True)
             except RemoteError as exc:
-                _undo(dst, keys, move.source)
-                return self._failed(record, step, "commit", exc)
+                committed = _committed(src, keys, move.dest)  # the answer may have been lost
+                if committed is not True:
+                    if committed is False:  # not moved: the copy there goes (else it stays,
+                        _undo(dst, keys, move.source)  # unused: nothing routes to it)
+                    return self._failed(record, step, "commit", exc)
         record["pause_s"] = round(time.monotonic() - began, 4)
         self.moves += 1
         self._not_before = time.monotonic() + SETTLE_SECONDS
@@ -176,6 +179,16 @@ class Rebalancer:
             step=step, event="rebalance", ok=False, stage=stage, error=str(exc)[:300], **record
         )
         self.note(f"[distsgd] rebalance: the move failed at its {stage} ({exc}); nothing moved")
+
+
+def _committed(src: ShardClient, keys: list[str], dest: int) -> bool | None:
+    """Whether the source lists every piece as moved to ``dest`` (a commit whose answer was
+    lost); None when it cannot tell."""
+    try:
+        moved = {owner.key: owner.shard for owner in src.info(retry=False).moved}
+    except RemoteError:
+        return None
+    return all(moved.get(k) == dest for k in keys)
 
 
 def _undo(client: ShardClient, keys: list[str], peer: int) -> None:

@@ -102,7 +102,7 @@ class MovePlane:
         arrays = checks.assemble(head.tensors, request_iterator, context)
         loads = {p.key: PieceCounts(p.push_bytes, p.pull_bytes, p.applies) for p in head.loads}
         try:
-            taken = moves.adopt(shard, arrays, loads)
+            taken = moves.adopt(shard, arrays, loads, head.from_shard)
         except (moves.MoveRefused, ValueError) as exc:
             refusal = exc.refusal if isinstance(exc, moves.MoveRefused) else None
             self._refused(moves.MoveRefused(refusal, str(exc)), context)

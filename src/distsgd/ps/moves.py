@@ -144,9 +144,15 @@ def export(shard: Shard, keys: Sequence[str], peer: int, now: float | None = Non
         return Exported(shard.version, arrays, shard.load.piece_counts(keys))
 
 
-def adopt(shard: Shard, arrays: Mapping[str, np.ndarray], loads: Mapping[str, PieceCounts]) -> int:
-    """Step 2 on the destination shard: hold the exported pieces with their rule state and
-    counters (replacing a copy a failed move left). Returns how many pieces it took."""
+def adopt(
+    shard: Shard,
+    arrays: Mapping[str, np.ndarray],
+    loads: Mapping[str, PieceCounts],
+    source: int,
+) -> int:
+    """Step 2 on the destination shard: hold the exported pieces of shard ``source`` with
+    their rule state and counters (replacing a copy a failed move left). Returns how many
+    pieces it took."""
     if not shard.rule.movable:
         raise MoveRefused(Refusal.NOT_MOVABLE, f"scheme {shard.scheme!r} takes no moved pieces")
     pieces = {k: v for k, v in arrays.items() if not k.startswith(STATE_PREFIX)}
@@ -163,6 +169,7 @@ def adopt(shard: Shard, arrays: Mapping[str, np.ndarray], loads: Mapping[str, Pi
         for key, value in pieces.items():
             shard.values[key] = np.array(value, copy=True)
             shard.moved.pop(key, None)  # a piece that comes back
+            shard.adopted[key] = source
         shard.load.give({k: loads.get(k, PieceCounts()) for k in pieces})
         shard.cond.notify_all()
     _new_generation(shard)
@@ -190,7 +197,10 @@ def finish(shard: Shard, keys: Sequence[str], peer: int, *, commit: bool) -> int
                 del shard.frozen[key]
             shard.cond.notify_all()
             return 0
+        if not commit and any(shard.adopted.get(k) != peer for k in keys):
+            raise MoveRefused(None, f"shard {shard.index} took no such pieces from shard {peer}")
         for key in keys:
+            shard.adopted.pop(key, None)
             shard.values.pop(key, None)
             shard.frozen.pop(key, None)
             if commit:

@@ -108,6 +108,9 @@ class Shard:
         that contains one waits (see :mod:`distsgd.ps.moves`). Changed under ``cond``."""
         self.moved: dict[str, int] = {}
         """Pieces that left this shard: key -> the shard they went to. Changed under ``cond``."""
+        self.adopted: dict[str, int] = {}
+        """Pieces this server took from another (key -> that shard) since it started: the
+        only ones an undone move may drop here."""
 
     def bump(self, steps: int = 1) -> int:
         """Advance the version and wake readers waiting for it."""
