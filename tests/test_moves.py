@@ -3,6 +3,7 @@ pushes that meet a move, clients that follow it, and the count of updates (none 
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -45,9 +46,18 @@ def two_servers(tmp_path: Path) -> Iterator[list[str]]:
             stop_server(srv, service, grace=0.1)
 
 
-def _client(addresses: list[str], worker: int, scheme: str = "hogwild") -> ParameterClient:
+def _client(
+    addresses: list[str], worker: int, scheme: str = "hogwild", carrier: str = "stream"
+) -> ParameterClient:
     plan = PartitionPlan.from_arrays(_model(), 2, placement="round-robin")
-    client = ParameterClient(addresses, plan, worker=worker, timeout=10)
+    client = ParameterClient(
+        addresses,
+        plan,
+        worker=worker,
+        timeout=10,
+        shared_memory=carrier == "shared_memory",
+        tensor_socket=carrier == "tensor_socket",
+    )
     if worker == 0:
         options = {"lr": 1.0, **({"required": 2} if scheme == "sync" else {})}
         client.register(_model(), scheme=scheme, options=options, num_workers=2)
@@ -118,10 +128,13 @@ def test_a_moved_piece_keeps_its_value_and_the_clients_follow_it(two_servers: li
         c.close()
 
 
-def test_pushes_during_moves_lose_no_update(two_servers: list[str]) -> None:
+@pytest.mark.parametrize("carrier", ["stream", "shared_memory", "tensor_socket"])
+def test_pushes_during_moves_lose_no_update(two_servers: list[str], carrier: str) -> None:
     """Two workers push as fast as they can while pieces move back and forth; every push of
-    every piece is applied exactly once (the counters move with the pieces)."""
-    clients = [_client(two_servers, w) for w in range(2)]
+    every piece is applied exactly once (the counters move with the pieces), on every
+    carrier: a move retires the workers' segments and data channels without cutting a
+    request short, and the workers attach again."""
+    clients = [_client(two_servers, w, carrier=carrier) for w in range(2)]
     grads = {k: np.full_like(v, 0.001) for k, v in _model().items()}
     stop = threading.Event()
     pushed = [0, 0]
@@ -138,10 +151,10 @@ def test_pushes_during_moves_lose_no_update(two_servers: list[str]) -> None:
         t.start()
     try:
         keys = ["small1#0", "small3#0", "small5#0"]
-        for hop in range(6):
+        for hop in range(20):
             a, b = (0, 1) if hop % 2 == 0 else (1, 0)
             move(two_servers, keys, a, b)
-            time.sleep(0.05)  # pushes go on between moves, as under the launcher's pace
+            time.sleep(0.02)  # pushes go on between moves, as under the launcher's pace
     finally:
         stop.set()
         for t in threads:
@@ -149,6 +162,12 @@ def test_pushes_during_moves_lose_no_update(two_servers: list[str]) -> None:
     total = sum(pushed)
     assert total > 0
     assert set(_applies(two_servers).values()) == {total}
+    used = {
+        "stream": 2,
+        "shared_memory": clients[0].shared_memory_shards,
+        "tensor_socket": clients[0].tensor_socket_shards,
+    }
+    assert used[carrier] == 2, f"the pushes did not travel by {carrier}"
     _, values = clients[0].pull()
     for key, value in values.items():
         np.testing.assert_allclose(value, -0.001 * total, rtol=1e-4, err_msg=key)
@@ -275,3 +294,46 @@ def test_an_undone_import_drops_only_the_copy_it_took(two_servers: list[str]) ->
     assert "small0#0" in held and "small1#0" not in held
     assert all(r.accepted for r in client.push({k: np.ones_like(v) for k, v in _model().items()}))
     client.close()
+
+
+def test_an_export_copies_the_count_of_every_update_in_its_copy() -> None:
+    """A piece's counters travel with its values: each export, taken while two threads push,
+    copies exactly as many applies as updates its copy holds (hogwild, lr 1, gradient -1: the
+    value is the count). A count recorded after the push left the gate would fall behind."""
+    import json
+
+    from distsgd.ps.rules import PushMeta
+    from distsgd.ps.shard import Shard
+
+    options = {"lr": 1.0}
+    shard = Shard(
+        index=0,
+        scheme="hogwild",
+        options_json=json.dumps(options),
+        num_workers=2,
+        values={"p#0": np.zeros(4, np.float64), "q#0": np.zeros(4, np.float64)},
+        rule=make_server_rule("hogwild", options, 2),
+    )
+    stop = threading.Event()
+
+    def work(w: int) -> None:
+        grads = {k: -np.ones(4, np.float64) for k in ("p#0", "q#0")}
+        while not stop.is_set():
+            shard.push(grads, PushMeta(worker=w, incarnation=1, base_version=shard.version))
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(2)]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two steps of a push
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(300):
+            out = moves.export(shard, ["p#0"], 1)
+            assert out.arrays["p#0"][0] == out.loads["p#0"].applies, out
+            moves.finish(shard, ["p#0"], 1, commit=False)
+    finally:
+        stop.set()
+        sys.setswitchinterval(switch)
+        for t in threads:
+            t.join(10)
+    assert shard.values["p#0"][0] == shard.load.piece_counts(["p#0"])["p#0"].applies > 0

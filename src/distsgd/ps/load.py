@@ -37,14 +37,19 @@ class ShardLoad:
     """Per piece held now, by key (read under :meth:`piece_counts`)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def pushed(self, nbytes: Mapping[str, int], started: float, *, applied: bool) -> None:
-        """A push of these pieces' bytes handled since ``started`` (``time.perf_counter()``);
-        ``applied``: the rule took it."""
+    def pushed(self, nbytes: int, started: float) -> None:
+        """A push of ``nbytes`` handled since ``started`` (``time.perf_counter()``)."""
         seconds = time.perf_counter() - started
         with self._lock:
             self.pushes += 1
-            self.push_bytes += sum(nbytes.values())
+            self.push_bytes += nbytes
             self.busy_seconds += seconds
+
+    def reached(self, nbytes: Mapping[str, int], *, applied: bool) -> None:
+        """A push of these pieces' bytes reached the rule (``applied``: the rule took it).
+        Called where the update is applied, under the lock a move's export takes, so a piece's
+        counters and its values travel together: no update is counted on a shard it left."""
+        with self._lock:
             for key, n in nbytes.items():
                 counts = self.pieces.setdefault(key, PieceCounts())
                 counts.push_bytes += n

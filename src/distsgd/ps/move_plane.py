@@ -106,7 +106,7 @@ class MovePlane:
         except (moves.MoveRefused, ValueError) as exc:
             refusal = exc.refusal if isinstance(exc, moves.MoveRefused) else None
             self._refused(moves.MoveRefused(refusal, str(exc)), context)
-        self._segments.close()  # the layout changed: workers attach again
+        self._segments.retire()  # the layout changed: workers attach again
         log.info(
             "shard %d: took %d piece(s) from shard %d", self.shard_index, taken, head.from_shard
         )
@@ -122,7 +122,7 @@ class MovePlane:
         except moves.MoveRefused as exc:
             self._refused(exc, context)
         if changed:
-            self._segments.close()
+            self._segments.retire()
         log.info(
             "shard %d: move of %d piece(s) to shard %d %s",
             self.shard_index,

@@ -166,10 +166,12 @@ def adopt(
             raise MoveRefused(Refusal.NOT_FROZEN, f"{key} is being moved away from here")
     with _exclusive(shard), shard.cond:
         shard.rule.take_piece_state(state, pieces)  # checks every name before changing any
-        for key, value in pieces.items():
-            shard.values[key] = np.array(value, copy=True)
+        values = dict(shard.values)  # a new dict: a reader iterating the old one (an unlocked
+        for key, value in pieces.items():  # rule's pull) goes on undisturbed
+            values[key] = np.array(value, copy=True)
             shard.moved.pop(key, None)  # a piece that comes back
             shard.adopted[key] = source
+        shard.values = values
         shard.load.give({k: loads.get(k, PieceCounts()) for k in pieces})
         shard.cond.notify_all()
     _new_generation(shard)
@@ -199,9 +201,9 @@ def finish(shard: Shard, keys: Sequence[str], peer: int, *, commit: bool) -> int
             return 0
         if not commit and any(shard.adopted.get(k) != peer for k in keys):
             raise MoveRefused(None, f"shard {shard.index} took no such pieces from shard {peer}")
+        shard.values = {k: v for k, v in shard.values.items() if k not in keys}  # as adopt's
         for key in keys:
             shard.adopted.pop(key, None)
-            shard.values.pop(key, None)
             shard.frozen.pop(key, None)
             if commit:
                 shard.moved[key] = peer

@@ -83,6 +83,9 @@ class Attached:
     scratch: np.ndarray | None = None
     """Server-private memory where a push's bytes land before they are checked and applied
     (a tensor socket's received bytes, a segment's push area copied): made once, reused."""
+    stale: bool = False
+    """Its layout is no longer the shard's (pieces moved): its next request is refused
+    NO_SEGMENT, which a client answers by attaching again (nothing of that request applied)."""
     _pull_views: dict[str, np.ndarray] | None = None
     _push_views: dict[str, np.ndarray] | None = None
 
@@ -210,6 +213,14 @@ class SegmentTable:
         with self._lock:
             for entry in list(self._by_id.values()):
                 self._drop(entry)
+
+    def retire(self) -> None:
+        """The shard's pieces changed: mark every entry :attr:`~Attached.stale`. Not closed
+        here: a request in flight on a data channel finishes and is answered (closing under it
+        would leave its worker unable to tell whether its push was applied)."""
+        with self._lock:
+            for entry in self._by_id.values():
+                entry.stale = True
 
     def entries(self) -> Iterable[Attached]:
         return list(self._by_id.values())

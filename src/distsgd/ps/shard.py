@@ -161,15 +161,14 @@ class Shard:
     def snapshot_into(self, out: Mapping[str, np.ndarray]) -> int:
         """Copy the pieces into ``out`` (arrays of the same keys, dtypes and shapes, such as a
         shared-memory segment's pull area); returns their version (consistent under locked
-        rules, as :meth:`snapshot`)."""
+        rules, as :meth:`snapshot`). A piece ``out`` has no place for (one that moved here
+        since ``out`` was laid out) is left out; the next request on ``out`` is refused."""
         if self.rule.locked:
             with self.cond:
-                for key, value in self.values.items():
-                    np.copyto(out[key], value)
+                _copy_into(out, self.values)
                 return self.version
         version = self.version
-        for key, value in self.values.items():
-            np.copyto(out[key], value)
+        _copy_into(out, self.values)
         return version
 
     def see(self, worker: int, incarnation: int) -> None:
@@ -260,8 +259,7 @@ class Shard:
             outcome, version = self._push(payload, meta)
             return outcome, version
         finally:
-            nbytes = {k: a.nbytes for k, a in payload.items()}
-            self.load.pushed(nbytes, started, applied=outcome is not None and outcome.accepted)
+            self.load.pushed(sum(a.nbytes for a in payload.values()), started)
 
     def _push(self, payload: dict[str, np.ndarray], meta: PushMeta) -> tuple[PushOutcome, int]:
         self.see(meta.worker, meta.incarnation)
@@ -291,7 +289,7 @@ class Shard:
                 if wal is not None:
                     wal.append_push(self, payload, meta)
                 outcome = self.rule.apply(self, payload, meta)
-                self._count(outcome)
+                self._count(outcome, payload)
                 return outcome
         with self.gate.shared():
             if moves.blocked(self, payload):
@@ -299,8 +297,7 @@ class Shard:
             if wal is not None:
                 wal.append_push(self, payload, meta)
             outcome = self.rule.apply(self, payload, meta)
-        with self.cond:
-            self._count(outcome)
+            self._count(outcome, payload)
             return outcome
 
     def _moved(self, payload: Mapping[str, np.ndarray]) -> PushOutcome | None:
@@ -314,11 +311,16 @@ class Shard:
                 PushReject.MOVED, f"{len(gone)} piece(s) moved to another shard: {gone[:4]}"
             )
 
-    def _count(self, outcome: PushOutcome) -> None:
-        if outcome.accepted:
-            self.pushes_accepted += 1
-        else:
-            self.pushes_rejected += 1
+    def _count(self, outcome: PushOutcome, payload: Mapping[str, np.ndarray]) -> None:
+        """Count a push the rule decided on, where it was applied (under ``cond`` or the gate,
+        which a move's export holds exclusive: see :meth:`ShardLoad.reached`)."""
+        nbytes = {k: a.nbytes for k, a in payload.items()}
+        self.load.reached(nbytes, applied=outcome.accepted)
+        with self.cond:  # re-entrant: the locked path holds it already
+            if outcome.accepted:
+                self.pushes_accepted += 1
+            else:
+                self.pushes_rejected += 1
 
     def leave(self, worker: int) -> int:
         """Mark a worker finished and let the rule react (a sync step may now close)."""
@@ -488,6 +490,13 @@ def _not_a_shard(path: Path, why: str) -> CorruptCheckpoint:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def _copy_into(out: Mapping[str, np.ndarray], values: Mapping[str, np.ndarray]) -> None:
+    for key, value in values.items():
+        place = out.get(key)
+        if place is not None:
+            np.copyto(place, value)
 
 
 def _count(header: Mapping[str, Any], key: str) -> int | None:

@@ -87,6 +87,14 @@ class SharedPlane:
                 f"{header.worker}; attach again (or send over the stream)",
                 Refusal.NO_SEGMENT,
             )
+        if entry.stale:
+            abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"ps{self.shard_index}'s pieces moved since segment {segment_id} was attached; "
+                "attach again",
+                Refusal.NO_SEGMENT,
+            )
         return entry
 
     def _listener(self) -> bulk.Listener:
@@ -308,6 +316,14 @@ class SharedPlane:
     ) -> pb.PushResponse:
         assert entry.segment is not None
         lr_scale = self._check_shared_push(shard, request, context)
+        if any(spec.key not in entry.layout.push_at for spec in request.tensors):
+            abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"a piece with no place in segment {request.segment} (it moved here since); "
+                "attach again",
+                Refusal.NO_SEGMENT,
+            )
         sizes = [
             self._encoded_size(shard, spec, context) if is_encoded(spec) else nbytes_of(spec)
             for spec in request.tensors
