@@ -63,10 +63,11 @@ def plan(workers: int, link: str | None, timeout: float) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
-def simulated(got: dict[str, Any], workload: dict[str, Any], workers: int, link: str | None,
+def simulated(got: dict[str, Any], planned: dict[str, Any], workers: int, link: str | None,
               steps: int, staggered: bool = False) -> float:  # fmt: skip
-    """The simulator's rate for one of ``distsgd plan --json``'s predictions (its parts);
-    ``staggered``: windowed exchanges across hosts played apart (the other regime)."""
+    """The simulator's rate for one of ``distsgd plan --json``'s predictions (its parts, the
+    link as the plan measured it); ``staggered``: windowed exchanges across hosts played
+    apart (the other regime)."""
     from distsgd.plan.choices import link_bytes_per_s
     from distsgd.plan.cost import Cluster, Part, Path, Setting, Workload
     from distsgd.plan.simulate import Stragglers, simulate
@@ -83,11 +84,14 @@ def simulated(got: dict[str, Any], workload: dict[str, Any], workers: int, link:
     )  # fmt: skip
     s = got["setting"]
     setting = Setting(**{**s, "exchange": Exchange(**s["exchange"])})
+    workload = planned["workload"]
     work = Workload(param_bytes=Part(**workload["param_bytes"]), step=Part(**workload["step"]))
     collective = s["exchange"]["kind"] == "collective"
+    probe = planned.get("link") or {}
     cluster = Cluster(
         workers=workers, ps=0 if collective else 1,
         link=link_bytes_per_s(link) if link else None, cores=float(os.cpu_count() or 1),
+        duplex=max(0.01, probe.get("duplex", 1.0)), turns=probe.get("turns", 0.0),
     )  # fmt: skip
     noise = Stragglers(sigma=0.1)
     return simulate(
@@ -158,6 +162,15 @@ def markdown(report: dict[str, Any]) -> str:
             f"{row['bottleneck']} | {error(row, 'predicted')} | {rate(row, 'simulated')} | "
             f"{error(row, 'simulated')} | {row['measured']:.1f} |"
         )
+    probes = {r["workers"]: r["link"] for r in report["rows"] if r.get("link")}
+    for workers, probe in probes.items():
+        lines += [
+            "",
+            f"The link as `distsgd plan --workers {workers}` measured it: each way at "
+            f"{probe['duplex']:.0%} while both carry transfers ({probe['peers']} hosts), "
+            f"transfers started together in turn {probe['turns']:.2f} (0: sharing, 1: in "
+            f"turn), {probe['nbytes'] / 1e6:.2f} MB in {probe['alone_s'] * 1e3:.0f} ms alone.",
+        ]
     for key, name in (("predicted", "the model's"), ("simulated", "the simulator's")):
         rows = [r for r in report["rows"] if r["measured"] and key in r]
         worst = max((abs(relative_error(r, key)) for r in rows), default=0.0)
@@ -219,16 +232,15 @@ def main(argv: list[str] | None = None) -> int:
                         "entry": entry,
                         "predicted": got["rate"],
                         "bottleneck": got["bottleneck"],
-                        "simulated": simulated(
-                            got, planned["workload"], workers, args.link, args.steps
-                        ),
+                        "simulated": simulated(got, planned, workers, args.link, args.steps),
                         "measured": rate,
+                        "link": planned.get("link"),
                     }
                 )
                 if got.get("staggered") is not None:
                     report["rows"][-1]["predicted_staggered"] = got["staggered"]
                     report["rows"][-1]["simulated_staggered"] = simulated(
-                        got, planned["workload"], workers, args.link, args.steps, staggered=True
+                        got, planned, workers, args.link, args.steps, staggered=True
                     )
     finally:
         procs.stop_all()

@@ -148,6 +148,20 @@ def _one_locked_group_test_at_a_time(
         yield
 
 
+def netns_refusal(*, root: bool = False) -> str | None:
+    """Why emulated hosts cannot be made here (None: they can); ``root``: the test also needs
+    the launcher's link to them, which only root may add."""
+    from distsgd.launcher.netns import check_capable
+
+    try:
+        check_capable()
+    except ValueError as e:
+        return str(e)
+    if root and os.geteuid() != 0:
+        return "the launcher's link to emulated hosts needs root"
+    return None
+
+
 def on_emulated_hosts(cannot: str | None) -> Callable[[Any], Any]:
     """The marks of a test that makes network namespaces: skipped where it ``cannot`` (why;
     None: it can), and one such test at a time (the "hosts" group of LOCKED_GROUPS). The pure

@@ -6,25 +6,17 @@ namespaces cannot be made (root is needed for the launcher's link to the hosts).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-from conftest import final_accuracy, metrics, on_emulated_hosts
+from conftest import final_accuracy, metrics, netns_refusal, on_emulated_hosts
 from test_hosts_run import _check_hosts_gone, _demo
 
 from distsgd.launcher.emulation import HOSTS_FILE
-from distsgd.launcher.netns import check_capable
 
 
 def _capable() -> str | None:
-    try:
-        check_capable()
-    except ValueError as e:
-        return str(e)
-    if os.geteuid() != 0:
-        return "the launcher's link to emulated hosts needs root"
-    return None
+    return netns_refusal(root=True)
 
 
 needs_netns = on_emulated_hosts(_capable())  # one at a time; the pure tests take no lock

@@ -6,29 +6,22 @@ is shaped to 10 Mbit/s (by the ps host's busiest second) and trains over 3x slow
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import distsgd_cmd, on_emulated_hosts
+from conftest import distsgd_cmd, netns_refusal, on_emulated_hosts
 
 from distsgd.launcher.emulation import HOSTS_FILE
 from distsgd.launcher.link_sampler import LINKS_FILE, LinkSample, LinkSampler, busiest_rates
-from distsgd.launcher.netns import LinkBytes, check_capable
+from distsgd.launcher.netns import LinkBytes
 from distsgd.launcher.netns_shaping import tbf_sizes
 
 
 def _capable() -> str | None:
-    try:
-        check_capable()
-    except ValueError as e:
-        return str(e)
-    if os.geteuid() != 0:
-        return "the launcher's link to emulated hosts needs root"
-    return None
+    return netns_refusal(root=True)
 
 
 needs_netns = on_emulated_hosts(_capable())  # one at a time; the pure tests take no lock

@@ -18,26 +18,20 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import SCRIPTS, distsgd_cmd, final_accuracy, on_emulated_hosts
+from conftest import SCRIPTS, distsgd_cmd, final_accuracy, netns_refusal, on_emulated_hosts
 
 from distsgd.cluster import TaskId
 from distsgd.cluster.hosts import parse_links, plan_hosts
 from distsgd.launcher import LaunchConfig
 from distsgd.launcher.emulation import HOSTS_FILE
-from distsgd.launcher.netns import EmulatedHosts, check_capable
+from distsgd.launcher.netns import EmulatedHosts
 
 BLOBS = str(SCRIPTS / "blobs.py")
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def _capable() -> str | None:
-    try:
-        check_capable()
-    except ValueError as e:
-        return str(e)
-    if os.geteuid() != 0:
-        return "the launcher's link to emulated hosts needs root"
-    return None
+    return netns_refusal(root=True)
 
 
 needs_netns = on_emulated_hosts(_capable())  # one at a time; the pure tests take no lock

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import on_emulated_hosts
+from conftest import netns_refusal, on_emulated_hosts
 
 from distsgd.cluster import TaskId
 from distsgd.cluster.hosts import HostPlan, LinkSpec, parse_links, plan_hosts
@@ -79,12 +79,7 @@ time.sleep(60)
 
 
 def _capable() -> str | None:
-    """Why namespaces cannot be made here (None: they can)."""
-    try:
-        check_capable()
-    except ValueError as e:
-        return str(e)
-    return None
+    return netns_refusal(root=False)
 
 
 needs_netns = on_emulated_hosts(_capable())  # one at a time; the pure tests take no lock

@@ -93,6 +93,48 @@ def test_sync_rounds_share_the_servers_link() -> None:
     assert got.staleness == 0.0
 
 
+def test_pulls_and_pushes_crossing_on_a_link_slow_the_servers_link() -> None:
+    """Where a server's link carries pulls out and pushes in at once, each way moves at D
+    of its rate (``--link`` measured): the link's bound scales by D, from 2 workers on."""
+    link = 125e6
+    full = predict(setting(), WORK, Cluster(workers=8, ps=1, link=link), path(beta=1e9))
+    slowed = Cluster(workers=8, ps=1, link=link, duplex=0.6)
+    got = predict(setting(), WORK, slowed, path(beta=1e9))
+    assert got.rate == pytest.approx(0.6 * full.rate) and got.bottleneck == "server link"
+    one = Cluster(workers=1, ps=1, link=link, duplex=0.6)  # its pull and push never cross
+    assert predict(setting(), WORK, one, path(beta=1e9)).rate == pytest.approx(
+        predict(setting(), WORK, Cluster(workers=1, ps=1, link=link), path(beta=1e9)).rate
+    )
+
+
+def test_a_round_whose_pulls_go_in_turn_overlaps_them_with_the_pushes() -> None:
+    """Q = 1: each worker's pull in turn, its push as the next pull goes out (at D); Q = 0 is
+    the shared round above; between, the model weighs the two."""
+    link, n = 125e6, 4
+    t = B / link
+    shared = predict(setting("sync"), WORK, Cluster(workers=n, ps=1, link=link), path(beta=1e9))
+    turn = Cluster(workers=n, ps=1, link=link, turns=1.0, duplex=0.5)
+    in_turn = predict(setting("sync"), WORK, turn, path(beta=1e9))
+    assert in_turn.rate == pytest.approx(n / (C + 2 * t + (n - 1) * t / 0.5))
+    half = Cluster(workers=n, ps=1, link=link, turns=0.5, duplex=0.5)
+    mixed = predict(setting("sync"), WORK, half, path(beta=1e9))
+    assert 1 / mixed.rate == pytest.approx((1 / shared.rate + 1 / in_turn.rate) / 2)
+
+
+def test_the_simulator_slows_crossing_transfers_and_serves_round_pulls_in_turn() -> None:
+    link = 125e6
+    crossing = Cluster(workers=2, ps=1, link=link, duplex=0.5)
+    model = predict(setting(), WORK, crossing, path(beta=1e9)).rate
+    played = sim(setting(), crossing).rate
+    assert played < sim(setting(), Cluster(workers=2, ps=1, link=link)).rate
+    assert played == pytest.approx(model, rel=0.25)
+    turn = Cluster(workers=4, ps=1, link=link, turns=1.0, duplex=0.7)
+    model = predict(setting("sync"), WORK, turn, path(beta=1e9)).rate
+    assert sim(setting("sync"), turn).rate == pytest.approx(model, rel=0.25)
+    shared = Cluster(workers=4, ps=1, link=link, duplex=0.7)
+    assert sim(setting("sync"), turn).rate > sim(setting("sync"), shared).rate
+
+
 def test_shared_cores_bound_the_rate() -> None:
     got = predict(setting(), WORK, Cluster(workers=8, ps=1, cores=2), path(beta=1e9))
     assert got.bottleneck == "cpu"
@@ -149,6 +191,8 @@ def test_recommend_compresses_on_a_slow_link_but_not_on_one_host() -> None:
         lambda: Exchange(kind="gossip"),  # type: ignore[arg-type]
         lambda: Cluster(workers=0, ps=1),
         lambda: Cluster(workers=2, ps=1, link=0.0),
+        lambda: Cluster(workers=2, ps=1, duplex=0.0),
+        lambda: Cluster(workers=2, ps=1, turns=1.5),
         lambda: Setting(label="x", exchange=Exchange(kind="async"), push_factor=0.0),
     ],
 )

@@ -85,5 +85,5 @@ def test_the_simulator_reads_plans_json(capsys: pytest.CaptureFixture[str]) -> N
     assert cli_main([*argv, "--schemes", "hogwild,allreduce"]) == 0
     planned = json.loads(capsys.readouterr().out)
     for got in planned["predictions"]:
-        rate = pc.simulated(got, planned["workload"], 2, "1gbit", 100)
+        rate = pc.simulated(got, planned, 2, "1gbit", 100)
         assert rate == pytest.approx(got["rate"], rel=0.25)

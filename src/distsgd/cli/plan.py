@@ -20,6 +20,7 @@ from typing import Any
 from distsgd import schemes
 from distsgd.compare.entries import SchemeEntry, parse_entry, split_schemes
 from distsgd.launcher.config import DEMO_SCRIPT
+from distsgd.launcher.link_probe import LinkProbe
 from distsgd.plan.choices import (
     ASSUMED_PATHS,
     LINK_PAYLOAD,
@@ -99,6 +100,10 @@ class Parts:
 
     workload: Workload
     paths: dict[str, Path]
+    link: LinkProbe | None = None
+    """The ``--link`` measured on emulated hosts; None: not measured (``--assume``, or no
+    privilege to emulate hosts): its two ways assumed not to slow each other (``D`` 1) and
+    transfers started together to share it (``Q`` 0)."""
 
 
 def _probe_parts(args: argparse.Namespace, entries: Sequence[SchemeEntry]) -> Parts:
@@ -151,7 +156,21 @@ def _measured_parts(args: argparse.Namespace, entries: Sequence[SchemeEntry], sc
         rate = Part(value=got.param_bytes / comm, source=source)
         gloo = ASSUMED_PATHS["gloo"]
         paths["gloo"] = Path(name="gloo", latency=gloo.latency, pull=rate, push=rate)
-    return Parts(workload=workload, paths=paths)
+    link = _probe_link(args, got.param_bytes) if across else None
+    return Parts(workload=workload, paths=paths, link=link)
+
+
+def _probe_link(args: argparse.Namespace, param_bytes: int) -> LinkProbe | None:
+    """The ``--link`` measured with one server's share of the model; None (said) where
+    emulated hosts cannot be made here."""
+    from distsgd.launcher.link_probe import probe_link
+
+    _say(f"measuring a {args.link} link on emulated hosts ...")
+    try:
+        return probe_link(args.link, param_bytes // max(1, args.ps), workers=args.workers)
+    except ValueError as exc:
+        _say(f"the link is not measured ({exc}); assuming its two ways do not slow each other")
+        return None
 
 
 def _given_parts(args: argparse.Namespace) -> Parts:
@@ -183,12 +202,15 @@ def _setting(entry: SchemeEntry, workers: int) -> Setting:
     )
 
 
-def _cluster(args: argparse.Namespace, workers: int, ps: int) -> Cluster:
+def _cluster(args: argparse.Namespace, workers: int, ps: int, probe: LinkProbe | None) -> Cluster:
     link = link_bytes_per_s(args.link) if args.link is not None else None
     cores = args.cores
     if cores is None and link is None:
         cores = float(os.cpu_count() or 1)
-    return Cluster(workers=workers, ps=ps, link=link, cores=cores)
+    if link is None or probe is None:
+        return Cluster(workers=workers, ps=ps, link=link, cores=cores)
+    duplex = max(probe.duplex, 0.01)
+    return Cluster(workers=workers, ps=ps, link=link, cores=cores, duplex=duplex, turns=probe.turns)
 
 
 def _path_for(parts: Parts, link: float | None, collective: bool) -> Path:
@@ -219,7 +241,7 @@ def model_inputs(
     """What the model takes for one entry on a cluster of ``workers`` and ``ps``."""
     setting = _setting(entry, workers)
     collective = setting.exchange.kind == "collective"
-    cluster = _cluster(args, workers, 0 if collective else ps)
+    cluster = _cluster(args, workers, 0 if collective else ps, parts.link)
     return setting, cluster, _path_for(parts, cluster.link, collective)
 
 
@@ -255,6 +277,7 @@ def _report(parts: Parts, rows: Sequence[Row]) -> dict[str, Any]:
 
     return {
         "workload": dataclasses.asdict(parts.workload),
+        "link": None if parts.link is None else dataclasses.asdict(parts.link),
         "predictions": [
             {
                 **prediction(got),
@@ -279,6 +302,7 @@ def _table(args: argparse.Namespace, parts: Parts, rows: Sequence[Row]) -> str:
         f"cluster: {args.workers} workers, {args.ps} ps (parameter-server schemes), {where}",
         f"model: {w.param_bytes.value / 1e6:.2f} MB ({w.param_bytes.source})",
         f"step compute: {w.step.value * 1e3:.2f} ms ({w.step.source})",
+        *([f"link: {parts.link.describe()}"] if parts.link is not None else []),
         "",
         "| scheme | worker-steps/s | MB per worker-step | bottleneck | staleness | "
         "recommended (predicted worker-steps/s) |",

@@ -12,6 +12,11 @@ Parts (each measured or assumed; :class:`Part` says which):
   link the transfer is CPU work (copies, serialisation, the server's update): one core busy.
 - ``R``: a link's rate in bytes/s each way (full duplex); none on one host.
 - ``K``: the cores the tasks share where they share one machine (a local run, emulated hosts).
+- ``D`` and ``Q`` (links only, measured on emulated hosts by ``launcher/link_probe.py``): each
+  way's share of its rate while pulls go out and pushes come in at once, and how far transfers
+  the same way started together go in turn (``Q`` = 1) rather than share and end together
+  (0). Where a transfer outgrows the link's queue both depart from the ideal (100 Mbit/s:
+  ``D`` about 0.65, ``Q`` about 0.5; 1 Gbit/s: about 0.8 and 0.15).
 
 For ``N`` workers, ``M`` servers (pieces balanced over them) and an exchange every ``P`` steps
 (``period``), one transfer of ``b`` bytes takes ``t(b) = a + e + b / min(beta, R)`` and costs
@@ -24,8 +29,9 @@ float32):
 
     T_step   = c + (t(d) + t(u)) / P            (overlap: max(c, (t(d) + t(u)) / P))
     X_serial = N / T_step
-    X_link   = P * M * R / max(d, u)            (each way of a server's link carries d or u
-                                                 per exchange of every worker)
+    X_link   = P * M * D * R / max(d, u)        (each way of a server's link carries d or u
+                                                 per exchange of every worker; D with 2 or
+                                                 more workers, whose pulls and pushes cross)
 
 With a window (``P > 1``) over links, the workers that compute side by side (``min(N, K)``)
 exchange at the same moment and share the servers' links, so an exchange takes at least
@@ -35,9 +41,13 @@ exchange at the same moment and share the servers' links, so an exchange takes a
 and its process takes the round's N pushes one after another while no worker computes; on K
 shared cores the N steps of a round take ``c * max(1, N / K)``)::
 
-    T_step   = c * max(1, N / K) + (max(t(u), N * u / (M * R), N * B / M * s)
-                                    + max(t(d), N * d / (M * R))) / P
+    T_round  = max(t(u), N * u / (M * R), N * B / M * s) + max(t(d), N * d / (M * R))
+    T_step   = c * max(1, N / K) + ((1 - Q) * T_round + Q * T_turn) / P
+    T_turn   = max(t(d) + t(u) + (N - 1) * max(u, d) / (M * D * R), N * B / M * s + t(d))
     X_serial = N / T_step
+
+(``T_turn``: the round pipelined, each worker's pull in turn and its push as the next pull
+goes out, the two ways at ``D``; ``Q`` = 0 on one host.)
 
 ``collective`` (ring all-reduce of the whole model; each worker sends and receives
 ``2 (N - 1) / N * u`` bytes in ``2 (N - 1)`` messages)::
@@ -135,8 +145,18 @@ class Cluster:
     """``R``: each host's link, bytes/s each way; None where the tasks share one host."""
     cores: float | None = None
     """``K``: cores the tasks share (one machine, or emulated hosts on it); None: plenty."""
+    duplex: float = 1.0
+    """``D``: each way's share of its rate while a server's link carries pulls out and pushes
+    in at once (measured by ``launcher/link_probe.py``; 1: the ways do not slow each other)."""
+    turns: float = 0.0
+    """``Q``: how far transfers the same way, started together (a synchronous round's pulls),
+    go in turn rather than share the link and end together: 0 to 1 (measured as ``D``)."""
 
     def __post_init__(self) -> None:
+        if not 0 < self.duplex <= 1:
+            raise ValueError(f"duplex must be in (0, 1], got {self.duplex}")
+        if not 0 <= self.turns <= 1:
+            raise ValueError(f"turns must be in [0, 1], got {self.turns}")
         if self.workers < 1:
             raise ValueError(f"a cluster needs at least 1 worker, got {self.workers}")
         if self.ps < 0:
@@ -253,12 +273,12 @@ def predict(setting: Setting, workload: Workload, cluster: Cluster, path: Path) 
         step = max(c, exchange / p) if ex.overlap else c + exchange / p
         bounds.append(Bound("compute and exchange", n / step))
         if cluster.link is not None:
-            bounds.append(Bound("server link", p * m * cluster.link / max(up, down)))
+            both = cluster.duplex if n > 1 else 1.0  # others' pushes come in as pulls go out
+            bounds.append(Bound("server link", p * m * both * cluster.link / max(up, down)))
     else:
-        shared = (lambda x: n * x / (m * cluster.link)) if cluster.link else (lambda x: 0.0)
         serial = n * b / m * server_s_per_byte(path)  # the round's pushes, one after another
         computed = c * max(1.0, n / cluster.cores) if cluster.cores else c
-        step = computed + (max(t_up, shared(up), serial) + max(t_down, shared(down))) / p
+        step = computed + _round(t_up, t_down, up, down, serial, cluster) / p
         bounds.append(Bound("compute and exchange", n / step))
     bounds.append(Bound("server", p * m / (b * server_s_per_byte(path))))
     if cluster.cores is not None:
@@ -280,6 +300,23 @@ def predict(setting: Setting, workload: Workload, cluster: Cluster, path: Path) 
         staleness=stale,
         staggered=staggered if staggered is not None and staggered > rate * 1.001 else None,
     )
+
+
+def _round(
+    t_up: float, t_down: float, up: float, down: float, serial: float, cluster: Cluster
+) -> float:
+    """A synchronous round's exchange: its pushes, then its pulls, each sharing the servers'
+    links and ending together; with links whose same-way transfers go in turn (``Q``), a
+    share ``Q`` of it pipelined instead: the pulls one after another, each worker pushing as
+    its pull ends, so that the two ways overlap at ``D`` of the rate."""
+    n, m, link = cluster.workers, max(cluster.ps, 1), cluster.link
+    shared = (lambda x: n * x / (m * link)) if link else (lambda x: 0.0)
+    together = max(t_up, shared(up), serial) + max(t_down, shared(down))
+    if link is None or cluster.turns == 0:
+        return together
+    piece = max(up, down) / (m * link)
+    in_turn = max(t_down + t_up + (n - 1) * piece / cluster.duplex, serial + t_down)
+    return (1 - cluster.turns) * together + cluster.turns * in_turn
 
 
 def _together(exchange: float, up: float, down: float, n: int, m: int, cluster: Cluster) -> float:

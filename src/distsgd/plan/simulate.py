@@ -15,8 +15,12 @@ An action reserves what it uses, first come first served, from its event's time 
 - a **server**: one process each, applying pushes in arrival order, ``(B / M) * s`` each (the
   last part of a push's time over the path, which includes it; more where pushes queue).
 
+While one way of a server's link carries a transfer, one starting the other way moves at
+``Cluster.duplex`` of the rate (each way's acknowledgements queue behind the other's data).
+
 Two kinds of exchange share a link fairly instead, ending together when the last would have in
-turn: a synchronous round's pulls (asked as the round closes), and, across hosts, the exchanges
+turn: a synchronous round's pulls (asked as the round closes; in turn where
+``Cluster.turns`` is 0.5 or more), and, across hosts, the exchanges
 of windowed asynchronous schemes (DOWNPOUR, EASGD: ``period`` > 1) whose windows end within one
 step of each other, up to as many workers as compute side by side (``min(N, cores)``, the cost
 model's assumption). Their workers start together, compute their windows side by side and hit
@@ -86,6 +90,7 @@ class _Machine:
 
     def __init__(self, cluster: Cluster, servers: int) -> None:
         self.link = cluster.link
+        self.duplex = cluster.duplex
         k = cluster.cores
         self.cores: list[float] | None = [0.0] * max(1, round(k)) if k is not None else None
         n = cluster.workers
@@ -108,13 +113,15 @@ class _Machine:
         server to worker); when each piece has arrived (``t`` where there are no links)."""
         if self.link is None:
             return t
-        hold = piece / self.link
+        alone = piece / self.link
         ways, busy = (self.s_out, self.s_out_busy) if outbound else (self.s_in, self.s_in_busy)
+        other = self.s_in if outbound else self.s_out
         start = np.maximum(ways, t)
+        hold = np.where(other > start, alone / self.duplex, alone)  # the other way is busy
         np.add(start, hold, out=ways)
         busy += hold
         mine = self.w_in if outbound else self.w_out
-        mine[worker] = max(mine[worker], t) + hold * len(ways)
+        mine[worker] = max(mine[worker], t) + alone * len(ways)
         return np.maximum(ways, mine[worker])
 
     def wire_together(
@@ -216,6 +223,8 @@ class _Run:
             and self.group_size > 1
         )
         """Windowed exchanges across hosts: windows that end together exchange together."""
+        self.in_turn = cluster.link is not None and cluster.turns >= 0.5
+        """A synchronous round's pulls served in turn, not shared (``Cluster.turns``)."""
         self.group: list[tuple[float, int]] = []
         self.flush_at = math.inf
 
@@ -347,8 +356,13 @@ class _Run:
         self.versions += 1
         self.finished = max(self.finished, end)
         left = [w for w in range(self.n) if self.done[w] < self.steps]
-        pulled = self.machine.wire_together(end, self.down / self.m, len(left))
         self.stale[0] += self.m * self.n
+        if self.in_turn:  # the links serve the pulls one after another
+            for w in left:
+                self.base[w] = self.versions.copy()
+                self._pull(end, w)
+            return
+        pulled = self.machine.wire_together(end, self.down / self.m, len(left))
         for w in left:  # every worker's pull of the new round, asked as it closes
             self.base[w] = self.versions.copy()
             self.at(max(pulled, self.machine.cpu(end, self.cpu_down)), w, "compute")
