@@ -91,7 +91,7 @@ def simulated(got: dict[str, Any], planned: dict[str, Any], workers: int, link: 
     cluster = Cluster(
         workers=workers, ps=0 if collective else 1,
         link=link_bytes_per_s(link) if link else None, cores=float(os.cpu_count() or 1),
-        duplex=max(0.01, probe.get("duplex", 1.0)), turns=probe.get("turns", 0.0),
+        duplex=probe.get("duplex", 1.0), turns=probe.get("turns", 0.0),
     )  # fmt: skip
     noise = Stragglers(sigma=0.1)
     return simulate(

@@ -14,12 +14,8 @@ from test_hosts_run import _check_hosts_gone, _demo
 
 from distsgd.launcher.emulation import HOSTS_FILE
 
-
-def _capable() -> str | None:
-    return netns_refusal(root=True)
-
-
-needs_netns = on_emulated_hosts(_capable())  # one at a time; the pure tests take no lock
+# one at a time; the pure tests take no lock
+needs_netns = on_emulated_hosts(netns_refusal(root=True))
 
 
 def _check_partition(run_dir: Path, host: str, *, seconds: float) -> None:
@@ -42,17 +38,19 @@ def _check_partition(run_dir: Path, host: str, *, seconds: float) -> None:
 @needs_netns
 @pytest.mark.slow  # 18-25 s each
 @pytest.mark.parametrize(
-    ("scheme", "ps", "hosts"),
-    [("hogwild", "1", "3"), ("sync", "1", "3"), ("allreduce", "0", "2")],
+    ("scheme", "ps", "hosts", "epochs"),
+    [("hogwild", "1", "3", "20"), ("sync", "1", "3", "10"), ("allreduce", "0", "2", "10")],
 )
 def test_a_scheme_survives_a_partition_of_a_worker_host(
-    tmp_path: Path, scheme: str, ps: str, hosts: str
+    tmp_path: Path, scheme: str, ps: str, hosts: str, epochs: str
 ) -> None:
     """What each did during the 5 s cut (measured, default epochs): hogwild's worker0 went on
     alone, worker1's push waited 6.9 s (the cut, then TCP's next resend), 0 pushes lost; sync
     and allreduce stopped, and went on 5.2 s (sync: worker0 waited for worker1's gradient)
     and 6.6 s (the collective) after the cut. Spread placement: worker1 is alone on the last
-    host."""
+    host. hogwild runs 20 epochs: at 10 its accuracy after the cut ranged 0.936-0.983 over 9
+    runs (worker0 finishes during the cut, worker1 then trains alone from a stale pull); at 20,
+    0.972-0.986 over 8."""
     run_dir = tmp_path / "run"
     args = ["--scheme", scheme, "--workers", "2", "--ps", ps, "--hosts", hosts]
     fault = ["--inject-fault", "partition:worker:1@step=40,for=5s", "--epochs", "10"]

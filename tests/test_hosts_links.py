@@ -19,12 +19,8 @@ from distsgd.launcher.link_sampler import LINKS_FILE, LinkSample, LinkSampler, b
 from distsgd.launcher.netns import LinkBytes
 from distsgd.launcher.netns_shaping import tbf_sizes
 
-
-def _capable() -> str | None:
-    return netns_refusal(root=True)
-
-
-needs_netns = on_emulated_hosts(_capable())  # one at a time; the pure tests take no lock
+# one at a time; the pure tests take no lock
+needs_netns = on_emulated_hosts(netns_refusal(root=True))
 
 
 def _sample(t: float, sent: int, received: int = 0) -> LinkSample:

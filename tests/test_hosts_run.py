@@ -30,11 +30,8 @@ BLOBS = str(SCRIPTS / "blobs.py")
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def _capable() -> str | None:
-    return netns_refusal(root=True)
-
-
-needs_netns = on_emulated_hosts(_capable())  # one at a time; the pure tests take no lock
+# one at a time; the pure tests take no lock
+needs_netns = on_emulated_hosts(netns_refusal(root=True))
 
 
 # --------------------------------------------------------------------------- settings (pure)

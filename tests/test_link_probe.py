@@ -10,7 +10,7 @@ from conftest import netns_refusal, on_emulated_hosts
 
 from distsgd.cli import plan as plan_cli
 from distsgd.launcher import link_probe
-from distsgd.launcher.link_probe import LinkProbe, duplex_of, probe_link, turns_of
+from distsgd.launcher.link_probe import MIN_DUPLEX, LinkProbe, duplex_of, probe_link, turns_of
 
 
 def test_turns_is_0_when_transfers_end_together_and_1_when_in_turn() -> None:
@@ -27,13 +27,10 @@ def test_duplex_is_the_bytes_both_ways_moved_against_twice_the_alone_rate() -> N
     # the same four transfers took 4 s: each way at half its alone rate
     assert duplex_of(1.0, 1, [[2.0, 2.0], [1.0, 1.0]]) == pytest.approx(0.5)
     assert duplex_of(1.0, 1, [[0.1, 0.1], [0.1, 0.1]]) == 1.0  # never above 1
+    assert duplex_of(1.0, 1, [[1e6, 1e6], [1.0, 1.0]]) == MIN_DUPLEX  # nor below the floor
 
 
-def _capable() -> str | None:
-    return netns_refusal(root=False)
-
-
-@on_emulated_hosts(_capable())
+@on_emulated_hosts(netns_refusal(root=False))
 def test_a_real_probe_measures_a_link_and_leaves_no_namespace() -> None:
     from distsgd.launcher.netns import EmulatedHosts
 

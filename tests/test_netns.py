@@ -78,11 +78,8 @@ time.sleep(60)
 """
 
 
-def _capable() -> str | None:
-    return netns_refusal(root=False)
-
-
-needs_netns = on_emulated_hosts(_capable())  # one at a time; the pure tests take no lock
+# one at a time; the pure tests take no lock
+needs_netns = on_emulated_hosts(netns_refusal(root=False))
 
 
 def _plan(count: int, links: list[str] | None = None) -> HostPlan:

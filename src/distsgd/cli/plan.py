@@ -209,8 +209,9 @@ def _cluster(args: argparse.Namespace, workers: int, ps: int, probe: LinkProbe |
         cores = float(os.cpu_count() or 1)
     if link is None or probe is None:
         return Cluster(workers=workers, ps=ps, link=link, cores=cores)
-    duplex = max(probe.duplex, 0.01)
-    return Cluster(workers=workers, ps=ps, link=link, cores=cores, duplex=duplex, turns=probe.turns)
+    return Cluster(
+        workers=workers, ps=ps, link=link, cores=cores, duplex=probe.duplex, turns=probe.turns
+    )
 
 
 def _path_for(parts: Parts, link: float | None, collective: bool) -> Path:

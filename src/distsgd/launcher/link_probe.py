@@ -49,6 +49,9 @@ TOGETHER_ROUNDS = 8
 PHASE_SECONDS = 4.0
 """About how long the both-ways measure runs (more transfers on fast links, at least 4)."""
 
+MIN_DUPLEX = 0.01
+"""The least :attr:`LinkProbe.duplex` reported (a link whose ways starve each other)."""
+
 PEER = r"""
 import json, socket, sys, threading, time
 def recvn(s, n, buf):
@@ -133,12 +136,13 @@ def turns_of(pairs: Sequence[tuple[float, float]]) -> float:
 
 def duplex_of(alone_s: float, nbytes: int, spans: Sequence[Sequence[float]]) -> float:
     """:attr:`LinkProbe.duplex` from each peer's op seconds in the both-ways measure: the bytes
-    all moved over the longest span, against both ways at the alone rate."""
+    all moved over the longest span, against both ways at the alone rate; at least
+    :data:`MIN_DUPLEX`, so the model's divisions stay finite."""
     moved = nbytes * sum(len(ops) for ops in spans)
     span = max(sum(ops) for ops in spans)
     if span <= 0 or alone_s <= 0:
         return 1.0
-    return min(1.0, moved / span / (2 * nbytes / alone_s))
+    return min(1.0, max(MIN_DUPLEX, moved / span / (2 * nbytes / alone_s)))
 
 
 def probe_link(rate: str, nbytes: int, *, workers: int, timeout: float = 120.0) -> LinkProbe:
