@@ -30,11 +30,18 @@ demo's lr 0.3 each fell below 0.95 in 1 of 3 runs with 4 workers, Hogwild to cha
 default ``--lr-rule inverse-sqrt`` now applies 0.3 / sqrt(4) = 0.15 by itself
 (docs/schemes/defaults.md)."""
 
-GLOBAL_STEPS = {"hogwild": 1320, "dynsgd": 1320, "downpour": 264, "sagn": 83}
+GLOBAL_STEPS = {
+    "hogwild": 1320,
+    "dynsgd": 1320,
+    "downpour": 264,
+    "sagn": 83,
+    "asyncdiloco": 132,
+}
 """The demo's global steps on 4 workers (330 local steps each: 30 epochs of 1,437 samples in
 batches of 32 per worker), as its undisturbed runs counted them (docs/schemes/results/): every
-worker's update under hogwild and dynsgd, a push of 5 steps under downpour, one of all workers'
-sums under sagn, and about one per local step for the others. The kills land at 30% and 60%."""
+worker's update under hogwild and dynsgd, a push of 5 steps under downpour, one of 10 under
+asyncdiloco, one of all workers' sums under sagn, and about one per local step for the others.
+The kills land at 30% and 60%."""
 
 
 @pytest.mark.xdist_group("demo-runs")  # one xdist worker runs these in turn: 5 processes each

@@ -103,4 +103,6 @@ def test_the_fork_server_preloads_the_optimizer_where_a_worker_builds_one(
     local = schemes.get(name).local_optimizer
     assert demo.preloads_optimizer is local
     assert own.preloads_optimizer is True
-    assert local is (name in ("allreduce", "localsgd", "diloco", "downpour", "easgd"))
+    assert local is (
+        name in ("allreduce", "localsgd", "diloco", "asyncdiloco", "downpour", "easgd")
+    )

@@ -4,6 +4,7 @@
 from distsgd.schemes import (
     agn,
     allreduce,
+    asyncdiloco,
     diloco,
     downpour,
     dynsgd,
@@ -28,6 +29,7 @@ for _module in (
     dynsgd,
     localsgd,
     diloco,
+    asyncdiloco,
 ):
     register(_module.SPEC)
 
