@@ -82,6 +82,7 @@ def test_schemes_lists_the_catalogue() -> None:
         "dynsgd",
         "localsgd",
         "diloco",
+        "asyncdiloco",
     ]
 
 

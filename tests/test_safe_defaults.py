@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import SCRIPTS, alive, final_accuracy, metrics, run_distsgd, task_pids, wait_for
 
-from distsgd.control.divergence import relative_movement
+from distsgd.control.divergence import DivergenceMonitor, relative_movement
 from distsgd.control.outcome import EXIT_DIVERGED
 
 pytestmark = pytest.mark.slow
@@ -161,3 +161,24 @@ def test_ps_killed_after_the_chief_finished(spawn, tmp_path: Path) -> None:
     assert fault["restored_version"] > finished_at, (fault, finished_at)
     assert fault["lost_updates"] <= 40, fault
     assert float(out.strip().splitlines()[-1].split(":")[1]) >= 0.9, out[-500:]
+
+
+def _watched(losses: list[float], *, from_start: bool = True) -> DivergenceMonitor:
+    watch = DivergenceMonitor("worker2", from_start=from_start)
+    for step, loss in enumerate(losses):
+        watch.observe(loss, step)
+    return watch
+
+
+def test_a_loss_that_ends_above_its_start_is_flagged_unless_the_worker_left() -> None:
+    """The elastic run CI caught: worker2 trained 22 steps while 4 hogwild workers spiked the
+    loss early (1.49 -> 2.36), then left when scaled down; the run went on to 0.96. Its end was
+    not the run's end: no verdict. The same losses at a run's end are one."""
+    rising = [1.0 + 0.01 * (i % 3) for i in range(11)] + [2.3 + 0.01 * (i % 3) for i in range(11)]
+    verdict = _watched(rising).loss_verdict()
+    assert verdict is not None and verdict.startswith("worker2: the training loss ended at")
+    assert _watched(rising).loss_verdict(left=True) is None
+    assert _watched(rising, from_start=False).loss_verdict() is None  # resumed mid-run
+    assert _watched(rising[:19]).loss_verdict() is None  # fewer than two windows
+    plateau = [2.0 + (0.3 if i % 2 else -0.3) for i in range(30)]
+    assert _watched(plateau).loss_verdict() is None

@@ -6,7 +6,9 @@ A run has diverged when
 * the training loss ends clearly above where it started: the mean of a worker's last
   :data:`WINDOW` losses exceeds the mean of its first :data:`WINDOW` by more than
   :data:`SIGMAS` standard errors of the difference (a loss that merely wobbles on a plateau
-  is not flagged; a worker resumed from a checkpoint is judged only on a run from step 0), or
+  is not flagged; a worker resumed from a checkpoint is judged only on a run from step 0, and
+  a worker that left an elastic run before its end not at all: its last steps are not the
+  run's end, which the other workers and the chief's accuracy judge), or
 * the chief's final test accuracy is at or below chance: the share of the test set's most
   frequent class, which a model that always answers that class scores (with a margin of
   :data:`CHANCE_MARGIN` for the noise of a collapsed model's answers).
@@ -86,10 +88,13 @@ class DivergenceMonitor:
     def end_loss(self) -> float | None:
         return sum(self.last) / len(self.last) if self.last else None
 
-    def loss_verdict(self) -> str | None:
-        """Why the run counts as diverged by its loss, or None. Needs two full windows."""
+    def loss_verdict(self, *, left: bool = False) -> str | None:
+        """Why the run counts as diverged by its loss, or None. Needs two full windows, and a
+        worker that trained until the run's end (``left``: it left mid-run, scaled down)."""
         start, end = self.start_loss, self.end_loss
-        if start is None or end is None or not self.from_start or self.seen < 2 * self.window:
+        if start is None or end is None or not self.from_start or left:
+            return None
+        if self.seen < 2 * self.window:
             return None
         spread = math.sqrt(
             (statistics.variance(self.first) + statistics.variance(self.last)) / self.window

@@ -413,7 +413,7 @@ class WorkerSession:
         )
         if result.work is not None:
             log_work(result.work, self.metrics, ctx.global_step, ctx.local_step)
-        verdict = self.watch.loss_verdict()
+        verdict = self.watch.loss_verdict(left=self.left)
         if verdict is not None:
             log.warning("diverged: %s", verdict)
             self.metrics.log(step=ctx.global_step, event="diverged", reason=verdict)
