@@ -65,17 +65,21 @@ def _spread(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def test_encoding_numbers_and_names_are_the_wire_contract() -> None:
-    assert {e.name: int(e) for e in Encoding} == {"RAW": 0, "FP16": 1, "BF16": 2, "INT8": 3}
+    assert {e.name: int(e) for e in Encoding} == {
+        **{"RAW": 0, "FP16": 1, "BF16": 2, "INT8": 3, "INT4": 4, "INT2": 5}
+    }
     assert ENCODINGS == {
         "float32": Encoding.RAW,
         "fp16": Encoding.FP16,
         "bf16": Encoding.BF16,
         "int8": Encoding.INT8,
+        "int4": Encoding.INT4,
+        "int2": Encoding.INT2,
     }
     assert set(ENCODINGS) == set(WIRE_DTYPES)  # every --wire-dtype the config accepts
     assert comp.encoding_for("bf16") is Encoding.BF16
-    with pytest.raises(ValueError, match="unknown wire dtype 'int4'"):
-        comp.encoding_for("int4")
+    with pytest.raises(ValueError, match="unknown wire dtype 'int3'"):
+        comp.encoding_for("int3")
 
 
 def test_the_module_imports_numpy_but_never_torch() -> None:
@@ -242,10 +246,16 @@ def test_float16_pieces_round_trip_in_every_encoding() -> None:
     for encoding in Encoding:
         decoded = _round_trip(x, encoding)
         assert decoded.dtype == np.float16
-        tolerance = {Encoding.BF16: 2.0**-8, Encoding.INT8: 1 / 254 + 2.0**-10}.get(encoding, 0.0)
+        tolerance = {
+            Encoding.BF16: 2.0**-8,
+            Encoding.INT8: 1 / 254 + 2.0**-10,
+            Encoding.INT4: 1 / 14 + 2.0**-10,
+            Encoding.INT2: 1 / 2 + 2.0**-10,
+        }.get(encoding, 0.0)
         peak = float(np.abs(x.astype(np.float32)).max())
         error = np.abs(decoded.astype(np.float32) - x.astype(np.float32))
-        assert error.max() <= tolerance * max(peak, 1.0) + 1e-3 * (encoding is Encoding.INT8)
+        codes = encoding in (Encoding.INT8, Encoding.INT4, Encoding.INT2)
+        assert error.max() <= tolerance * max(peak, 1.0) + 1e-3 * codes
 
 
 # --------------------------------------------------------------------------- int8

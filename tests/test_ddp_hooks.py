@@ -101,8 +101,11 @@ def test_allreduce_alone_keeps_any_compression_setting() -> None:
     spec = schemes.get("allreduce")
     config = TrainConfig(wire_dtype="int8", topk=0.01)
     spec.worker(spec.options(), 1).check_config(config)
-    with pytest.raises(ValueError, match="int8 is for parameter-server schemes"):
+    with pytest.raises(ValueError, match="int8 under allreduce: integer codes are for"):
         spec.worker(spec.options(), 2).check_config(config)
+    for codes in ("int4", "int2"):
+        with pytest.raises(ValueError, match=f"--wire-dtype {codes} under allreduce"):
+            spec.worker(spec.options(), 2).check_config(TrainConfig(wire_dtype=codes))
 
 
 def test_worker_refuses_before_it_connects() -> None:

@@ -167,9 +167,11 @@ def test_wire_factors() -> None:
     assert push_factor() == 1.0 and push_factor("bf16") == 0.5 and push_factor("int8") == 0.25
     assert push_factor("float32", topk=0.01) == pytest.approx(0.02)
     assert pull_factor("bf16") == 0.5 and pull_factor() == 1.0
-    assert push_encode("int8") > push_encode("bf16") > push_encode() == 0.0
+    assert push_factor("int4") == pytest.approx((0.5 + 4 / 128) / 4)  # a scale per 128 values
+    assert push_factor("int2") == pytest.approx((0.25 + 4 / 128) / 4)
+    assert push_encode("int4") > push_encode("int8") > push_encode("bf16") > push_encode() == 0.0
     with pytest.raises(ValueError, match="wire dtype"):
-        push_factor("int4")
+        push_factor("int3")
 
 
 def test_recommend_compresses_on_a_slow_link_but_not_on_one_host() -> None:

@@ -172,8 +172,9 @@ class TrainConfig:
     wire_dtype: str = field(
         default="float32",
         metadata={
-            "help": "dtype of pushed updates on the wire: float32, bf16, fp16 or int8 (a scale "
-            "per piece); servers keep and apply float32. Under allreduce: DDP's fp16 or bf16 hook"
+            "help": "dtype of pushed updates on the wire: float32, bf16, fp16, int8 (a scale per "
+            "piece), int4 or int2 (a scale per 128 values); servers keep and apply float32. "
+            "Under allreduce: DDP's fp16 or bf16 hook"
         },
     )
     pull_dtype: str = field(

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from distsgd.plan.cost import Cluster, Part, Path, Prediction, Setting, Workload, predict
-from distsgd.ps.compression import encoding_for, value_itemsize
+from distsgd.ps.compression import encoding_for, value_bytes
 from distsgd.ps.pull_encoding import pull_encoding_for
 
 _FIG5 = "docs/performance.md figure 5 (2-core AMD EPYC, 2.7 MB model)"
@@ -61,7 +61,7 @@ def link_bytes_per_s(rate: str) -> float:
 def push_factor(wire_dtype: str = "float32", topk: float = 0.0) -> float:
     """Bytes a push sends per float32 byte: the value's size over 4, and with top-k of a
     fraction ``topk`` the kept share, each value beside a 4-byte index."""
-    size = value_itemsize(encoding_for(wire_dtype), "float32") / 4
+    size = value_bytes(encoding_for(wire_dtype), "float32") / 4
     if topk:
         return min(2.0, topk * (size + 1.0))
     return size
@@ -69,7 +69,7 @@ def push_factor(wire_dtype: str = "float32", topk: float = 0.0) -> float:
 
 def pull_factor(pull_dtype: str = "float32") -> float:
     """Bytes a pull brings per float32 byte."""
-    return value_itemsize(pull_encoding_for(pull_dtype), "float32") / 4
+    return value_bytes(pull_encoding_for(pull_dtype), "float32") / 4
 
 
 _PER_MB = 1e-3 / 2.7e6
@@ -79,6 +79,8 @@ ENCODE_COST: dict[str, float] = {"float32": 0.0, "bf16": 0.3 * _PER_MB, "fp16": 
 INT8_COST = 0.8 * _PER_MB
 """int8 with its error feedback (a residual added, the scale found, the rounding, the residual
 kept): about 0.8 ms per 2.7 MB, assumed."""
+LOWBIT_COST = 2.0 * INT8_COST
+"""int4 and int2 with error feedback (a scale per chunk of 128, the codes packed), assumed."""
 TOPK_COST = 1.5 * _PER_MB
 """top-k with error feedback (a selection over the piece), assumed."""
 
@@ -88,6 +90,8 @@ def push_encode(wire_dtype: str = "float32", topk: float = 0.0) -> float:
     encoding_for(wire_dtype)  # the flag's one check
     if topk:
         return TOPK_COST
+    if wire_dtype in ("int4", "int2"):
+        return LOWBIT_COST
     return INT8_COST if wire_dtype == "int8" else ENCODE_COST[wire_dtype]
 
 

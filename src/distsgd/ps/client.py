@@ -56,8 +56,9 @@ class ParameterClient:
         """``shared_memory``: tensors to and from servers on this host go through shared memory
         (see :class:`~distsgd.transport.client.ShardClient`), ``tensor_socket``: to other
         servers (or with shared memory off) through a plain TCP connection. ``wire_dtype``
-        (float32, bf16, fp16, int8) and ``topk`` (a fraction, 0 = off) compress pushes
-        (:mod:`distsgd.ps.compression`); the residual of int8 and top-k stays here and joins
+        (float32, bf16, fp16, int8, int4, int2) and ``topk`` (a fraction, 0 = off) compress
+        pushes (:mod:`distsgd.ps.compression`); the residual of integer codes and top-k stays
+        here and joins
         the next push (error feedback). ``link_delays``: per shard, the emulated link's delay
         each call to it waits (:mod:`distsgd.transport.delay`; none where not given).
         ``pull_dtype`` (float32, bf16, fp16): the dtype pulled float pieces travel in where a

@@ -28,6 +28,11 @@ Encodings (``value`` is what the server decodes; every rounding is to nearest, t
     rounding, not QSGD's stochastic one, Alistarh et al. 2017). The scale travels in the header.
     A piece holding NaN or inf has no scale; it travels RAW instead, so that the server refuses
     it as non-finite exactly as without compression (``--nonfinite``).
+``INT4``, ``INT2``
+    4-bit codes in [-7, 7] and 2-bit (ternary) codes in [-1, 1], with a float32 scale per chunk
+    of 128 values carried in the payload ahead of the packed codes (the layout and error bounds
+    are in :mod:`distsgd.ps.quantize`): 0.53 and 0.28 bytes per value. Non-finite pieces travel
+    RAW, as under INT8; error feedback is on by default, as for INT8.
 
 Top-k sparsification (``topk`` in (0, 1); Aji and Heafield 2017, "Sparse Communication for
 Distributed Gradient Descent", EMNLP; Lin et al. 2018, "Deep Gradient Compression", ICLR):
@@ -76,10 +81,11 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from distsgd.ps import quantize
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +125,14 @@ class Encoding(enum.IntEnum):
     """The upper 16 bits of float32, rounded to nearest even, as uint16."""
     INT8 = 3
     """int8 ``q``; value ``q * scale``, ``scale = max|x| / 127``."""
+    INT4 = 4
+    """4-bit codes with a float32 scale per chunk of 128 (:mod:`distsgd.ps.quantize`)."""
+    INT2 = 5
+    """2-bit (ternary) codes with a float32 scale per chunk of 128."""
+
+
+LOW_BITS = {Encoding.INT4: 4, Encoding.INT2: 2}
+"""The encodings whose scales travel in the payload, a chunk at a time: bits per code."""
 
 
 ENCODINGS: dict[str, Encoding] = {
@@ -126,6 +140,8 @@ ENCODINGS: dict[str, Encoding] = {
     "fp16": Encoding.FP16,
     "bf16": Encoding.BF16,
     "int8": Encoding.INT8,
+    "int4": Encoding.INT4,
+    "int2": Encoding.INT2,
 }
 """``TrainConfig.wire_dtype`` -> encoding; ``float32`` is uncompressed (each piece's own dtype)."""
 
@@ -170,20 +186,27 @@ class EncodedPiece:
         return b"".join(part.tobytes() for part in self.parts)
 
 
-def value_itemsize(encoding: Encoding, dtype: npt.DTypeLike) -> int:
-    """Bytes per value on the wire for pieces of ``dtype``."""
+def value_bytes(encoding: Encoding, dtype: npt.DTypeLike) -> float:
+    """Bytes per value on the wire for pieces of ``dtype`` (INT4 and INT2: with their share
+    of a chunk's scale)."""
     if encoding is Encoding.RAW:
-        return _float_dtype(dtype, "dtype").itemsize
-    return 1 if encoding is Encoding.INT8 else 2
+        return float(_float_dtype(dtype, "dtype").itemsize)
+    if encoding in LOW_BITS:
+        return LOW_BITS[encoding] / 8 + 4 / quantize.CHUNK
+    return 1.0 if encoding is Encoding.INT8 else 2.0
 
 
 def wire_nbytes(encoding: Encoding, dtype: npt.DTypeLike, count: int, nnz: int) -> int:
     """Bytes on the wire of a piece with `count` elements of logical `dtype` (nnz=0 dense)."""
     encoding = _check_encoding(encoding)
-    size = value_itemsize(encoding, dtype)
     if count < 0 or not 0 <= nnz <= count:
         raise ValueError(f"need 0 <= nnz <= count, got nnz {nnz} and count {count}")
-    return count * size if nnz == 0 else nnz * (INDEX_DTYPE.itemsize + size)
+    values = nnz or count
+    if encoding in LOW_BITS:
+        size = quantize.packed_nbytes(LOW_BITS[encoding], values)
+    else:
+        size = values * int(value_bytes(encoding, dtype))
+    return size if nnz == 0 else nnz * INDEX_DTYPE.itemsize + size
 
 
 def topk_count(count: int, topk: float) -> int:
@@ -265,7 +288,7 @@ def decode(
         )
     wire = _wire_dtype(encoding, dt)
     if nnz == 0:
-        return _expand(buf.view(wire), encoding, scale, dt).reshape(dims)
+        return _expand(buf.view(wire), encoding, scale, dt, count).reshape(dims)
     cut = nnz * INDEX_DTYPE.itemsize
     index = buf[:cut].view(INDEX_DTYPE)
     if nnz > 1 and bool(np.any(index[1:] <= index[:-1])):
@@ -273,7 +296,7 @@ def decode(
     if int(index[-1]) >= count:
         raise ValueError(f"sparse index {int(index[-1])} is out of range for {count} elements")
     out = np.zeros(count, dtype=dt)
-    out[index] = _expand(buf[cut:].view(wire), encoding, scale, dt)
+    out[index] = _expand(buf[cut:].view(wire), encoding, scale, dt, nnz)
     return out.reshape(dims)
 
 
@@ -295,7 +318,7 @@ class ErrorFeedback:
         _check_topk(topk)
         self.topk = float(topk)
         if feedback is None:
-            feedback = topk > 0.0 or self.encoding is Encoding.INT8
+            feedback = topk > 0.0 or self.encoding in (Encoding.INT8, *LOW_BITS)
         if topk > 0.0 and not feedback:
             raise ValueError(
                 "top-k without error feedback never applies the entries it leaves out: "
@@ -373,7 +396,8 @@ class ErrorFeedback:
     def _residual(self, total: np.ndarray, message: EncodedPiece, dtype: np.dtype) -> np.ndarray:
         """``total - D(message)``, decoded exactly as the server decodes into ``dtype``."""
         flat = total.reshape(-1)
-        values = _expand(message.parts[-1], message.encoding, message.scale, dtype)
+        count = message.nnz or flat.size
+        values = _expand(message.parts[-1], message.encoding, message.scale, dtype, count)
         if message.nnz:
             index = message.parts[0]
             flat[index] -= values  # parts never view ``total`` when sparse (gathered copies)
@@ -464,7 +488,7 @@ def _wire_dtype(encoding: Encoding, dtype: np.dtype) -> np.dtype:
         return np.dtype("<f2")
     if encoding is Encoding.BF16:
         return np.dtype("<u2")
-    return np.dtype(np.int8)
+    return np.dtype(np.int8) if encoding is Encoding.INT8 else np.dtype(np.uint8)
 
 
 def _sparse_pays(encoding: Encoding, dtype: np.dtype, count: int, nnz: int) -> bool:
@@ -481,12 +505,14 @@ def _compress(x: np.ndarray, encoding: Encoding) -> tuple[Encoding, float, np.nd
     if encoding is Encoding.RAW or x.size == 0:
         return encoding, 1.0 if encoding is not Encoding.INT8 else 0.0, _raw_or_empty(x, encoding)
     high, low = _extremes(x)
-    if encoding is Encoding.INT8:
+    if encoding is Encoding.INT8 or encoding in LOW_BITS:
         if not (math.isfinite(high) and math.isfinite(low)):
-            log.debug("a piece with NaN or inf travels RAW: int8 cannot carry it")
+            log.debug("a piece with NaN or inf travels RAW: integer codes cannot carry it")
             return Encoding.RAW, 1.0, x.astype(x.dtype.newbyteorder("<"), copy=False)
+        if encoding in LOW_BITS:
+            return encoding, 1.0, quantize.pack(x, LOW_BITS[encoding])
         peak = max(high, -low)
-        return encoding, peak / 127.0, _to_int8(x, peak)
+        return encoding, peak / 127.0, quantize.to_int8(x, peak)
     if encoding is Encoding.FP16:
         return encoding, 1.0, _to_fp16(x, high, low)
     return encoding, 1.0, _to_bf16(x, high, low)
@@ -568,19 +594,6 @@ def _to_bf16(x: np.ndarray, high: float, low: float) -> np.ndarray:
     return out
 
 
-def _to_int8(x: np.ndarray, peak: float) -> np.ndarray:
-    if peak == 0.0:
-        return np.zeros(x.size, dtype=np.int8)
-    inverse = 127.0 / peak
-    # |x * inverse| <= 127 * (1 + 2**-23) rounds to at most 127: no clipping needed
-    if x.dtype == np.float32 and inverse < float(np.finfo(np.float32).max):
-        ratio = np.multiply(x, np.float32(inverse))
-    else:  # float64 pieces, and float32 pieces so small that 127 / peak overflows float32
-        ratio = np.multiply(x, inverse, dtype=np.float64)
-    np.rint(ratio, out=ratio)
-    return ratio.astype(np.int8)
-
-
 def _top_k_indices(x: np.ndarray, k: int) -> np.ndarray:
     """Ascending int64 indices of the ``k`` entries of largest ``|x|`` (NaN largest; ties to
     the lower index)."""
@@ -644,8 +657,13 @@ def _fp16_values(half: np.ndarray) -> np.ndarray:
     return floats
 
 
-def _expand(wire: np.ndarray, encoding: Encoding, scale: float, dtype: np.dtype) -> np.ndarray:
-    """A new 1-D array of ``dtype`` holding the values of ``wire`` (the wire dtype's array)."""
+def _expand(
+    wire: np.ndarray, encoding: Encoding, scale: float, dtype: np.dtype, count: int
+) -> np.ndarray:
+    """A new 1-D array of ``dtype`` holding the ``count`` values of ``wire`` (the wire dtype's
+    array)."""
+    if encoding in LOW_BITS:
+        return quantize.unpack(wire, LOW_BITS[encoding], count, dtype)
     if encoding is Encoding.RAW:
         return wire.astype(dtype)
     if encoding is Encoding.FP16:
@@ -655,20 +673,11 @@ def _expand(wire: np.ndarray, encoding: Encoding, scale: float, dtype: np.dtype)
     elif encoding is Encoding.BF16:
         floats = np.left_shift(wire.view("<u2"), _U32(16), dtype=_U32).view(np.float32)
     else:
-        return _int8_values(wire, scale, dtype)
+        return quantize.int8_values(wire, scale, dtype)
     if dtype == np.float32:
         return floats
     with np.errstate(over="ignore", invalid="ignore"):  # bf16 beyond float16; signalling NaNs
         return floats.astype(dtype)
-
-
-def _int8_values(wire: np.ndarray, scale: float, dtype: np.dtype) -> np.ndarray:
-    work = np.result_type(dtype, np.float32)
-    if scale < float(np.finfo(work).tiny):  # scale is subnormal in work: multiply in float64
-        values: Any = np.multiply(wire, scale, dtype=np.float64)
-    else:
-        values = np.multiply(wire, work.type(scale), dtype=work)
-    return values if values.dtype == dtype else values.astype(dtype)
 
 
 def _square_sum(residual: np.ndarray) -> float | None:

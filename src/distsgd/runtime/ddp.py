@@ -81,7 +81,7 @@ def data_parallel(
     and torch warns once when it found none unused (expected: the log says so first).
     """
     # TrainConfig checked the value (ps.compression.encoding_for), the scheme that it is one
-    # DDP all-reduces (AllreduceWorker.check_config refuses int8)
+    # DDP all-reduces (AllreduceWorker.check_config refuses int8, int4, int2)
     assert wire_dtype in HOOKS, f"wire_dtype {wire_dtype!r} has no DDP hook"
     if not static_graph:
         log.info(

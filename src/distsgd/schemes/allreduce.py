@@ -78,10 +78,10 @@ class AllreduceWorker(WorkerScheme):
         if self.alone:  # nothing travels: a script run alone (python train.py) keeps its config
             return
         self.refuse_pull_dtype(config, "allreduce")
-        if config.wire_dtype == "int8":
+        if config.wire_dtype in ("int8", "int4", "int2"):
             raise ValueError(
-                "--wire-dtype int8 under allreduce: int8 is for parameter-server schemes; "
-                "use fp16, bf16 or --powersgd-rank"
+                f"--wire-dtype {config.wire_dtype} under allreduce: integer codes are for "
+                "parameter-server schemes; use fp16, bf16 or --powersgd-rank"
             )
         if config.topk:
             raise ValueError(

@@ -18,6 +18,8 @@ class TensorEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TENSOR_ENCODING_FP16: _ClassVar[TensorEncoding]
     TENSOR_ENCODING_BF16: _ClassVar[TensorEncoding]
     TENSOR_ENCODING_INT8: _ClassVar[TensorEncoding]
+    TENSOR_ENCODING_INT4: _ClassVar[TensorEncoding]
+    TENSOR_ENCODING_INT2: _ClassVar[TensorEncoding]
 
 class PushRejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +42,8 @@ TENSOR_ENCODING_RAW: TensorEncoding
 TENSOR_ENCODING_FP16: TensorEncoding
 TENSOR_ENCODING_BF16: TensorEncoding
 TENSOR_ENCODING_INT8: TensorEncoding
+TENSOR_ENCODING_INT4: TensorEncoding
+TENSOR_ENCODING_INT2: TensorEncoding
 PUSH_REJECT_REASON_UNSPECIFIED: PushRejectReason
 PUSH_REJECT_REASON_STALE: PushRejectReason
 PUSH_REJECT_REASON_DUPLICATE: PushRejectReason
