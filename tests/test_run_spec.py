@@ -129,10 +129,10 @@ def test_wire_dtype_has_one_check_that_the_config_uses() -> None:
     for name in WIRE_DTYPES:
         assert TrainConfig(wire_dtype=name).wire_dtype == name
         encoding_for(name)
-    with pytest.raises(ValueError, match="unknown wire dtype 'int4'"):
-        TrainConfig(wire_dtype="int4")
-    with pytest.raises(ValueError, match="unknown wire dtype 'int4'"):
-        encoding_for("int4")
+    with pytest.raises(ValueError, match="unknown wire dtype 'int3'"):
+        TrainConfig(wire_dtype="int3")
+    with pytest.raises(ValueError, match="unknown wire dtype 'int3'"):
+        encoding_for("int3")
 
 
 def test_the_spec_imports_with_torch_blocked() -> None:
