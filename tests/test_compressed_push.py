@@ -202,7 +202,7 @@ def test_the_demo_with_compressed_pushes_keeps_its_accuracy_and_cuts_bytes(tmp_p
             assert sent * ratio == base_bytes, (name, sent, base_bytes)
 
 
-@pytest.mark.parametrize("scheme", ["localsgd", "diloco"])
+@pytest.mark.parametrize("scheme", ["localsgd"])
 @pytest.mark.parametrize("flags", [["--wire-dtype", "bf16"], ["--topk", "0.1"]])
 def test_schemes_that_average_uncompressed_refuse_compression(scheme, flags, tmp_path) -> None:
     """A flag that would do nothing is refused before any task starts: one line, exit 2."""

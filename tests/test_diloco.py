@@ -13,6 +13,7 @@ from conftest import SCRIPTS, run_distsgd
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from distsgd.ps.compression import ErrorFeedback, decode, encoding_for
 from distsgd.runtime.data import ShardedBatches
 from distsgd.schemes.diloco import fragment_of
 
@@ -29,8 +30,33 @@ def _blobs():  # type: ignore[no-untyped-def]
     return module
 
 
-def _reference(fragments: int, outer_lr: float, momentum: float) -> dict[str, torch.Tensor]:
-    """The paper's algorithm, written out for two replicas in one process."""
+def _through_wire(feedback: ErrorFeedback, key: str, tensors: list[torch.Tensor]) -> None:
+    """Replace ``tensors`` (in place) by what their encoding with error feedback decodes to."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]).numpy()
+    message = feedback.encode(key, flat)
+    raw = b"".join(p.tobytes() for p in message.parts)
+    back = torch.from_numpy(
+        decode(
+            raw,
+            encoding=message.encoding,
+            scale=message.scale,
+            nnz=message.nnz,
+            shape=flat.shape,
+            dtype=flat.dtype,
+        )
+    )
+    offset = 0
+    for t in tensors:
+        t.copy_(back[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def _reference(
+    fragments: int, outer_lr: float, momentum: float, *, overlap: bool = False, wire: str = ""
+) -> dict[str, torch.Tensor]:
+    """The paper's algorithm, written out for two replicas in one process; ``overlap``: each
+    fragment's mean applied at its next synchronization (one outer step late); ``wire``: each
+    replica's pseudo-gradient encoded with error feedback and decoded, as ``--wire-dtype``."""
     blobs = _blobs()
     torch.manual_seed(0)  # as blobs.py builds its model
     model = blobs.Slow(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)), 0.0)
@@ -46,14 +72,32 @@ def _reference(fragments: int, outer_lr: float, momentum: float) -> dict[str, to
         iter(ShardedBatches(data, rank=r, world=world, batch_size=16, seed=0)) for r in (0, 1)
     ]
 
-    @torch.no_grad()
-    def outer_step(part: int) -> None:
-        chosen = [i for i, p in enumerate(part_of) if p == part]
-        params = [list(m.parameters()) for m in replicas]
-        for i in chosen:
-            theta[i].grad = theta[i] - (params[0][i] + params[1][i]) / 2
+    feedback = [ErrorFeedback(encoding_for(wire)) for _ in range(world)] if wire else []
+    travelling: dict[int, list[torch.Tensor]] = {}
+
+    def mean_delta(chosen: list[int], params: list[list[torch.Tensor]], part: int) -> list:
+        deltas = [[theta[i] - ps[i] for i in chosen] for ps in params]
+        for f, d in zip(feedback, deltas, strict=False):  # (wire) each one as all decode it
+            _through_wire(f, f"fragment{part}", d)
+        return [sum(parts) / world for parts in zip(*deltas, strict=True)]
+
+    def apply(chosen: list[int], delta: list[torch.Tensor]) -> None:
+        for i, d in zip(chosen, delta, strict=True):
+            theta[i].grad = d
         outer.step()
         outer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def outer_step(part: int, last: bool = False) -> None:
+        chosen = [i for i, p in enumerate(part_of) if p == part]
+        params = [list(m.parameters()) for m in replicas]
+        delta = mean_delta(chosen, params, part)
+        if part in travelling:
+            apply(chosen, travelling.pop(part))
+        if overlap and not last:
+            travelling[part] = delta
+        else:
+            apply(chosen, delta)
         for i in chosen:
             for ps in params:
                 ps[i].copy_(theta[i])
@@ -68,7 +112,7 @@ def _reference(fragments: int, outer_lr: float, momentum: float) -> dict[str, to
             if t + 1 >= offset and (t + 1 - offset) % H == 0:
                 outer_step(part)
     for part in range(fragments):
-        outer_step(part)
+        outer_step(part, last=True)
     return {k: v.detach() for k, v in replicas[0].state_dict().items()}
 
 
@@ -110,3 +154,25 @@ def test_fragments_are_runs_of_consecutive_tensors() -> None:
     assert fragment_of(5, 1) == [0] * 5
     assert fragment_of(5, 2) == [0, 0, 0, 1, 1]
     assert fragment_of(4, 4) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("fragments", "flags", "wire"),
+    [
+        (2, ["--overlap"], ""),
+        (1, ["--wire-dtype", "int4"], "int4"),
+        (2, ["--overlap", "--wire-dtype", "int8"], "int8"),
+    ],
+)
+def test_overlapped_and_compressed_diloco_equal_the_reference(
+    tmp_path: Path, fragments: int, flags: list[str], wire: str
+) -> None:
+    """Overlap applies each mean one outer step late; compression sends encoded changes with
+    error feedback. Both against the written-out algorithm, and both differ from plain DiLoCo."""
+    overlap = "--overlap" in flags
+    got = _run(tmp_path, "run", "--fragments", str(fragments), *flags)
+    expected = _reference(fragments, OUTER_LR, MOMENTUM, overlap=overlap, wire=wire)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5)
+    plain = _reference(fragments, OUTER_LR, MOMENTUM)
+    assert any(not torch.allclose(got[k], plain[k], atol=1e-4) for k in plain)

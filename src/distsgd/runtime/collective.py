@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from distsgd.control.rendezvous import WILDCARDS
 from distsgd.control.rendezvous import host_store as open_store
+from distsgd.runtime.encoded_mean import EncodedMean
 from distsgd.transport.security import TRUSTED_NETWORK_ENV, is_loopback
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,41 @@ def _gloo_options(host: str, address: str) -> Any:
     return options
 
 
+class PendingMean:
+    """A mean over workers that :meth:`Collective.start_mean` started; :meth:`wait` ends it."""
+
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        flat: torch.Tensor,
+        work: Any,
+        world_size: int,
+        *,
+        codec: EncodedMean | None = None,
+        frames: list[torch.Tensor] | None = None,
+    ) -> None:
+        self.tensors, self.flat, self.work, self.world_size = tensors, flat, work, world_size
+        self.codec, self.frames = codec, frames
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Wait for the collective (its timeout is the group's) and write the means in place."""
+        if self.work is not None:
+            self.work.wait()
+        flat = self.flat
+        if self.codec is None:
+            flat /= self.world_size
+        else:
+            assert self.frames is not None
+            mean = self.codec.mean([f.cpu().numpy() for f in self.frames], flat.numel())
+            flat = torch.from_numpy(mean).to(flat.device, flat.dtype)
+        offset = 0
+        for t in self.tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
 class Collective:
     """A process group of all workers; tensors are flattened into one bucket per call."""
 
@@ -171,17 +207,31 @@ class Collective:
     @torch.no_grad()
     def allreduce_mean(self, tensors: list[torch.Tensor]) -> None:
         """Replace each tensor, in place, by its mean over all workers."""
+        self.start_mean(tensors).wait()
+
+    @torch.no_grad()
+    def start_mean(
+        self, tensors: list[torch.Tensor], *, codec: EncodedMean | None = None, key: str = ""
+    ) -> PendingMean:
+        """Start averaging ``tensors`` over all workers in the background (gloo's threads);
+        :meth:`PendingMean.wait` writes the means into them. Leave the tensors alone until then.
+
+        ``codec``: all-gather this worker's encoded frame (under ``key``, for its error
+        feedback) instead of all-reducing float32; every rank must pass the same codec kind
+        and start the same means in the same order, as for any collective."""
         if not tensors:
-            return
+            return PendingMean([], torch.zeros(0), None, self.world_size)
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat)
-        flat /= self.world_size
-        self.bytes_sent += flat.numel() * flat.element_size()
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        if codec is None:
+            self.bytes_sent += flat.numel() * flat.element_size()
+            work = dist.all_reduce(flat, async_op=True)
+            return PendingMean(tensors, flat, work, self.world_size)
+        values = flat.detach().to("cpu", torch.float32).numpy()
+        frame = torch.from_numpy(codec.encode(key, values)).to(flat.device)
+        self.bytes_sent += frame.numel()
+        frames = [torch.empty_like(frame) for _ in range(self.world_size)]
+        work = dist.all_gather(frames, frame, async_op=True)
+        return PendingMean(tensors, flat, work, self.world_size, codec=codec, frames=frames)
 
     @torch.no_grad()
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:

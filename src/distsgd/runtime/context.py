@@ -22,6 +22,7 @@ from distsgd.control.divergence import Diverged
 from distsgd.control.faults import FaultInjector
 from distsgd.control.timing import PhaseClock
 from distsgd.ps.client import ParameterClient
+from distsgd.ps.compression import encoding_for
 from distsgd.transport.client import PushResult
 from distsgd.transport.errors import PushReject
 
@@ -30,7 +31,8 @@ T = TypeVar("T")
 if TYPE_CHECKING:
     from torch import nn
 
-    from distsgd.runtime.collective import Collective
+    from distsgd.runtime.collective import Collective, PendingMean
+    from distsgd.runtime.encoded_mean import EncodedMean
 
 
 class WorkerContext:
@@ -57,6 +59,7 @@ class WorkerContext:
         self.params: dict[str, nn.Parameter] = exchanged_parameters(model)  # float, trainable
         self._ps = ps
         self._collective = collective
+        self._codec: EncodedMean | None = None
         self.faults: FaultInjector | None = None
         self.lr_scale = 1.0
         """The learning-rate schedule's factor this step (see ``TrainConfig.lr_schedule``)."""
@@ -353,6 +356,36 @@ class WorkerContext:
         if self._collective is not None:
             with self.clock.measure("allreduce"):
                 self._collective.allreduce_mean(tensors)
+
+    def start_mean(
+        self, tensors: list[torch.Tensor], *, key: str = "", compressed: bool = False
+    ) -> PendingMean:
+        """Start averaging tensors over all workers while training goes on; end it with
+        :meth:`wait_mean`, which writes the means in place (nothing to do with one worker).
+
+        ``compressed``: travel as ``--wire-dtype`` and ``--topk`` say (all-gathered encoded
+        frames with error feedback under ``key``, :mod:`distsgd.runtime.encoded_mean`), for a
+        scheme that averages changes; float32 all-reduce when neither flag is set."""
+        from distsgd.runtime.collective import PendingMean  # torch: not at import
+
+        if self._collective is None:
+            return PendingMean([], torch.zeros(0), None, 1)
+        codec = self._encoded_mean() if compressed else None
+        return self._collective.start_mean(tensors, codec=codec, key=key)
+
+    def wait_mean(self, pending: PendingMean) -> None:
+        """End a :meth:`start_mean`; the time the loop waits counts as ``allreduce``."""
+        with self.clock.measure("allreduce"):
+            pending.wait()
+
+    def _encoded_mean(self) -> EncodedMean | None:
+        if self.config.wire_dtype == "float32" and not self.config.topk:
+            return None
+        if self._codec is None:
+            from distsgd.runtime.encoded_mean import EncodedMean
+
+            self._codec = EncodedMean(encoding_for(self.config.wire_dtype), self.config.topk)
+        return self._codec
 
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Copy worker ``src``'s tensors to all (no-op with one worker)."""
