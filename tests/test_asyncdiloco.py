@@ -167,32 +167,34 @@ def test_dylu_never_goes_below_an_eighth_of_h() -> None:
 
 def _reference(model, data, config: TrainConfig, *, world: int, h: int, o: AsyncDilocoOptions):
     """Workers taking steps in turns (``_Turns``): AdamW inside, a push every h steps (and the
-    remainder at the end), the servers' DN update on each arrival."""
+    remainder at the end), the servers' DN update on each arrival. ``o.overlap`` (one worker
+    only: the background exchange's order is then fixed): a round starts from the parameters
+    pulled one round earlier plus the progress made since that pull was sent."""
     reps = _Replicas(model, data, world, config)
     inner = [
         torch.optim.AdamW(m.parameters(), lr=o.inner_lr, weight_decay=o.weight_decay)
         for m in reps.models
     ]
     center = _numpy(reps.get(0))
-    period = o.nesterov_period or world
-    momentum = {k: np.zeros_like(v) for k, v in center.items()}
-    acc = {k: np.zeros_like(v) for k, v in center.items()}
+    server = _ReferenceServer(center, o, o.nesterov_period or world)
     starts = [dict(center) for _ in range(world)]
-    pending, arrivals = [0] * world, [0]
+    pending = [0] * world
+    travelling: dict[int, dict[str, np.ndarray]] = {}  # (overlap) rank -> its pull's result
 
-    def exchange(r: int) -> None:
+    def exchange(r: int, *, last: bool = False) -> None:
         now = _numpy(reps.get(r))
-        arrivals[0] += 1
-        for k in center:
-            g = starts[r][k] - now[k]
-            acc[k] = acc[k] + g
-            if arrivals[0] % period == 0:
-                momentum[k] = o.outer_momentum * momentum[k] + acc[k] / period
-                center[k] = center[k] - o.outer_lr * o.outer_momentum * momentum[k]
-                acc[k] = np.zeros_like(acc[k])
-            center[k] = center[k] - o.outer_lr * g / period
-        reps.set(r, {k: torch.tensor(v) for k, v in center.items()})
-        starts[r], pending[r] = {k: v.copy() for k, v in center.items()}, 0
+        if pending[r]:
+            server.arrive({k: starts[r][k] - now[k] for k in center})
+        landed = travelling.pop(r, None)
+        if landed is not None:  # overlap: the last round's pull, plus this round's progress
+            keep = 0.0 if last else 1.0
+            now = {k: landed[k] + keep * (now[k] - starts[r][k]) for k in landed}
+        if o.overlap and not last:
+            travelling[r] = {k: v.copy() for k, v in center.items()}
+        else:
+            now = {k: v.copy() for k, v in center.items()}
+        reps.set(r, {k: torch.tensor(v) for k, v in now.items()})
+        starts[r], pending[r] = {k: v.copy() for k, v in now.items()}, 0
 
     for _ in range(config.steps):
         for r in range(world):
@@ -202,9 +204,28 @@ def _reference(model, data, config: TrainConfig, *, world: int, h: int, o: Async
             if pending[r] == h:
                 exchange(r)
     for r in range(world):
-        if pending[r]:
-            exchange(r)
+        exchange(r, last=True)
     return center
+
+
+class _ReferenceServer:
+    """The DN update of the module docstring, on the reference's ``center`` in place."""
+
+    def __init__(self, center: dict[str, np.ndarray], o: AsyncDilocoOptions, period: int):
+        self.center, self.o, self.period, self.arrivals = center, o, period, 0
+        self.momentum = {k: np.zeros_like(v) for k, v in center.items()}
+        self.acc = {k: np.zeros_like(v) for k, v in center.items()}
+
+    def arrive(self, g: dict[str, np.ndarray]) -> None:
+        o, period, center = self.o, self.period, self.center
+        self.arrivals += 1
+        for k in center:
+            self.acc[k] = self.acc[k] + g[k]
+            if self.arrivals % period == 0:
+                self.momentum[k] = o.outer_momentum * self.momentum[k] + self.acc[k] / period
+                center[k] = center[k] - o.outer_lr * o.outer_momentum * self.momentum[k]
+                self.acc[k] = np.zeros_like(self.acc[k])
+            center[k] = center[k] - o.outer_lr * g[k] / period
 
 
 def test_two_workers_in_a_forced_order_equal_the_replay(ps_server) -> None:  # noqa: F811
@@ -228,6 +249,24 @@ def test_two_workers_in_a_forced_order_equal_the_replay(ps_server) -> None:  # n
         o=AsyncDilocoOptions(**{**vars(options), "nesterov_period": 1}),
     )
     assert any(not np.allclose(server[k], other[k], atol=1e-4) for k in other)
+
+
+def test_overlap_lands_each_pull_a_round_late_as_the_replay(ps_server) -> None:  # noqa: F811
+    """One worker (the background exchange's order is then fixed), rounds of 2 over 7 steps:
+    the servers' parameters equal the replay's at 1e-5, and differ from the blocking form."""
+    address, _ = ps_server
+    config = TrainConfig(lr_rule=RATE_AS_GIVEN, batch_size=4, steps=7, lr=0.1, log_every=1)
+    options = schemes.get("asyncdiloco").options(
+        inner_steps=2, inner_lr=0.01, outer_lr=0.7, outer_momentum=0.5, overlap=True
+    )
+    model, data, (version, server) = _run_in_turns(address, "asyncdiloco", options, config, 1)
+    assert version == 4  # rounds of 2, 2, 2, then the remainder of 1
+    expected = _reference(model, data, config, world=1, h=2, o=options)
+    for key in expected:
+        np.testing.assert_allclose(server[key], expected[key], rtol=1e-5, atol=1e-5)
+    plain = AsyncDilocoOptions(**{**vars(options), "overlap": False})
+    blocking = _reference(model, data, config, world=1, h=2, o=plain)
+    assert any(not np.allclose(server[k], blocking[k], atol=1e-4) for k in blocking)
 
 
 @pytest.mark.slow  # about 8 s

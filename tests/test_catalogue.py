@@ -489,6 +489,9 @@ def test_sync_with_per_worker_learning_rates_equals_the_reference(ps_server) -> 
         ("diloco", {"inner_steps": 4, "fragments": 5}, "fragments"),
         ("diloco", {"outer_momentum": 1.0}, "outer_momentum"),
         ("diloco", {"inner_lr": 0}, "inner_lr"),
+        ("diloco", {"inner_steps": 4, "overlap_steps": 5}, "overlap_steps"),
+        ("diloco", {"overlap_steps": -1}, "overlap_steps"),
+        ("diloco", {"merge": 1.0}, "merge"),
     ],
 )
 def test_options_are_validated(name: str, options: dict, match: str) -> None:

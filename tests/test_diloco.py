@@ -51,69 +51,97 @@ def _through_wire(feedback: ErrorFeedback, key: str, tensors: list[torch.Tensor]
         offset += t.numel()
 
 
-def _reference(
-    fragments: int, outer_lr: float, momentum: float, *, overlap: bool = False, wire: str = ""
-) -> dict[str, torch.Tensor]:
-    """The paper's algorithm, written out for two replicas in one process; ``overlap``: each
-    fragment's mean applied at its next synchronization (one outer step late); ``wire``: each
-    replica's pseudo-gradient encoded with error feedback and decoded, as ``--wire-dtype``."""
-    blobs = _blobs()
-    torch.manual_seed(0)  # as blobs.py builds its model
-    model = blobs.Slow(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)), 0.0)
-    data = TensorDataset(*blobs.make_data(640, 1))
-    world = 2
-    replicas = [copy.deepcopy(model) for _ in range(world)]
-    inner = [torch.optim.AdamW(m.parameters(), lr=INNER_LR, weight_decay=WD) for m in replicas]
-    theta = [p.detach().clone() for p in model.parameters()]
-    outer = torch.optim.SGD(theta, lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
-    part_of = fragment_of(len(theta), fragments)
-    offsets = [p * H // fragments for p in range(fragments)]
-    batches = [
-        iter(ShardedBatches(data, rank=r, world=world, batch_size=16, seed=0)) for r in (0, 1)
-    ]
+class _Reference:
+    """The paper's algorithm, written out for two replicas in one process; ``tau``: each
+    fragment's mean lands tau inner steps after its exchange began, each replica then keeping
+    ``merge`` of its own fragment; ``wire``: each replica's pseudo-gradient encoded with error
+    feedback and decoded, as ``--wire-dtype``."""
 
-    feedback = [ErrorFeedback(encoding_for(wire)) for _ in range(world)] if wire else []
-    travelling: dict[int, list[torch.Tensor]] = {}
+    def __init__(self, fragments: int, outer_lr: float, momentum: float, wire: str) -> None:
+        blobs = _blobs()
+        torch.manual_seed(0)  # as blobs.py builds its model
+        model = blobs.Slow(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)), 0.0)
+        data = TensorDataset(*blobs.make_data(640, 1))
+        self.world = 2
+        self.replicas = [copy.deepcopy(model) for _ in range(self.world)]
+        self.inner = [
+            torch.optim.AdamW(m.parameters(), lr=INNER_LR, weight_decay=WD) for m in self.replicas
+        ]
+        self.theta = [p.detach().clone() for p in model.parameters()]
+        self.outer = torch.optim.SGD(
+            self.theta, lr=outer_lr, momentum=momentum, nesterov=momentum > 0
+        )
+        self.part_of = fragment_of(len(self.theta), fragments)
+        self.batches = [
+            iter(ShardedBatches(data, rank=r, world=self.world, batch_size=16, seed=0))
+            for r in range(self.world)
+        ]
+        self.feedback = [ErrorFeedback(encoding_for(wire)) for _ in self.replicas] if wire else []
+        self.travelling: dict[int, tuple[int, list[torch.Tensor]]] = {}  # part -> (step, mean)
 
-    def mean_delta(chosen: list[int], params: list[list[torch.Tensor]], part: int) -> list:
-        deltas = [[theta[i] - ps[i] for i in chosen] for ps in params]
-        for f, d in zip(feedback, deltas, strict=False):  # (wire) each one as all decode it
-            _through_wire(f, f"fragment{part}", d)
-        return [sum(parts) / world for parts in zip(*deltas, strict=True)]
+    def chosen(self, part: int) -> list[int]:
+        return [i for i, p in enumerate(self.part_of) if p == part]
 
-    def apply(chosen: list[int], delta: list[torch.Tensor]) -> None:
-        for i, d in zip(chosen, delta, strict=True):
-            theta[i].grad = d
-        outer.step()
-        outer.zero_grad(set_to_none=True)
+    def params(self) -> list[list[torch.Tensor]]:
+        return [list(m.parameters()) for m in self.replicas]
 
-    @torch.no_grad()
-    def outer_step(part: int, last: bool = False) -> None:
-        chosen = [i for i, p in enumerate(part_of) if p == part]
-        params = [list(m.parameters()) for m in replicas]
-        delta = mean_delta(chosen, params, part)
-        if part in travelling:
-            apply(chosen, travelling.pop(part))
-        if overlap and not last:
-            travelling[part] = delta
-        else:
-            apply(chosen, delta)
-        for i in chosen:
-            for ps in params:
-                ps[i].copy_(theta[i])
-
-    for t in range(STEPS):
-        for r, m in enumerate(replicas):
-            x, y = next(batches[r])
+    def inner_step(self) -> None:
+        for r, m in enumerate(self.replicas):
+            x, y = next(self.batches[r])
             m.zero_grad(set_to_none=False)
             F.cross_entropy(m(x), y).backward()
-            inner[r].step()
+            self.inner[r].step()
+
+    @torch.no_grad()
+    def start(self, part: int, lands_at: int) -> None:
+        """The mean of the replicas' pseudo-gradients (as the wire carries them)."""
+        deltas = [[self.theta[i] - ps[i] for i in self.chosen(part)] for ps in self.params()]
+        for f, d in zip(self.feedback, deltas, strict=False):  # (wire) as every worker decodes
+            _through_wire(f, f"fragment{part}", d)
+        mean = [sum(parts) / self.world for parts in zip(*deltas, strict=True)]
+        self.travelling[part] = (lands_at, mean)
+
+    @torch.no_grad()
+    def land(self, part: int, keep: float) -> None:
+        """The outer Nesterov step on the fragment's mean; replicas keep ``keep`` of theirs."""
+        chosen = self.chosen(part)
+        for i, d in zip(chosen, self.travelling.pop(part)[1], strict=True):
+            self.theta[i].grad = d
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
+        for ps in self.params():
+            for i in chosen:
+                ps[i].copy_(keep * ps[i] + (1 - keep) * self.theta[i])
+
+
+def _reference(
+    fragments: int,
+    outer_lr: float,
+    momentum: float,
+    *,
+    tau: int = 0,
+    merge: float = 0.5,
+    wire: str = "",
+) -> dict[str, torch.Tensor]:
+    """:class:`_Reference` run for STEPS inner steps, then the final synchronization."""
+    ref = _Reference(fragments, outer_lr, momentum, wire)
+    offsets = [p * H // fragments for p in range(fragments)]
+    for done in range(1, STEPS + 1):
+        ref.inner_step()
+        for part, (at, _) in list(ref.travelling.items()):
+            if at == done:
+                ref.land(part, merge)
         for part, offset in enumerate(offsets):
-            if t + 1 >= offset and (t + 1 - offset) % H == 0:
-                outer_step(part)
+            if done >= offset and (done - offset) % H == 0:
+                ref.start(part, done + tau)
+                if tau == 0:
+                    ref.land(part, 0.0)
+    for part in list(ref.travelling):
+        ref.land(part, merge)
     for part in range(fragments):
-        outer_step(part, last=True)
-    return {k: v.detach() for k, v in replicas[0].state_dict().items()}
+        ref.start(part, STEPS)
+        ref.land(part, 0.0)
+    return {k: v.detach() for k, v in ref.replicas[0].state_dict().items()}
 
 
 def _run(tmp_path: Path, name: str, *options: str) -> dict[str, torch.Tensor]:
@@ -157,21 +185,18 @@ def test_fragments_are_runs_of_consecutive_tensors() -> None:
 
 
 @pytest.mark.parametrize(
-    ("fragments", "flags", "wire"),
-    [
-        (2, ["--overlap"], ""),
-        (1, ["--wire-dtype", "int4"], "int4"),
-        (2, ["--overlap", "--wire-dtype", "int8"], "int8"),
-    ],
+    ("fragments", "tau", "merge", "wire"),
+    [(2, 2, 0.5, ""), (1, H, 0.0, ""), (1, 0, 0.5, "int4"), (2, 1, 0.25, "int8")],
 )
 def test_overlapped_and_compressed_diloco_equal_the_reference(
-    tmp_path: Path, fragments: int, flags: list[str], wire: str
+    tmp_path: Path, fragments: int, tau: int, merge: float, wire: str
 ) -> None:
-    """Overlap applies each mean one outer step late; compression sends encoded changes with
-    error feedback. Both against the written-out algorithm, and both differ from plain DiLoCo."""
-    overlap = "--overlap" in flags
-    got = _run(tmp_path, "run", "--fragments", str(fragments), *flags)
-    expected = _reference(fragments, OUTER_LR, MOMENTUM, overlap=overlap, wire=wire)
+    """Overlap lands each mean tau inner steps late and merges; compression sends encoded
+    changes with error feedback. Both against the written-out algorithm, and both differ from
+    plain DiLoCo."""
+    flags = ["--fragments", str(fragments), "--overlap-steps", str(tau), "--merge", str(merge)]
+    got = _run(tmp_path, "run", *flags, *(["--wire-dtype", wire] if wire else []))
+    expected = _reference(fragments, OUTER_LR, MOMENTUM, tau=tau, merge=merge, wire=wire)
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5)
     plain = _reference(fragments, OUTER_LR, MOMENTUM)

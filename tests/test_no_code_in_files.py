@@ -409,6 +409,17 @@ def test_state_dict_refuses_a_value_a_file_cannot_hold_naming_it() -> None:
         scheme.state_dict()
 
 
+def test_a_schemes_transient_attributes_are_not_state() -> None:
+    """A background exchange (an object) is left out of the state and kept on load."""
+    scheme, _ = _trained_scheme("downpour")
+    running = object()
+    scheme.inflight = running  # type: ignore[attr-defined]
+    state = scheme.state_dict()
+    assert "inflight" not in state and "window_start" in state
+    scheme.load_state_dict(state)
+    assert scheme.inflight is running  # type: ignore[attr-defined]
+
+
 def test_save_refuses_a_value_a_file_cannot_hold(tmp_path: Path) -> None:
     path = tmp_path / "worker0-00000010.pt"
     with pytest.raises(UnsavableStateError, match=r"scheme\['x'\]: a pathlib\.\w*Path cannot"):

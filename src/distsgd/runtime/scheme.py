@@ -46,6 +46,10 @@ class WorkerScheme(ABC):
     elastic). Each scheme sets its own in its module; its guide page says what the default
     guarantees."""
 
+    transient: ClassVar[tuple[str, ...]] = ()
+    """Attributes that are not state (an exchange running in the background): the default
+    :meth:`state_dict` leaves them out, and :meth:`load_state_dict` leaves them as they are."""
+
     def server_options(self, config: TrainConfig) -> dict[str, Any]:
         """Options sent to the scheme's server rule at registration (JSON-serialisable)."""
         return {"lr": config.lr, "momentum": config.momentum}
@@ -57,8 +61,8 @@ class WorkerScheme(ABC):
     def state_dict(self) -> dict[str, Any]:
         """The scheme's worker state for a checkpoint.
 
-        The default takes every attribute except ``options``: optimizers by their own
-        ``state_dict``, everything else as a deep copy. A new scheme is checkpointable without
+        The default takes every attribute except ``options`` and :attr:`transient`: optimizers
+        by their own ``state_dict``, everything else as a deep copy. A new scheme is checkpointable without
         writing anything, as long as its state lives in attributes of plain types: torch
         tensors, numpy arrays of numbers, dict (str or int keys), list, tuple, str, int, float,
         bool, None. Any other value (a set, an object, a numpy float128) raises
@@ -69,7 +73,7 @@ class WorkerScheme(ABC):
         """
         out: dict[str, Any] = {}
         for name, value in vars(self).items():
-            if name == "options":
+            if name == "options" or name in self.transient:
                 continue
             where = f"{type(self).__name__}.{name}"
             if isinstance(value, torch.optim.Optimizer):

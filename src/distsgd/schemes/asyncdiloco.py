@@ -78,6 +78,7 @@ from distsgd.ps.shard import Shard
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.schemes.registry import SchemeSpec
+from distsgd.transport.client import PushResult
 
 STALENESS_WEIGHTS = ("none", "inverse")
 DYLU_DEADBAND = 0.2
@@ -111,6 +112,13 @@ class AsyncDilocoOptions:
     dylu: bool = field(
         default=False,
         metadata={"help": "dynamic local updates: slower workers take fewer inner steps"},
+    )
+    overlap: bool = field(
+        default=False,
+        metadata={
+            "help": "push and pull in the background while the next round's inner steps run "
+            "(the servers' parameters arrive one round late)"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -241,6 +249,7 @@ class Pace:
 class AsyncDilocoWorker(WorkerScheme):
     lr_rule = "none"
     """``--lr`` is not its rate: the inner AdamW's is ``inner_lr``, the servers' ``outer_lr``."""
+    transient = ("inflight",)
 
     def __init__(self, options: AsyncDilocoOptions, num_workers: int) -> None:
         self.options = options
@@ -273,23 +282,57 @@ class AsyncDilocoWorker(WorkerScheme):
     def finish(self, ctx: WorkerContext) -> None:
         if self.pending:
             self.exchange(ctx)
+        self._land(ctx, keep_progress=False)
 
     def exchange(self, ctx: WorkerContext) -> None:
-        """Push the round's pseudo-gradient, pull the servers' parameters, start a new round."""
+        """Push the round's pseudo-gradient, pull the servers' parameters, start a new round
+        (overlap: land the previous round's exchange and start this one's in the background)."""
         now = ctx.views()
         pseudo = {k: np.subtract(self.round_start[k], now[k]) for k in now}
-        bases = ctx.versions
-        results = ctx.push(pseudo)
-        ctx.pull()
-        if self.options.dylu and results and results[0].accepted:
-            self._adjust(ctx, arrivals=max(0, results[0].version - 1 - bases[0]))
+        steps = self.pending
+        if self.options.overlap:
+            self._land(ctx, keep_progress=True)
+            bases = ctx.versions  # the landed pull's: no exchange runs now
+
+            def exchange() -> tuple[list[PushResult], dict[str, np.ndarray]]:
+                results = ctx.push(pseudo)
+                return results, ctx.pull_arrays()[1]
+
+            self.inflight = (ctx.background(exchange), ctx.arrays(), bases, steps)
+        else:
+            bases = ctx.versions
+            results = ctx.push(pseudo)
+            ctx.pull()
+            self._pace(ctx, results, bases, steps)
         for k, values in ctx.views().items():
             np.copyto(self.round_start[k], values)
         self.pending = 0
 
-    def _adjust(self, ctx: WorkerContext, *, arrivals: int) -> None:
+    def _land(self, ctx: WorkerContext, *, keep_progress: bool) -> None:
+        """(overlap) Take the parameters the background exchange pulled, plus the progress made
+        since it was sent (``keep_progress``: the round that is being pushed now), or exactly
+        them (at the end)."""
+        inflight = self.__dict__.pop("inflight", None)
+        if inflight is None:
+            return
+        future, sent_at, bases, steps = inflight
+        results, pulled = ctx.wait_for(future)
+        if keep_progress:
+            now = ctx.views()
+            pulled = {k: pulled[k] + (now[k] - sent_at[k]) for k in pulled}
+        ctx.load(pulled)
+        self._pace(ctx, results, bases, steps)
+
+    def _pace(
+        self, ctx: WorkerContext, results: list[PushResult], bases: list[int], steps: int
+    ) -> None:
+        """(DyLU) the next round's H_i from a push's results (the arrivals since ``bases``)."""
+        if self.options.dylu and results and results[0].accepted:
+            self._adjust(ctx, arrivals=max(0, results[0].version - 1 - bases[0]), steps=steps)
+
+    def _adjust(self, ctx: WorkerContext, *, arrivals: int, steps: int) -> None:
         pace = Pace(**self.pace)
-        pace.update(arrivals=arrivals, steps=self.pending)
+        pace.update(arrivals=arrivals, steps=steps)
         self.round_steps = pace.next_round(
             self.round_steps, self.options.inner_steps, ctx.live_workers - 1
         )
@@ -308,5 +351,5 @@ SPEC = SchemeSpec(
     server=DelayedNesterovServer,
     step_size=("inner_lr", "outer_lr"),
     local_optimizer=True,
-    traffic=Traffic(kind="async", period_option="inner_steps"),
+    traffic=Traffic(kind="async", period_option="inner_steps", overlap_option="overlap"),
 )

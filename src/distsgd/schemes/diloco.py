@@ -19,19 +19,21 @@ each synchronized every H steps at staggered offsets, so one fragment travels at
 the peak bandwidth falls by P. With ``outer_lr = 1`` and ``outer_momentum = 0`` the outer step
 is plain parameter averaging (local SGD with AdamW).
 
-``overlap`` (Streaming DiLoCo's overlapped communication, with one outer step of delay, the
-"naive delayed" form of Kale et al., *Eager updates for overlapped communication and
-computation in DiLoCo*, arXiv:2502.12996): the mean of round k's pseudo-gradients travels while
-round k + 1's inner steps run, and is applied at the fragment's next synchronization::
+``overlap_steps = tau > 0`` (Streaming DiLoCo's overlapped communication): a fragment's mean
+travels while the next tau inner steps run, and lands then::
 
-    at fragment p's k-th synchronization:
-        start  delta_p(k) <- (1/N) * sum_j (theta_p - theta_j,p)       # in the background
-        theta_p   <- NesterovSGD(theta_p, delta_p(k - 1), ...)          # the previous round's
-        theta_i,p <- theta_p
+    at t, fragment p due:   start delta_p <- (1/N) * sum_j (theta_p - theta_j,p)   # background
+    at t + tau:             theta_p   <- NesterovSGD(theta_p, delta_p, outer_lr, outer_momentum)
+                            theta_i,p <- merge * theta_i,p + (1 - merge) * theta_p
 
-so a replica restarts from parameters one outer step behind, and no worker waits for the
-exchange unless it takes longer than H inner steps. The final step waits for every fragment's
-exchange and applies it, then synchronizes without delay, so all replicas end equal to theta.
+so a replica keeps ``merge`` (the paper's alpha; 0.5 here, as there) of the tau steps it took
+meanwhile instead of throwing them away, and no worker waits unless the exchange takes longer
+than tau inner steps. ``tau = H`` is one outer step of delay: the mean lands as the fragment's
+next exchange starts. With ``merge = 0`` that is the "naive delayed" form of Kale et al. (*Eager
+updates for overlapped communication and computation in DiLoCo*, arXiv:2502.12996), which they
+and we find far worse (each round's progress is redone by the next round, then applied twice).
+The final step lands every travelling mean, then synchronizes every fragment without delay, so
+all replicas end equal to theta.
 
 Compression (``--wire-dtype`` int8, int4, int2, fp16 or bf16, ``--topk``): the pseudo-gradients
 travel encoded, with error feedback, all-gathered instead of all-reduced
@@ -73,11 +75,17 @@ class DilocoOptions:
     fragments: int = field(
         default=1, metadata={"help": "P: Streaming DiLoCo's staggered fragments (1 = DiLoCo)"}
     )
-    overlap: bool = field(
-        default=False,
+    overlap_steps: int = field(
+        default=0,
         metadata={
-            "help": "exchange the pseudo-gradients while the next inner steps run, applying "
-            "them one outer step late"
+            "help": "tau: a fragment's exchange overlaps this many inner steps, then lands "
+            "(0 = blocking; inner_steps = one outer step of delay)"
+        },
+    )
+    merge: float = field(
+        default=0.5,
+        metadata={
+            "help": "(overlap) the share of its own fragment a replica keeps when the mean lands"
         },
     )
 
@@ -89,6 +97,13 @@ class DilocoOptions:
                 f"fragments must be between 1 and inner_steps ({self.inner_steps}), "
                 f"got {self.fragments}"
             )
+        if not 0 <= self.overlap_steps <= self.inner_steps:
+            raise ValueError(
+                f"overlap_steps must be between 0 and inner_steps ({self.inner_steps}), "
+                f"got {self.overlap_steps}"
+            )
+        if not 0.0 <= self.merge < 1.0:
+            raise ValueError(f"merge must be in [0, 1), got {self.merge}")
         for name in ("inner_lr", "outer_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -106,6 +121,7 @@ def fragment_of(num_tensors: int, fragments: int) -> list[int]:
 class DilocoWorker(WorkerScheme):
     uses_parameter_servers = False
     evaluate_on = "local"
+    transient = ("travelling",)
 
     def check_config(self, config: TrainConfig) -> None:
         super().check_config(config)
@@ -127,63 +143,73 @@ class DilocoWorker(WorkerScheme):
         self.offsets = [p * o.inner_steps // parts for p in range(parts)]
         self.outer_steps = 0
         self.arrived: dict[int, list[torch.Tensor]] = {}
-        """(overlap) Fragment -> the mean pseudo-gradient that arrived and waits to be applied."""
-        self.inflight: dict[int, tuple[PendingMean, list[torch.Tensor]]] = {}
+        """(overlap) Fragment -> its mean pseudo-gradient, landed or travelling."""
+        self.land_at: dict[int, int] = {}
+        """(overlap) Fragment -> the inner step count at which its mean lands."""
+        self.travelling: dict[int, PendingMean] = {}
 
     def after_backward(self, ctx: WorkerContext) -> None:
         self.inner.step()
         done = ctx.local_step + 1  # inner steps taken, this one included
+        for part, at in list(self.land_at.items()):
+            if at == done:
+                self.land(ctx, part)
         for part, offset in enumerate(self.offsets):
             if done >= offset and (done - offset) % self.options.inner_steps == 0:
-                self.outer_step(ctx, part)
+                self.outer_step(ctx, part, land_at=done + self.options.overlap_steps)
 
     def finish(self, ctx: WorkerContext) -> None:
+        for part in list(self.land_at):
+            self.land(ctx, part)
         for part in range(len(self.offsets)):
-            self.outer_step(ctx, part, last=True)
+            self.outer_step(ctx, part, land_at=None)
 
-    def outer_step(self, ctx: WorkerContext, part: int, *, last: bool = False) -> None:
-        """Start this fragment's mean pseudo-gradient; apply it now, or (overlap) apply the
-        previous one and leave this one travelling (``last``: apply both)."""
+    def outer_step(self, ctx: WorkerContext, part: int, *, land_at: int | None) -> None:
+        """Start this fragment's mean pseudo-gradient; apply it now (``land_at`` None or the
+        current step), or leave it travelling until step ``land_at``."""
         params = list(ctx.params.values())
-        chosen = [i for i, p in enumerate(self.fragment) if p == part]
         with torch.no_grad():
-            delta = [self.theta[i] - params[i].detach() for i in chosen]
+            delta = [self.theta[i] - params[i].detach() for i in self._chosen(part)]
             pending = ctx.start_mean(delta, key=f"fragment{part}", compressed=True)
-            if part in self.inflight:
-                self._land(ctx, part)
-            if part in self.arrived:
-                self._apply(chosen, self.arrived.pop(part))
-            if self.options.overlap and not last:
-                self.inflight[part] = (pending, delta)
-            else:
-                ctx.wait_mean(pending)
-                self._apply(chosen, delta)
-            for i in chosen:
-                params[i].copy_(self.theta[i])
-        self.outer_steps += 1
-
-    def _land(self, ctx: WorkerContext, part: int) -> None:
-        """Wait for a fragment's travelling mean; it waits in :attr:`arrived` to be applied."""
-        pending, delta = self.inflight.pop(part)
-        ctx.wait_mean(pending)
         self.arrived[part] = delta
+        if land_at is None or land_at <= ctx.local_step + 1:
+            ctx.wait_mean(pending)
+            self._apply(ctx, part, merge=0.0)
+        else:
+            self.travelling[part], self.land_at[part] = pending, land_at
 
-    def _apply(self, chosen: list[int], delta: list[torch.Tensor]) -> None:
-        """The outer Nesterov step of the fragment's tensors ``chosen`` on the mean ``delta``."""
+    def land(self, ctx: WorkerContext, part: int) -> None:
+        """(overlap) Wait for a fragment's travelling mean, apply it, merge the replica."""
+        pending = self.travelling.pop(part, None)
+        if pending is not None:
+            ctx.wait_mean(pending)
+        del self.land_at[part]
+        self._apply(ctx, part, merge=self.options.merge)
+
+    def _chosen(self, part: int) -> list[int]:
+        return [i for i, p in enumerate(self.fragment) if p == part]
+
+    @torch.no_grad()
+    def _apply(self, ctx: WorkerContext, part: int, *, merge: float) -> None:
+        """The outer Nesterov step of a fragment on its arrived mean; the replica's fragment
+        becomes ``merge`` of itself plus ``1 - merge`` of theta."""
+        chosen, delta = self._chosen(part), self.arrived.pop(part)
         self.outer.zero_grad(set_to_none=True)
         for i, d in zip(chosen, delta, strict=True):
             self.theta[i].grad = d  # the outer pseudo-gradient
         self.outer.step()  # steps only the tensors that have a gradient: this fragment
         self.outer.zero_grad(set_to_none=True)
+        params = list(ctx.params.values())
+        for i in chosen:
+            params[i].mul_(merge).add_(self.theta[i], alpha=1.0 - merge)
+        self.outer_steps += 1
 
     def stats(self) -> dict[str, float]:
         return {"outer_steps": self.outer_steps}
 
     def state_dict(self) -> dict[str, Any]:
-        for part in list(self.inflight):  # a travelling mean is waited for, then saved
-            pending, delta = self.inflight.pop(part)
-            pending.wait()
-            self.arrived[part] = delta
+        for part in list(self.travelling):  # a travelling mean is waited for, then saved
+            self.travelling.pop(part).wait()
         state = super().state_dict()
         state["theta"] = [t.detach().clone() for t in self.theta]
         return state
@@ -203,5 +229,5 @@ SPEC = SchemeSpec(
     worker=DilocoWorker,
     step_size=("inner_lr", "outer_lr"),
     local_optimizer=True,
-    traffic=Traffic(kind="collective", period_option="inner_steps", overlap_option="overlap"),
+    traffic=Traffic(kind="collective", period_option="inner_steps", overlap_option="overlap_steps"),
 )

@@ -129,6 +129,7 @@ class DownpourWorker(WorkerScheme):
     lr_rule = "sqrt"
     """N workers take 1/N of the steps; the servers move by the mean of their windows (server_lr
     1/N): --lr x sqrt(N), as for sync's mean of N gradients."""
+    transient = ("inflight",)
 
     def __init__(self, options: DownpourOptions, num_workers: int) -> None:
         self.options = options
@@ -155,14 +156,6 @@ class DownpourWorker(WorkerScheme):
         if self.pending:
             self._exchange(ctx)
         self._land(ctx, keep_progress=False)
-
-    def state_dict(self) -> dict[str, Any]:
-        inflight = self.__dict__.pop("inflight", None)  # a background exchange is not state
-        try:
-            return super().state_dict()
-        finally:
-            if inflight is not None:
-                self.inflight = inflight
 
     def accumulated_update(
         self, start: np.ndarray, now: np.ndarray, out: np.ndarray | None = None
