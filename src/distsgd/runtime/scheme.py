@@ -62,8 +62,9 @@ class WorkerScheme(ABC):
         """The scheme's worker state for a checkpoint.
 
         The default takes every attribute except ``options`` and :attr:`transient`: optimizers
-        by their own ``state_dict``, everything else as a deep copy. A new scheme is checkpointable without
-        writing anything, as long as its state lives in attributes of plain types: torch
+        by their own ``state_dict``, everything else as a deep copy. A new scheme is
+        checkpointable without writing anything, as long as its state lives in attributes of
+        plain types: torch
         tensors, numpy arrays of numbers, dict (str or int keys), list, tuple, str, int, float,
         bool, None. Any other value (a set, an object, a numpy float128) raises
         :class:`~distsgd.runtime.checkpoint.UnsavableStateError` naming the attribute, at the
