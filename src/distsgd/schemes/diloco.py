@@ -189,20 +189,20 @@ class DilocoWorker(WorkerScheme):
     def _chosen(self, part: int) -> list[int]:
         return [i for i, p in enumerate(self.fragment) if p == part]
 
-    @torch.no_grad()
     def _apply(self, ctx: WorkerContext, part: int, *, merge: float) -> None:
         """The outer Nesterov step of a fragment on its arrived mean; the replica's fragment
         becomes ``merge`` of itself plus ``1 - merge`` of theta."""
-        chosen, delta = self._chosen(part), self.arrived.pop(part)
-        self.outer.zero_grad(set_to_none=True)
-        for i, d in zip(chosen, delta, strict=True):
-            self.theta[i].grad = d  # the outer pseudo-gradient
-        self.outer.step()  # steps only the tensors that have a gradient: this fragment
-        self.outer.zero_grad(set_to_none=True)
-        params = list(ctx.params.values())
-        for i in chosen:
-            params[i].mul_(merge).add_(self.theta[i], alpha=1.0 - merge)
-        self.outer_steps += 1
+        with torch.no_grad():  # not a decorator: torch stays unloaded at import
+            chosen, delta = self._chosen(part), self.arrived.pop(part)
+            self.outer.zero_grad(set_to_none=True)
+            for i, d in zip(chosen, delta, strict=True):
+                self.theta[i].grad = d  # the outer pseudo-gradient
+            self.outer.step()  # steps only the tensors that have a gradient: this fragment
+            self.outer.zero_grad(set_to_none=True)
+            params = list(ctx.params.values())
+            for i in chosen:
+                params[i].mul_(merge).add_(self.theta[i], alpha=1.0 - merge)
+            self.outer_steps += 1
 
     def stats(self) -> dict[str, float]:
         return {"outer_steps": self.outer_steps}
