@@ -492,6 +492,7 @@ def test_sync_with_per_worker_learning_rates_equals_the_reference(ps_server) -> 
         ("diloco", {"inner_steps": 4, "overlap_steps": 5}, "overlap_steps"),
         ("diloco", {"overlap_steps": -1}, "overlap_steps"),
         ("diloco", {"merge": 1.0}, "merge"),
+        ("diloco", {"inner_steps": 4, "overlap_steps": 4, "merge": 0.0}, "merge"),
     ],
 )
 def test_options_are_validated(name: str, options: dict, match: str) -> None:

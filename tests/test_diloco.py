@@ -186,7 +186,7 @@ def test_fragments_are_runs_of_consecutive_tensors() -> None:
 
 @pytest.mark.parametrize(
     ("fragments", "tau", "merge", "wire"),
-    [(2, 2, 0.5, ""), (1, H, 0.0, ""), (1, 0, 0.5, "int4"), (2, 1, 0.25, "int8")],
+    [(2, 2, 0.5, ""), (1, H, 0.25, ""), (2, 1, 0.0, ""), (1, 0, 0.5, "int4"), (2, 1, 0.25, "int8")],
 )
 def test_overlapped_and_compressed_diloco_equal_the_reference(
     tmp_path: Path, fragments: int, tau: int, merge: float, wire: str

@@ -29,9 +29,13 @@ travels while the next tau inner steps run, and lands then::
 so a replica keeps ``merge`` (the paper's alpha; 0.5 here, as there) of the tau steps it took
 meanwhile instead of throwing them away, and no worker waits unless the exchange takes longer
 than tau inner steps. ``tau = H`` is one outer step of delay: the mean lands as the fragment's
-next exchange starts. With ``merge = 0`` that is the "naive delayed" form of Kale et al. (*Eager
-updates for overlapped communication and computation in DiLoCo*, arXiv:2502.12996), which they
-and we find far worse (each round's progress is redone by the next round, then applied twice).
+next exchange starts. A mean lands before the fragment's next exchange is measured, so the
+next pseudo-gradient carries only what the merge kept of the round (nothing is counted twice);
+``merge = 0`` with ``tau = H`` would keep nothing and is refused. (An earlier form here measured
+the next exchange first and then restarted the replica from theta, the "naive delayed" overlap
+of Kale et al., *Eager updates for overlapped communication and computation in DiLoCo*,
+arXiv:2502.12996: each round's progress was redone by the next and applied twice, and a demo
+run ended at 0.21.)
 The final step lands every travelling mean, then synchronizes every fragment without delay, so
 all replicas end equal to theta.
 
@@ -104,6 +108,11 @@ class DilocoOptions:
             )
         if not 0.0 <= self.merge < 1.0:
             raise ValueError(f"merge must be in [0, 1), got {self.merge}")
+        if self.merge == 0.0 and self.overlap_steps == self.inner_steps:
+            raise ValueError(
+                "merge 0 with overlap_steps = inner_steps throws every round's steps away "
+                "(the mean lands as the next exchange starts); set merge above 0, e.g. 0.5"
+            )
         for name in ("inner_lr", "outer_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
