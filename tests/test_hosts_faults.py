@@ -53,7 +53,7 @@ def test_a_scheme_survives_a_partition_of_a_worker_host(
     0.972-0.986 over 8."""
     run_dir = tmp_path / "run"
     args = ["--scheme", scheme, "--workers", "2", "--ps", ps, "--hosts", hosts]
-    fault = ["--inject-fault", "partition:worker:1@step=40,for=5s", "--epochs", "10"]
+    fault = ["--inject-fault", "partition:worker:1@step=40,for=5s", "--epochs", epochs]
     done, _ = _demo(run_dir, *args, *fault)
     assert final_accuracy(done) >= 0.95
     host = f"host{int(hosts) - 1}"
