@@ -6,7 +6,7 @@ RESOURCE_EXHAUSTED, ``Refusal.TOO_LARGE``) through :func:`~distsgd.ps.service_er
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -35,6 +35,8 @@ PARAM_DTYPES = FLOAT_DTYPES
 """Dtypes a registered piece may have: parameters are floating point (float16/32/64)."""
 MAX_KEY_CHARS = 1024
 """Longest piece key."""
+MAX_PULL_KEYS = 1 << 16
+"""Most keys one pull may name."""
 
 
 def push_nbytes(spec: pb.TensorSpec) -> int:
@@ -133,6 +135,28 @@ def wait_seconds(value: float, context: grpc.ServicerContext) -> float:
             f"{MAX_WAIT_SECONDS:g}s",
         )
     return min(value, MAX_WAIT_SECONDS)
+
+
+def pull_keys(keys: Sequence[str], context: grpc.ServicerContext) -> list[str] | None:
+    """``PullRequest.keys``: None for every piece; else distinct keys of 1 to MAX_KEY_CHARS
+    characters, at most MAX_PULL_KEYS of them."""
+    if not keys:
+        return None
+    if len(keys) > MAX_PULL_KEYS:
+        abort(
+            context,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"a pull names {len(keys)} keys; at most {MAX_PULL_KEYS}, or none for every piece",
+        )
+    if any(not 0 < len(k) <= MAX_KEY_CHARS for k in keys):
+        abort(
+            context,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"a pulled key of bad length; use 1 to {MAX_KEY_CHARS} characters",
+        )
+    if len(set(keys)) != len(keys):
+        abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a pull names a key twice; name it once")
+    return list(keys)
 
 
 def pull_encoding(value: int, context: grpc.ServicerContext) -> compression.Encoding:

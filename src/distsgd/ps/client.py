@@ -10,7 +10,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -200,24 +200,39 @@ class ParameterClient:
         wait_seconds: float | None = None,
         record: bool = True,
         into: Mapping[str, np.ndarray] | None = None,
+        names: Collection[str] | None = None,
     ) -> tuple[int, dict[str, np.ndarray]]:
         """:meth:`pull`, under the lock."""
         mins = (
             [min_version] * len(self.shards) if isinstance(min_version, int) else list(min_version)
         )
-        results = self._each(lambda i, s: s.pull(min_version=mins[i], wait_seconds=wait_seconds))
-        if self._lacks_pieces(results):  # pieces moved: learn where, and pull again
+
+        def one(i: int, shard: ShardClient) -> tuple[int, dict[str, np.ndarray]] | None:
+            if names is None:
+                return shard.pull(min_version=mins[i], wait_seconds=wait_seconds)
+            keys = [p.key for p in self.plan.some(names) if p.shard == i]
+            if not keys:
+                return None  # holds none of them: not asked
+            return shard.pull(min_version=mins[i], wait_seconds=wait_seconds, keys=keys)
+
+        results = self._each(one)
+        if self._lacks_pieces(results, names):  # pieces moved: learn where, and pull again
             self._follow_moves(self.info())
-            results = self._each(
-                lambda i, s: s.pull(min_version=mins[i], wait_seconds=wait_seconds)
-            )
-        self.last_waited = max(shard.last_waited for shard in self.shards)
+            results = self._each(one)
+        asked = [i for i, result in enumerate(results) if result is not None]
+        self.last_waited = max(self.shards[i].last_waited for i in asked)
         if record:
-            self.versions = [version for version, _ in results]
-        self.bytes_received += sum(shard.last_pull_nbytes for shard in self.shards)
-        pieces = [arrays for _, arrays in results]
-        joined = self.plan.join(pieces) if into is None else self.plan.join_into(pieces, into)
-        return min(version for version, _ in results), joined
+            self.versions = [
+                v if r is None else r[0] for v, r in zip(self.versions, results, strict=True)
+            ]
+        self.bytes_received += sum(self.shards[i].last_pull_nbytes for i in asked)
+        pieces = [{} if result is None else result[1] for result in results]
+        joined = (
+            self.plan.join(pieces, names)
+            if into is None
+            else self.plan.join_into(pieces, into, names)
+        )
+        return min(results[i][0] for i in asked), joined
 
     def _push(
         self,
@@ -236,10 +251,13 @@ class ParameterClient:
                 else list(base_version)
             )
         )
-        parts = self.plan.split(arrays)
+        partial = set(arrays) != {p.name for p in self.plan.params}
+        parts = self.plan.split(arrays, partial=partial)
         payloads = [Payload.raw({}) for _ in parts]
 
         def first(i: int, shard: ShardClient) -> PushResult:
+            if partial and not parts[i]:  # holds none of them: nothing sent, nothing changed
+                return PushResult(True, self.versions[i], sent=False)
             payloads[i] = self._payload(parts[i])  # encoded side by side, in the pool
             return self._send(i, payloads[i], bases[i], lr_scale)
 
@@ -303,9 +321,17 @@ class ParameterClient:
         """The shard that holds piece ``key`` as last heard (None: no such piece)."""
         return self._where.get(key)
 
-    def _lacks_pieces(self, results: Sequence[tuple[int, Mapping[str, np.ndarray]]]) -> bool:
-        """Whether a pull's answers lack a piece the plan places on their shard."""
-        return any(piece.key not in results[piece.shard][1] for piece in self.plan.pieces)
+    def _lacks_pieces(
+        self,
+        results: Sequence[tuple[int, Mapping[str, np.ndarray]] | None],
+        names: Collection[str] | None = None,
+    ) -> bool:
+        """Whether a pull's answers lack a piece of ``names`` (None: any) the plan places on
+        their shard (a shard not asked answered None)."""
+        return any(
+            (answer := results[piece.shard]) is None or piece.key not in answer[1]
+            for piece in self.plan.some(names)
+        )
 
     def _follow_moves(self, infos: Sequence[pb.InfoResponse]) -> None:
         """Learn from every shard's ``moved`` where the pieces are (see :func:`moves.follow`)."""
@@ -355,17 +381,24 @@ class ParameterClient:
         wait_seconds: float | None = None,
         record: bool = True,
         into: Mapping[str, np.ndarray] | None = None,
+        names: Collection[str] | None = None,
     ) -> tuple[int, dict[str, np.ndarray]]:
         """Named full arrays once each shard reaches its ``min_version``: (min version, arrays).
 
         ``record`` keeps the shards' versions as the base of the next push (off for a look that
         must not disturb the worker's own bookkeeping, such as a mid-run evaluation). ``into``:
         write the values into these arrays (every parameter, its shape and dtype; e.g. numpy
-        views of a model's parameters) and return them, saving a copy.
+        views of a model's parameters) and return them, saving a copy. ``names``: only these
+        parameters, from the shards that hold a piece of them (the version is the least of
+        theirs; the others' recorded versions stay).
         """
         with self._lock:
             return self._pull(
-                min_version=min_version, wait_seconds=wait_seconds, record=record, into=into
+                min_version=min_version,
+                wait_seconds=wait_seconds,
+                record=record,
+                into=into,
+                names=names,
             )
 
     def push(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -151,10 +151,25 @@ class PartitionPlan:
     def shard_pieces(self, shard: int) -> list[Piece]:
         return [piece for piece in self.pieces if piece.shard == shard]
 
-    def split(self, arrays: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-        """Named full arrays -> one dict of piece arrays per shard (views where possible)."""
+    def some(self, names: Collection[str] | None) -> list[Piece]:
+        """The pieces of the parameters ``names`` (every piece for None); ValueError for a name
+        that is no parameter."""
+        if names is None:
+            return self.pieces
+        wanted = set(names)
+        unknown = wanted - {p.name for p in self.params}
+        if unknown:
+            raise ValueError(f"no parameter named {sorted(unknown)[0]!r} in the plan")
+        return [piece for piece in self.pieces if piece.param.name in wanted]
+
+    def split(
+        self, arrays: Mapping[str, np.ndarray], *, partial: bool = False
+    ) -> list[dict[str, np.ndarray]]:
+        """Named full arrays -> one dict of piece arrays per shard (views where possible).
+        ``partial``: ``arrays`` may hold some parameters only (a shard none of whose pieces
+        are among them gets an empty dict)."""
         out: list[dict[str, np.ndarray]] = [{} for _ in range(self.num_shards)]
-        for piece in self.pieces:
+        for piece in self.some(list(arrays) if partial else None):
             array = arrays[piece.param.name]
             if tuple(array.shape) != piece.param.shape:
                 raise ValueError(
@@ -166,31 +181,37 @@ class PartitionPlan:
         return out
 
     def join_into(
-        self, shards: Sequence[Mapping[str, np.ndarray]], out: Mapping[str, np.ndarray]
+        self,
+        shards: Sequence[Mapping[str, np.ndarray]],
+        out: Mapping[str, np.ndarray],
+        names: Collection[str] | None = None,
     ) -> dict[str, np.ndarray]:
-        """Per-shard piece arrays written into ``out`` (every parameter, of its shape)."""
-        for p in self.params:
+        """Per-shard piece arrays written into ``out`` (every parameter, of its shape);
+        ``names``: only those parameters."""
+        params = [p for p in self.params if names is None or p.name in names]
+        for p in params:
             have = out[p.name]
             if tuple(have.shape) != p.shape or not have.flags.c_contiguous:
                 raise ValueError(
                     f"{p.name}: need a contiguous array of shape {p.shape}, got {tuple(have.shape)}"
                 )
-        for piece in self.pieces:
+        for piece in self.some(names):
             target = out[piece.param.name]
             source = shards[piece.shard][piece.key]
             if piece.whole:
                 np.copyto(target, source.reshape(target.shape))
             else:
                 target.reshape(-1)[piece.start : piece.stop] = source.reshape(-1)
-        return {p.name: out[p.name] for p in self.params}
+        return {p.name: out[p.name] for p in params}
 
-    def join(self, shards: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """Per-shard piece arrays -> named full arrays."""
-        out: dict[str, np.ndarray] = {}
-        for p in self.params:
-            out[p.name] = np.empty(p.numel, dtype=p.dtype)
-        for piece in self.pieces:
+    def join(
+        self, shards: Sequence[Mapping[str, np.ndarray]], names: Collection[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Per-shard piece arrays -> named full arrays (``names``: only those parameters)."""
+        params = [p for p in self.params if names is None or p.name in names]
+        out = {p.name: np.empty(p.numel, dtype=p.dtype) for p in params}
+        for piece in self.some(names):
             out[piece.param.name][piece.start : piece.stop] = shards[piece.shard][
                 piece.key
             ].reshape(-1)
-        return {p.name: out[p.name].reshape(p.shape) for p in self.params}
+        return {p.name: out[p.name].reshape(p.shape) for p in params}

@@ -497,11 +497,12 @@ class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
     ) -> Iterator[pb.PullResponse]:
         shard, wait = self._check_pull(request, context)
         encoding = checks.pull_encoding(request.encoding, context)
+        keys = checks.pull_keys(request.keys, context)
         waited = self._await_version(shard, wait, request, context)
         # A locked rule's values are copied under its lock (one version); an unlocked rule's
         # are streamed as they are, each chunk copied (or encoded) as it goes, as its readers
         # expect.
-        version, values = shard.snapshot() if shard.rule.locked else shard.live()
+        version, values = shard.snapshot(keys) if shard.rule.locked else shard.live(keys)
         specs, arrays = encode_pull(values, encoding)
         shard.load.pulled({spec.key: a.nbytes for spec, a in zip(specs, arrays, strict=True)})
         header = pb.PullHeader(

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -145,18 +145,26 @@ class Shard:
             self.closing = True
             self.cond.notify_all()
 
-    def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
-        """A copy of the pieces and the version they belong to (consistent under locked rules)."""
+    def snapshot(self, keys: Iterable[str] | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """A copy of the pieces (``keys``: those of them the shard holds) and the version they
+        belong to (consistent under locked rules)."""
         if self.rule.locked:
             with self.cond:
-                return self.version, {k: v.copy() for k, v in self.values.items()}
+                return self.version, {k: v.copy() for k, v in self._some(keys).items()}
         version = self.version
-        return version, {k: v.copy() for k, v in self.values.items()}
+        return version, {k: v.copy() for k, v in self._some(keys).items()}
 
-    def live(self) -> tuple[int, dict[str, np.ndarray]]:
-        """The version and the pieces themselves, not copies (for an unlocked rule, whose
-        readers see updates as they land anyway): read them at once, never write them."""
-        return self.version, self.values
+    def live(self, keys: Iterable[str] | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """The version and the pieces themselves (``keys``: those of them the shard holds), not
+        copies (for an unlocked rule, whose readers see updates as they land anyway): read them
+        at once, never write them."""
+        return self.version, self._some(keys)
+
+    def _some(self, keys: Iterable[str] | None) -> dict[str, np.ndarray]:
+        """The pieces named in ``keys`` that the shard holds (all of them for None)."""
+        if keys is None:
+            return self.values
+        return {k: self.values[k] for k in keys if k in self.values}
 
     def snapshot_into(self, out: Mapping[str, np.ndarray]) -> int:
         """Copy the pieces into ``out`` (arrays of the same keys, dtypes and shapes, such as a

@@ -264,6 +264,12 @@ class SharedPlane:
         """A PullShared: its answer, and (tensor socket) the values to send after it."""
         shard, wait = self._check_pull(request, context)
         encoding = checks.pull_encoding(request.encoding, context)
+        if request.keys:
+            abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "PullShared answers the whole shard; send a pull of some keys over the stream",
+            )
         entry = self._own_entry(request.segment, request.header, context, via)
         waited = self._await_version(shard, wait, request, context)
         arrays: list[np.ndarray] = []

@@ -10,7 +10,7 @@ import itertools
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, TypeVar
 
@@ -120,10 +120,12 @@ class WorkerContext:
             )
         return out
 
-    def load(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Overwrite the replica's parameters."""
+    def load(self, arrays: Mapping[str, np.ndarray], *, partial: bool = False) -> None:
+        """Overwrite the replica's parameters (``partial``: those in ``arrays``)."""
         with torch.no_grad():
             for name, p in self.params.items():
+                if partial and name not in arrays:
+                    continue
                 p.copy_(torch.from_numpy(np.asarray(arrays[name])).to(p.device))
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -203,31 +205,34 @@ class WorkerContext:
         return list(self.ps.versions)
 
     def pull_arrays(
-        self, *, min_version: int | Sequence[int] = 0
+        self, *, min_version: int | Sequence[int] = 0, names: Collection[str] | None = None
     ) -> tuple[int, dict[str, np.ndarray]]:
-        """The servers' parameters (not loaded into the replica): (version, arrays)."""
+        """The servers' parameters (not loaded into the replica): (version, arrays);
+        ``names``: only those parameters, from the shards that hold them."""
         if self.faults is not None:
             self.faults.wait_partition()  # a partitioned worker's pulls retry until it heals
         began = time.perf_counter()
-        version, arrays = self.ps.pull(min_version=min_version)
+        version, arrays = self.ps.pull(min_version=min_version, names=names)
         waited = self.ps.last_waited
         self.clock.add("wait", waited)
         self.clock.add("pull", time.perf_counter() - began - waited)
         self.global_step = max(self.global_step, version)
         return version, arrays
 
-    def pull(self, *, min_version: int | Sequence[int] = 0) -> int:
-        """Load the servers' parameters into the replica; returns their version."""
+    def pull(
+        self, *, min_version: int | Sequence[int] = 0, names: Collection[str] | None = None
+    ) -> int:
+        """Load the servers' parameters (``names``: those) into the replica; their version."""
         views = self._param_views()
         if views is None:
-            version, arrays = self.pull_arrays(min_version=min_version)
-            self.load(arrays)
+            version, arrays = self.pull_arrays(min_version=min_version, names=names)
+            self.load(arrays, partial=names is not None)
             return version
         if self.faults is not None:
             self.faults.wait_partition()
         began = time.perf_counter()
         with torch.no_grad():  # written in place: no autograd graph holds the parameters now
-            version, _ = self.ps.pull(min_version=min_version, into=views)
+            version, _ = self.ps.pull(min_version=min_version, into=views, names=names)
         waited = self.ps.last_waited
         self.clock.add("wait", waited)
         self.clock.add("pull", time.perf_counter() - began - waited)
@@ -259,7 +264,7 @@ class WorkerContext:
         with self.clock.measure("push"):
             results = self.ps.push(arrays, base_version=bases, lr_scale=self.lr_scale)
         for base, result in zip(self._per_shard(bases), results, strict=True):
-            if result.accepted:  # the push made version result.version (or joined its step)
+            if result.accepted and result.sent:  # it made result.version (or joined its step)
                 self.applied_pushes += 1
                 gap = max(0, result.version - 1 - base)
                 self.staleness_sum += gap

@@ -71,6 +71,9 @@ class PushResult:
     reject: PushReject = PushReject.NONE
     moved: Mapping[str, int] = field(default_factory=dict)
     """(MOVED) piece key -> the shard that holds it now."""
+    sent: bool = True
+    """False for a shard a push of some parameters had nothing for (nothing sent, nothing
+    changed; ``accepted`` True, ``version`` the one last seen)."""
 
 
 class ShardClient:
@@ -235,9 +238,16 @@ class ShardClient:
         )
 
     def pull(
-        self, *, min_version: int = 0, wait_seconds: float | None = None
+        self,
+        *,
+        min_version: int = 0,
+        wait_seconds: float | None = None,
+        keys: Sequence[str] = (),
     ) -> tuple[int, dict[str, np.ndarray]]:
         """The shard's pieces once its version is at least ``min_version``: (version, arrays).
+
+        ``keys``: only those pieces (the ones the shard still holds), over the stream (a
+        shared-memory segment or tensor socket carries whole shards); empty for every piece.
 
         Through shared memory the arrays are views of the segment, valid until this client's
         next call: copy what you keep.
@@ -251,7 +261,7 @@ class ShardClient:
             raise ValueError(f"wait_seconds must be 0 or more, got {wait}")
         wait = min(wait, MAX_WAIT_SECONDS)
         self._wait_link()
-        attached = self._attacher.carrier()
+        attached = None if keys else self._attacher.carrier()
         if attached is not None:
             try:
                 pulled = self._pull_by(attached, min_version, wait)
@@ -261,11 +271,11 @@ class ShardClient:
                 self._attacher.succeeded()
                 return pulled
         return self._call(
-            "Pull", lambda: self._pull_by(self._stream, min_version, wait), delayed=True
+            "Pull", lambda: self._pull_by(self._stream, min_version, wait, keys), delayed=True
         )
 
     def _pull_by(
-        self, carrier: Carrier, min_version: int, wait: float
+        self, carrier: Carrier, min_version: int, wait: float, keys: Sequence[str] = ()
     ) -> tuple[int, dict[str, np.ndarray]]:
         """One pull through ``carrier``: (version, arrays)."""
         began = time.monotonic()
@@ -280,6 +290,7 @@ class ShardClient:
                 if self.link.pull_decoding is None
                 else self.link.pull_decoding.requested
             ),
+            keys=list(keys),
         )
         reply, arrays = carrier.pull(request, wait)
         self.last_pull_nbytes = sum(self.link.pull_nbytes(spec) for spec in reply.tensors)

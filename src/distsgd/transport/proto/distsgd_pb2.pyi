@@ -194,20 +194,22 @@ class RegisterResponse(_message.Message):
     def __init__(self, created: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("header", "min_version", "wait_seconds", "server_incarnation", "segment", "encoding")
+    __slots__ = ("header", "min_version", "wait_seconds", "server_incarnation", "segment", "encoding", "keys")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     min_version: int
     wait_seconds: float
     server_incarnation: int
     segment: int
     encoding: TensorEncoding
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., min_version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., server_incarnation: _Optional[int] = ..., segment: _Optional[int] = ..., encoding: _Optional[_Union[TensorEncoding, str]] = ...) -> None: ...
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., min_version: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., server_incarnation: _Optional[int] = ..., segment: _Optional[int] = ..., encoding: _Optional[_Union[TensorEncoding, str]] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("version", "tensors", "server_incarnation", "waited_seconds", "in_segment")
