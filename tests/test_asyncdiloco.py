@@ -3,6 +3,7 @@ estimate, and two workers in a forced order against a single-process replay."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,37 @@ def test_the_rules_state_survives_a_checkpoint() -> None:
     _assert_close(second.values, first.values)
 
 
+def test_each_piece_counts_the_arrivals_that_carried_it() -> None:
+    """Fragments: pushes of w alone and b alone, interleaved, on period 2: each piece takes
+    its momentum step on every second push of its own, as if it were pushed alone."""
+    options = {"outer_lr": 0.7, "outer_momentum": 0.5, "nesterov_period": 2}
+    shard = _shard("asyncdiloco", options, 2)
+    grads = _grads(6)
+    keys = ["w#0", "b#0", "b#0", "w#0", "w#0", "b#0"]
+    for i, (g, key) in enumerate(zip(grads, keys, strict=True)):
+        assert _push(shard, {key: g[key]}, worker=i % 2, base=i)[0].accepted
+    for key in ("w#0", "b#0"):
+        alone = [
+            ({k: v for k, v in g.items()}, 1.0)
+            for g, k in zip(grads, keys, strict=True)
+            if k == key
+        ]
+        expected = _delayed_nesterov(alone, 0.7, 0.5, 2)[key]
+        np.testing.assert_allclose(shard.values[key], expected, rtol=0, atol=1e-6, err_msg=key)
+    assert isinstance(shard.rule, DelayedNesterovServer)
+    assert shard.rule.arrivals == {"w#0": 3, "b#0": 3}
+
+
+def test_a_checkpoint_from_before_fragments_counts_every_piece_alike() -> None:
+    rule = DelayedNesterovServer({"outer_lr": 0.7}, 2)
+    zeros = {k: np.zeros_like(v) for k, v in _w0().items()}
+    rule.load_state_dict({"arrivals": 5, **{f"buffered/{k}": v for k, v in zeros.items()}})
+    assert rule.arrivals == {"w#0": 5, "b#0": 5}
+    again = DelayedNesterovServer({"outer_lr": 0.7}, 2)
+    again.load_state_dict(rule.state_dict())
+    assert again.arrivals == rule.arrivals
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
@@ -112,6 +144,10 @@ def test_the_rules_state_survives_a_checkpoint() -> None:
         ({"nesterov_period": -1}, "nesterov_period"),
         ({"staleness": "linear"}, "staleness"),
         ({"inner_lr": 0.0}, "inner_lr"),
+        ({"inner_steps": 4, "fragments": 5}, "fragments must be between 1 and inner_steps"),
+        ({"fragments": 0}, "fragments must be between 1"),
+        ({"fragments": 2, "dylu": True}, "drop --dylu or use --fragments 1"),
+        ({"fragments": 2, "staleness": "inverse"}, "use --staleness none with --fragments"),
     ],
 )
 def test_options_are_checked(options: dict, match: str) -> None:
@@ -167,9 +203,11 @@ def test_dylu_never_goes_below_an_eighth_of_h() -> None:
 
 def _reference(model, data, config: TrainConfig, *, world: int, h: int, o: AsyncDilocoOptions):
     """Workers taking steps in turns (``_Turns``): AdamW inside, a push every h steps (and the
-    remainder at the end), the servers' DN update on each arrival. ``o.overlap`` (one worker
-    only: the background exchange's order is then fixed): a round starts from the parameters
-    pulled one round earlier plus the progress made since that pull was sent."""
+    remainder at the end), the servers' DN update on each arrival. ``o.fragments`` P: the
+    tensors in P runs, run p pushed and pulled alone every h steps from step p * h / P on.
+    ``o.overlap`` (one worker only: the background exchange's order is then fixed): a round
+    starts from the parameters pulled one round earlier plus the progress made since that
+    pull was sent."""
     reps = _Replicas(model, data, world, config)
     inner = [
         torch.optim.AdamW(m.parameters(), lr=o.inner_lr, weight_decay=o.weight_decay)
@@ -177,65 +215,87 @@ def _reference(model, data, config: TrainConfig, *, world: int, h: int, o: Async
     ]
     center = _numpy(reps.get(0))
     server = _ReferenceServer(center, o, o.nesterov_period or world)
+    names = list(center)
+    parts = [
+        [n for i, n in enumerate(names) if i * o.fragments // len(names) == p]
+        for p in range(o.fragments)
+    ]
     starts = [dict(center) for _ in range(world)]
-    pending = [0] * world
-    travelling: dict[int, dict[str, np.ndarray]] = {}  # (overlap) rank -> its pull's result
+    pending = [[0] * len(parts) for _ in range(world)]
+    lead = [[(h - p * h // len(parts)) % h for p in range(len(parts))] for _ in range(world)]
+    travelling: dict[tuple[int, int], dict[str, np.ndarray]] = {}  # (overlap) its pull
 
-    def exchange(r: int, *, last: bool = False) -> None:
-        now = _numpy(reps.get(r))
-        if pending[r]:
-            server.arrive({k: starts[r][k] - now[k] for k in center})
-        landed = travelling.pop(r, None)
+    def exchange(r: int, p: int, *, last: bool = False) -> None:
+        now = {k: v for k, v in _numpy(reps.get(r)).items() if k in parts[p]}
+        if pending[r][p]:
+            server.arrive({k: starts[r][k] - now[k] for k in now})
+        landed = travelling.pop((r, p), None)
         if landed is not None:  # overlap: the last round's pull, plus this round's progress
             keep = 0.0 if last else 1.0
             now = {k: landed[k] + keep * (now[k] - starts[r][k]) for k in landed}
         if o.overlap and not last:
-            travelling[r] = {k: v.copy() for k, v in center.items()}
+            travelling[r, p] = {k: center[k].copy() for k in now}
         else:
-            now = {k: v.copy() for k, v in center.items()}
-        reps.set(r, {k: torch.tensor(v) for k, v in now.items()})
-        starts[r], pending[r] = {k: v.copy() for k, v in now.items()}, 0
+            now = {k: center[k].copy() for k in now}
+        reps.set(r, {k: torch.tensor(v) for k, v in {**_numpy(reps.get(r)), **now}.items()})
+        starts[r] = {**starts[r], **{k: v.copy() for k, v in now.items()}}
+        pending[r][p] = lead[r][p] = 0
 
     for _ in range(config.steps):
         for r in range(world):
             reps.backward(r)
             inner[r].step()
-            pending[r] += 1
-            if pending[r] == h:
-                exchange(r)
+            for p in range(len(parts)):
+                pending[r][p] += 1
+                if pending[r][p] + lead[r][p] == h:
+                    exchange(r, p)
     for r in range(world):
-        exchange(r, last=True)
+        for p in range(len(parts)):
+            if pending[r][p]:
+                exchange(r, p)
+        for p in range(len(parts)):
+            exchange(r, p, last=True)
     return center
 
 
 class _ReferenceServer:
-    """The DN update of the module docstring, on the reference's ``center`` in place."""
+    """The DN update of the module docstring, on the reference's ``center`` in place; each
+    tensor counts the arrivals that carried it."""
 
     def __init__(self, center: dict[str, np.ndarray], o: AsyncDilocoOptions, period: int):
-        self.center, self.o, self.period, self.arrivals = center, o, period, 0
+        self.center, self.o, self.period = center, o, period
+        self.arrivals = dict.fromkeys(center, 0)
         self.momentum = {k: np.zeros_like(v) for k, v in center.items()}
         self.acc = {k: np.zeros_like(v) for k, v in center.items()}
 
     def arrive(self, g: dict[str, np.ndarray]) -> None:
         o, period, center = self.o, self.period, self.center
-        self.arrivals += 1
-        for k in center:
+        for k in g:
+            self.arrivals[k] += 1
             self.acc[k] = self.acc[k] + g[k]
-            if self.arrivals % period == 0:
+            if self.arrivals[k] % period == 0:
                 self.momentum[k] = o.outer_momentum * self.momentum[k] + self.acc[k] / period
                 center[k] = center[k] - o.outer_lr * o.outer_momentum * self.momentum[k]
                 self.acc[k] = np.zeros_like(self.acc[k])
             center[k] = center[k] - o.outer_lr * g[k] / period
 
 
-def test_two_workers_in_a_forced_order_equal_the_replay(ps_server) -> None:  # noqa: F811
+@pytest.mark.parametrize(("fragments", "pushes"), [(1, 3), (2, 6)])
+def test_two_workers_in_a_forced_order_equal_the_replay(
+    ps_server,  # noqa: F811
+    fragments: int,
+    pushes: int,
+) -> None:
+    """Per worker, over 5 steps in rounds of 2: the whole model after steps 2 and 4, then the
+    remainder of 1 (3 pushes); or (2 fragments) the weight after 2, 4 and its remainder, the
+    bias after 1, 3 and 5 (6 pushes)."""
     address, _ = ps_server
     config = TrainConfig(lr_rule=RATE_AS_GIVEN, batch_size=4, steps=5, lr=0.1, log_every=1)
     options = schemes.get("asyncdiloco").options(
-        inner_steps=2, inner_lr=0.01, outer_lr=0.7, outer_momentum=0.5
+        inner_steps=2, inner_lr=0.01, outer_lr=0.7, outer_momentum=0.5, fragments=fragments
     )
     model, data, (version, server) = _run_in_turns(address, "asyncdiloco", options, config, 2)
-    assert version == 2 * 3  # per worker: rounds of 2, 2, then the remainder of 1
+    assert version == 2 * pushes
     expected = _reference(model, data, config, world=2, h=2, o=options)
     for key in expected:
         np.testing.assert_allclose(server[key], expected[key], rtol=1e-5, atol=1e-5)
@@ -249,18 +309,34 @@ def test_two_workers_in_a_forced_order_equal_the_replay(ps_server) -> None:  # n
         o=AsyncDilocoOptions(**{**vars(options), "nesterov_period": 1}),
     )
     assert any(not np.allclose(server[k], other[k], atol=1e-4) for k in other)
+    # ...and so do the fragments.
+    unlike = AsyncDilocoOptions(**{**vars(options), "fragments": 3 - fragments})
+    other = _reference(model, data, config, world=2, h=2, o=unlike)
+    assert any(not np.allclose(server[k], other[k], atol=1e-4) for k in other)
 
 
-def test_overlap_lands_each_pull_a_round_late_as_the_replay(ps_server) -> None:  # noqa: F811
-    """One worker (the background exchange's order is then fixed), rounds of 2 over 7 steps:
-    the servers' parameters equal the replay's at 1e-5, and differ from the blocking form."""
+@pytest.mark.parametrize(("fragments", "pushes"), [(1, 4), (2, 8)])
+def test_overlap_lands_each_pull_a_round_late_as_the_replay(
+    ps_server,  # noqa: F811
+    fragments: int,
+    pushes: int,
+) -> None:
+    """One worker (the background exchange's order is then fixed; fragments touch disjoint
+    tensors), rounds of 2 over 7 steps: the servers' parameters equal the replay's at 1e-5,
+    and differ from the blocking form. Pushes: rounds of 2, 2, 2, then the remainder of 1; or
+    (2 fragments) the weight's 4 so, and the bias's after 1, 3, 5 and 7."""
     address, _ = ps_server
     config = TrainConfig(lr_rule=RATE_AS_GIVEN, batch_size=4, steps=7, lr=0.1, log_every=1)
     options = schemes.get("asyncdiloco").options(
-        inner_steps=2, inner_lr=0.01, outer_lr=0.7, outer_momentum=0.5, overlap=True
+        inner_steps=2,
+        inner_lr=0.01,
+        outer_lr=0.7,
+        outer_momentum=0.5,
+        overlap=True,
+        fragments=fragments,
     )
     model, data, (version, server) = _run_in_turns(address, "asyncdiloco", options, config, 1)
-    assert version == 4  # rounds of 2, 2, 2, then the remainder of 1
+    assert version == pushes
     expected = _reference(model, data, config, world=1, h=2, o=options)
     for key in expected:
         np.testing.assert_allclose(server[key], expected[key], rtol=1e-5, atol=1e-5)
@@ -289,3 +365,21 @@ def test_the_demo_with_two_slow_workers_learns_and_dylu_shortens_their_rounds(
     # slow pair well below it
     assert min(last["worker0"], last["worker1"]) > max(last["worker2"], last["worker3"]), last
     assert last["worker2"] < 10 and last["worker3"] < 10, last
+
+
+@pytest.mark.slow  # about 12 s
+def test_the_demo_with_fragments_on_two_servers_learns_and_pulls_one_fragment_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """4 fragments over 2 servers: >= 0.95; each exchange pulls only its fragment, so a
+    worker receives about what it sends (whole-model pulls would bring in about 4x)."""
+    run_dir = tmp_path / "run"
+    done = run_distsgd(
+        [
+            *("demo", "--scheme", "asyncdiloco", "--workers", "4", "--ps", "2"),
+            *("--fragments", "4", "--quiet", "--run-dir", str(run_dir)),
+        ]
+    )
+    assert final_accuracy(done) >= 0.95
+    result = json.loads((run_dir / "result.json").read_text())
+    assert 0.8 < result["bytes_received"] / result["bytes_sent"] < 1.5, result

@@ -48,6 +48,24 @@ workers' noise would walk every H_i down. A fast worker finds (n - 1) * S / G ab
 at H; a worker 3x slower than the others converges on H / 3. It matches the others' mean rate
 rather than the fastest, which is the same once every slow worker has adjusted.
 
+Streaming (``fragments = P > 1``, Douillard et al., arXiv:2501.18512, over the servers): the
+tensors are cut into P runs of consecutive tensors (as :mod:`~distsgd.schemes.diloco` cuts
+them) and fragment p is pushed and pulled alone, every H steps from step p * H / P on::
+
+    at each step t where (t - p * H / P) % H == 0:
+        push(g_p = start_p - theta_i,p);  theta_i,p <- pull(p);  start_p <- theta_i,p
+
+so one fragment travels at a time: the bytes per round are the model's, the peak per
+exchange 1/P of it. The servers count arrivals per piece (each fragment's pieces see one
+push per worker per H steps, as the whole model does with P = 1), so N keeps its meaning.
+Fragments come without DyLU and staleness weights (both read a shard's version, which every
+fragment's push moves; refused with a message).
+
+Overlap (``overlap``): a round's exchange (each fragment's, with fragments) runs in the
+background while the next round's inner steps run, and lands as the next one starts: the
+replica takes the pulled values plus the steps it took since the push was sent. One outer step
+of delay, as Streaming DiLoCo's tau = H.
+
 The inner AdamW keeps its state across rounds (DiLoCo does the same); the chief evaluates the
 servers' parameters. A remainder round shorter than H_i is pushed when the worker finishes.
 """
@@ -57,6 +75,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +96,7 @@ from distsgd.ps.rules import (
 from distsgd.ps.shard import Shard
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
+from distsgd.schemes.diloco import fragment_of
 from distsgd.schemes.registry import SchemeSpec
 from distsgd.transport.client import PushResult
 
@@ -121,9 +141,32 @@ class AsyncDilocoOptions:
         },
     )
 
+    fragments: int = field(
+        default=1,
+        metadata={
+            "help": "P: Streaming DiLoCo's staggered fragments, each pushed and pulled every "
+            "H inner steps at its own offset (1 = the whole model at once)"
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
             raise ValueError(f"inner_steps must be at least 1, got {self.inner_steps}")
+        if not 1 <= self.fragments <= self.inner_steps:
+            raise ValueError(
+                f"fragments must be between 1 and inner_steps ({self.inner_steps}), "
+                f"got {self.fragments}"
+            )
+        if self.fragments > 1 and self.dylu:
+            raise ValueError(
+                "dylu measures a round by whole-model pushes and cannot pace fragments; "
+                "drop --dylu or use --fragments 1"
+            )
+        if self.fragments > 1 and self.staleness != "none":
+            raise ValueError(
+                "staleness weights count a shard's arrivals, which fragments multiply; "
+                "use --staleness none with --fragments"
+            )
         for name in ("inner_lr", "outer_lr"):
             if not 0 < getattr(self, name) <= MAX_RATE:
                 raise ValueError(f"{name} must be in (0, {MAX_RATE:g}], got {getattr(self, name)}")
@@ -167,7 +210,8 @@ class DelayedNesterovServer(UpdateRule):
         self.options = DelayedNesterovOptions.from_json(options)
         self.momentum: dict[str, np.ndarray] = {}
         self.buffered: dict[str, np.ndarray] = {}
-        self.arrivals = 0
+        self.arrivals: dict[str, int] = {}
+        """Pushes that carried each piece (fragments carry some pieces only)."""
 
     def period(self, shard: Shard) -> int:
         return self.options.nesterov_period or self.workers(shard)
@@ -183,9 +227,9 @@ class DelayedNesterovServer(UpdateRule):
         o, period = self.options, self.period(shard)
         rate = o.outer_lr  # constant, as DiLoCo's outer step (the schedule scales inner_lr)
         weight = self.weight(shard, meta)
-        self.arrivals += 1
-        momentum_step = self.arrivals % period == 0
         for key, g in payload.items():
+            arrivals = self.arrivals[key] = self.arrivals.get(key, 0) + 1
+            momentum_step = arrivals % period == 0
             values = shard.values[key]
             acc = self.buffered.get(key)
             if acc is None:
@@ -204,19 +248,25 @@ class DelayedNesterovServer(UpdateRule):
         return ACCEPTED
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"arrivals": self.arrivals}
+        out: dict[str, Any] = {f"arrivals/{k}": v for k, v in self.arrivals.items()}
         out.update({f"momentum/{k}": v for k, v in self.momentum.items()})
         out.update({f"buffered/{k}": v for k, v in self.buffered.items()})
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.arrivals = int(state.get("arrivals", 0))
         for name, target in (("momentum", self.momentum), ("buffered", self.buffered)):
             target.clear()
             prefix = f"{name}/"
             for key, value in state.items():
                 if key.startswith(prefix):
                     target[key[len(prefix) :]] = np.array(value, dtype=np.float32, copy=True)
+        self.arrivals = {
+            key[len("arrivals/") :]: int(value)
+            for key, value in state.items()
+            if key.startswith("arrivals/")
+        }
+        if "arrivals" in state:  # written before fragments: one count for every piece
+            self.arrivals = dict.fromkeys(self.buffered, int(state["arrivals"]))
 
 
 @dataclass
@@ -246,6 +296,13 @@ class Pace:
         return wanted
 
 
+Inflight = tuple[
+    Future[tuple[list[PushResult], dict[str, np.ndarray]]], dict[str, np.ndarray], list[int], int
+]
+"""(overlap) A fragment's background exchange: (its future, the fragment's values when it was
+sent, the shard versions its push was based on, the inner steps it carries)."""
+
+
 class AsyncDilocoWorker(WorkerScheme):
     lr_rule = "none"
     """``--lr`` is not its rate: the inner AdamW's is ``inner_lr``, the servers' ``outer_lr``."""
@@ -253,10 +310,11 @@ class AsyncDilocoWorker(WorkerScheme):
 
     def __init__(self, options: AsyncDilocoOptions, num_workers: int) -> None:
         self.options = options
-        self.pending = 0
         self.round_steps = options.inner_steps
         self.pace: dict[str, Any] = {"steps": 0.0, "arrivals": 0.0, "rounds": 0}
         """:class:`Pace` as plain values (a checkpoint holds no objects)."""
+        self.inflight: dict[int, Inflight] = {}
+        """(overlap) Fragment -> its exchange running in the background."""
 
     def server_options(self, config: TrainConfig) -> dict[str, Any]:
         o = self.options
@@ -272,55 +330,80 @@ class AsyncDilocoWorker(WorkerScheme):
         self.inner = ctx.make_optimizer("adamw", lr=o.inner_lr, weight_decay=o.weight_decay)
         ctx.pull()
         self.round_start = ctx.arrays()
+        names = list(self.round_start)
+        count = min(o.fragments, len(names))
+        owner = fragment_of(len(names), count)
+        self.parts = [
+            [n for n, q in zip(names, owner, strict=True) if q == p] for p in range(count)
+        ]
+        """Each fragment's parameter names (one fragment: the whole model)."""
+        self.pending = [0] * count
+        """Inner steps since each fragment's last exchange."""
+        self.lead = [
+            (o.inner_steps - p * o.inner_steps // count) % o.inner_steps for p in range(count)
+        ]
+        """Steps each fragment's first round counts as taken: fragment p first travels after
+        p * H / P steps (Streaming DiLoCo's stagger); 0 once it has travelled."""
 
     def after_backward(self, ctx: WorkerContext) -> None:
         self.inner.step()
-        self.pending += 1
-        if self.pending >= self.round_steps:
-            self.exchange(ctx)
+        for p in range(len(self.pending)):
+            self.pending[p] += 1
+            if self.pending[p] + self.lead[p] >= self.round_steps:
+                self.exchange(ctx, p)
 
     def finish(self, ctx: WorkerContext) -> None:
-        if self.pending:
-            self.exchange(ctx)
-        self._land(ctx, keep_progress=False)
+        for p, steps in enumerate(self.pending):
+            if steps:
+                self.exchange(ctx, p)
+        for p in range(len(self.parts)):
+            self._land(ctx, p, keep_progress=False)
 
-    def exchange(self, ctx: WorkerContext) -> None:
-        """Push the round's pseudo-gradient, pull the servers' parameters, start a new round
-        (overlap: land the previous round's exchange and start this one's in the background)."""
+    def exchange(self, ctx: WorkerContext, part: int = 0) -> None:
+        """Push a fragment's pseudo-gradient, pull its servers' parameters, start its new round
+        (overlap: land its previous exchange and start this one in the background)."""
+        names = self.parts[part]
+        some = names if len(self.parts) > 1 else None  # None: the whole model
         now = ctx.views()
-        pseudo = {k: np.subtract(self.round_start[k], now[k]) for k in now}
-        steps = self.pending
+        pseudo = {k: np.subtract(self.round_start[k], now[k]) for k in names}
+        steps = self.pending[part]
         if self.options.overlap:
-            self._land(ctx, keep_progress=True)
-            bases = ctx.versions  # the landed pull's: no exchange runs now
+            self._land(ctx, part, keep_progress=True)
+            bases = ctx.versions  # the landed pull's: no exchange of this fragment runs now
 
             def exchange() -> tuple[list[PushResult], dict[str, np.ndarray]]:
                 results = ctx.push(pseudo)
-                return results, ctx.pull_arrays()[1]
+                return results, ctx.pull_arrays(names=some)[1]
 
-            self.inflight = (ctx.background(exchange), ctx.arrays(), bases, steps)
+            sent_at = {k: np.array(v) for k, v in ctx.views().items() if k in pseudo}
+            self._inflight()[part] = (ctx.background(exchange), sent_at, bases, steps)
         else:
             bases = ctx.versions
             results = ctx.push(pseudo)
-            ctx.pull()
+            ctx.pull(names=some)
             self._pace(ctx, results, bases, steps)
-        for k, values in ctx.views().items():
-            np.copyto(self.round_start[k], values)
-        self.pending = 0
+        now = ctx.views()
+        for k in names:
+            np.copyto(self.round_start[k], now[k])
+        self.pending[part] = self.lead[part] = 0
 
-    def _land(self, ctx: WorkerContext, *, keep_progress: bool) -> None:
-        """(overlap) Take the parameters the background exchange pulled, plus the progress made
-        since it was sent (``keep_progress``: the round that is being pushed now), or exactly
-        them (at the end)."""
-        inflight = self.__dict__.pop("inflight", None)
+    def _inflight(self) -> dict[int, Inflight]:
+        """(overlap) the exchanges running now (none after a restart: they are not state)."""
+        return self.__dict__.setdefault("inflight", {})
+
+    def _land(self, ctx: WorkerContext, part: int, *, keep_progress: bool) -> None:
+        """(overlap) Take the fragment's parameters its background exchange pulled, plus the
+        progress made since it was sent (``keep_progress``: the round that is being pushed
+        now), or exactly them (at the end)."""
+        inflight = self._inflight().pop(part, None)
         if inflight is None:
             return
         future, sent_at, bases, steps = inflight
         results, pulled = ctx.wait_for(future)
         if keep_progress:
             now = ctx.views()
-            pulled = {k: pulled[k] + (now[k] - sent_at[k]) for k in pulled}
-        ctx.load(pulled)
+            pulled = {k: pulled[k] + (now[k] - sent_at[k]) for k in sent_at}
+        ctx.load(pulled, partial=True)
         self._pace(ctx, results, bases, steps)
 
     def _pace(
@@ -337,6 +420,11 @@ class AsyncDilocoWorker(WorkerScheme):
             self.round_steps, self.options.inner_steps, ctx.live_workers - 1
         )
         self.pace = dataclasses.asdict(pace)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if isinstance(self.pending, int):  # a checkpoint written before fragments
+            self.pending = [self.pending]
 
     def stats(self) -> dict[str, float]:
         return {"inner_steps": float(self.round_steps)}
