@@ -320,12 +320,15 @@ class _FakeServers:
         self.bytes_received = 0
         self.last_waited = 0.0
 
-    def pull(self, *, min_version: Any = 0, into: Any = None) -> tuple[int, dict[str, np.ndarray]]:
+    def pull(
+        self, *, min_version: Any = 0, into: Any = None, names: Any = None
+    ) -> tuple[int, dict[str, np.ndarray]]:
+        wanted = {k: v for k, v in self.arrays.items() if names is None or k in names}
         if into is not None:
-            for k, v in self.arrays.items():
+            for k, v in wanted.items():
                 np.copyto(into[k], v)
-            return 0, into
-        return 0, {k: v.copy() for k, v in self.arrays.items()}
+            return 0, {k: into[k] for k in wanted}
+        return 0, {k: v.copy() for k, v in wanted.items()}
 
     def push(self, arrays: Any, *, base_version: Any, lr_scale: float) -> list[PushResult]:
         return [PushResult(True, 1)]
