@@ -207,18 +207,24 @@ class ParameterClient:
             [min_version] * len(self.shards) if isinstance(min_version, int) else list(min_version)
         )
 
-        def one(i: int, shard: ShardClient) -> tuple[int, dict[str, np.ndarray]] | None:
-            if names is None:
-                return shard.pull(min_version=mins[i], wait_seconds=wait_seconds)
-            keys = [p.key for p in self.plan.some(names) if p.shard == i]
-            if not keys:
-                return None  # holds none of them: not asked
-            return shard.pull(min_version=mins[i], wait_seconds=wait_seconds, keys=keys)
+        def attempt() -> list[tuple[int, dict[str, np.ndarray]] | None]:
+            keys: list[list[str]] = [[] for _ in self.shards]
+            for piece in self.plan.some(names):  # where they are now
+                keys[piece.shard].append(piece.key)
 
-        results = self._each(one)
+            def one(i: int, shard: ShardClient) -> tuple[int, dict[str, np.ndarray]] | None:
+                if names is None:
+                    return shard.pull(min_version=mins[i], wait_seconds=wait_seconds)
+                if not keys[i]:
+                    return None  # holds none of them: not asked
+                return shard.pull(min_version=mins[i], wait_seconds=wait_seconds, keys=keys[i])
+
+            return self._each(one)
+
+        results = attempt()
         if self._lacks_pieces(results, names):  # pieces moved: learn where, and pull again
             self._follow_moves(self.info())
-            results = self._each(one)
+            results = attempt()
         asked = [i for i, result in enumerate(results) if result is not None]
         self.last_waited = max(self.shards[i].last_waited for i in asked)
         if record:
@@ -232,7 +238,7 @@ class ParameterClient:
             if into is None
             else self.plan.join_into(pieces, into, names)
         )
-        return min(results[i][0] for i in asked), joined
+        return min(r[0] for r in results if r is not None), joined
 
     def _push(
         self,
@@ -251,7 +257,7 @@ class ParameterClient:
                 else list(base_version)
             )
         )
-        partial = set(arrays) != {p.name for p in self.plan.params}
+        partial = set(arrays) != self.plan.names
         parts = self.plan.split(arrays, partial=partial)
         payloads = [Payload.raw({}) for _ in parts]
 

@@ -86,6 +86,8 @@ class PartitionPlan:
         if len(set(names)) != len(names):
             raise ValueError("parameter names must be unique")
         self.params = list(params)
+        self.names = frozenset(names)
+        """Every parameter's name."""
         self.num_shards = num_shards
         self.placement = placement
         if placement == "round-robin":
@@ -157,7 +159,7 @@ class PartitionPlan:
         if names is None:
             return self.pieces
         wanted = set(names)
-        unknown = wanted - {p.name for p in self.params}
+        unknown = wanted - self.names
         if unknown:
             raise ValueError(f"no parameter named {sorted(unknown)[0]!r} in the plan")
         return [piece for piece in self.pieces if piece.param.name in wanted]

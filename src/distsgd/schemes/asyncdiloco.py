@@ -314,7 +314,8 @@ class AsyncDilocoWorker(WorkerScheme):
         self.pace: dict[str, Any] = {"steps": 0.0, "arrivals": 0.0, "rounds": 0}
         """:class:`Pace` as plain values (a checkpoint holds no objects)."""
         self.inflight: dict[int, Inflight] = {}
-        """(overlap) Fragment -> its exchange running in the background."""
+        """(overlap) Fragment -> its exchange running in the background (not state: none
+        after a restart)."""
 
     def server_options(self, config: TrainConfig) -> dict[str, Any]:
         o = self.options
@@ -375,8 +376,9 @@ class AsyncDilocoWorker(WorkerScheme):
                 results = ctx.push(pseudo)
                 return results, ctx.pull_arrays(names=some)[1]
 
-            sent_at = {k: np.array(v) for k, v in ctx.views().items() if k in pseudo}
-            self._inflight()[part] = (ctx.background(exchange), sent_at, bases, steps)
+            landed = ctx.views()  # after the land (views are copies off the CPU)
+            sent_at = {k: np.array(landed[k]) for k in names}
+            self.inflight[part] = (ctx.background(exchange), sent_at, bases, steps)
         else:
             bases = ctx.versions
             results = ctx.push(pseudo)
@@ -387,15 +389,11 @@ class AsyncDilocoWorker(WorkerScheme):
             np.copyto(self.round_start[k], now[k])
         self.pending[part] = self.lead[part] = 0
 
-    def _inflight(self) -> dict[int, Inflight]:
-        """(overlap) the exchanges running now (none after a restart: they are not state)."""
-        return self.__dict__.setdefault("inflight", {})
-
     def _land(self, ctx: WorkerContext, part: int, *, keep_progress: bool) -> None:
         """(overlap) Take the fragment's parameters its background exchange pulled, plus the
         progress made since it was sent (``keep_progress``: the round that is being pushed
         now), or exactly them (at the end)."""
-        inflight = self._inflight().pop(part, None)
+        inflight = self.inflight.pop(part, None)
         if inflight is None:
             return
         future, sent_at, bases, steps = inflight
