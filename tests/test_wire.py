@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -228,9 +229,20 @@ def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
         fresh = (out_dir / name).read_bytes()
         checked_in = (PROTO_DIR / name).read_bytes()
         assert fresh == checked_in, (
-            f"src/distsgd/transport/proto/{name} is out of date with distsgd.proto; "
-            "run tools/gen_proto.sh"
+            f"src/distsgd/transport/proto/{name} is out of date with distsgd.proto "
+            f"(grpcio-tools {metadata.version('grpcio-tools')} here; pyproject.toml pins the "
+            "one that generated it); run tools/gen_proto.sh"
         )
+
+
+def test_the_generator_is_pinned_to_the_version_that_made_the_stubs() -> None:
+    """A looser pin lets a fresh install take a newer grpcio-tools, whose output differs."""
+    stub = (PROTO_DIR / "distsgd_pb2_grpc.py").read_text()
+    made_by = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", stub)
+    assert made_by is not None
+    pyproject = (SRC_DIR.parent / "pyproject.toml").read_text()
+    assert f'"grpcio-tools=={made_by.group(1)}"' in pyproject
+    assert f'"grpcio>={made_by.group(1)}"' in pyproject
 
 
 def _proto_without_comments() -> str:
