@@ -25,6 +25,8 @@ from distsgd.control.recovery import (
     TaskFailure,
     backoff,
     failure_kind,
+    first_cause,
+    may_follow_a_peer,
     plan_restart,
     resume_point,
 )
@@ -217,3 +219,38 @@ def test_failure_kinds_from_exit_codes() -> None:
     assert failure_kind(-9) == "killed"
     assert failure_kind(SETUP_EXIT_CODE) == "setup_error"
     assert failure_kind(DIVERGED_EXIT_CODE) == "diverged"
+
+
+@pytest.mark.parametrize(
+    ("ended", "cause"),
+    [
+        ({"worker0": 1, "worker1": -9}, "worker1"),  # the killed one broke the all-reduce
+        ({"worker0": 1, "worker2": DIVERGED_EXIT_CODE, "worker1": -9}, "worker2"),
+        ({"worker3": 1, "worker1": SETUP_EXIT_CODE, "worker0": -15}, "worker1"),
+        ({"worker2": 1, "worker10": 1}, "worker2"),  # a tie: index order, not text order
+        ({"worker1": -9, "ps0": -9}, "ps0"),  # a tie of kinds: servers first
+        ({"worker5": 1}, "worker5"),
+    ],
+)
+def test_the_first_cause_of_tasks_that_ended_together(ended: dict[str, int], cause: str) -> None:
+    assert first_cause(ended) == cause
+
+
+def test_first_cause_of_nothing_is_a_mistake() -> None:
+    with pytest.raises(ValueError, match="no task"):
+        first_cause({})
+
+
+@pytest.mark.parametrize(
+    ("kind", "collective", "wait"),
+    [
+        ("crash", True, True),
+        ("killed", True, False),
+        ("diverged", True, False),
+        ("setup_error", True, False),
+        ("crash", False, False),  # a parameter-server worker's crash is its own
+    ],
+)
+def test_only_a_collective_crash_waits_for_a_peer(kind: Any, collective: bool, wait: bool) -> None:
+    run = RunTopology(collective=collective, workers=4, min_workers=4)
+    assert may_follow_a_peer(kind, run) is wait

@@ -31,6 +31,7 @@ The rules, in order:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -63,6 +64,38 @@ class TaskFailure:
     furthest: int = 0
     """The highest local step any worker reported (what a whole restart loses down to the
     checkpoint)."""
+
+
+CAUSE_ORDER: tuple[FailureKind, ...] = ("diverged", "setup_error", "killed", "crash")
+"""Kinds of ending, the most telling first: when tasks end together, the first kind in this
+order names the cause (a worker that diverged or was killed breaks its peers' all-reduce,
+and they then exit with an error of their own)."""
+
+PEER_SETTLE = 2.0
+"""Seconds a launcher waits, after a worker of a collective run crashed, for a peer to show a
+more telling end (the all-reduce fails on every worker when one dies, and the dead one's exit
+code may be reported after its peers')."""
+
+
+def first_cause(ended: Mapping[str, int | None]) -> str:
+    """Of the tasks in ``ended`` (name -> exit code) that ended together, the one whose end
+    most likely caused the others': the first kind of :data:`CAUSE_ORDER`, then the first
+    task in role-and-index order."""
+    if not ended:
+        raise ValueError("no task ended")
+
+    def rank(name: str) -> tuple[int, str, int]:
+        task = TaskId.parse(name)
+        return CAUSE_ORDER.index(failure_kind(ended[name])), task.job.value, task.index
+
+    return min(ended, key=rank)
+
+
+def may_follow_a_peer(failure: FailureKind, run: RunTopology) -> bool:
+    """Whether a worker's ``failure`` may be the echo of a peer's: a crash in a collective run,
+    where one worker's death fails every worker's all-reduce (wait :data:`PEER_SETTLE` for the
+    cause before planning)."""
+    return run.collective and failure == "crash"
 
 
 def failure_kind(exit_code: int | None) -> FailureKind:

@@ -27,7 +27,13 @@ from distsgd.control.checkpoint.store import latest_checkpoint
 from distsgd.control.faults import Fault
 from distsgd.control.folder import CONFIG_FILE, RESULT_FILE
 from distsgd.control.outcome import RunOutcome, RunStatus
-from distsgd.control.recovery import restart_all
+from distsgd.control.recovery import (
+    PEER_SETTLE,
+    failure_kind,
+    first_cause,
+    may_follow_a_peer,
+    restart_all,
+)
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.emulation import close_hosts, start_hosts
 from distsgd.launcher.errors import Diverged, Interrupted, RunFailed
@@ -247,35 +253,58 @@ class LocalRun(Restarts):
             if self.config.elastic:
                 self._poll_scale()
                 self._reap_leaving()
-            for task in list(self.supervisor.tasks.values()):
-                code = task.poll()
-                if code is None or task.name in self.done:
-                    continue
-                if self.supervisor.tasks.get(task.name) is not task:
-                    continue  # replaced by a restart in this pass
-                if task.name in self.leaving:  # asked to leave: gone, whatever its code
-                    del self.leaving[task.name]
-                    self.done.add(task.name)
-                    self.events.log(
-                        step=self.progress.step, event="worker_left", target=task.name, code=code
-                    )
-                    continue
-                finished = TaskId.parse(task.name)
-                if code == 0 and finished.job == Role.WORKER:
-                    self.done.add(task.name)
-                    for index in sorted(self.restored_ps):  # it may have left a dead process
-                        server = self.supervisor.tasks.get(f"ps{index}")
-                        if server is not None and server.poll() is None:  # else: told on restart
-                            self._tell_finished(index, [finished.index])
-                    continue
-                self._handle_failure(task, code)
-                break  # a restart may have replaced other tasks: look again
+            ended = self._poll_tasks()
+            if ended:
+                ended = self._settle(ended)
+                name = first_cause(ended)
+                self._handle_failure(self.supervisor.tasks[name], ended[name])
             now = time.monotonic()
             if (self.console.tty or now - last_plain >= 10.0) and self.progress.samples:
                 self.console.status(self.progress.render())
                 last_plain = now
             if not self.leaving and all(f"worker{i}" in self.done for i in self.active):
                 return
+
+    def _poll_tasks(self) -> dict[str, int]:
+        """Note the tasks that ended well or were asked to leave; the others that ended (name
+        -> exit code) are failures."""
+        failed: dict[str, int] = {}
+        for task in list(self.supervisor.tasks.values()):
+            code = task.poll()
+            if code is None or task.name in self.done:
+                continue
+            if task.name in self.leaving:  # asked to leave: gone, whatever its code
+                del self.leaving[task.name]
+                self.done.add(task.name)
+                self.events.log(
+                    step=self.progress.step, event="worker_left", target=task.name, code=code
+                )
+                continue
+            finished = TaskId.parse(task.name)
+            if code == 0 and finished.job == Role.WORKER:
+                self.done.add(task.name)
+                for index in sorted(self.restored_ps):  # it may have left a dead process
+                    server = self.supervisor.tasks.get(f"ps{index}")
+                    if server is not None and server.poll() is None:  # else: told on restart
+                        self._tell_finished(index, [finished.index])
+                continue
+            failed[task.name] = code
+        return failed
+
+    def _settle(self, failed: dict[str, int]) -> dict[str, int]:
+        """``failed`` and the peers that end within :data:`PEER_SETTLE` seconds, while every
+        failure may be the echo of a peer's (see :func:`may_follow_a_peer`): the planner is
+        then given the cause, not its first echo."""
+        run = self.topology()
+        deadline = time.monotonic() + PEER_SETTLE
+        while all(may_follow_a_peer(failure_kind(c), run) for c in failed.values()):
+            if time.monotonic() >= deadline or self.stop.wait(0.1):
+                break
+            for task in list(self.supervisor.tasks.values()):
+                code = task.poll()
+                if code is not None and code != 0 and task.name not in self.done:
+                    failed.setdefault(task.name, code)
+        return failed
 
     def _inject_kills(self) -> None:
         for fault in list(self.kills_pending):
