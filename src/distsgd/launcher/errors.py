@@ -27,7 +27,7 @@ class Interrupted(Exception):
     """Ctrl-C or SIGTERM reached the launcher."""
 
 
-class Diverged(RuntimeError):
+class RunDiverged(RuntimeError):
     """Training diverged (a non-finite loss, or a result no better than chance); ``stalled``:
     it ended at chance while its parameters barely moved (it did not learn)."""
 

@@ -26,7 +26,7 @@ from distsgd.control.recovery import (
     plan_restart,
     restart_all,
 )
-from distsgd.launcher.errors import Diverged, Interrupted, RunFailed
+from distsgd.launcher.errors import Interrupted, RunDiverged, RunFailed
 from distsgd.launcher.servers import read_info, tell_finished
 from distsgd.launcher.supervisor import TaskHandle
 from distsgd.launcher.tasks import LocalTasks, write_tasks
@@ -113,7 +113,7 @@ class Restarts(LocalTasks):
             reason = self.progress.divergence or f"{task.name} stopped on a non-finite loss"
             record = {"scheme": self.config.scheme, "diverged": True, "divergence": reason}
             write_atomic(self.run_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
-            raise Diverged(reason)
+            raise RunDiverged(reason)
         self._fault(task.name, code, step, "stop")
         if plan.reason == "setup_error":
             said = SetupErrorRecord.load(self.run_dir, TaskId.parse(task.name))

@@ -36,7 +36,7 @@ from distsgd.control.recovery import (
 )
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.emulation import close_hosts, start_hosts
-from distsgd.launcher.errors import Diverged, Interrupted, RunFailed
+from distsgd.launcher.errors import Interrupted, RunDiverged, RunFailed
 from distsgd.launcher.link_faults import LinkFaults
 from distsgd.launcher.link_sampler import LinkSampler
 from distsgd.launcher.netns import EmulatedHosts
@@ -115,7 +115,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
         return RunOutcome(
             status=exc.status, run_dir=run_dir, reason=exc.reason, log_tail=exc.log_tail
         )
-    except Diverged as exc:
+    except RunDiverged as exc:
         spec = schemes.get(config.scheme)
         if exc.stalled:
             console.error(f"{STALLED_PREFIX}{exc}; {spec.stall_fix()}")
@@ -466,7 +466,7 @@ class LocalRun(Restarts):
             if not result.get("diverged"):  # another worker's loss ended above its start
                 result.update(diverged=True, divergence=reason)
                 write_atomic(result_path, json.dumps(result, indent=2) + "\n")
-            raise Diverged(str(reason), stalled=bool(result.get("stalled")))
+            raise RunDiverged(str(reason), stalled=bool(result.get("stalled")))
         return RunOutcome(
             status=RunStatus.OK, run_dir=self.run_dir, result_path=result_path, result=result
         )
