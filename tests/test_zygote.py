@@ -212,6 +212,7 @@ def test_a_forked_task_relays_its_output_and_exit_code(zygote: Any) -> None:
     assert task.poll() == 7
     assert "[exit7] hello from exit" in lines.lines
     assert "hello from exit" in task.log_path.read_text()
+    assert "RuntimeWarning" not in task.log_path.read_text()  # runpy's, on a preloaded module
     assert "threads after the imports" not in (zygote[2] / "fs.log").read_text()
 
 

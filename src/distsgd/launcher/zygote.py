@@ -349,6 +349,10 @@ def run_task(request: ForkRequest) -> None:
     """Run the task's module as ``__main__``. What it raises ends this process as it would
     end the interpreter (from :func:`main`'s caller, with the interpreter's own finalization:
     threads joined, ``atexit`` functions, the exit code or the traceback)."""
+    # The preload imported the module (for what it imports); ``python -m`` runs a module that
+    # is not imported yet, and runpy warns on every task when it is (a RuntimeWarning about
+    # "unpredictable behaviour"). Its imports stay loaded: only its own entry goes.
+    sys.modules.pop(request.module, None)
     runpy.run_module(request.module, run_name="__main__", alter_sys=True)
 
 
