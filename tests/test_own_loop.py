@@ -217,3 +217,33 @@ def test_forward_past_the_ddp_wrapper_is_named(tmp_path: Path) -> None:
     )
     assert done.returncode != 0
     assert "forward must run through worker.model" in done.stderr
+
+
+def test_workers_left_open_are_counted_until_finished_or_closed() -> None:
+    from distsgd import api
+
+    before = api.unfinished
+    first = distsgd.Worker(_model(), config=CONFIG.replace(steps=1))
+    second = distsgd.Worker(_model(), config=CONFIG.replace(steps=1))
+    assert api.unfinished == before + 2
+    second.close()
+    second.close()  # counted once
+    assert api.unfinished == before + 1
+    x, y = _data()
+    with first.step():
+        F.cross_entropy(first.model(x[:16]), y[:16]).backward()
+    first.finish()
+    first.finish()
+    assert api.unfinished == before
+
+
+def test_a_script_that_never_finishes_its_worker_is_told_so(tmp_path: Path) -> None:
+    script = tmp_path / "open.py"
+    source = SCRIPT.read_text()
+    end = source.index("result = worker.finish()")
+    script.write_text(source[:end])  # the loop, and nothing after it
+    flags = ["--workers", "2", "--steps", "5", "--quiet", "--run-dir", str(tmp_path / "r")]
+    done = run_distsgd(["run", *flags, str(script), "own-data"])
+    assert done.returncode == 1, done.stderr
+    assert "never called worker.finish()" in done.stderr.strip().splitlines()[-1]
+    assert "restart" not in done.stdout + done.stderr

@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
+from distsgd.control.errors import SETUP_EXIT_CODE
 from distsgd.launcher.forked import ForkedTask, ForkRefused, forkable
 from distsgd.launcher.lifeline import FORK_SERVER_ENV, PARENT_ENV
 from distsgd.launcher.supervisor import Supervisor, Task
@@ -129,8 +130,13 @@ def test_only_the_worker_bootstrap_is_forked() -> None:
 SCRIPT = """\
 import json, os, signal, subprocess, sys, time
 import torch
+import distsgd.api
 what = sys.argv[1]
+if what not in ("plain", "early"):
+    distsgd.api.calls += 1  # as a script that called distsgd.train: its exit code is its own
 print(f"hello from {what}", flush=True)
+if what == "early":
+    raise RuntimeError("boom before training")
 if what == "exit":
     sys.exit(int(sys.argv[2]))
 if what == "signal":
@@ -250,10 +256,22 @@ def test_a_script_error_prints_its_traceback_and_exits_1(zygote: Any) -> None:
     assert "RuntimeError: boom in the script" in text and "Traceback" in text
 
 
-def test_a_script_without_train_exits_3_as_the_bootstrap_says(zygote: Any) -> None:
+def test_a_script_without_train_is_a_setup_error(zygote: Any) -> None:
     task = _start(zygote, "plain", "plain")
-    assert _wait(task) == 3
+    assert _wait(task) == SETUP_EXIT_CODE  # the launcher does not restart it
     assert "finished without calling distsgd.train()" in task.log_path.read_text()
+
+
+def test_a_script_that_fails_before_training_is_a_setup_error_naming_its_line(zygote: Any) -> None:
+    task = _start(zygote, "early", "early")
+    assert _wait(task) == SETUP_EXIT_CODE
+    text = task.log_path.read_text()
+    line = SCRIPT.splitlines().index('    raise RuntimeError("boom before training")') + 1
+    assert "Traceback" in text  # once, for whoever fixes the script
+    assert (
+        f"distsgd: error: {zygote[2] / 'task.py'} failed before it called distsgd "
+        f"(RuntimeError at line {line}: boom before training); fix the script or its arguments"
+    ) in text
 
 
 def test_the_task_gets_its_env_cwd_session_and_thread_budget(zygote: Any, tmp_path: Path) -> None:
@@ -263,7 +281,7 @@ def test_the_task_gets_its_env_cwd_session_and_thread_budget(zygote: Any, tmp_pa
     env = _env(ONLY_HERE="yes", DISTSGD_THREADS="2", OMP_NUM_THREADS="2")
     task = supervisor.start("report", argv, env, cwd=tmp_path)
     assert isinstance(task, ForkedTask)
-    assert _wait(task) == 3, task.log_path.read_text()  # no train() call: the bootstrap's 3
+    assert _wait(task) == 0, task.log_path.read_text()
     seen = json.loads(out.read_text())
     assert seen["cwd"] == str(tmp_path)
     assert seen["env"]["ONLY_HERE"] == "yes"

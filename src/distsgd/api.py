@@ -29,6 +29,7 @@ from distsgd.runtime import TaskEnv, TrainConfig, TrainResult, run_worker
 from distsgd.runtime.callbacks import Callback
 from distsgd.runtime.data import BatchFn, as_dataset, check_data, to_device
 from distsgd.runtime.evaluate import LossFn, MetricFns, check_metric_names
+from distsgd.runtime.first_step import try_first_step
 from distsgd.runtime.modules import as_torch_module
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.session import WorkerSession
@@ -38,7 +39,12 @@ from distsgd.util import private_dir
 log = logging.getLogger(__name__)
 
 calls = 0
-"""How many times :func:`train` ran in this process (the bootstrap checks the script called it)."""
+"""How many times :func:`train` ran or a :class:`Worker` was made in this process (the
+bootstrap checks the script called one)."""
+
+unfinished = 0
+""":class:`Worker` objects set up in this process and neither finished nor closed (the
+bootstrap refuses a script that ends with one: its result would never be saved)."""
 
 
 def seed_everything(seed: int) -> None:
@@ -166,6 +172,14 @@ def train(
         env, config, scheme, train_set, test_set = _prepare(
             model, train_data, test_data, config, batch_fn, metrics
         )
+        if train_set is not None:
+            try_first_step(
+                as_torch_module(model),
+                loss_fn,
+                train_set,
+                batch_size=config.batch_size,
+                batch_fn=batch_fn,
+            )
     return run_worker(
         model=model,
         loss_fn=loss_fn,
@@ -276,6 +290,10 @@ class Worker:
             self._session.failed(exc)
             self._session.close()
             raise
+        global unfinished
+        unfinished += 1
+        self._open = True
+        """Neither finished nor closed yet (counted in ``unfinished``)."""
 
     @property
     def model(self) -> nn.Module:
@@ -351,6 +369,7 @@ class Worker:
             return self.result
         try:
             self.result = self._session.finish()
+            self._ended()
             return self.result
         except BaseException as exc:
             self._session.failed(exc)
@@ -360,7 +379,14 @@ class Worker:
 
     def close(self) -> None:
         """Close the connections without finishing (after a failure)."""
+        self._ended()
         self._session.close()
+
+    def _ended(self) -> None:
+        global unfinished
+        if self._open:
+            self._open = False
+            unfinished -= 1
 
     def __enter__(self) -> Worker:
         return self

@@ -4,8 +4,11 @@ Usage: ``python -m distsgd.launcher.bootstrap SCRIPT [ARGS...]``.
 
 The launcher puts the task's :class:`~distsgd.control.task.TaskEnv` in ``DISTSGD_TASK``; this module
 ties the process to the launcher, applies the thread budget, sets up logging, and runs the
-script as ``__main__``. A script that never calls ``distsgd.train`` is an error (the rest of
-the cluster would wait for it forever).
+script as ``__main__``. A script that never calls ``distsgd.train`` (or makes a
+``distsgd.Worker``) is an error (the rest of the cluster would wait for it forever), and so is
+one that fails before it calls either: its own code failed (a syntax error, an import, its
+arguments, its data), the same again on a restart, so the task exits with the setup-error code
+that the launcher does not restart.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import os
 import runpy
 import sys
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -55,17 +59,62 @@ def run_script(script: str, args: Sequence[str]) -> int:
         return DIVERGED_EXIT_CODE
     except SetupError as exc:  # the same script and flags would fail again: no traceback
         logging.getLogger(__name__).debug("setup refused", exc_info=True)
-        print(f"{SETUP_ERROR_PREFIX}{exc}", file=sys.stderr)
-        record_setup_error(exc)
-        return SETUP_EXIT_CODE
-    if api.calls == 0:
-        print(
-            f"distsgd: error: {script} finished without calling distsgd.train(); "
-            "call it from the script's main code",
-            file=sys.stderr,
+        return refuse_setup(exc)
+    except SystemExit as exc:
+        if api.calls or exc.code in (None, 0):
+            raise
+        said = f"exit code {exc.code}" if isinstance(exc.code, int) else f"exit: {exc.code}"
+        return refuse_setup(SetupError(before_training(script, said)))
+    except Exception as exc:
+        if api.calls:
+            raise
+        traceback.print_exc()  # once: where in the script, for the person who fixes it
+        return refuse_setup(SetupError(before_training(script, raised(exc, path))))
+    if api.unfinished:
+        return refuse_setup(
+            SetupError(
+                f"{script} made a distsgd.Worker but never called worker.finish(), so its "
+                "result was not saved; call it after the loop (or use `with distsgd.Worker(...) "
+                "as worker:`)"
+            )
         )
-        return 3
+    if api.calls == 0:
+        return refuse_setup(
+            SetupError(
+                f"{script} finished without calling distsgd.train() or making a "
+                "distsgd.Worker; call one from the script's main code"
+            )
+        )
     return 0
+
+
+def before_training(script: str, what: str) -> str:
+    """A setup error's message for a script that failed before it called distsgd: its own
+    code failed (a syntax error, an import, its arguments, its data), so a restart would fail
+    the same way."""
+    return f"{script} failed before it called distsgd ({what}); fix the script or its arguments"
+
+
+def raised(exc: BaseException, script: Path) -> str:
+    """``exc`` in a few words, with the script's line it came from: ``NameError at line 3:
+    name 'x' is not defined``."""
+    line = exc.lineno if isinstance(exc, SyntaxError) else None
+    if line is None:
+        frames = traceback.extract_tb(exc.__traceback__)
+        mine = [f for f in frames if Path(f.filename).resolve() == script.resolve()]
+        line = mine[-1].lineno if mine else None
+    where = "" if line is None else f" at line {line}"
+    text = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}{where}" + (f": {first}" if first else "")
+
+
+def refuse_setup(exc: SetupError) -> int:
+    """Say ``exc`` in one line, leave its record for the launcher, and give the exit code
+    that the launcher does not restart."""
+    print(f"{SETUP_ERROR_PREFIX}{exc}", file=sys.stderr)
+    record_setup_error(exc)
+    return SETUP_EXIT_CODE
 
 
 def record_setup_error(exc: SetupError, environ: Mapping[str, str] | None = None) -> None:
