@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -157,13 +158,51 @@ def test_resume_of_a_folder_that_is_no_run(tmp_path: Path) -> None:
 def test_a_failed_task_is_reported_on_stderr(tmp_path: Path) -> None:
     """Run-time failures go to standard error like argument errors, with the task named."""
     script = tmp_path / "broken.py"
-    script.write_text("raise SystemExit('no data here')\n")
+    script.write_text(
+        "import torch, torch.nn.functional as F, distsgd\n"
+        "calls = 0\n"
+        "def loss(out, y):  # fails at the third step, once training runs\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls > 3:\n"
+        "        raise RuntimeError('no data here')\n"
+        "    return F.cross_entropy(out, y)\n"
+        "x = torch.randn(64, 4)\n"
+        "data = (x, (x[:, 0] > 0).long())\n"
+        "distsgd.train(model=torch.nn.Linear(4, 2), loss_fn=loss, train_data=data)\n"
+    )
     done = run_distsgd(
         ["run", "--max-restarts", "0", "--quiet", "--run-dir", str(tmp_path / "run"), str(script)]
     )
     assert done.returncode == 1
-    assert "distsgd: error: task worker" in done.stderr and "failed" in done.stderr
+    assert re.search(r"distsgd: error: task worker\d failed \(exit code 1\)", done.stderr)
     assert "distsgd: error" not in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ("import distsgd\nx = (\n", "(SyntaxError at line 2: '(' was never closed)"),
+        ("import no_such_module_here\n", "(ModuleNotFoundError at line 1: No module named"),
+        ("raise SystemExit('no data here')\n", "(exit: no data here)"),
+        ("import sys\nsys.exit(2)\n", "(exit code 2)"),
+        ("x = 1\n", "finished without calling distsgd.train() or making a distsgd.Worker"),
+    ],
+    ids=["syntax", "import", "exit-text", "exit-code", "no-train"],
+)
+def test_a_script_that_fails_before_training_stops_the_run_without_restarts(
+    tmp_path: Path, source: str, says: str
+) -> None:
+    """Its own code failed (the same again on a restart): one line, exit 1, no restart."""
+    script = tmp_path / "early.py"
+    script.write_text(source)
+    done = run_distsgd(
+        ["run", "--workers", "2", "--quiet", "--run-dir", str(tmp_path / "run"), str(script)]
+    )
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("distsgd: error: worker") and says in last, done.stderr
+    assert "restart" not in done.stdout + done.stderr
 
 
 @pytest.mark.parametrize(
@@ -180,3 +219,41 @@ def test_a_failed_task_is_reported_on_stderr(tmp_path: Path) -> None:
 def test_bad_host_flags(args: list[str], needle: str, tmp_path: Path) -> None:
     line = _error_line(run_distsgd(args, cwd=tmp_path))
     assert needle in line
+
+
+def test_a_fault_set_past_the_end_of_the_run_is_reported(tmp_path: Path) -> None:
+    done = run_distsgd(
+        [
+            "run",
+            "--quiet",
+            "--inject-fault",
+            "kill:worker:1@step=99999",
+            "--run-dir",
+            str(tmp_path / "run"),
+            BLOBS,
+        ]
+    )
+    assert done.returncode == 0, done.stderr
+    assert (
+        "distsgd: warning: --inject-fault kill:worker:1@step=99999 was never injected: the run "
+        "ended at global step"
+    ) in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (
+            ["run", "--scheme", "hogwld", BLOBS],
+            "invalid choice: 'hogwld' (did you mean 'hogwild'?)",
+        ),
+        (["run", "--workers", "two", BLOBS], "argument --workers: invalid int value: 'two'"),
+        (["frobnicate"], "invalid choice: 'frobnicate' (choose from run, demo,"),
+        (["run", "--placment", "pack", BLOBS], "unrecognized arguments: --placment"),
+    ],
+)
+def test_a_command_line_mistake_is_one_line_with_a_hint(args: list[str], says: str) -> None:
+    done = run_distsgd(args)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and lines[0].endswith(" --help"), done.stderr

@@ -147,6 +147,9 @@ def test_resume_names_a_damaged_checkpoint_and_uses_the_previous(tmp_path: Path)
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     shard.write_bytes(bytes(raw))
+    finished = run_distsgd(["run", "--resume", str(run_dir)])
+    assert finished.returncode == 2 and "already finished" in finished.stderr, finished.stderr
+    (run_dir / "result.json").unlink()  # as a run stopped before its end: one to resume
     resumed = run_distsgd(["run", "--resume", str(run_dir)])
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert f"{shard}: damaged" in resumed.stdout

@@ -247,6 +247,7 @@ def test_a_real_run_folder_with_a_crafted_checkpoint(tmp_path: Path) -> None:
     (newest / MANIFEST).write_text(json.dumps(manifest))
     line = _error_line(run_distsgd(["inspect", str(run_dir)]))
     assert f"{crafted}: not a distsgd worker state (it holds Python objects" in line
+    (run_dir / "result.json").unlink()  # as a run stopped before its end: one to resume
     line = _error_line(run_distsgd(["run", "--resume", str(run_dir), "--quiet"]))
     assert f"{crafted}: not a distsgd worker state" in line
     assert not marker.exists()

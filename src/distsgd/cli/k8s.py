@@ -13,10 +13,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from distsgd.cli.one_line import OneLineParser
+
 AddFlags = Callable[[argparse.ArgumentParser], None]
 
 
-class _OutDirFirst(argparse.ArgumentParser):
+class _OutDirFirst(OneLineParser):
     """A parser whose first argument is OUT_DIR, taken before the flags are parsed.
 
     ``distsgd k8s render OUT_DIR [flags] [SCRIPT [ARGS]]``: with OUT_DIR an ordinary positional,

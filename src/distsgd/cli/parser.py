@@ -15,6 +15,7 @@ from distsgd.cli.flags import (
     add_scheme_option_flags,
     add_training_flags,
 )
+from distsgd.cli.one_line import OneLineParser
 from distsgd.launcher.config import (
     DEFAULT_CHECKPOINT_SECONDS,
     DEFAULT_MAX_RESTARTS,
@@ -279,7 +280,7 @@ def _add_compare(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every ``distsgd`` subcommand."""
-    parser = argparse.ArgumentParser(prog="distsgd", description=DESCRIPTION)
+    parser = OneLineParser(prog="distsgd", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"distsgd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run(sub)

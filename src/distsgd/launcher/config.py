@@ -13,7 +13,7 @@ from distsgd.cluster import Role, TaskId
 from distsgd.cluster.hosts import HostPlan, Placement, parse_links, plan_hosts
 from distsgd.control.config import TrainConfig, lr_multiplier
 from distsgd.control.faults import Fault
-from distsgd.control.folder import new_run_folder, runs_root
+from distsgd.control.folder import RESULT_FILE, new_run_folder, runs_root
 from distsgd.control.spec import RunSpec, WorkerBounds, check_worker_bounds
 from distsgd.transport.security import TlsConfig
 
@@ -382,6 +382,12 @@ class LaunchConfig(WorkerBounds):
         and may give ``checkpoint_every``/``checkpoint_seconds`` anew, and ``min_workers``/
         ``max_workers`` (0 or absent: the saved bounds, so an elastic run stays elastic)."""
         spec = RunSpec.load(run_dir)
+        if (Path(run_dir) / RESULT_FILE).exists():
+            raise ValueError(
+                f"run {run_dir} already finished (its chief wrote {RESULT_FILE}), so there is "
+                f"nothing to resume; start a new run (distsgd run {spec.script} ...), or read "
+                f"it with distsgd inspect {run_dir}"
+            )
         knobs.setdefault("checkpoint_every", spec.checkpoint_every)
         knobs.setdefault("checkpoint_seconds", spec.checkpoint_seconds)
         for name in ("min_workers", "max_workers"):

@@ -443,6 +443,12 @@ class LocalRun(Restarts):
             f"[distsgd] done in {self.progress.elapsed:.0f}s: {result['global_step']} updates, "
             f"{result['local_steps']} steps on worker0{extra}; run folder {self.run_dir}"
         )
+        for fault in self.kills_pending:  # the run ended before the step it was set for
+            self.console.error(
+                f"distsgd: warning: --inject-fault kill:{fault.job}:{fault.index}@step="
+                f"{fault.step} was never injected: the run ended at global step "
+                f"{self.progress.step}; give an earlier step"
+            )
         split = self.progress.split_summary()
         if split:
             self.console.final(f"[distsgd] {split}")
