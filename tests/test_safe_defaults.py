@@ -11,10 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import SCRIPTS, alive, final_accuracy, metrics, run_distsgd, task_pids, wait_for
 
+from distsgd import schemes
 from distsgd.control.divergence import DivergenceMonitor, relative_movement
+from distsgd.control.metrics import MetricsWriter
 from distsgd.control.outcome import EXIT_DIVERGED
+from distsgd.runtime.chief import final_verdict, parameter_sample
+from distsgd.runtime.result import TrainResult, result_fields
 
 pytestmark = pytest.mark.slow
 
@@ -182,3 +187,48 @@ def test_a_loss_that_ends_above_its_start_is_flagged_unless_the_worker_left() ->
     assert _watched(rising[:19]).loss_verdict() is None  # fewer than two windows
     plateau = [2.0 + (0.3 if i % 2 else -0.3) for i in range(30)]
     assert _watched(plateau).loss_verdict() is None
+
+
+@pytest.mark.parametrize(
+    ("scale", "stalled", "unclear", "says"),
+    [
+        (1.0, True, False, "moved only 0.00%"),
+        (1.5, False, True, "moved 50% of their size: too much"),
+        (3.0, False, False, "no better than chance"),
+    ],
+    ids=["stalled", "unclear", "blown-up"],
+)
+def test_a_run_at_chance_is_judged_by_how_far_its_parameters_moved(
+    scale: float, stalled: bool, unclear: bool, says: str, tmp_path: Path
+) -> None:
+    """Under 10% of their size: did not learn; 10% to 100%: unclear (both fixes named);
+    100% or more: blew up. All three are failed runs (``diverged``)."""
+    model = torch.nn.Linear(4, 3)
+    start = parameter_sample(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    result = TrainResult(
+        scheme="hogwild", worker=0, local_steps=1, global_step=1, seconds=1.0, samples=1,
+        bytes_sent=0,
+    )  # fmt: skip
+    judged = final_verdict(
+        result,
+        {"loss": 1.0, "accuracy": 0.33, "chance": 0.34},
+        metric_names=(),
+        start_point=start,
+        model=model,
+        metrics=MetricsWriter(None, "worker0"),
+    )
+    assert judged.diverged and (judged.stalled, judged.unclear) == (stalled, unclear)
+    assert says in (judged.divergence or "")
+    fields = result_fields(judged)
+    assert ("unclear" in fields) is unclear and ("stalled" in fields) is stalled
+
+
+def test_a_run_at_chance_that_may_have_blown_up_names_both_fixes() -> None:
+    fix = schemes.get("downpour").unclear_fix()
+    assert fix == (
+        "if its training loss jumped early (metrics.jsonl), lower --lr or --server-lr; if it "
+        "was still falling, raise --lr or --server-lr, or train longer (--epochs or --steps)"
+    )

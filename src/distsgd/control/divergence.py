@@ -18,6 +18,8 @@ A run at chance whose parameters barely moved from where training started (less 
 few to learn (``TrainResult.stalled``; still a failed run, ``diverged`` too), and the fix is the
 opposite one: raise the step size or train longer, not lower it. Its loss tells nothing apart:
 a model that blew up and collapsed to one answer ends at the same loss as an untrained one.
+Between :data:`STALL_MOVEMENT` and :data:`BLOWUP_MOVEMENT` the run is *unclear*
+(``TrainResult.unclear``): the launcher names both fixes.
 
 A worker that diverges raises :class:`Diverged`; the bootstrap turns it into the task exit code
 :data:`DIVERGED_EXIT_CODE`, which the launcher never restarts (the same settings would diverge
@@ -42,6 +44,11 @@ SIGMAS = 3.0
 
 CHANCE_MARGIN = 0.02
 """Final accuracy up to this much above chance still counts as chance."""
+
+BLOWUP_MOVEMENT = 1.0
+"""A run at chance whose parameters moved at least this share of their norm blew up
+(diverged); between :data:`STALL_MOVEMENT` and this it is *unclear*: it may have blown up and
+collapsed, or not got going (``TrainResult.unclear``), and the launcher names both fixes."""
 
 STALL_MOVEMENT = 0.1
 """A run at chance stalled when its parameters moved less than this share of their norm
@@ -126,6 +133,15 @@ def relative_movement(start: Sequence[np.ndarray], end: Sequence[np.ndarray]) ->
     if size == 0.0:
         return math.inf if moved else 0.0
     return moved / size
+
+
+def unclear_verdict(verdict: str, movement: float) -> str:
+    """``verdict`` (a final accuracy at chance) for a run whose parameters moved between
+    :data:`STALL_MOVEMENT` and :data:`BLOWUP_MOVEMENT` of their size."""
+    return (
+        f"{verdict}, and the parameters moved {movement:.0%} of their size: too much for a "
+        "run that never got going, too little to be sure it blew up"
+    )
 
 
 def stalled_verdict(verdict: str, movement: float) -> str:

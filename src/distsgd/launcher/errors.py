@@ -31,6 +31,9 @@ class RunDiverged(RuntimeError):
     """Training diverged (a non-finite loss, or a result no better than chance); ``stalled``:
     it ended at chance while its parameters barely moved (it did not learn)."""
 
-    def __init__(self, reason: str, *, stalled: bool = False) -> None:
+    def __init__(self, reason: str, *, stalled: bool = False, unclear: bool = False) -> None:
         super().__init__(reason)
         self.stalled = stalled
+        self.unclear = unclear
+        """At chance, and the parameters moved too much to have stalled, too little to be
+        sure it blew up (``TrainResult.unclear``)."""

@@ -63,6 +63,17 @@ DIVERGED_PREFIX = "distsgd: the run diverged: "
 """How the launcher's line about a diverged run begins (then the reason and the fix)."""
 STALLED_PREFIX = "distsgd: the run did not learn: "
 """The same for a run that ended at chance while its parameters barely moved (``"stalled"``)."""
+AT_CHANCE_PREFIX = "distsgd: the run ended at chance: "
+"""The same for a run at chance that may have blown up or not got going (``"unclear"``)."""
+
+
+def _divergence_line(exc: RunDiverged, spec: schemes.SchemeSpec) -> str:
+    """The launcher's one line for a failed run: the verdict, then the scheme's fix."""
+    if exc.stalled:
+        return f"{STALLED_PREFIX}{exc}; {spec.stall_fix()}"
+    if exc.unclear:
+        return f"{AT_CHANCE_PREFIX}{exc}; {spec.unclear_fix()}"
+    return f"{DIVERGED_PREFIX}{exc}; {spec.divergence_fix()}"
 
 
 def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
@@ -116,11 +127,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
             status=exc.status, run_dir=run_dir, reason=exc.reason, log_tail=exc.log_tail
         )
     except RunDiverged as exc:
-        spec = schemes.get(config.scheme)
-        if exc.stalled:
-            console.error(f"{STALLED_PREFIX}{exc}; {spec.stall_fix()}")
-        else:
-            console.error(f"{DIVERGED_PREFIX}{exc}; {spec.divergence_fix()}")
+        console.error(_divergence_line(exc, schemes.get(config.scheme)))
         result_path = run_dir / RESULT_FILE
         return RunOutcome(
             status=RunStatus.STALLED if exc.stalled else RunStatus.DIVERGED,
@@ -472,7 +479,9 @@ class LocalRun(Restarts):
             if not result.get("diverged"):  # another worker's loss ended above its start
                 result.update(diverged=True, divergence=reason)
                 write_atomic(result_path, json.dumps(result, indent=2) + "\n")
-            raise RunDiverged(str(reason), stalled=bool(result.get("stalled")))
+            # unclear, unless another worker's loss ended above its start (its own event)
+            unclear = bool(result.get("unclear")) and self.progress.divergence in (None, reason)
+            raise RunDiverged(str(reason), stalled=bool(result.get("stalled")), unclear=unclear)
         return RunOutcome(
             status=RunStatus.OK, run_dir=self.run_dir, result_path=result_path, result=result
         )

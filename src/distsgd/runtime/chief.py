@@ -29,11 +29,13 @@ from torch.utils.data import Dataset
 from distsgd.control.checkpoint.store import SHARDS_PREFIX, prune_shard_dirs
 from distsgd.control.config import LrScaling, TrainConfig
 from distsgd.control.divergence import (
+    BLOWUP_MOVEMENT,
     MOVEMENT_SAMPLE,
     STALL_MOVEMENT,
     accuracy_verdict,
     relative_movement,
     stalled_verdict,
+    unclear_verdict,
 )
 from distsgd.control.folder import FINAL_PARAMS_FILE, RESULT_FILE
 from distsgd.control.metrics import MetricsWriter
@@ -276,11 +278,18 @@ def final_verdict(
         else math.inf
     )
     stalled = moved < STALL_MOVEMENT
+    unclear = STALL_MOVEMENT <= moved < BLOWUP_MOVEMENT
     if stalled:
         verdict = stalled_verdict(verdict, moved)
+    elif unclear:
+        verdict = unclear_verdict(verdict, moved)
     log.warning("diverged: %s", verdict)
-    metrics.log(step=result.global_step, event="diverged", reason=verdict, stalled=stalled)
-    return dataclasses.replace(result, diverged=True, divergence=verdict, stalled=stalled)
+    metrics.log(
+        step=result.global_step, event="diverged", reason=verdict, stalled=stalled, unclear=unclear
+    )
+    return dataclasses.replace(
+        result, diverged=True, divergence=verdict, stalled=stalled, unclear=unclear
+    )
 
 
 def save_result(

@@ -30,6 +30,9 @@ class TrainResult:
     """(Chief) True when the run ended at chance while its parameters barely moved: it did not
     diverge but did not learn (steps too small or too few); ``diverged`` is True too (a failed
     run)."""
+    unclear: bool = False
+    """(Chief) True when the run ended at chance with its parameters moved between 10% and
+    100% of their size: it may have blown up or not got going (``diverged`` is True too)."""
     time_split: dict[str, float] = dataclasses.field(default_factory=dict)
     """This worker's seconds per phase (see :mod:`distsgd.control.timing`): compute, pull, ..."""
     work: dict[str, Any] | None = None
@@ -49,8 +52,9 @@ def result_fields(result: TrainResult) -> dict[str, Any]:
         del fields["left"]
     if not fields["metrics"]:
         del fields["metrics"]
-    if not fields["stalled"]:
-        del fields["stalled"]
+    for flag in ("stalled", "unclear"):
+        if not fields[flag]:
+            del fields[flag]
     return fields
 
 

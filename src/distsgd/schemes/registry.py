@@ -52,6 +52,13 @@ class SchemeSpec:
         """What to do when a run of this scheme did not learn (it stalled at chance)."""
         return f"raise {self._step_flags()}, or train longer (--epochs or --steps)"
 
+    def unclear_fix(self) -> str:
+        """Both fixes, for a run at chance that may have blown up or not got going."""
+        return (
+            f"if its training loss jumped early (metrics.jsonl), {self.divergence_fix()}; if it "
+            f"was still falling, {self.stall_fix()}"
+        )
+
     def _step_flags(self) -> str:
         return " or ".join(f"--{name.replace('_', '-')}" for name in self.step_size)
 
