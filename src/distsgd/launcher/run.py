@@ -55,6 +55,10 @@ LAUNCHER_LOG = "launcher.log"
 """What the launcher said (its notes, progress, results and errors), in the run folder."""
 FORK_SERVER_LOG = "fork-server.log"
 """The fork server's own output (what its imports print), in the run folder."""
+POLL_SECONDS = 0.25
+"""How often the launcher reads the tasks' progress and exit codes."""
+KILL_POLL_SECONDS = 0.05
+"""The same while an injected kill waits for its step (``--inject-fault kill:...``)."""
 LEAVE_GRACE_SECONDS = 30.0
 """How long a worker asked to leave (distsgd scale) may take before it is SIGKILLed."""
 
@@ -251,7 +255,8 @@ class LocalRun(Restarts):
     def supervise(self) -> None:
         last_plain = 0.0
         while True:
-            if self.stop.wait(0.25):
+            # a kill set for a step lands within a poll of it: poll faster while one waits
+            if self.stop.wait(KILL_POLL_SECONDS if self.kills_pending else POLL_SECONDS):
                 raise Interrupted
             self.progress.poll()
             self._poll_versions()
