@@ -79,10 +79,11 @@ ENCODE_COST: dict[str, float] = {"float32": 0.0, "bf16": 0.3 * _PER_MB, "fp16": 
 INT8_COST = 0.8 * _PER_MB
 """int8 with its error feedback (a residual added, the scale found, the rounding, the residual
 kept): about 0.8 ms per 2.7 MB, assumed."""
-LOWBIT_COST = 16.0 * INT8_COST
+LOWBIT_COST = 3.0 * INT8_COST
 """int4 and int2 with error feedback (a scale per chunk of 128, the codes packed): measured
-15.7x and 16.3x int8's, encode plus decode of 2.7 MB (``python benchmarks/codec_cost.py``:
-17 ms against 1.1 ms, median of 7, A B A B); the packing in numpy is the cost."""
+2.9x to 3.0x int8's, encode plus decode of 2.7 MB (``python benchmarks/codec_cost.py``: 3.3
+to 3.5 ms against 1.1 ms, median of 7, A B A B, two runs); 16x before the codes were worked
+out in float32."""
 TOPK_COST = 1.5 * _PER_MB
 """top-k with error feedback (a selection over the piece), assumed."""
 

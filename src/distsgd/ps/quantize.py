@@ -42,33 +42,56 @@ def packed_nbytes(bits: int, count: int) -> int:
 
 
 def pack(x: np.ndarray, bits: int) -> np.ndarray:
-    """The uint8 payload of a 1-D array of finite floats (see the module docstring)."""
+    """The uint8 payload of a 1-D array of finite floats (see the module docstring). The codes
+    are worked out in float32 for float32 values (a quotient within 2**-24 of a half may round
+    the other way, as the error bound allows), else in float64."""
     levels = LEVELS[bits]
     m = x.size
     if m == 0:
         return np.empty(0, dtype=np.uint8)
-    chunks = math.ceil(m / CHUNK)
-    padded = np.zeros(chunks * CHUNK, dtype=np.float64)
-    padded[:m] = x
-    rows = padded.reshape(chunks, CHUNK)
-    scales = (np.abs(rows).max(axis=1) / levels).astype(_SCALE)
-    safe = np.where(scales > 0, scales.astype(np.float64), 1.0)
-    codes = np.clip(np.rint(rows / safe[:, None]), -levels, levels)
-    fields = (codes.reshape(-1)[:m] + (1 << (bits - 1))).astype(np.uint8)
+    work = np.float32 if x.dtype == np.float32 else np.float64
+    rows = _rows(np.asarray(x, dtype=work))
+    peaks = np.abs(rows).max(axis=1).astype(np.float64)
+    scales = (peaks / levels).astype(_SCALE)
+    safe = np.where(scales > 0, scales, 1.0).astype(work)
+    codes = np.divide(rows, safe[:, None])
+    np.rint(codes, out=codes)
+    np.clip(codes, -levels, levels, out=codes)  # a subnormal scale can make them larger
+    codes += 1 << (bits - 1)
+    fields = codes.reshape(-1)[:m].astype(np.uint8)
     return np.concatenate([scales.view(np.uint8), _pack_fields(fields, bits)])
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """``x`` as rows of :data:`CHUNK` values, the last one padded with zeros (a view where
+    ``x`` fills whole rows)."""
+    whole, rest = divmod(x.size, CHUNK)
+    if rest == 0:
+        return x.reshape(whole, CHUNK)
+    padded = np.zeros((whole + 1) * CHUNK, dtype=x.dtype)
+    padded[: x.size] = x
+    return padded.reshape(whole + 1, CHUNK)
 
 
 def unpack(raw: np.ndarray, bits: int, count: int, dtype: np.dtype) -> np.ndarray:
     """A new 1-D array of ``count`` values of ``dtype`` from :func:`pack`'s bytes (the caller
-    checked the byte count); ValueError for a scale that is not finite or is negative."""
+    checked the byte count); ValueError for a scale that is not finite or is negative. A code
+    times its float32 scale is exact in float64 and rounds once to float32, so float32 values
+    are worked out in float32, the same numbers."""
     chunks = math.ceil(count / CHUNK)
     cut = chunks * _SCALE.itemsize
-    scales = raw[:cut].view(_SCALE).astype(np.float64)
+    scales = raw[:cut].view(_SCALE)
     if chunks and not (np.isfinite(scales).all() and (scales >= 0).all()):
         raise ValueError("a chunk's scale is not finite or is negative")
-    fields = _unpack_fields(raw[cut:], bits, count)
-    codes = fields.astype(np.float64) - (1 << (bits - 1))
-    values = codes * np.repeat(scales, CHUNK)[:count]
+    work = np.dtype(np.float32 if dtype == np.float32 else np.float64)
+    codes = np.zeros(chunks * CHUNK, dtype=work)  # the last chunk padded to whole rows
+    codes[:count] = _unpack_fields(raw[cut:], bits, count)
+    np.subtract(codes, 1 << (bits - 1), out=codes)
+    rows = codes.reshape(chunks, CHUNK)
+    np.multiply(rows, scales.astype(work)[:, None], out=rows)
+    values = codes[:count]
+    if values.dtype == dtype:
+        return values
     with np.errstate(over="ignore"):
         return values.astype(dtype)
 
