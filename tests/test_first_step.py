@@ -103,3 +103,24 @@ def test_batch_fn_says_what_the_model_gets() -> None:
             return self.out(features)
 
     _try(Keyword(), F.mse_loss, VALUES, batch_fn=batch_fn)
+
+
+def test_train_and_worker_refuse_test_data_the_evaluation_could_not_score() -> None:
+    """The chief scores test_data with loss_fn at the end: a mismatch there is found before
+    the first step, not after the whole run."""
+    import distsgd
+
+    bad_test = (X[:16], VALUES[:16, 0])  # targets of shape (B,) for an output of (B, 1)
+    config = distsgd.TrainConfig(batch_size=8, steps=2)
+    with pytest.raises(
+        distsgd.SetupError, match=r"test_data.*\(8,\)|\(8,\).*test_data|shape \(8,\)"
+    ):
+        distsgd.train(
+            model=nn.Linear(6, 1),
+            loss_fn=F.mse_loss,
+            train_data=(X, VALUES),
+            test_data=bad_test,
+            config=config,
+        )
+    with pytest.raises(distsgd.SetupError, match=r"shape \(8, 1\) and the target shape \(8,\)"):
+        distsgd.Worker(nn.Linear(6, 1), test_data=bad_test, loss_fn=F.mse_loss, config=config)

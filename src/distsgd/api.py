@@ -108,6 +108,23 @@ def _prepare(
     return env, config, scheme, train_set, test_set
 
 
+def _try_loss(
+    model: nn.Module,
+    loss_fn: LossFn,
+    data: dict[str, Any],
+    config: TrainConfig,
+    batch_fn: BatchFn | None,
+) -> None:
+    """The loss of the first few items of each data set given (name -> set or None), before
+    training: a model, loss or shapes that do not fit raise ValueError now, on every worker,
+    instead of at a step or at the chief's evaluation (:mod:`distsgd.runtime.first_step`)."""
+    module = as_torch_module(model)
+    for name, dataset in data.items():
+        if dataset is not None:
+            size = config.batch_size
+            try_first_step(module, loss_fn, dataset, batch_size=size, batch_fn=batch_fn, name=name)
+
+
 def _alone() -> TaskEnv:
     """The task of a script run alone: one worker, with a run folder of its own (under
     ``$DISTSGD_RUNS``, default ``./distsgd-runs``; none when it says ``off``)."""
@@ -172,14 +189,9 @@ def train(
         env, config, scheme, train_set, test_set = _prepare(
             model, train_data, test_data, config, batch_fn, metrics
         )
-        if train_set is not None:
-            try_first_step(
-                as_torch_module(model),
-                loss_fn,
-                train_set,
-                batch_size=config.batch_size,
-                batch_fn=batch_fn,
-            )
+        _try_loss(
+            model, loss_fn, {"train_data": train_set, "test_data": test_set}, config, batch_fn
+        )
     return run_worker(
         model=model,
         loss_fn=loss_fn,
@@ -269,6 +281,8 @@ class Worker:
             env, self.config, scheme, train_set, test_set = _prepare(
                 model, train_data, test_data, config, batch_fn, metrics
             )
+            if loss_fn is not None:  # the chief's evaluation; the loop's own loss is the user's
+                _try_loss(model, loss_fn, {"test_data": test_set}, self.config, batch_fn)
         self._session = WorkerSession(
             model=model,
             loss_fn=loss_fn,

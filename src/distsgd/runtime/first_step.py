@@ -82,7 +82,7 @@ def try_first_step(
                 f"the model raised {_said(exc)} on a batch of {len(items)} items of {name} "
                 "(tried before training); fix the model, or pass batch_fn= to say what it gets"
             ) from exc
-        _check_shapes(loss_fn, output, batch.target)
+        _check_shapes(loss_fn, output, batch.target, f"{len(items)} items of {name}")
         try:
             loss = loss_fn(output, batch.target)
         except Exception as exc:
@@ -123,16 +123,16 @@ def _untouched(model: nn.Module, device: torch.device) -> Iterator[None]:
                 module.training = training
 
 
-def _check_shapes(loss_fn: Callable[..., Any], output: Any, target: Any) -> None:
+def _check_shapes(loss_fn: Callable[..., Any], output: Any, target: Any, what: str) -> None:
     elementwise = loss_fn in ELEMENTWISE_FUNCTIONS or isinstance(loss_fn, ELEMENTWISE_MODULES)
     if not (elementwise and isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)):
         return
     if output.shape != target.shape:
         raise ValueError(
-            f"loss_fn compares entries, but the model's output is {_shape(output)} and the "
-            f"target {_shape(target)}: torch would broadcast them and train on the wrong "
-            "thing; give the model an output of the target's shape (e.g. its last layer's "
-            "width, or .squeeze(-1))"
+            f"loss_fn compares entries, but on {what} the model's output is {_shape(output)} "
+            f"and the target {_shape(target)}: torch would broadcast them and train on the "
+            "wrong thing; give the model an output of the target's shape (e.g. its last "
+            "layer's width, or .squeeze(-1))"
         )
 
 
