@@ -552,7 +552,9 @@ def test_k8s_local_gives_each_pod_its_container_line_and_what_kubernetes_sets(
 def test_k8s_local_runs_the_demo_to_its_accuracy(tmp_path: Path) -> None:
     out, local = tmp_path / "out", tmp_path / "local"
     _render(out, "--workers", "2", "--ps", "1", "--epochs", "10", "--checkpoint-every", "40")
-    done = run_distsgd(["k8s", "local", str(out), "--local-dir", str(local)], timeout=240)
+    # relative folders, as the docs give them: each pod runs in its image's own folder
+    args = ["k8s", "local", "out", "--local-dir", "local"]
+    done = run_distsgd(args, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("test accuracy: "), last

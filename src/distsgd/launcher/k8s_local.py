@@ -550,7 +550,10 @@ def run_local(
     1 a pod failed, 130 interrupted). The volumes and logs go to ``local_dir`` (default a new
     ``OUT_DIR/local-<time>``)."""
     console = console or Console()
-    folder = local_dir or _local_dir(out_dir)
+    # absolute: each pod runs in its image's working folder, where a relative claim path
+    # would point somewhere else (and the launcher would not find the chief's result)
+    out_dir = Path(out_dir).resolve()
+    folder = (local_dir or _local_dir(out_dir)).resolve()
     if folder.exists() and any(folder.iterdir()):
         raise ValueError(f"{folder} is not empty; give a new folder for the local run")
     folder.mkdir(parents=True, exist_ok=True)
