@@ -186,6 +186,32 @@ def test_progress_line_has_the_share_done_and_time_left(tmp_path: Path) -> None:
     assert Progress(tmp_path / "none.jsonl").eta() is None
 
 
+def test_a_worker_that_left_no_longer_holds_the_progress_back(tmp_path: Path) -> None:
+    """After a scale-down the departed worker's last report is stale: the line follows the
+    workers that remain."""
+    from distsgd.launcher.progress import Progress
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [
+        {"time": 100.0, "task": "worker0", "step": 10, "local_step": 10, "progress": 0.4},
+        {"time": 100.0, "task": "worker2", "step": 10, "local_step": 5, "progress": 0.43},
+        {"time": 101.0, "task": "worker2", "step": 12, "local_step": 6, "samples": 64},
+        {
+            "time": 104.0,
+            "task": "launcher",
+            "step": 60,
+            "event": "worker_left",
+            "target": "worker2",
+        },
+        {"time": 110.0, "task": "worker0", "step": 90, "local_step": 90, "progress": 0.9},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    progress = Progress(path)
+    progress.poll()
+    assert progress.fraction == 0.9
+    assert "worker2" not in progress.rates
+
+
 def test_throughput_counts_from_each_workers_first_line(tmp_path: Path) -> None:
     """The first line's samples were made before any line: a rate over start-up would be wrong
     both ways (start-up counted, or a burst over no time); it counts from the first line."""

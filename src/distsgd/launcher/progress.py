@@ -179,6 +179,9 @@ class Progress:
                 histogram = record.get("staleness")
                 if isinstance(histogram, dict):
                     self.staleness[str(record.get("task"))] = histogram
+            if record.get("event") == "worker_left":  # scaled down: its last report is stale
+                self.fractions.pop(str(record.get("target")), None)
+                self.rates.pop(str(record.get("target")), None)
             if record.get("event") == "diverged" and self.divergence is None:
                 self.divergence = str(record.get("reason", "training diverged"))
 
