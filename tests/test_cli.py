@@ -257,3 +257,30 @@ def test_a_command_line_mistake_is_one_line_with_a_hint(args: list[str], says: s
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and lines[0].endswith(" --help"), done.stderr
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [
+        ("UNAUTHENTICATED", "(UNAUTHENTICATED): missing or wrong run secret"),
+        ("UNAVAILABLE", "; check that a server listens at 127.0.0.1:9"),
+        ("DEADLINE_EXCEEDED", "; the other tasks of the run must start within the wait"),
+    ],
+)
+def test_a_refused_or_unreachable_server_is_an_error_not_a_bug(
+    code: str, says: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import grpc
+
+    from distsgd.cli import main as cli_main
+    from distsgd.transport.errors import RemoteError
+
+    def fails(args: object, argv: object) -> int:
+        message = "missing or wrong run secret" if code == "UNAUTHENTICATED" else "no answer"
+        raise RemoteError("127.0.0.1:9", "Register", grpc.StatusCode[code], message)
+
+    monkeypatch.setattr(cli_main, "_dispatch", fails)
+    assert cli_main.main(["schemes"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("distsgd: error: Register on parameter server 127.0.0.1:9 failed")
+    assert says in err and "a bug" not in err and err.count("\n") == 1

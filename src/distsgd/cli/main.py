@@ -12,11 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from distsgd import schemes
 from distsgd.cli.flags import checkpoint_every, collect, scheme_options
 from distsgd.cli.parser import build_parser, parse_argv
 from distsgd.cluster import ClusterSpecError, Role, resolve_cluster
 from distsgd.launcher.config import DEMO_SCRIPT
+from distsgd.transport.errors import RemoteError
 from distsgd.util import private_dir
 
 DEBUG_ENV = "DISTSGD_DEBUG"
@@ -328,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("distsgd: interrupted", file=sys.stderr)
         return 130
+    except RemoteError as exc:  # a server refused or could not be reached: not a bug
+        print(f"distsgd: error: {_one_line(exc)}{_remote_hint(exc)}", file=sys.stderr)
+        return 1
     except Exception as exc:  # a bug: one line, the traceback only when asked for
         if os.environ.get(DEBUG_ENV):
             raise
@@ -337,6 +343,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _remote_hint(exc: RemoteError) -> str:
+    """What to check for a failed call to a parameter server, by its status code."""
+    if exc.code == grpc.StatusCode.UNAUTHENTICATED:
+        return ""  # the server's message names the fix (the shared secret)
+    if exc.code == grpc.StatusCode.UNAVAILABLE:
+        return (
+            f"; check that a server listens at {exc.address} (distsgd server) and that the "
+            "cluster names its address"
+        )
+    if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "; the other tasks of the run must start within the wait it names"
+    return ""
 
 
 def _one_line(exc: BaseException) -> str:
