@@ -481,3 +481,19 @@ def test_the_torch_free_scan_passes_a_saved_state_and_refuses_a_crafted_one(
     assert unsafe_globals(crafted) == ["posix.system"]
     with pytest.raises(CheckpointError, match="not a readable worker state"):
         unsafe_globals(tmp_path / "worker0-00000005.json")
+
+
+def test_inspect_of_a_run_without_a_complete_checkpoint_says_why_and_what_to_read(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "short"
+    (run_dir / "checkpoints" / "workers").mkdir(parents=True)
+    line = _error_line(run_distsgd(["inspect", str(run_dir)], timeout=120))
+    assert line == (
+        f"distsgd: error: {run_dir}: no complete checkpoint (a run shorter than "
+        "--checkpoint-every, 30 s by default, has none)"
+    )
+    state = run_dir / "checkpoints" / "workers" / "worker0-00000066.pt"
+    torch.save({"format": 2, **_state()}, state)
+    line = _error_line(run_distsgd(["inspect", str(run_dir)], timeout=120))
+    assert line.endswith(f"has none); inspect one of its files, e.g. {state}")

@@ -59,7 +59,12 @@ def describe(path: Path) -> list[str]:
         checkpoint, problems = latest_checkpoint(path / "checkpoints")
         lines = [f"unusable: {p}" for p in problems]
         if checkpoint is None:
-            raise CheckpointError(f"{path}: no complete checkpoint")
+            saved = sorted((path / "checkpoints" / "workers").glob("worker*.pt"))
+            files = f"; inspect one of its files, e.g. {saved[-1]}" if saved else ""
+            raise CheckpointError(
+                f"{path}: no complete checkpoint (a run shorter than --checkpoint-every, "
+                f"30 s by default, has none){files}"
+            )
         return [*lines, *describe(checkpoint.path)]
     if not (path / MANIFEST).exists() and not any(path.glob(SHARD_FILE_GLOB)):
         raise CheckpointError(
