@@ -209,7 +209,7 @@ class ParameterClient:
 
         def attempt() -> list[tuple[int, dict[str, np.ndarray]] | None]:
             keys: list[list[str]] = [[] for _ in self.shards]
-            for piece in self.plan.some(names):  # where they are now
+            for piece in [] if names is None else self.plan.some(names):  # where they are now
                 keys[piece.shard].append(piece.key)
 
             def one(i: int, shard: ShardClient) -> tuple[int, dict[str, np.ndarray]] | None:
