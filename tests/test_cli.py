@@ -187,8 +187,9 @@ def test_a_failed_task_is_reported_on_stderr(tmp_path: Path) -> None:
         ("raise SystemExit('no data here')\n", "(exit: no data here)"),
         ("import sys\nsys.exit(2)\n", "(exit code 2)"),
         ("x = 1\n", "finished without calling distsgd.train() or making a distsgd.Worker"),
+        ("import sys\nsys.exit(0)\n", "finished without calling distsgd.train() or making"),
     ],
-    ids=["syntax", "import", "exit-text", "exit-code", "no-train"],
+    ids=["syntax", "import", "exit-text", "exit-code", "no-train", "exit-0"],
 )
 def test_a_script_that_fails_before_training_stops_the_run_without_restarts(
     tmp_path: Path, source: str, says: str

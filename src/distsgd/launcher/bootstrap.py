@@ -61,10 +61,12 @@ def run_script(script: str, args: Sequence[str]) -> int:
         logging.getLogger(__name__).debug("setup refused", exc_info=True)
         return refuse_setup(exc)
     except SystemExit as exc:
-        if api.calls or exc.code in (None, 0):
+        if api.calls:
             raise
-        said = f"exit code {exc.code}" if isinstance(exc.code, int) else f"exit: {exc.code}"
-        return refuse_setup(SetupError(before_training(script, said)))
+        if exc.code not in (None, 0):
+            said = f"exit code {exc.code}" if isinstance(exc.code, int) else f"exit: {exc.code}"
+            return refuse_setup(SetupError(before_training(script, said)))
+        # exit 0 before distsgd was called: as a script that returned without calling it
     except Exception as exc:
         if api.calls:
             raise
