@@ -10,14 +10,17 @@ import ipaddress
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import loadclock
 import psutil
 import pytest
 
@@ -182,15 +185,19 @@ def distsgd_cmd(*args: str) -> list[str]:
 def run_distsgd(
     args: Sequence[str], *, timeout: float = 240.0, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``distsgd ARGS`` to the end; output captured as text."""
-    return subprocess.run(
-        distsgd_cmd(*args),
-        capture_output=True,
+    """Run ``distsgd ARGS`` to the end; output captured as text. ``timeout`` counts fair
+    seconds (:mod:`loadclock`): it stretches with the machine's load."""
+    cmd = distsgd_cmd(*args)
+    with subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         cwd=cwd,
         stdin=subprocess.DEVNULL,
-    )
+    ) as proc:
+        out, err = loadclock.communicate(proc, timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_scheme(
@@ -233,12 +240,42 @@ def alive(pids: Sequence[int]) -> list[int]:
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Whether ``predicate()`` came true within ``timeout`` fair seconds (:mod:`loadclock`:
+    the wait stretches with the machine's load)."""
+    deadline = loadclock.Deadline(timeout)
+    while not deadline.expired():
         if predicate():
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """pytest-timeout's per-test limit in fair seconds (:mod:`loadclock`): when the limit's
+    wall time has passed but the machine was too busy to give the test that much time, the
+    timer is set again for what is left (up to ``MAX_STRETCH`` times the limit in all)."""
+    if settings.method != "signal" or threading.current_thread() is not threading.main_thread():
+        return None  # pytest-timeout's own timer
+    import pytest_timeout
+
+    deadline = loadclock.Deadline(settings.timeout)
+
+    def handler(signum: int, frame: Any) -> None:
+        __tracebackhide__ = True
+        if not deadline.expired():
+            signal.setitimer(signal.ITIMER_REAL, max(1.0, deadline.left()))
+            return
+        pytest_timeout.timeout_sigalrm(item, settings)
+
+    def cancel() -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+    item.cancel_timeout = cancel  # type: ignore[attr-defined]
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, settings.timeout)
+    return True
 
 
 @pytest.fixture
