@@ -234,18 +234,20 @@ class PullResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("header", "base_version", "tensors", "lr_scale", "segment")
+    __slots__ = ("header", "base_version", "tensors", "lr_scale", "segment", "sequence")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     LR_SCALE_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     base_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     lr_scale: float
     segment: int
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., lr_scale: _Optional[float] = ..., segment: _Optional[int] = ...) -> None: ...
+    sequence: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., base_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., lr_scale: _Optional[float] = ..., segment: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -256,18 +258,20 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("accepted", "version", "reason", "reject", "moved")
+    __slots__ = ("accepted", "version", "reason", "reject", "moved", "duplicate")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REJECT_FIELD_NUMBER: _ClassVar[int]
     MOVED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     version: int
     reason: str
     reject: PushRejectReason
     moved: _containers.RepeatedCompositeFieldContainer[PieceOwner]
-    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., reject: _Optional[_Union[PushRejectReason, str]] = ..., moved: _Optional[_Iterable[_Union[PieceOwner, _Mapping]]] = ...) -> None: ...
+    duplicate: bool
+    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., reject: _Optional[_Union[PushRejectReason, str]] = ..., moved: _Optional[_Iterable[_Union[PieceOwner, _Mapping]]] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ("header",)
@@ -276,7 +280,7 @@ class InfoRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "registered", "scheme", "version", "tensors", "num_workers", "active_workers", "finished_workers", "shard_index", "pushes_accepted", "pushes_rejected", "server_incarnation", "restored_version", "nonfinite_rejected", "membership_epoch", "members", "work", "load", "moved")
+    __slots__ = ("protocol_version", "registered", "scheme", "version", "tensors", "num_workers", "active_workers", "finished_workers", "shard_index", "pushes_accepted", "pushes_rejected", "server_incarnation", "restored_version", "nonfinite_rejected", "membership_epoch", "members", "work", "load", "moved", "applied_sequence")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +300,7 @@ class InfoResponse(_message.Message):
     WORK_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     MOVED_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     registered: bool
     scheme: str
@@ -315,7 +320,8 @@ class InfoResponse(_message.Message):
     work: WorkStatus
     load: ShardLoad
     moved: _containers.RepeatedCompositeFieldContainer[PieceOwner]
-    def __init__(self, protocol_version: _Optional[int] = ..., registered: _Optional[bool] = ..., scheme: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_workers: _Optional[int] = ..., active_workers: _Optional[int] = ..., finished_workers: _Optional[int] = ..., shard_index: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., server_incarnation: _Optional[int] = ..., restored_version: _Optional[int] = ..., nonfinite_rejected: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., work: _Optional[_Union[WorkStatus, _Mapping]] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ..., moved: _Optional[_Iterable[_Union[PieceOwner, _Mapping]]] = ...) -> None: ...
+    applied_sequence: int
+    def __init__(self, protocol_version: _Optional[int] = ..., registered: _Optional[bool] = ..., scheme: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_workers: _Optional[int] = ..., active_workers: _Optional[int] = ..., finished_workers: _Optional[int] = ..., shard_index: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., server_incarnation: _Optional[int] = ..., restored_version: _Optional[int] = ..., nonfinite_rejected: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., work: _Optional[_Union[WorkStatus, _Mapping]] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ..., moved: _Optional[_Iterable[_Union[PieceOwner, _Mapping]]] = ..., applied_sequence: _Optional[int] = ...) -> None: ...
 
 class ShardLoad(_message.Message):
     __slots__ = ("pushes", "push_bytes", "pulls", "pull_bytes", "busy_seconds", "pieces")
