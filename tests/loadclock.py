@@ -19,6 +19,7 @@ import os
 import subprocess
 import threading
 import time
+from typing import Any
 
 MAX_STRETCH = 8.0
 """A wait ends after this many times its nominal length in wall time, however busy the
@@ -141,3 +142,18 @@ def wait(proc: subprocess.Popen[str], timeout: float) -> int:
         except (subprocess.TimeoutExpired, psutil.TimeoutExpired):
             if deadline.expired():
                 raise subprocess.TimeoutExpired(proc.args, timeout) from None
+
+
+def run(args: Any, *, timeout: float | None = None, check: bool = False, **kw: Any) -> Any:
+    """``subprocess.run`` whose ``timeout`` counts fair seconds (``input`` not supported)."""
+    if kw.pop("capture_output", False):
+        kw["stdout"] = kw["stderr"] = subprocess.PIPE
+    with subprocess.Popen(args, **kw) as proc:
+        if timeout is None:
+            out, err = proc.communicate()
+        else:
+            out, err = communicate(proc, timeout)
+    done = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done

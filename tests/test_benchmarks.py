@@ -12,6 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
+import loadclock
 import psutil
 import pytest
 from conftest import ROOT
@@ -37,7 +38,7 @@ def test_quick_suite_writes_every_row_and_cleans_up(tmp_path: Path) -> None:
     env = {**os.environ, "DISTSGD_BENCH_TEST": marker}
     started = time.monotonic()
     try:
-        done = subprocess.run(
+        done = loadclock.run(
             [
                 sys.executable,
                 str(ROOT / "benchmarks" / "run.py"),

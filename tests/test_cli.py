@@ -8,6 +8,7 @@ import re
 import signal
 from pathlib import Path
 
+import loadclock
 import pytest
 from conftest import SCRIPTS, run_distsgd, wait_for
 
@@ -129,11 +130,11 @@ def test_manual_cluster_with_server_and_worker_commands(spawn, tmp_path: Path) -
             )
         )
     for w in workers:
-        out, _ = w.communicate(timeout=120)
+        out, _ = loadclock.communicate(w, 120)
         assert w.returncode == 0, out
     assert json.loads((run_dir / "result.json").read_text())["test_accuracy"] > 0.5
     os.kill(server.pid, signal.SIGTERM)
-    out, _ = server.communicate(timeout=20)
+    out, _ = loadclock.communicate(server, 20)
     assert server.returncode == 0, out
     assert "stopping" in out
 

@@ -13,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
+import loadclock
 import pytest
 import torch
 from conftest import ROOT, SCRIPTS, alive, metrics, run_distsgd, task_pids, wait_for
@@ -179,7 +180,7 @@ def test_sigint_stops_the_current_run_and_skips_the_rest(spawn, tmp_path: Path) 
     run_dir = out / "runs" / "hogwild"
     assert wait_for(lambda: len(metrics(run_dir)) > 2, 60), "the first run did not start"
     proc.send_signal(signal.SIGINT)
-    stdout, _ = proc.communicate(timeout=60)
+    stdout, _ = loadclock.communicate(proc, 60)
     assert proc.returncode == 130, stdout[-3000:]
     _no_process_left(run_dir)
     assert not (out / "runs" / "allreduce").exists()

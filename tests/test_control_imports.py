@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import ast
 import pkgutil
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+
+import loadclock
 
 import distsgd.control
 import distsgd.plan
@@ -38,7 +39,7 @@ def test_control_and_the_server_import_with_torch_blocked() -> None:
         "    importlib.import_module(name)\n"
         "assert sys.modules['torch'] is None\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = loadclock.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

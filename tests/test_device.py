@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import loadclock
 import pytest
 import torch
 from conftest import SCRIPTS, final_accuracy, run_distsgd
@@ -71,7 +71,7 @@ def test_the_launcher_hands_each_worker_its_own_gpu(tmp_path: Path) -> None:
     script.write_text(RECORD % str(SCRIPTS / "blobs.py"))
     run_dir = tmp_path / "run"
     args = ["run", "--workers", "4", "--scheme", "hogwild", "--device", "auto", "--quiet"]
-    done = subprocess.run(
+    done = loadclock.run(
         [sys.executable, "-m", "distsgd", *args, "--run-dir", str(run_dir), str(script)],
         capture_output=True,
         text=True,

@@ -16,12 +16,12 @@ import contextlib
 import io
 import os
 import re
-import subprocess
 import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
 
+import loadclock
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -434,7 +434,7 @@ def test_the_site_builds(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs")
     pytest.importorskip("material")
     site = tmp_path / "site"
-    done = subprocess.run(
+    done = loadclock.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(site)],
         cwd=ROOT,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},

@@ -6,11 +6,11 @@ is shaped to 10 Mbit/s (by the ps host's busiest second) and trains over 3x slow
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+import loadclock
 import pytest
 from conftest import distsgd_cmd, netns_refusal, on_emulated_hosts
 
@@ -66,7 +66,7 @@ def test_the_sampler_writes_a_line_per_sample_and_stops(tmp_path: Path) -> None:
 def _demo(run_dir: Path, link: str) -> dict[str, Any]:
     args = ["--scheme", "sync", "--workers", "2", "--ps", "1", "--hosts", "2", "--epochs", "3"]
     argv = distsgd_cmd("demo", *args, "--link", link, "--quiet", "--run-dir", str(run_dir))
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    done = loadclock.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     record = json.loads((run_dir / HOSTS_FILE).read_text())
     result = json.loads((run_dir / "result.json").read_text())

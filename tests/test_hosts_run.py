@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import loadclock
 import psutil
 import pytest
 from conftest import SCRIPTS, distsgd_cmd, final_accuracy, netns_refusal, on_emulated_hosts
@@ -99,7 +100,7 @@ def test_an_address_another_host_owns_is_not_local() -> None:
         addresses = [f"{h.address}:5000" for h in plan.hosts] + ["198.18.0.253:5000"]
         argv = [*hosts.enter("host1"), sys.executable, "-c", LOCAL, *addresses]
         env = {**os.environ, "PYTHONPATH": str(SRC)}
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+        done = loadclock.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [False, True, False]
 
@@ -144,7 +145,7 @@ def _demo(run_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], 
             for pid in [*pids, *_host_keepers(run_dir)]:  # each task's and host's view
                 seen |= _listening(pid)
             time.sleep(0.2)
-        out, err = proc.communicate(timeout=60)
+        out, err = loadclock.communicate(proc, 60)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -278,6 +279,6 @@ def _alive(pid: int) -> bool:
 
 
 def _links_here() -> str:
-    return subprocess.run(
+    return loadclock.run(
         ["ip", "-br", "link"], capture_output=True, text=True, timeout=10, check=True
     ).stdout

@@ -7,10 +7,10 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import loadclock
 import numpy as np
 import pytest
 import torch
@@ -174,7 +174,7 @@ def test_names_do_not_depend_on_what_the_process_built_before() -> None:
         "print(' '.join(n for n, _ in as_torch_module(build_model()).named_parameters()))"
     )
     env = {**os.environ, "KERAS_BACKEND": "torch", "KERAS_TORCH_DEVICE": "cpu"}
-    done = subprocess.run(
+    done = loadclock.run(
         [sys.executable, "-c", code, str(SCRIPTS)],
         capture_output=True,
         text=True,

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import loadclock
 import psutil
 import pytest
 from conftest import SCRIPTS, alive, metrics, run_distsgd, task_pids, wait_for
@@ -82,7 +83,7 @@ def test_killed_worker_stops_the_run_and_every_process(spawn, tmp_path: Path) ->
     run_dir = tmp_path / "run"
     proc, tree, pids = _start_slow_run(spawn, run_dir, "sync", "--max-restarts", "0")
     os.kill(pids["worker1"], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = loadclock.communicate(proc, 60)
     assert proc.returncode == 1, out
     last = out.strip().splitlines()
     assert any("task worker1 failed" in line for line in last), out[-2000:]
@@ -93,7 +94,7 @@ def test_sigint_stops_every_process(spawn, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc, tree, _ = _start_slow_run(spawn, run_dir, scheme="allreduce")
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = loadclock.communicate(proc, 60)
     assert proc.returncode == 130, out[-2000:]
     assert "interrupted" in out
     assert alive(tree) == []
@@ -107,7 +108,7 @@ def test_sigint_after_a_checkpoint_says_how_to_resume(spawn, tmp_path: Path) -> 
     checkpoints = run_dir / "checkpoints"
     assert wait_for(lambda: any(checkpoints.glob("ckpt-*/MANIFEST.json")), 90), "no checkpoint"
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = loadclock.communicate(proc, 60)
     assert proc.returncode == 130, out[-2000:]
     assert f"continue it with: distsgd run --resume {run_dir}" in out
     kept = (run_dir / "launcher.log").read_text()
@@ -139,7 +140,7 @@ def test_the_reaper_removes_the_scratch_folder_of_a_group_that_ended_with_its_la
     scratch = tmp_path / "dray-test"
     (scratch / "session").mkdir(parents=True)
     (scratch / "session" / "log").write_text("x")
-    reaper = subprocess.run(
+    reaper = loadclock.run(
         [sys.executable, "-m", "distsgd.launcher.reaper", str(group.pid), str(scratch)],
         env={**os.environ, PARENT_ENV: str(launcher.pid)},
         timeout=60,

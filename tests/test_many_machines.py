@@ -12,6 +12,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import loadclock
 import psutil
 import pytest
 from conftest import ROOT, distsgd_cmd, one_cert_for_all, wait_for
@@ -41,7 +42,7 @@ def _argv(line: str, tls: str, script: Path) -> list[str]:
 
 
 def _links_with(prefix: str) -> list[str]:
-    done = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10)
+    done = loadclock.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10)
     return [line for line in done.stdout.splitlines() if prefix in line]
 
 
@@ -107,16 +108,16 @@ def test_readme_many_machines_on_emulated_hosts(rooted: None, tmp_path: Path) ->
         started += workers
         outs = []
         for worker in workers:
-            out, _ = worker.communicate(timeout=120)
+            out, _ = loadclock.communicate(worker, 120)
             assert worker.returncode == 0, out[-3000:]
             outs.append(out)
         assert float(outs[0].strip().splitlines()[-1]) > 0.9  # the chief's accuracy
         server.send_signal(signal.SIGTERM)
-        out, _ = server.communicate(timeout=30)
+        out, _ = loadclock.communicate(server, 30)
         assert server.returncode == 0, out[-3000:]
         assert "mutual TLS" in out and "198.18.0.1:2222" in out, out[-3000:]
         up.send_signal(signal.SIGINT)
-        out, _ = up.communicate(timeout=30)
+        out, _ = loadclock.communicate(up, 30)
         assert up.returncode == 0, out
         assert not state.exists() and not _links_with(record["prefix"])
         assert not any(psutil.pid_exists(h["keeper"]) for h in record["hosts"])

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
+import loadclock
 import pytest
 
 from distsgd.compare.run import run_status
@@ -55,5 +55,5 @@ def test_the_explanation_is_the_reason_and_the_last_non_blank_log_line(tmp_path:
 def test_the_outcome_module_imports_no_torch() -> None:
     """control/ stays torch-free: the outcome module imports with torch blocked."""
     code = "import sys; sys.modules['torch'] = None; import distsgd.control.outcome"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = loadclock.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import subprocess
 import sys
 from typing import Any
 
+import loadclock
 import pytest
 from conftest import ROOT
 
@@ -270,7 +270,7 @@ def test_plan_measures_a_script() -> None:
     """One real probe run (Hogwild, 1 worker + 1 ps) of the benchmark's MLP script."""
     cmd = [sys.executable, "-m", "distsgd", "plan", "--json", "--schemes", "hogwild"]
     script = str(ROOT / "benchmarks" / "mlp_script.py")
-    done = subprocess.run([*cmd, script], capture_output=True, text=True, timeout=240)
+    done = loadclock.run([*cmd, script], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["workload"]["param_bytes"]["value"] == 669_706 * 4
@@ -414,7 +414,7 @@ def test_a_script_that_cannot_be_measured_is_a_one_line_error(tmp_path: pathlib.
     script = tmp_path / "broken.py"
     script.write_text("raise RuntimeError('no data here')\n")
     cmd = [sys.executable, "-m", "distsgd", "plan", "--schemes", "hogwild", str(script)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    done = loadclock.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if line.startswith("distsgd: error:")]
     assert len(errors) == 1 and "could not measure broken.py" in errors[0]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import loadclock
 import pytest
 from conftest import ROOT, metrics, task_pids, wait_for
 
@@ -44,7 +44,7 @@ def test_server_side_code_runs_without_importing_torch() -> None:
     module the server imports to touch torch while importing (``from torch import nn``, a
     ``@torch.no_grad()`` decorator), torch would be loaded here."""
     code = "import json\n" + SERVER_IMPORTS
-    done = subprocess.run(
+    done = loadclock.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -61,7 +61,7 @@ def test_the_launcher_imports_no_torch() -> None:
         "import distsgd.cli.inspect\n"
         "print(json.dumps(is_loaded('torch')))\n"
     )
-    done = subprocess.run(
+    done = loadclock.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -77,7 +77,7 @@ def test_deferred_module_loads_on_first_use() -> None:
         "assert wave.Error is not None and is_loaded('wave')\n"
         "print('ok')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = loadclock.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "ok", done.stderr
     assert defer_import("os") is False  # imported already: nothing changes
 
@@ -100,7 +100,7 @@ def test_a_killed_server_serves_again_within_two_seconds(spawn, tmp_path: Path) 
     os.kill(task_pids(run_dir)["ps0"], signal.SIGKILL)
     assert wait_for(lambda: address_file.exists() and address_file.stat().st_mtime_ns != before, 30)
     serving = address_file.stat().st_mtime
-    out, _ = proc.communicate(timeout=240)
+    out, _ = loadclock.communicate(proc, 240)
     assert proc.returncode == 0, out[-3000:]
     print(f"ps0 listening again {serving - killed:.2f} s after SIGKILL")
     assert serving - killed < 2.0, serving - killed

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+import loadclock
 import pytest
 from conftest import ROOT, final_accuracy, run_scheme
 
@@ -24,9 +24,7 @@ def _readme_script(tmp_path: Path) -> Path:
 
 def test_readme_script_alone(tmp_path: Path) -> None:
     script = _readme_script(tmp_path)
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
-    )
+    done = loadclock.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert float(done.stdout.strip().splitlines()[-1]) > 0.9
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
 import sys
 from pathlib import Path
 
+import loadclock
 import pytest
 
 from distsgd.control.config import TrainConfig
@@ -144,7 +144,7 @@ def test_the_spec_imports_with_torch_blocked() -> None:
     )
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": src}
-    done = subprocess.run(
+    done = loadclock.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
     )
     assert done.returncode == 0, done.stderr[-2000:]

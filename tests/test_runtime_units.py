@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
+import loadclock
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -248,7 +248,7 @@ def test_a_script_run_alone_writes_a_run_folder_and_shows_progress(tmp_path: Pat
     )
     runs = tmp_path / "runs"
     env = {**os.environ, "DISTSGD_RUNS": str(runs)}
-    done = subprocess.run(
+    done = loadclock.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
     )
     assert done.returncode == 0, done.stderr
@@ -257,7 +257,7 @@ def test_a_script_run_alone_writes_a_run_folder_and_shows_progress(tmp_path: Pat
     assert folder.name.endswith("-alone")
     assert {"metrics.jsonl", "result.json", "final_model.pt"} <= {p.name for p in folder.iterdir()}
     assert json.loads((folder / "result.json").read_text())["local_steps"] == 30
-    off = subprocess.run(
+    off = loadclock.run(
         [sys.executable, str(script)],
         capture_output=True,
         text=True,

@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import loadclock
 import numpy as np
 import pytest
 import torch
@@ -158,7 +159,7 @@ def test_ps_killed_after_the_chief_finished(spawn, tmp_path: Path) -> None:
     assert not any(finished(f"worker{i}") for i in (1, 2, 3)), "the others finished too soon"
     time.sleep(2.0)  # let the others push on, past the chief's end
     os.kill(task_pids(run_dir)["ps0"], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = loadclock.communicate(proc, 120)
     assert proc.returncode == 0, out[-3000:]
     assert time.monotonic() - started < 120
     fault = next(r for r in metrics(run_dir) if r.get("event") == "fault")

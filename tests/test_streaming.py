@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import loadclock
 import numpy as np
 import psutil
 import pytest
@@ -496,7 +497,7 @@ def _limited(command: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (LIMIT, LIMIT))
 
-    return subprocess.run(
+    return loadclock.run(
         command,
         preexec_fn=cap,
         capture_output=True,
@@ -533,7 +534,7 @@ def test_data_twice_the_memory_limit_trains_to_the_in_memory_accuracy(tmp_path: 
     def run(name: str, *flags: str) -> list[str]:
         return distsgd_cmd(*args, *flags, "--run-dir", str(tmp_path / name), str(script), "train")
 
-    memory = subprocess.run(
+    memory = loadclock.run(
         [*run("memory"), str(data), "memory"],
         capture_output=True,
         text=True,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import loadclock
 import numpy as np
 import pytest
 import torch
@@ -588,7 +589,7 @@ def test_a_worker_sent_sigterm_leaves_and_its_units_are_trained_by_the_others(
 
         assert wait_for(training, 60), "worker2 never trained"
         os.kill(task_pids(run_dir)["worker2"], signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        out, _ = loadclock.communicate(proc, 120)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import threading
@@ -16,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import loadclock
 import psutil
 import pytest
 
@@ -391,7 +391,7 @@ os._exit(0)  # the launcher dies without stopping anything
 def test_nothing_outlives_a_launcher_that_dies(tmp_path: Path) -> None:
     (tmp_path / "task.py").write_text(SCRIPT)
     (tmp_path / "launcher.py").write_text(textwrap.dedent(LAUNCHER))
-    out = subprocess.run(
+    out = loadclock.run(
         [sys.executable, str(tmp_path / "launcher.py"), str(tmp_path)],
         env={**os.environ, "PYTHONPATH": SRC},
         capture_output=True,
