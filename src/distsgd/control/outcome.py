@@ -17,6 +17,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 
 """Exit codes of ``distsgd run``/``demo``/``compare``: 3 means training finished or stopped but
 diverged (or did not learn: ended at chance while its parameters barely moved); 2 is a usage
 error found before anything started."""
+EXIT_TERMINATED = 143
+"""The exit code of a run stopped by SIGTERM: the shell's 128 + 15 (Ctrl-C, SIGINT, is 130)."""
 
 
 class RunStatus(str, enum.Enum):
@@ -68,10 +70,15 @@ class RunOutcome:
     """The chief's ``result.json`` when it wrote one, else None."""
     result: Mapping[str, Any] | None = None
     """That file's contents, as the launcher last wrote them."""
+    terminated: bool = False
+    """``interrupted`` by SIGTERM rather than Ctrl-C: exit code 143 (:data:`EXIT_TERMINATED`),
+    not 130, as the shell has it."""
 
     @property
     def exit_code(self) -> int:
         """The exit code of ``distsgd run`` for this outcome."""
+        if self.terminated and self.status is RunStatus.INTERRUPTED:
+            return EXIT_TERMINATED
         return self.status.exit_code
 
     def explanation(self) -> str:

@@ -18,6 +18,7 @@ import shutil
 import signal
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,8 @@ def _divergence_line(exc: RunDiverged, spec: schemes.SchemeSpec) -> str:
 
 def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
     """Run ``config`` to the end; returns how it ended (its ``exit_code``: 0, 1 failed,
-    3 diverged, 130 interrupted). A settings mistake found before the start raises ValueError.
+    3 diverged, 130 interrupted by Ctrl-C, 143 by SIGTERM). A settings mistake found before the
+    start raises ValueError.
 
     Without a ``console`` it makes its own, and keeps a copy of what it says (not the tasks'
     lines, which have their own logs) in the run folder's ``launcher.log``."""
@@ -112,10 +114,11 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
     supervisor = _supervisor(config, run_dir, console)
     local = LocalRun(config, console, run_dir, supervisor, stop, hosts=hosts)
     previous: dict[signal.Signals, Any] = {}
+    caught: list[int] = []  # the signals that stopped the run, first first
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, setter(stop))
+            previous[sig] = signal.signal(sig, setter(stop, before=partial(caught.append, sig)))
     launcher_file = run_dir / LAUNCHER_FILE
     try:
         write_atomic(launcher_file, f"{os.getpid()}\n")  # distsgd scale checks it is running
@@ -124,7 +127,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
         console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks")
         if latest_checkpoint(local.ckpt_root)[0] is not None:
             console.final(f"distsgd: continue it with: distsgd run --resume {run_dir}")
-        return RunOutcome(status=RunStatus.INTERRUPTED, run_dir=run_dir, reason="interrupted")
+        return interrupted_outcome(run_dir, caught)
     except RunFailed as exc:
         console.error(f"distsgd: error: {exc}")
         return RunOutcome(
@@ -156,6 +159,15 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
         _write_tasks(run_dir, supervisor)
         if keep:
             console.close()
+
+
+def interrupted_outcome(run_dir: Path, caught: list[int]) -> RunOutcome:
+    """A run stopped by the first of the signals ``caught``: SIGTERM exits 143 (128 + 15, as
+    the shell has it), Ctrl-C (SIGINT, or none recorded) 130."""
+    terminated = bool(caught) and caught[0] == signal.SIGTERM
+    return RunOutcome(
+        status=RunStatus.INTERRUPTED, run_dir=run_dir, reason="interrupted", terminated=terminated
+    )
 
 
 def _read_result(path: Path) -> dict[str, Any] | None:
