@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from distsgd.ps import moves
+from distsgd.ps import moves, snapshot_check
 from distsgd.ps.gate import Gate
 from distsgd.ps.load import ShardLoad
 from distsgd.ps.membership import DEFAULT_EVICT_AFTER, Membership
@@ -411,6 +411,7 @@ class Shard:
                 "nonfinite_rejected": self.nonfinite_rejected,
                 "rule": {k: v for k, v in rule_state.items() if not isinstance(v, np.ndarray)},
                 "keys": list(self.values),
+                "specs": {k: snapshot_check.spec_of(v) for k, v in self.values.items()},
                 "moved": dict(self.moved),
                 **({} if self.work is None else {"work": self.work.state_dict()}),
             }
@@ -439,41 +440,79 @@ class Shard:
             with np.load(io.BytesIO(data), allow_pickle=False) as npz:
                 arrays = {k: npz[k] for k in npz.files}
             header: dict[str, Any] = json.loads(arrays.pop("header").tobytes())
-            if header.get("format") != CHECKPOINT_FORMAT:
-                raise CorruptCheckpoint(f"{name}: unknown shard format {header.get('format')!r}")
+            if not isinstance(header, dict) or header.get("format") != CHECKPOINT_FORMAT:
+                why = header.get("format") if isinstance(header, dict) else header
+                raise CorruptCheckpoint(f"{name}: unknown shard format {why!r:.60}")
+            why = snapshot_check.header_problem(header) or snapshot_check.arrays_problem(
+                header, arrays
+            )
+            if why is not None:  # served, it would fail later as a bug, or as a diverged run
+                raise CorruptCheckpoint(f"{name}: a damaged shard file: {why}")
             values = {k: arrays[f"values/{k}"] for k in header["keys"]}
             rule = rule_factory(
                 header["scheme"], parse_options_json(header["options_json"]), header["num_workers"]
             )
             work = WorkQueue.from_state(header["work"]) if "work" in header else None
+            rule_state: dict[str, Any] = dict(header["rule"])
+            rule_state.update({k[5:]: v for k, v in arrays.items() if k.startswith("rule/")})
+            rule.load_state_dict(rule_state)
+            shard = cls(
+                index=header["index"],
+                scheme=header["scheme"],
+                options_json=header["options_json"],
+                num_workers=header["num_workers"],
+                values=values,
+                rule=rule,
+                run_id=header["run_id"],
+                max_workers=max_workers,
+                evict_after=evict_after,
+            )
+            shard.version = shard.restored_version = int(header["version"])
+            shard.finished = set(header["finished"])
+            shard.pushes_accepted = int(header["pushes_accepted"])
+            shard.pushes_rejected = int(header["pushes_rejected"])
+            shard.nonfinite_rejected = int(header["nonfinite_rejected"])
+            shard.work = work
+            shard.moved = {str(k): int(v) for k, v in header.get("moved", {}).items()}
         except CorruptCheckpoint:
             raise
-        except Exception as exc:  # zip, json, key errors: all mean the file is damaged
+        except Exception as exc:  # zip, json, key, rule state errors: the file is damaged
             raise CorruptCheckpoint(
-                f"{name}: not a readable shard checkpoint ({type(exc).__name__}: {exc})"
+                f"{name}: not a readable shard checkpoint ({_first_line(exc)})"
             ) from None
-        rule_state: dict[str, Any] = dict(header["rule"])
-        rule_state.update({k[5:]: v for k, v in arrays.items() if k.startswith("rule/")})
-        rule.load_state_dict(rule_state)
-        shard = cls(
-            index=header["index"],
-            scheme=header["scheme"],
-            options_json=header["options_json"],
-            num_workers=header["num_workers"],
-            values=values,
-            rule=rule,
-            run_id=header["run_id"],
+        return shard
+
+
+def restore_file(
+    path: Path,
+    rule_factory: RuleFactory,
+    *,
+    shard_index: int,
+    fallback: bool,
+    max_workers: int = 0,
+    evict_after: float = DEFAULT_EVICT_AFTER,
+) -> Shard | None:
+    """The shard a server starts from with ``--restore path``: checked as
+    :meth:`Shard.from_bytes` checks it; a damaged or unreadable file (or another shard's) is
+    :class:`CorruptCheckpoint` naming it, or, with a ``fallback`` (the write-ahead log holds
+    state), None after one ERROR line that names the file and the damage."""
+    try:
+        shard = Shard.from_bytes(
+            path.read_bytes(),
+            rule_factory,
+            name=str(path),
             max_workers=max_workers,
             evict_after=evict_after,
         )
-        shard.version = shard.restored_version = int(header["version"])
-        shard.finished = set(header["finished"])
-        shard.pushes_accepted = int(header["pushes_accepted"])
-        shard.pushes_rejected = int(header["pushes_rejected"])
-        shard.nonfinite_rejected = int(header["nonfinite_rejected"])
-        shard.work = work
-        shard.moved = {str(k): int(v) for k, v in header.get("moved", {}).items()}
-        return shard
+        if shard.index != shard_index:
+            raise CorruptCheckpoint(f"{path} holds shard {shard.index}, not shard {shard_index}")
+    except (CorruptCheckpoint, OSError) as exc:
+        if not fallback:
+            raise
+        log.error("shard %d: %s; starting from the write-ahead log instead", shard_index, exc)
+        return None
+    log.info("shard %d restored from %s at version %d", shard_index, path, shard.version)
+    return shard
 
 
 # -- the shard file, read without rebuilding a shard ---------------------------------------------

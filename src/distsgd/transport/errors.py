@@ -62,6 +62,9 @@ class Refusal(enum.Enum):
     NO_WORK = "no-work"
     """FAILED_PRECONDITION (LeaseWork): this shard hands out no work units (only shard 0 of a
     run registered with a work spec does)."""
+    NOT_LOGGED = "not-logged"
+    """UNAVAILABLE (a push): the server could not write the push to its write-ahead log in time
+    (its disk is full), so it applied none of it and said nothing else: send it again."""
 
     @classmethod
     def named(cls, value: str) -> Refusal | None:

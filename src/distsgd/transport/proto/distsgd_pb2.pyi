@@ -280,7 +280,7 @@ class InfoRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "registered", "scheme", "version", "tensors", "num_workers", "active_workers", "finished_workers", "shard_index", "pushes_accepted", "pushes_rejected", "server_incarnation", "restored_version", "nonfinite_rejected", "membership_epoch", "members", "work", "load", "moved", "applied_sequence")
+    __slots__ = ("protocol_version", "registered", "scheme", "version", "tensors", "num_workers", "active_workers", "finished_workers", "shard_index", "pushes_accepted", "pushes_rejected", "server_incarnation", "restored_version", "nonfinite_rejected", "membership_epoch", "members", "work", "load", "moved", "applied_sequence", "wal")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,7 @@ class InfoResponse(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     MOVED_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    WAL_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     registered: bool
     scheme: str
@@ -321,7 +322,28 @@ class InfoResponse(_message.Message):
     load: ShardLoad
     moved: _containers.RepeatedCompositeFieldContainer[PieceOwner]
     applied_sequence: int
-    def __init__(self, protocol_version: _Optional[int] = ..., registered: _Optional[bool] = ..., scheme: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_workers: _Optional[int] = ..., active_workers: _Optional[int] = ..., finished_workers: _Optional[int] = ..., shard_index: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., server_incarnation: _Optional[int] = ..., restored_version: _Optional[int] = ..., nonfinite_rejected: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., work: _Optional[_Union[WorkStatus, _Mapping]] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ..., moved: _Optional[_Iterable[_Union[PieceOwner, _Mapping]]] = ..., applied_sequence: _Optional[int] = ...) -> None: ...
+    wal: WalStatus
+    def __init__(self, protocol_version: _Optional[int] = ..., registered: _Optional[bool] = ..., scheme: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_workers: _Optional[int] = ..., active_workers: _Optional[int] = ..., finished_workers: _Optional[int] = ..., shard_index: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., server_incarnation: _Optional[int] = ..., restored_version: _Optional[int] = ..., nonfinite_rejected: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., work: _Optional[_Union[WorkStatus, _Mapping]] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ..., moved: _Optional[_Iterable[_Union[PieceOwner, _Mapping]]] = ..., applied_sequence: _Optional[int] = ..., wal: _Optional[_Union[WalStatus, _Mapping]] = ...) -> None: ...
+
+class WalStatus(_message.Message):
+    __slots__ = ("down", "outages", "down_seconds", "error", "folder", "generation", "refused_pushes", "unlogged")
+    DOWN_FIELD_NUMBER: _ClassVar[int]
+    OUTAGES_FIELD_NUMBER: _ClassVar[int]
+    DOWN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FOLDER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    UNLOGGED_FIELD_NUMBER: _ClassVar[int]
+    down: bool
+    outages: int
+    down_seconds: float
+    error: str
+    folder: str
+    generation: int
+    refused_pushes: int
+    unlogged: int
+    def __init__(self, down: _Optional[bool] = ..., outages: _Optional[int] = ..., down_seconds: _Optional[float] = ..., error: _Optional[str] = ..., folder: _Optional[str] = ..., generation: _Optional[int] = ..., refused_pushes: _Optional[int] = ..., unlogged: _Optional[int] = ...) -> None: ...
 
 class ShardLoad(_message.Message):
     __slots__ = ("pushes", "push_bytes", "pulls", "pull_bytes", "busy_seconds", "pieces")
