@@ -1,0 +1,32 @@
+"""A command-line mistake points at the help of the command it was made in."""
+
+from __future__ import annotations
+
+import pytest
+
+from distsgd.cli.parser import build_parser, parse_argv
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog", "extra"),
+    [
+        (["run", "--placment", "pack", "x.py"], "distsgd run", "--placment"),
+        (["hosts", "up", "3", "--bogus"], "distsgd hosts up", "--bogus"),
+        (["schemes", "extra"], "distsgd schemes", "extra"),
+        (["--bogus", "schemes"], "distsgd", "--bogus"),  # the top level's own flag
+    ],
+)
+def test_unrecognized_arguments_point_at_the_subcommands_help(
+    argv: list[str], prog: str, extra: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_argv(build_parser(), argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"{prog}: error: unrecognized arguments: {extra}; see {prog} --help\n"
+
+
+def test_a_good_command_line_leaves_no_note_behind() -> None:
+    args = parse_argv(build_parser(), ["schemes"])
+    assert args.command == "schemes"
+    assert not [name for name in vars(args) if name.startswith("_")]
