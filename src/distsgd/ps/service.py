@@ -23,6 +23,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from distsgd.ps.rules import (
 )
 from distsgd.ps.segments import SegmentTable
 from distsgd.ps.service_errors import abort, clip, guarded
-from distsgd.ps.shard import CorruptCheckpoint, Shard, shard_file_name
+from distsgd.ps.shard import Shard, restore_file, shard_file_name
 from distsgd.ps.shared_plane import SharedPlane
 from distsgd.ps.work import MAX_DONE, MAX_LEASE, Unit, WorkQueue, WorkSpec
 from distsgd.transport import bulk
@@ -130,20 +131,14 @@ class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
         self.checkpoint_dir = checkpoint_dir
         self.max_waiting_pulls = max_waiting_pulls
         self.shard: Shard | None = None
-        if restore is not None:
-            self.shard = Shard.from_bytes(
-                Path(restore).read_bytes(),
+        if restore is not None:  # a damaged file: the log's state, if there is one
+            self.shard = restore_file(
+                Path(restore),
                 rule_factory,
-                name=str(restore),
+                shard_index=shard_index,
+                fallback=wal_dir is not None and wal.has_state(wal_dir),
                 max_workers=max_workers,
                 evict_after=evict_after,
-            )
-            if self.shard.index != shard_index:
-                raise CorruptCheckpoint(
-                    f"{restore} holds shard {self.shard.index}, not shard {shard_index}"
-                )
-            log.info(
-                "shard %d restored from %s at version %d", shard_index, restore, self.shard.version
             )
         self.wal_dir = wal_dir
         if wal_dir is not None:
@@ -331,6 +326,9 @@ class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
                     )
                 )
                 reply.moved.extend(moved_owners(shard, list(shard.moved)))
+                if shard.wal is not None:
+                    reply.wal.CopyFrom(pb.WalStatus(**vars(shard.wal.state())))
+                reply.applied_sequence = shard.sequences.highest(request.header.worker)
                 if shard.work is not None:
                     reply.work.CopyFrom(work_status(shard.work))
         return reply
@@ -523,6 +521,7 @@ class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
         self._check(head.header, context)
         shard = self._registered(context)
         lr_scale = checks.lr_scale(head.lr_scale, context)
+        checks.push_sequence(head.sequence, context)
         checks.check_push_specs(shard, head.tensors, context)
         payload = checks.assemble(head.tensors, request_iterator, context, push_nbytes)
         payload = checks.decode(head.tensors, payload, context)
@@ -536,11 +535,14 @@ class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
             worker=head.header.worker,
             incarnation=head.header.incarnation,
             base_version=head.base_version,
+            sequence=head.sequence,
         )
         outcome, version = shard.push(payload, meta)
-        return push_response(
+        reply = push_response(
             shard, outcome.accepted, version, outcome.reason, outcome.reject, list(payload)
         )
+        reply.duplicate = outcome.duplicate
+        return reply
 
     @guarded
     def Checkpoint(
@@ -560,7 +562,8 @@ class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"bad checkpoint name {request.name[:80]!r}; use letters, digits, '.', '_' and '-'",
             )
-        version, data = shard.to_bytes()
+        with nullcontext() if shard.rule.locked else shard.gate.exclusive():
+            version, data = shard.to_bytes()  # no push half-applied (its sequence recorded)
         path = self.checkpoint_dir / request.name / shard_file_name(self.shard_index)
         try:
             write_bytes_atomic(path, data)
