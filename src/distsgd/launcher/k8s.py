@@ -23,15 +23,19 @@ What :func:`render` writes into the output folder:
 
 Each task finds its identity in what Kubernetes gives the pod (``distsgd.cluster.kube``), so
 the container command lines carry no task index and no host list. Every file is written
-atomically; the secret's file is readable by its owner only.
+atomically; the secret's file is readable by its owner only (0600), every other file by every
+user (0644, a script 0755 where it was executable), its folders 0755: an image that runs as
+a user other than root can read its ``/app``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -472,6 +476,7 @@ def render(config: K8sConfig, out_dir: Path, *, force: bool = False) -> list[Pat
     for path in (config.script, *config.data_files):
         if not path.is_file():
             raise ValueError(f"{path} not found; give the path of a file")
+    made = not out_dir.exists()
     written: list[Path] = []
     for name, docs in manifests(config, new_secret()).items():
         path = out_dir / name
@@ -491,6 +496,19 @@ def render(config: K8sConfig, out_dir: Path, *, force: bool = False) -> list[Pat
     for path in (config.script, *config.data_files):
         target = scripts / path.name
         write_bytes_atomic(target, path.read_bytes())
+        os.chmod(target, 0o755 if path.stat().st_mode & stat.S_IXUSR else 0o644)
         written.append(target)
+    _share(out_dir, written, made=made)
     log.info("rendered %d files into %s", len(written), out_dir)
     return written
+
+
+def _share(out_dir: Path, written: Sequence[Path], *, made: bool) -> None:
+    """Make what holds no secret readable by every user (files 0644, folders 0755): an image
+    that runs as another user than root reads ``/app`` as it was copied; ``secret.yaml`` stays
+    0600. ``out_dir`` itself only where this render made it."""
+    for path in (*written, out_dir / WHEELS_DIR / "README.txt"):
+        if path.name != SECRET_FILE and path.parent.name != SCRIPT_DIR:
+            os.chmod(path, 0o644)
+    for folder in (out_dir / WHEELS_DIR, out_dir / SCRIPT_DIR, *([out_dir] if made else [])):
+        os.chmod(folder, 0o755)
