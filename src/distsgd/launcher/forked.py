@@ -133,6 +133,13 @@ class ForkServer:
         elif report.exit is not None:
             self._exits[report.pid] = report.exit
 
+    def wait_ready(self, timeout: float | None) -> bool:
+        """Whether the server has done its imports and takes requests, waiting up to
+        ``timeout`` seconds for it (False: not yet, or it has ended)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready or self._gone, timeout)
+            return self._ready and not self._gone
+
     # -- asking for a task ------------------------------------------------------------------------
     def fork(
         self,
