@@ -42,6 +42,11 @@ calls = 0
 """How many times :func:`train` ran or a :class:`Worker` was made in this process (the
 bootstrap checks the script called one)."""
 
+trained = False
+"""True once the last :func:`train` returned or the last :class:`Worker` finished: this
+process's training is over (an error the script raises now is its own, after training: the
+bootstrap does not have it restarted, see ``launcher/bootstrap.py``)."""
+
 unfinished = 0
 """:class:`Worker` objects set up in this process and neither finished nor closed (the
 bootstrap refuses a script that ends with one: its result would never be saved)."""
@@ -183,8 +188,9 @@ def train(
     Returns:
         This worker's :class:`TrainResult`; on the chief it carries the test scores.
     """
-    global calls
+    global calls, trained
     calls += 1
+    trained = False
     with _setup_errors():
         env, config, scheme, train_set, test_set = _prepare(
             model, train_data, test_data, config, batch_fn, metrics
@@ -192,7 +198,7 @@ def train(
         _try_loss(
             model, loss_fn, {"train_data": train_set, "test_data": test_set}, config, batch_fn
         )
-    return run_worker(
+    result = run_worker(
         model=model,
         loss_fn=loss_fn,
         train_set=train_set,
@@ -204,6 +210,8 @@ def train(
         callbacks=callbacks,
         metric_fns=metrics,
     )
+    trained = True
+    return result
 
 
 class Step:
@@ -275,8 +283,9 @@ class Worker:
                 "Worker(test_data=..., loss_fn=...): the chief evaluates test_data with "
                 "loss_fn; pass both or neither"
             )
-        global calls
+        global calls, trained
         calls += 1
+        trained = False
         with _setup_errors():
             env, self.config, scheme, train_set, test_set = _prepare(
                 model, train_data, test_data, config, batch_fn, metrics
@@ -381,9 +390,11 @@ class Worker:
         others, evaluate and save the result; then close the connections."""
         if self.result is not None:
             return self.result
+        global trained
         try:
             self.result = self._session.finish()
             self._ended()
+            trained = unfinished == 0
             return self.result
         except BaseException as exc:
             self._session.failed(exc)

@@ -1,6 +1,6 @@
 """Typed outcomes of a worker task that the launcher acts on by exit code, and the record of a
-setup error that the worker leaves in the run folder for the launcher to read
-(:class:`SetupErrorRecord`)."""
+setup error (or of a script's error after its training finished) that the worker leaves in the
+run folder for the launcher to read (:class:`SetupErrorRecord`)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ SETUP_EXIT_CODE = 87
 """Exit code of a worker task that refused its setup (:class:`SetupError`): the launcher does
 not restart it, since the same script and flags would fail the same way."""
 
+AFTER_TRAINING_EXIT_CODE = 88
+"""Exit code of a worker task whose script raised after its training finished (after
+``distsgd.train`` returned or ``Worker.finish``): the script's own error, not training's. The
+launcher does not restart it (a restart would redo finished training and overwrite the run's
+record); the run ends when the other workers do, and fails with the script's error."""
+
 SETUP_ERROR_PREFIX = "distsgd: error: "
 """How the task's stderr line about its setup error begins (for people reading its log)."""
 
@@ -27,12 +33,16 @@ class SetupError(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class SetupErrorRecord:
     """Why a worker refused its setup, as it writes it to the run folder before it exits with
-    :data:`SETUP_EXIT_CODE` (``<task>.setup-error.json``); the launcher reports ``message``."""
+    :data:`SETUP_EXIT_CODE` (``<task>.setup-error.json``), or why its script failed after its
+    training finished (:data:`AFTER_TRAINING_EXIT_CODE`); the launcher reports ``message``."""
 
     task: TaskId
     """The worker that refused."""
     message: str
     """The :class:`SetupError`'s message: the cause and the fix."""
+    after_training: bool = False
+    """The script raised after its training finished (exit :data:`AFTER_TRAINING_EXIT_CODE`):
+    ``message`` names its line; the training's result stands."""
 
     @staticmethod
     def path(run_dir: Path, task: TaskId) -> Path:
@@ -41,7 +51,9 @@ class SetupErrorRecord:
 
     def save(self, run_dir: Path) -> None:
         """Write the record into ``run_dir``, atomically."""
-        data = {"task": self.task.name, "message": self.message}
+        data: dict[str, object] = {"task": self.task.name, "message": self.message}
+        if self.after_training:
+            data["after_training"] = True
         write_atomic(self.path(run_dir, self.task), json.dumps(data) + "\n")
 
     @classmethod
@@ -49,8 +61,12 @@ class SetupErrorRecord:
         """``task``'s record in ``run_dir``; None when it wrote none (or an unreadable one)."""
         try:
             data = json.loads(cls.path(run_dir, task).read_text())
-            return cls(task=TaskId.parse(str(data["task"])), message=str(data["message"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            after = data.get("after_training", False)
+            if not isinstance(after, bool):
+                return None
+            task = TaskId.parse(str(data["task"]))
+            return cls(task=task, message=str(data["message"]), after_training=after)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
     @classmethod

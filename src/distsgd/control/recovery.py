@@ -4,7 +4,8 @@ Its inputs are plain data: the failure (:class:`TaskFailure`), the run's shape
 (:class:`RunTopology`), what the checkpoint store holds (a :class:`StoreView`) and the task's
 restart budget (:class:`RestartBudget`). Its answer is one of :class:`Restart` (this task, from
 its newest state), :class:`RestartAll` (every task, from the newest complete checkpoint),
-:class:`Drop` (an elastic run goes on without the worker) or :class:`Stop` (the run fails).
+:class:`Drop` (an elastic run goes on without the worker), :class:`Finished` (its training was
+over: nothing to restart) or :class:`Stop` (the run fails).
 
 Three places execute a plan: ``distsgd run``'s launcher (:mod:`distsgd.launcher.restart`), the
 JobSet emulator (:mod:`distsgd.launcher.k8s_local`, pods restarted in place) and a restarted pod
@@ -13,6 +14,10 @@ choosing its own newest state (``distsgd worker --resume-latest`` and ``distsgd 
 
 The rules, in order:
 
+0. Once the chief has recorded the run's result (``result.json``), training is over: a task
+   that ends then is not restarted (a restart would train again and overwrite the record), and
+   neither is a worker whose script failed after its own training finished (its error is the
+   script's, not training's): :class:`Finished`; the run ends when the other workers do.
 1. A worker that stopped on divergence, or on a setup error (a mistake in the script or its
    options), stops the run: a restart would do the same again.
 2. A task that ran :attr:`RestartBudget.healthy_seconds` since its last start has a fresh
@@ -38,10 +43,10 @@ from typing import Literal, Protocol
 from distsgd.cluster import Role, TaskId
 from distsgd.control.checkpoint.store import Checkpoint, ShardRef, WorkerStateRef
 from distsgd.control.divergence import DIVERGED_EXIT_CODE
-from distsgd.control.errors import SETUP_EXIT_CODE
+from distsgd.control.errors import AFTER_TRAINING_EXIT_CODE, SETUP_EXIT_CODE
 
-FailureKind = Literal["crash", "killed", "setup_error", "diverged"]
-"""How a task ended: an exit code of its own, a signal, or one of the two codes a worker uses
+FailureKind = Literal["crash", "killed", "setup_error", "diverged", "after_training"]
+"""How a task ended: an exit code of its own, a signal, or one of the three codes a worker uses
 to say a restart would not help."""
 
 MAX_BACKOFF = 10.0
@@ -66,7 +71,13 @@ class TaskFailure:
     checkpoint)."""
 
 
-CAUSE_ORDER: tuple[FailureKind, ...] = ("diverged", "setup_error", "killed", "crash")
+CAUSE_ORDER: tuple[FailureKind, ...] = (
+    "diverged",
+    "setup_error",
+    "killed",
+    "crash",
+    "after_training",
+)
 """Kinds of ending, the most telling first: when tasks end together, the first kind in this
 order names the cause (a worker that diverged or was killed breaks its peers' all-reduce,
 and they then exit with an error of their own)."""
@@ -104,6 +115,8 @@ def failure_kind(exit_code: int | None) -> FailureKind:
         return "diverged"
     if exit_code == SETUP_EXIT_CODE:
         return "setup_error"
+    if exit_code == AFTER_TRAINING_EXIT_CODE:
+        return "after_training"
     if exit_code is not None and exit_code < 0:
         return "killed"
     return "crash"
@@ -126,6 +139,8 @@ class RunTopology:
     in_place: bool = False
     """Each task is restarted where it ran and finds its own newest file (Kubernetes pods);
     nothing restarts the whole cluster or drops a worker."""
+    result_recorded: bool = False
+    """The chief has written the run's ``result.json``: its training is over."""
 
 
 class StoreView(Protocol):
@@ -211,6 +226,18 @@ class Drop:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Finished:
+    """The task's training was over: not restarted, and the run ends when the other workers
+    do (failing then with the script's error when ``after_training``)."""
+
+    task: TaskId
+    """The task that ended."""
+    after_training: bool
+    """Its script failed after its training finished (else: it ended after the run's result
+    was recorded)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Stop:
     """The run fails."""
 
@@ -222,7 +249,7 @@ class Stop:
     """(out_of_restarts) a complete checkpoint exists: ``distsgd run --resume`` can go on."""
 
 
-RestartPlan = Restart | RestartAll | Drop | Stop
+RestartPlan = Restart | RestartAll | Drop | Finished | Stop
 
 
 def backoff(used: int) -> float:
@@ -262,6 +289,9 @@ def plan_restart(
 ) -> RestartPlan:
     """What to do about ``failure`` (the rules are in this module's docstring)."""
     task = failure.task
+    after_training = task.job == Role.WORKER and failure.kind == "after_training"
+    if after_training or run.result_recorded:
+        return Finished(task=task, after_training=after_training)
     if task.job == Role.WORKER and failure.kind in ("diverged", "setup_error"):
         return Stop(reason="diverged" if failure.kind == "diverged" else "setup_error")
     used = budget.in_a_row

@@ -8,7 +8,10 @@ script as ``__main__``. A script that never calls ``distsgd.train`` (or makes a
 ``distsgd.Worker``) is an error (the rest of the cluster would wait for it forever), and so is
 one that fails before it calls either: its own code failed (a syntax error, an import, its
 arguments, its data), the same again on a restart, so the task exits with the setup-error code
-that the launcher does not restart.
+that the launcher does not restart. A script that fails after its training finished (after
+``train`` returned, or its ``Worker`` finished) is not restarted either: the error is the
+script's own, training's result stands, and a restart would train again and overwrite it
+(exit code ``AFTER_TRAINING_EXIT_CODE``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 from distsgd.control.divergence import DIVERGED_EXIT_CODE, Diverged
 from distsgd.control.errors import (
+    AFTER_TRAINING_EXIT_CODE,
     SETUP_ERROR_PREFIX,
     SETUP_EXIT_CODE,
     SetupError,
@@ -61,16 +65,20 @@ def run_script(script: str, args: Sequence[str]) -> int:
         logging.getLogger(__name__).debug("setup refused", exc_info=True)
         return refuse_setup(exc)
     except SystemExit as exc:
+        failed = exc.code not in (None, 0)
+        if failed and api.trained:
+            return after_training(script, exited(exc))
         if api.calls:
             raise
-        if exc.code not in (None, 0):
-            said = f"exit code {exc.code}" if isinstance(exc.code, int) else f"exit: {exc.code}"
-            return refuse_setup(SetupError(before_training(script, said)))
+        if failed:
+            return refuse_setup(SetupError(before_training(script, exited(exc))))
         # exit 0 before distsgd was called: as a script that returned without calling it
     except Exception as exc:
-        if api.calls:
+        if api.calls and not api.trained:
             raise
         traceback.print_exc()  # once: where in the script, for the person who fixes it
+        if api.trained:
+            return after_training(script, raised(exc, path))
         return refuse_setup(SetupError(before_training(script, raised(exc, path))))
     if api.unfinished:
         return refuse_setup(
@@ -97,6 +105,24 @@ def before_training(script: str, what: str) -> str:
     return f"{script} failed before it called distsgd ({what}); fix the script or its arguments"
 
 
+def exited(exc: SystemExit) -> str:
+    """A script's ``sys.exit`` in a few words: ``exit code 2``, ``exit: bad input``."""
+    return f"exit code {exc.code}" if isinstance(exc.code, int) else f"exit: {exc.code}"
+
+
+def after_training(script: str, what: str) -> int:
+    """The script failed (``what``, its line named) after its training finished: its own
+    error, not training's. Said in one line and recorded for the launcher, which does not
+    restart it (training would be done again, and the run's result overwritten)."""
+    message = (
+        f"{script} failed after its training finished ({what}); fix the script (training is "
+        "not run again)"
+    )
+    print(f"{SETUP_ERROR_PREFIX}{message}", file=sys.stderr)
+    record_setup_error(SetupError(message), after_training=True)
+    return AFTER_TRAINING_EXIT_CODE
+
+
 def raised(exc: BaseException, script: Path) -> str:
     """``exc`` in a few words, with the script's line it came from: ``NameError at line 3:
     name 'x' is not defined``."""
@@ -119,9 +145,12 @@ def refuse_setup(exc: SetupError) -> int:
     return SETUP_EXIT_CODE
 
 
-def record_setup_error(exc: SetupError, environ: Mapping[str, str] | None = None) -> None:
+def record_setup_error(
+    exc: SetupError, environ: Mapping[str, str] | None = None, *, after_training: bool = False
+) -> None:
     """Leave ``exc`` as this task's :class:`SetupErrorRecord` in its run folder, for the
-    launcher to report; nothing when the task has no run folder (a script run alone)."""
+    launcher to report (``after_training``: the script failed after its training finished);
+    nothing when the task has no run folder (a script run alone)."""
     from distsgd.control.task import TaskEnv  # here: ``distsgd server`` imports this module
 
     try:
@@ -131,7 +160,8 @@ def record_setup_error(exc: SetupError, environ: Mapping[str, str] | None = None
     if env is None or not env.run_dir or env.standalone_run:
         return
     try:
-        SetupErrorRecord(task=env.task, message=str(exc)).save(Path(env.run_dir))
+        record = SetupErrorRecord(task=env.task, message=str(exc), after_training=after_training)
+        record.save(Path(env.run_dir))
     except OSError as err:
         logging.getLogger(__name__).warning("could not record the setup error: %s", err)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from distsgd.cluster import Role, TaskId
@@ -15,6 +16,7 @@ from distsgd.control.folder import RESULT_FILE
 from distsgd.control.outcome import RunStatus
 from distsgd.control.recovery import (
     Drop,
+    Finished,
     Restart,
     RestartAll,
     RestartBudget,
@@ -38,6 +40,12 @@ class Restarts(LocalTasks):
     """A local run's restarts, drops and stops, as the planner decides them; the checkpoint
     store as the planner sees it (:class:`~distsgd.control.recovery.StoreView`)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.after_training: dict[str, str] = {}
+        """Workers whose script failed after their training finished, with its error (the
+        run fails with it once the other workers are done)."""
+
     # -- the store, as the planner sees it ------------------------------------------------------
     def _disk(self) -> DiskStore:
         return DiskStore(self.ckpt_root, self.wal_root if self.config.wal else None)
@@ -58,6 +66,7 @@ class Restarts(LocalTasks):
             min_workers=self.config.lowest_workers,
             elastic=self.config.elastic,
             checkpointing=self.checkpointing,
+            result_recorded=(self.run_dir / RESULT_FILE).exists(),
         )
 
     # -- a failure ------------------------------------------------------------------------------
@@ -88,6 +97,8 @@ class Restarts(LocalTasks):
         step = self.progress.step
         if isinstance(plan, Stop):
             self._stop(plan, task, code, step)
+        elif isinstance(plan, Finished):
+            self._finished(plan, task.name, code, step)
         elif isinstance(plan, Drop):
             self._drop(plan, task.name, code, step)
         else:
@@ -128,6 +139,44 @@ class Restarts(LocalTasks):
             reason=head,
             log_tail=tuple(task.tail),
         )
+
+    def _finished(self, plan: Finished, name: str, code: int, step: int) -> None:
+        """Its training was over: done, not restarted. A script's error after training fails
+        the run at its end (:meth:`script_failed`); the chief's record stays as it is."""
+        self._fault(name, code, step, "none", after_training=plan.after_training)
+        self.mark_done(name)
+        said = SetupErrorRecord.load(self.run_dir, plan.task) if plan.after_training else None
+        if plan.after_training:
+            message = said.message if said is not None else "see its log"
+            self.after_training[name] = message
+        else:
+            self.console.note(
+                f"[distsgd] {name} ended (exit code {code}) after the run's result was "
+                "recorded; not restarted"
+            )
+
+    def mark_done(self, name: str) -> None:
+        """``name`` has ended its part of the run; a worker's restored servers are told it
+        left (it may have left a process that died since)."""
+        self.done.add(name)
+        finished = TaskId.parse(name)
+        if finished.job != Role.WORKER:
+            return
+        for index in sorted(self.restored_ps):
+            server = self.supervisor.tasks.get(f"ps{index}")
+            if server is not None and server.poll() is None:  # else: told on restart
+                self._tell_finished(index, [finished.index])
+
+    def script_failed(self, result: Mapping[str, Any]) -> RunFailed | None:
+        """The run's failure when a worker's script failed after its training finished (the
+        first such worker's error, in one line, with where the chief's ``result`` is and its
+        verdict); None when none did."""
+        if not self.after_training:
+            return None
+        name = min(self.after_training, key=lambda n: TaskId.parse(n).index)
+        verdict = f" (diverged: {result.get('divergence')})" if result.get("diverged") else ""
+        kept = f"; the run's result stands in {self.run_dir / RESULT_FILE}{verdict}"
+        return RunFailed(f"{name}: {self.after_training[name]}{kept}")
 
     def _drop(self, plan: Drop, name: str, code: int, step: int) -> None:
         self._fault(name, code, step, "drop", workers=plan.workers)

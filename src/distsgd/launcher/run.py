@@ -125,7 +125,8 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
         return local.run()
     except Interrupted:
         console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks")
-        if latest_checkpoint(local.ckpt_root)[0] is not None:
+        finished = (run_dir / RESULT_FILE).exists()  # --resume refuses a finished run
+        if not finished and latest_checkpoint(local.ckpt_root)[0] is not None:
             console.final(f"distsgd: continue it with: distsgd run --resume {run_dir}")
         return interrupted_outcome(run_dir, caught)
     except RunFailed as exc:
@@ -304,13 +305,8 @@ class LocalRun(Restarts):
                     step=self.progress.step, event="worker_left", target=task.name, code=code
                 )
                 continue
-            finished = TaskId.parse(task.name)
-            if code == 0 and finished.job == Role.WORKER:
-                self.done.add(task.name)
-                for index in sorted(self.restored_ps):  # it may have left a dead process
-                    server = self.supervisor.tasks.get(f"ps{index}")
-                    if server is not None and server.poll() is None:  # else: told on restart
-                        self._tell_finished(index, [finished.index])
+            if code == 0 and TaskId.parse(task.name).job == Role.WORKER:
+                self.mark_done(task.name)
                 continue
             failed[task.name] = code
         return failed
@@ -492,10 +488,13 @@ class LocalRun(Restarts):
         elif result.get("test_loss") is not None:
             self.console.final(f"test loss: {result['test_loss']:.4f}")
         reason = result.get("divergence") or self.progress.divergence
-        if result.get("diverged") or reason:
-            if not result.get("diverged"):  # another worker's loss ended above its start
-                result.update(diverged=True, divergence=reason)
-                write_atomic(result_path, json.dumps(result, indent=2) + "\n")
+        if reason and not result.get("diverged"):  # another worker's loss ended above its start
+            result.update(diverged=True, divergence=reason)
+            write_atomic(result_path, json.dumps(result, indent=2) + "\n")
+        failed = self.script_failed(result)  # a script's own error after training: exit 1
+        if failed is not None:
+            raise failed
+        if result.get("diverged"):
             # unclear, unless another worker's loss ended above its start (its own event)
             unclear = bool(result.get("unclear")) and self.progress.divergence in (None, reason)
             raise RunDiverged(str(reason), stalled=bool(result.get("stalled")), unclear=unclear)

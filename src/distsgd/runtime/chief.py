@@ -45,7 +45,7 @@ from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.data import BatchFn
 from distsgd.runtime.evaluate import LossFn, MetricFns, evaluate
 from distsgd.runtime.modules import exchanged_parameters, load_eval_state
-from distsgd.runtime.result import TrainResult, result_fields
+from distsgd.runtime.result import TrainResult, recorded_result, result_fields
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.util import write_atomic, write_bytes_atomic
 
@@ -82,9 +82,12 @@ class Chief:
         """A sample of the parameters where training started (None: it resumed mid-run)."""
         self.eval_model: nn.Module | None = None
         """The copy of the model evaluated every ``eval_every`` steps (None: never)."""
+        self.resumed = False
+        """This chief continues a run (restarted or resumed), not starting it."""
 
     def start(self, model: nn.Module, *, from_start: bool) -> None:
         """Before the first step (``from_start``: the run's first, not a resumed one)."""
+        self.resumed = not from_start
         # a run at chance that barely moved from where it started stalled, not diverged
         if from_start:
             self.start_point = parameter_sample(model)
@@ -138,7 +141,15 @@ class Chief:
     ) -> TrainResult:
         """After the other workers finished: the servers' parameters into the replica (where
         the scheme evaluates those), the final evaluation (``on_evaluate`` its scores) and
-        its verdict, and the run's result files."""
+        its verdict, and the run's result files. A chief restarted (or resumed) after it
+        recorded the run's result keeps that record and returns it: training was over."""
+        if self.resumed and self.run_dir is not None and (self.run_dir / RESULT_FILE).exists():
+            log.warning(
+                "the run's result was recorded before this restart (%s); it stands: not "
+                "evaluated or saved again",
+                self.run_dir / RESULT_FILE,
+            )
+            return recorded_result(self.run_dir) or result
         pulled = conn.server_parameters() if scheme.evaluate_on == "server" else None
         if pulled is not None:
             ctx.load(pulled[1])

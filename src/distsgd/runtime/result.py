@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
+
+from distsgd.control.folder import RESULT_FILE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +60,27 @@ def result_fields(result: TrainResult) -> dict[str, Any]:
         if not fields[flag]:
             del fields[flag]
     return fields
+
+
+def recorded_result(run_dir: Path) -> TrainResult | None:
+    """The run's result as the chief recorded it in ``run_dir`` (``result.json``); None when
+    there is none, or its fields do not make a :class:`TrainResult` (the launcher's record of a
+    run stopped on divergence, a damaged file)."""
+    try:
+        data = json.loads((run_dir / RESULT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    names = {f.name for f in dataclasses.fields(TrainResult)}
+    try:
+        result = TrainResult(**{k: v for k, v in data.items() if k in names})
+    except TypeError:  # a field missing: not the chief's record
+        return None
+    counts = (result.worker, result.local_steps, result.global_step, result.samples)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
+        return None
+    return result
 
 
 def work_counts(status: Any) -> dict[str, Any]:
