@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -236,16 +235,6 @@ def test_no_snapshot_means_nothing_to_recover(tmp_path: Path) -> None:
     assert wal.has_state(tmp_path)
     with pytest.raises(wal.WalError, match="no readable snapshot"):
         wal.recover(tmp_path, make_server_rule)
-
-
-def test_a_failed_write_empties_the_folder_and_stops_logging(tmp_path: Path) -> None:
-    live = _shard("hogwild")
-    log = wal.WriteAheadLog.start(tmp_path, live)
-    os.close(log._fd)  # the next write fails (EBADF), as a full disk would
-    _push(live, 1, 0)
-    assert log.broken and not wal.has_state(tmp_path)
-    _push(live, 2, 0)  # the shard goes on without its log
-    assert live.version == 2
 
 
 def test_a_server_restarted_on_its_folder_serves_the_shard_it_had(tmp_path: Path) -> None:

@@ -28,8 +28,9 @@ import grpc
 import numpy as np
 from google.protobuf.message import Message
 
+from distsgd.ps.wal import NotLogged
 from distsgd.transport import bulk
-from distsgd.transport.errors import ERROR_KEY
+from distsgd.transport.errors import ERROR_KEY, Refusal
 from distsgd.transport.proto import distsgd_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,11 @@ def serve(
             try:
                 reply, arrays = handle(kind, body, context)
             except Aborted:
+                _answer_error(sock, context, seconds)
+                return
+            except NotLogged as exc:  # nothing of the push applied: the client sends it again
+                context.set_trailing_metadata(((ERROR_KEY, Refusal.NOT_LOGGED.value),))
+                context.code, context.message = grpc.StatusCode.UNAVAILABLE, str(exc)
                 _answer_error(sock, context, seconds)
                 return
             except Exception as exc:  # a bug: answered as gRPC answers it, then closed

@@ -15,6 +15,7 @@ import numpy as np
 from distsgd.ps import compression
 from distsgd.ps import pull_encoding as pull_encoding_module
 from distsgd.ps.rules import MAX_LR_SCALE
+from distsgd.ps.sequence import MAX_SEQUENCE
 from distsgd.ps.service_errors import abort, clip
 from distsgd.ps.shard import Shard
 from distsgd.transport.codec import (
@@ -121,6 +122,17 @@ def lr_scale(value: float, context: grpc.ServicerContext) -> float:
             grpc.StatusCode.INVALID_ARGUMENT,
             f"lr_scale {value!r} is outside (0, {MAX_LR_SCALE:g}]; send the schedule's "
             "factor (0 means 1.0)",
+        )
+    return value
+
+
+def push_sequence(value: int, context: grpc.ServicerContext) -> int:
+    """``PushHeader.sequence``: 0 (none) .. MAX_SEQUENCE (a signed 64-bit number)."""
+    if value > MAX_SEQUENCE:
+        abort(
+            context,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"sequence {value} is above {MAX_SEQUENCE}; number pushes from the local step",
         )
     return value
 

@@ -21,6 +21,7 @@ from distsgd.ps import compression
 from distsgd.ps.moves import follow
 from distsgd.ps.partition import PartitionPlan
 from distsgd.ps.pull_encoding import PullDecoder, pull_encoding_for
+from distsgd.ps.sequence import push_sequence, steps_applied
 from distsgd.transport.carriers.base import Payload
 from distsgd.transport.client import PushResult, ShardClient
 from distsgd.transport.delay import LinkDelay
@@ -32,7 +33,12 @@ log = logging.getLogger(__name__)
 
 
 class ParameterClient:
-    """Pull and push named numpy arrays across the shards of a partition plan."""
+    """Pull and push named numpy arrays across the shards of a partition plan.
+
+    Exactly once (:mod:`distsgd.ps.sequence`): ``last_sequence`` is the sequence of this
+    worker's last push; ``applied_sequences``, per shard, the highest one it had applied from
+    this worker when :meth:`wait_registered` asked (a restarted worker continues from there).
+    """
 
     def __init__(
         self,
@@ -93,9 +99,7 @@ class ParameterClient:
             )
             for i, a in enumerate(addresses)
         ]
-        self._pool = ThreadPoolExecutor(
-            max_workers=max(1, len(addresses)), thread_name_prefix="ps-client"
-        )
+        self._pool = ThreadPoolExecutor(max(1, len(addresses)), "ps-client")
         encoding = compression.encoding_for(wire_dtype)
         self.feedback: compression.ErrorFeedback | None = (
             compression.ErrorFeedback(encoding, topk)
@@ -114,6 +118,7 @@ class ParameterClient:
         shard's wait: the shards are pulled in parallel)."""
         self.members: list[list[int]] = [[] for _ in addresses]
         """Each shard's live members as last heard (:meth:`join`, :class:`Heartbeat`)."""
+        self.last_sequence, self.applied_sequences = 0, [0] * len(addresses)
 
     @property
     def tensor_socket_shards(self) -> int:
@@ -180,6 +185,7 @@ class ParameterClient:
                     )
                 time.sleep(0.05)
             infos.append(info)
+        self.applied_sequences = [info.applied_sequence for info in infos]
         self._follow_moves(infos)
         for i, info in enumerate(infos):
             expected = sorted((p.key, p.shape) for p in self.plan.shard_pieces(i))
@@ -246,8 +252,11 @@ class ParameterClient:
         *,
         base_version: int | Sequence[int] | None = None,
         lr_scale: float = 1.0,
+        step: int | None = None,
     ) -> list[PushResult]:
         """:meth:`push`, under the lock."""
+        seq = 0 if step is None else push_sequence(step, self.last_sequence)
+        self.last_sequence = max(self.last_sequence, seq)
         bases = (
             self.versions
             if base_version is None
@@ -265,24 +274,30 @@ class ParameterClient:
             if partial and not parts[i]:  # holds none of them: nothing sent, nothing changed
                 return PushResult(True, self.versions[i], sent=False)
             payloads[i] = self._payload(parts[i])  # encoded side by side, in the pool
-            return self._send(i, payloads[i], bases[i], lr_scale)
+            return self._send(i, payloads[i], bases[i], lr_scale, seq)
 
         results = self._each(first)
         moved = [i for i, r in enumerate(results) if r.reject is PushReject.MOVED]
         if moved:  # pieces moved: send them on to where they are
-            results = self._resend(moved, payloads, results, lr_scale)
+            results = self._resend(moved, payloads, results, lr_scale, seq)
         return results
 
-    def _send(self, i: int, payload: Payload, base: int, lr_scale: float) -> PushResult:
-        """One shard's part of a push; a server that is down loses it (LOST), training goes on."""
+    def _send(
+        self, i: int, payload: Payload, base: int, lr_scale: float, seq: int = 0
+    ) -> PushResult:
+        """One shard's part of a push, under sequence ``seq`` (0: none), sent again while the
+        server is down or restarting, up to ``retry_seconds`` (it applies it once); a server
+        down longer loses it (LOST), and training goes on."""
         self.bytes_sent += sum(a.nbytes for a in payload.arrays)
         try:
-            return self.shards[i].push(base_version=base, tensors=payload, lr_scale=lr_scale)
+            return self.shards[i].push(
+                base_version=base, tensors=payload, lr_scale=lr_scale, sequence=seq
+            )
         except RemoteError as exc:
             if exc.code != grpc.StatusCode.UNAVAILABLE:
                 raise
-            # The server is down (or restarting): this update is lost, training goes on;
-            # the next pull waits, with backoff, until the server is back.
+            # The server is down (or restarting) past the retries: this update is lost,
+            # training goes on; the next pull waits, with backoff, until the server is back.
             log.warning("push to ps%d lost: %s", i, exc.message)
             lost = PushReject.LOST
             return PushResult(False, self.versions[i], f"{lost.label}: {exc.message}", lost)
@@ -293,6 +308,7 @@ class ParameterClient:
         payloads: list[Payload],
         results: list[PushResult],
         lr_scale: float,
+        seq: int = 0,
     ) -> list[PushResult]:
         """Shards ``moved`` refused their part MOVED (nothing of it applied): follow the moves
         and send each of its pieces to the shard that holds it now (again, should it have
@@ -307,7 +323,7 @@ class ParameterClient:
                 for payload, _ in pending:
                     for j, keys in self._by_owner(payload).items():
                         part = payload.only(keys)
-                        reply = self._send(j, part, self.versions[j], lr_scale)
+                        reply = self._send(j, part, self.versions[j], lr_scale, seq)
                         (again if reply.reject is PushReject.MOVED else done).append((part, reply))
                 pending = again
                 if not pending:
@@ -413,10 +429,22 @@ class ParameterClient:
         *,
         base_version: int | Sequence[int] | None = None,
         lr_scale: float = 1.0,
+        step: int | None = None,
     ) -> list[PushResult]:
-        """Send named arrays (gradients, updates); ``base_version`` defaults to the last pulled."""
+        """Send named arrays (gradients, updates); ``base_version`` defaults to the last pulled.
+
+        ``step``: the steps of this worker the push reflects; it numbers the push (exactly
+        once: a shard applies a sequence once, see :mod:`distsgd.ps.sequence`), so that it is
+        sent again, not lost, when its server dies and comes back. None: no number (a tool)."""
         with self._lock:
-            return self._push(arrays, base_version=base_version, lr_scale=lr_scale)
+            return self._push(arrays, base_version=base_version, lr_scale=lr_scale, step=step)
+
+    def steps_applied(self) -> int:
+        """The steps of this worker whose pushes every shard had applied when
+        :meth:`wait_registered` asked (0: none, or a fresh run): where a restarted worker
+        continues. A shard that lacks a later step's push gets it when the step is trained
+        again; the shards that have it answer that push ``duplicate``."""
+        return min(steps_applied(s) for s in self.applied_sequences)
 
     def push_buffers(self) -> dict[str, np.ndarray] | None:
         """Where to write a whole push so that :meth:`push` copies nothing: one array per

@@ -70,6 +70,8 @@ class PushMeta:
     base_version: int
     lr_scale: float = 1.0
     """The worker's learning-rate schedule factor; server-side optimizers scale their rate."""
+    sequence: int = 0
+    """The push's id among its worker's pushes (0: none; see :mod:`distsgd.ps.sequence`)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,8 @@ class PushOutcome:
     accepted: bool
     reason: str = ""
     reject: PushReject = PushReject.NONE
+    duplicate: bool = False
+    """(accepted) its sequence was applied already: nothing was applied now."""
 
     def __post_init__(self) -> None:
         assert self.accepted == (self.reject is PushReject.NONE), "refusals carry a reject"
@@ -93,6 +97,8 @@ class PushOutcome:
 
 
 ACCEPTED = PushOutcome(True)
+DUPLICATE = PushOutcome(True, "duplicate: this push's sequence was applied already", duplicate=True)
+"""A push applied before (a resend): answered accepted, applied no second time."""
 
 
 # ------------------------------------------------------------------------------ rule options

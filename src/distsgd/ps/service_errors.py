@@ -14,6 +14,7 @@ from typing import Any, NoReturn, TypeVar, cast
 import grpc
 
 from distsgd.ps.channel import Aborted as _Aborted
+from distsgd.ps.wal import NotLogged
 from distsgd.transport.errors import ERROR_KEY, Refusal
 
 # the service's logger: its INTERNAL reports read as the service's
@@ -51,9 +52,16 @@ def internal(method: str, exc: Exception, context: grpc.ServicerContext) -> NoRe
     )
 
 
+def not_logged(exc: NotLogged, context: grpc.ServicerContext) -> NoReturn:
+    """A push the write-ahead log could not take in time: UNAVAILABLE ``not-logged`` (nothing
+    of it was applied; the client sends it again)."""
+    abort(context, grpc.StatusCode.UNAVAILABLE, str(exc), Refusal.NOT_LOGGED)
+
+
 def guarded(method: F) -> F:
     """The RPC ``method``, answering INTERNAL (and logging the traceback) for any exception
-    that is not an abort of its own; a call the client already gave up is left alone."""
+    that is not an abort of its own (or a push the write-ahead log could not take:
+    :func:`not_logged`); a call the client already gave up is left alone."""
     name = method.__name__
     if inspect.isgeneratorfunction(method):
 
@@ -63,6 +71,8 @@ def guarded(method: F) -> F:
                 yield from method(self, request, context)
             except _Aborted:
                 raise
+            except NotLogged as exc:
+                not_logged(exc, context)
             except Exception as exc:
                 if not context.is_active():  # the client went away: nothing to answer
                     raise
@@ -76,6 +86,8 @@ def guarded(method: F) -> F:
             return method(self, request, context)
         except _Aborted:
             raise
+        except NotLogged as exc:
+            not_logged(exc, context)
         except Exception as exc:
             if not context.is_active():
                 raise

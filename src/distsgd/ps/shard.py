@@ -26,6 +26,7 @@ from distsgd.ps.gate import Gate
 from distsgd.ps.load import ShardLoad
 from distsgd.ps.membership import DEFAULT_EVICT_AFTER, Membership
 from distsgd.ps.rules import (
+    DUPLICATE,
     PushMeta,
     PushOutcome,
     RuleFactory,
@@ -33,6 +34,7 @@ from distsgd.ps.rules import (
     all_finite,
     parse_options_json,
 )
+from distsgd.ps.sequence import AppliedSequences
 from distsgd.ps.work import Unit, WorkQueue, WorkSpec
 from distsgd.transport.errors import PushReject
 
@@ -108,6 +110,9 @@ class Shard:
         that contains one waits (see :mod:`distsgd.ps.moves`). Changed under ``cond``."""
         self.moved: dict[str, int] = {}
         """Pieces that left this shard: key -> the shard they went to. Changed under ``cond``."""
+        self.sequences = AppliedSequences()
+        """Per worker, the highest push sequence applied (exactly once; see
+        :mod:`distsgd.ps.sequence`)."""
         self.adopted: dict[str, int] = {}
         """Pieces this server took from another (key -> that shard) since it started: the
         only ones an undone move may drop here."""
@@ -294,14 +299,20 @@ class Shard:
             with self.cond:
                 if moves.blocked(self, payload):
                     return self._moved(payload)
+                if self.sequences.duplicate(meta.worker, meta.sequence):
+                    return DUPLICATE  # a resend of a push applied before: not again
                 if wal is not None:
                     wal.append_push(self, payload, meta)
                 outcome = self.rule.apply(self, payload, meta)
+                if outcome.accepted:
+                    self.sequences.record(meta.worker, meta.sequence)
                 self._count(outcome, payload)
                 return outcome
         with self.gate.shared():
             if moves.blocked(self, payload):
                 return self._moved(payload)
+            if not self.sequences.claim(meta.worker, meta.sequence):
+                return DUPLICATE  # an unlocked rule applies every push: claimed before it
             if wal is not None:
                 wal.append_push(self, payload, meta)
             outcome = self.rule.apply(self, payload, meta)
@@ -413,6 +424,7 @@ class Shard:
                 "keys": list(self.values),
                 "specs": {k: snapshot_check.spec_of(v) for k, v in self.values.items()},
                 "moved": dict(self.moved),
+                "applied_sequences": self.sequences.state(),
                 **({} if self.work is None else {"work": self.work.state_dict()}),
             }
             return self.version, arrays, header
@@ -474,6 +486,7 @@ class Shard:
             shard.nonfinite_rejected = int(header["nonfinite_rejected"])
             shard.work = work
             shard.moved = {str(k): int(v) for k, v in header.get("moved", {}).items()}
+            shard.sequences = AppliedSequences.from_state(header.get("applied_sequences"))
         except CorruptCheckpoint:
             raise
         except Exception as exc:  # zip, json, key, rule state errors: the file is damaged

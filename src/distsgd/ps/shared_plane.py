@@ -359,6 +359,7 @@ class SharedPlane:
         """The checks of a PushShared's header (a stream push's assembler does the last one):
         lr_scale, every piece registered as announced, no piece twice. Returns the lr_scale."""
         lr_scale = checks.lr_scale(request.lr_scale, context)
+        checks.push_sequence(request.sequence, context)
         checks.check_push_specs(shard, request.tensors, context)
         keys = [spec.key for spec in request.tensors]
         if len(set(keys)) != len(keys):

@@ -18,13 +18,13 @@ Each change of state a rule depends on is appended *before* the shard applies it
   (rules counting live members read them); the first record of every log holds them too.
 
 A record is a fixed header (magic, kind, length, CRC32, generation, version, worker,
-incarnation, base version, lr scale) and a body. The body is written first and the header
-after it (two ``pwrite`` calls, under a lock): a process killed in between leaves no header, so
-the record does not exist. The CRC covers the header and the body's small part (a push's key
-list; all of the other kinds' bodies), not a push's payload: a killed process cannot tear a
-written body, and checksumming it cost more than the server's whole push (zlib's CRC32 runs at
-1.4 GB/s here). Nothing is fsynced. So the log covers a killed process (its writes stay in the
-page cache), not a machine that loses power or a disk that corrupts data.
+incarnation, base version, lr scale, push sequence) and a body. The body is written first and
+the header after it (two ``pwrite`` calls, under a lock): a process killed in between leaves no
+header, so the record does not exist. The CRC covers the header and the body's small part (a
+push's key list; all of the other kinds' bodies), not a push's payload: a killed process cannot
+tear a written body, and checksumming it cost more than the server's whole push (zlib's CRC32
+runs at 1.4 GB/s here). Nothing is fsynced. So the log covers a killed process (its writes stay
+in the page cache), not a machine that loses power or a disk that corrupts data.
 
 Recovery (:func:`recover`) loads the newest readable snapshot and replays the records of its
 generation (and of the next one, when the server died before that one's snapshot was written)
@@ -34,17 +34,26 @@ first record that is missing, torn, or of another generation.
 When a log outgrows :func:`compact_bound` the server starts the next generation
 (:meth:`WriteAheadLog.compact`): the state is copied under the locks and the other log file
 taken at once, the snapshot written after, and the older snapshot removed when it is in place.
+
+A write that fails (a full disk: ENOSPC) takes the log *down*, never off
+(:mod:`distsgd.ps.wal_outage`): the files stay as they were (a consistent prefix of what the
+server applied), and a push that meets a down log is not applied: it waits, then is refused
+``not-logged`` (the client sends it again). So no push is acknowledged that the log does not
+hold. Changes that cannot wait (a member joins or leaves, a synchronous step's timeout) are
+applied and counted as ``unlogged``. Every second the server's ticker tries to start a new
+generation from a snapshot of the shard as it is (:meth:`WriteAheadLog.revive`); once that is
+written the log is up again and the pushes go on. :meth:`WriteAheadLog.state` says all this to
+``Info`` (``WalStatus``), and so to the launcher's console.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
-import re
 import struct
-import tempfile
 import threading
 import zlib
 from collections.abc import Iterator, Mapping
@@ -58,6 +67,34 @@ import numpy as np
 
 from distsgd.ps.membership import DEFAULT_EVICT_AFTER, Member
 from distsgd.ps.rules import PushMeta, RuleFactory
+from distsgd.ps.wal_files import (
+    SLOTS,
+    has_state,
+    make_private_dir,
+    next_generation,
+)
+from distsgd.ps.wal_files import SNAPSHOT as _SNAPSHOT_RE
+from distsgd.ps.wal_files import generations as _generations
+from distsgd.ps.wal_files import log_path as _log_path
+from distsgd.ps.wal_files import open_log as _open_log
+from distsgd.ps.wal_files import pwrite_all as _pwrite_all
+from distsgd.ps.wal_files import remove_before as _remove_before
+from distsgd.ps.wal_files import write_snapshot as _write_snapshot
+from distsgd.ps.wal_outage import LogDown, NotLogged, Outage, WalState
+
+__all__ = [
+    "SLOTS",
+    "LogDown",
+    "NotLogged",
+    "WalError",
+    "WalState",
+    "WriteAheadLog",
+    "has_state",
+    "make_private_dir",
+    "next_generation",
+    "recover",
+    "resume",
+]
 
 if TYPE_CHECKING:
     from distsgd.ps.shard import Shard
@@ -65,14 +102,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAGIC = b"DWAL"
-HEAD = struct.Struct("<4sB3xIIqqqqqd")
+HEAD = struct.Struct("<4sB3xIIqqqqqdq")
 """magic, kind, body length, CRC32 (of the rest of the header and the body's small part),
-generation, version, worker, incarnation, base version, lr scale."""
+generation, version, worker, incarnation, base version, lr scale, push sequence (exactly once:
+replayed, it rebuilds the shard's applied sequences)."""
 _CRC_AT = 12
 _CRC_FROM = 16
 """Offset of the header's fields after the CRC (covered by it)."""
-SLOTS = 2
-"""Log files a folder cycles through (generation G writes ``log-{G % SLOTS}.wal``)."""
 
 MIN_COMPACT_BYTES = 64 << 20
 """A log starts a new generation past max(this, :data:`COMPACT_FACTOR` x the shard's bytes)."""
@@ -80,9 +116,6 @@ COMPACT_FACTOR = 4
 
 MAX_META_BYTES = 1 << 20
 """Largest non-payload body (a MEMBERS record's JSON) a log may hold."""
-
-_SNAPSHOT = re.compile(r"snapshot-(\d{8})\.npz")
-_IOV_MAX = 512
 
 
 class Kind(IntEnum):
@@ -101,35 +134,6 @@ class WalError(ValueError):
 def compact_bound(shard_bytes: int) -> int:
     """Log bytes past which the server writes a new snapshot and starts a new log."""
     return max(MIN_COMPACT_BYTES, COMPACT_FACTOR * shard_bytes)
-
-
-def make_private_dir(folder: Path) -> None:
-    """Create ``folder``, and each missing parent, readable by its owner only (0700)."""
-    missing = [p for p in (folder, *folder.parents) if not p.exists()]
-    for path in reversed(missing):
-        path.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(folder, 0o700)
-
-
-def _generations(folder: Path, pattern: re.Pattern[str]) -> list[int]:
-    if not folder.is_dir():
-        return []
-    found = (pattern.fullmatch(p.name) for p in folder.iterdir())
-    return sorted(int(m.group(1)) for m in found if m is not None)
-
-
-def next_generation(folder: Path) -> int:
-    """The generation a new log in ``folder`` takes: past every snapshot there."""
-    return 1 + max([-1, *_generations(Path(folder), _SNAPSHOT)])
-
-
-def _log_path(folder: Path, generation: int) -> Path:
-    return folder / f"log-{generation % SLOTS}.wal"
-
-
-def has_state(folder: Path) -> bool:
-    """Whether ``folder`` holds a snapshot to recover from (readable or not)."""
-    return bool(_generations(Path(folder), _SNAPSHOT))
 
 
 def _members_body(shard: Shard, hook: bool) -> bytes:
@@ -160,9 +164,23 @@ class WriteAheadLog:
         self._head_view = memoryview(self._head)
         self._set_keys(keys)
         self._compacting = threading.Lock()
-        self.broken = False
-        """Set when a write failed: the folder was emptied and nothing more is logged."""
+        self._closed = False
         self.records = 0
+        self.outage = Outage(folder)
+        """Whether a write failed and the log is down, until :meth:`revive`."""
+        self.pwrite = _pwrite_all
+        """How records are written (``pwrite(fd, views, offset)``); tests inject failures."""
+        self.write_snapshot = _write_snapshot
+        """How snapshots are written (``write_snapshot(path, data)``); tests inject failures."""
+
+    @property
+    def broken(self) -> bool:
+        """Whether the log is down (a write failed; see :meth:`revive`)."""
+        return self.outage.down
+
+    def state(self) -> WalState:
+        with self._lock:
+            return self.outage.state(self.generation)
 
     # -- creating -------------------------------------------------------------------------------
     def _set_keys(self, keys: list[str]) -> None:
@@ -194,9 +212,11 @@ class WriteAheadLog:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+        self.outage.stop()  # pushes waiting for the log give up (NotLogged)
 
     # -- appending ------------------------------------------------------------------------------
     def _write(
@@ -208,57 +228,120 @@ class WriteAheadLog:
         meta: PushMeta | None = None,
     ) -> None:
         """Append one record: ``checked`` (small, under the CRC) then ``data`` (a payload),
-        body first and header last, atomically with respect to other appends."""
-        if self.broken:
+        body first and header last, atomically with respect to other appends. A log that is
+        down (or goes down now) takes nothing: a push raises :class:`LogDown`, other records
+        are counted as ``unlogged``."""
+        if self._closed:
             return
+        if self.outage.down and kind is Kind.PUSH:
+            raise LogDown(self.outage)
         parts = [memoryview(p).cast("B") for p in (*checked, *data)]
-        length = sum(p.nbytes for p in parts)
         with self._lock:
-            if self._fd < 0:
+            if self._closed:
                 return
-            HEAD.pack_into(
-                self._head,
-                0,
-                MAGIC,
-                kind,
-                length,
-                0,
-                self.generation,
-                version,
-                -1 if meta is None else meta.worker,
-                0 if meta is None else meta.incarnation,
-                -1 if meta is None else meta.base_version,
-                1.0 if meta is None else meta.lr_scale,
-            )
-            crc = zlib.crc32(memoryview(self._head)[_CRC_FROM:])
-            for part in checked:
-                crc = zlib.crc32(part, crc)
-            struct.pack_into("<I", self._head, _CRC_AT, crc)
-            try:
-                _pwrite_all(self._fd, parts, self._offset + HEAD.size)
-                _pwrite_all(self._fd, [self._head_view], self._offset)  # the record exists now
-            except OSError as exc:
-                self._fail(exc)
+            if not self.outage.down:
+                try:
+                    self._append(kind, version, checked, parts, meta)
+                    return
+                except OSError as exc:
+                    self.outage.began(exc)
+            if kind is not Kind.PUSH:  # applied already: counted, and in the next snapshot
+                self.outage.unlogged += 1
                 return
-            self._offset += HEAD.size + length
-            self.records += 1
+        raise LogDown(self.outage)
 
-    def _fail(self, exc: OSError) -> None:
-        """Under ``_lock``: a write failed; stop logging and empty the folder, so that a restart
-        falls back to the last checkpoint instead of a log that misses updates."""
-        log.error(
-            "write-ahead log %s: cannot write (%s); logging stops for this server: free space "
-            "in its folder, or run with --wal off",
-            self.folder,
-            exc.strerror or exc,
+    def _append(
+        self,
+        kind: Kind,
+        version: int,
+        checked: list[Any],
+        parts: list[memoryview],
+        meta: PushMeta | None,
+    ) -> None:
+        """Under ``_lock``: write one record at the log's end; OSError if a write failed."""
+        length = sum(p.nbytes for p in parts)
+        HEAD.pack_into(
+            self._head,
+            0,
+            MAGIC,
+            kind,
+            length,
+            0,
+            self.generation,
+            version,
+            -1 if meta is None else meta.worker,
+            0 if meta is None else meta.incarnation,
+            -1 if meta is None else meta.base_version,
+            1.0 if meta is None else meta.lr_scale,
+            0 if meta is None else meta.sequence,
         )
-        self.broken = True
-        with suppress(OSError):  # the descriptor may be what failed
-            os.close(self._fd)
-        self._fd = -1
-        _remove_before(self.folder, 1 << 40)
-        for slot in range(SLOTS):
-            _log_path(self.folder, slot).unlink(missing_ok=True)
+        crc = zlib.crc32(memoryview(self._head)[_CRC_FROM:])
+        for part in checked:
+            crc = zlib.crc32(part, crc)
+        struct.pack_into("<I", self._head, _CRC_AT, crc)
+        if self._fd < 0:
+            raise OSError(errno.EBADF, "the log file is not open")
+        self.pwrite(self._fd, parts, self._offset + HEAD.size)
+        self.pwrite(self._fd, [self._head_view], self._offset)  # the record exists now
+        self._offset += HEAD.size + length
+        self.records += 1
+
+    def revive(self, shard: Shard) -> bool:
+        """A down log tries to come back: under the locks, the shard's snapshot as a new
+        generation, then that generation's log file and its first record. True once up (pushes
+        go on); False if a write failed again (the older files still hold the state)."""
+        if not self._compacting.acquire(blocking=False):
+            return False
+        try:
+            gate = shard.gate.exclusive() if not shard.rule.locked else _nothing()
+            with gate, shard.cond:
+                if not self.outage.down or self._closed:
+                    return not self.outage.down
+                generation = max(self.generation + 1, next_generation(self.folder))
+                version, arrays, header = shard.state_copy()
+                members = [_members_body(shard, False)]
+                try:
+                    self.write_snapshot(
+                        self.folder / f"snapshot-{generation:08d}.npz", shard.pack(arrays, header)
+                    )
+                    fd = _open_log(self.folder, generation)
+                except OSError as exc:
+                    with self._lock:
+                        self.outage.error = exc.strerror or str(exc)
+                    return False
+                if not self._switch(shard, fd, generation, version, members):
+                    return False
+            _remove_before(self.folder, generation)
+            log.warning(
+                "write-ahead log %s: written again, at generation %d (version %d); pushes go on",
+                self.folder,
+                generation,
+                version,
+            )
+            return True
+        finally:
+            self._compacting.release()
+
+    def _switch(
+        self, shard: Shard, fd: int, generation: int, version: int, members: list[bytes]
+    ) -> bool:
+        """(:meth:`revive`, under the shard's locks) write into ``fd`` from now on, its first
+        record first; True if that record is written and the log is up."""
+        with self._lock:
+            old, self._fd, self._offset = self._fd, fd, 0
+            self.generation = generation
+            self._set_keys(list(shard.values))
+            if old >= 0:
+                with suppress(OSError):
+                    os.close(old)
+            parts = [memoryview(p).cast("B") for p in members]
+            try:
+                self._append(Kind.MEMBERS, version, members, parts, None)
+            except OSError as exc:
+                self.outage.error = exc.strerror or str(exc)
+                return False  # its snapshot holds the state: the next try takes a new one
+            self.outage.ended()
+            return True
 
     def append_push(self, shard: Shard, payload: Mapping[str, np.ndarray], meta: PushMeta) -> None:
         """A validated payload, before the rule applies it (under the shard's lock for a locked
@@ -298,8 +381,13 @@ class WriteAheadLog:
         return self._offset
 
     def maybe_compact(self, shard: Shard) -> bool:
-        """Start a new generation if the log is past :attr:`bound`; True if it did."""
-        if self.broken or self._offset < self.bound:
+        """Start a new generation if the log is past :attr:`bound`; True if it did. A log that
+        is down tries to come back instead (every second)."""
+        if self.outage.down:
+            if self.outage.due():
+                self.revive(shard)
+            return False
+        if self._offset < self.bound:
             return False
         self.compact(shard)
         return True
@@ -316,9 +404,14 @@ class WriteAheadLog:
                 version, arrays, header = shard.state_copy()
                 members = _members_body(shard, False)
                 generation = self.generation + 1
-                fd = _open_log(self.folder, generation)
+                try:
+                    fd = _open_log(self.folder, generation)
+                except OSError as exc:
+                    with self._lock:
+                        self.outage.began(exc)
+                    return
                 with self._lock:
-                    old, closed = self._fd, self._fd < 0  # closed: the server stopped
+                    old, closed = self._fd, self._closed or self.outage.down
                     if not closed:
                         self._fd, self._offset, self.generation = fd, 0, generation
                         self._set_keys(list(shard.values))  # pieces may have moved
@@ -329,11 +422,10 @@ class WriteAheadLog:
             os.close(old)
             data = shard.pack(arrays, header)
             try:
-                _write_snapshot(self.folder / f"snapshot-{generation:08d}.npz", data)
-            except OSError as exc:
+                self.write_snapshot(self.folder / f"snapshot-{generation:08d}.npz", data)
+            except OSError as exc:  # the older snapshot and both logs still hold the state
                 with self._lock:
-                    if self._fd >= 0:
-                        self._fail(exc)
+                    self.outage.began(exc)
                 return
             _remove_before(self.folder, generation)
             log.info(
@@ -350,52 +442,6 @@ class WriteAheadLog:
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
-
-
-def _open_log(folder: Path, generation: int, *, truncate: bool = False, keep: bool = True) -> int:
-    """The log file of ``generation`` (created 0600), written in place: no O_APPEND."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
-    fd = os.open(_log_path(folder, generation), flags, 0o600)
-    if not keep:
-        os.close(fd)
-    return fd
-
-
-def _pwrite_all(fd: int, parts: list[memoryview], offset: int) -> None:
-    """``os.pwritev`` of byte views at ``offset`` until every byte is written (a short write,
-    or more than the system's limit of views, resumes)."""
-    if len(parts) <= _IOV_MAX and os.pwritev(fd, parts, offset) == sum(p.nbytes for p in parts):
-        return  # the usual case: one call
-    views = [v for v in parts if v.nbytes]
-    while views:
-        written = os.pwritev(fd, views[:_IOV_MAX], offset)
-        offset += written
-        while views and written >= views[0].nbytes:
-            written -= views[0].nbytes
-            views.pop(0)
-        if written:
-            views[0] = views[0][written:]
-
-
-def _write_snapshot(path: Path, data: bytes) -> None:
-    """Write ``data`` to a private temporary file beside ``path`` and rename it over ``path``:
-    atomic, and not fsynced (the log covers a killed process, whose writes the page cache
-    keeps; a flush per generation cost more than the log's writes on this machine)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _remove_before(folder: Path, generation: int) -> None:
-    """Remove the snapshots of generations below ``generation``."""
-    for old in _generations(folder, _SNAPSHOT):
-        if old < generation:
-            (folder / f"snapshot-{old:08d}.npz").unlink(missing_ok=True)
 
 
 # -------------------------------------------------------------------------------- recovery
@@ -426,7 +472,7 @@ def recover(
     from distsgd.ps.shard import CorruptCheckpoint, Shard
 
     folder = Path(folder)
-    snapshots = _generations(folder, _SNAPSHOT)
+    snapshots = _generations(folder, _SNAPSHOT_RE)
     if not snapshots:
         return None
     for generation in reversed(snapshots):
@@ -501,7 +547,7 @@ def _replay(folder: Path, generation: int, shard: Shard) -> int:
 
 
 def _apply(shard: Shard, kind: Kind, body: bytes, fields: list[Any]) -> None:
-    version, worker, incarnation, base_version, lr_scale = fields
+    version, worker, incarnation, base_version, lr_scale, sequence = fields
     if kind is Kind.PUSH:
         if shard.rule.locked and version != shard.version:
             log.warning(
@@ -511,7 +557,11 @@ def _apply(shard: Shard, kind: Kind, body: bytes, fields: list[Any]) -> None:
                 shard.version,
             )
         meta = PushMeta(
-            worker=worker, incarnation=incarnation, base_version=base_version, lr_scale=lr_scale
+            worker=worker,
+            incarnation=incarnation,
+            base_version=base_version,
+            lr_scale=lr_scale,
+            sequence=sequence,
         )
         shard.push(_payload(shard, body), meta)
     elif kind is Kind.LEAVE:
@@ -552,23 +602,23 @@ def _apply_members(shard: Shard, state: dict[str, Any]) -> None:
             shard.rule.on_membership(shard, m.live)
 
 
-def begin(folder: Path, shard: Shard, after: int = -1) -> WriteAheadLog | None:
+def begin(folder: Path, shard: Shard, after: int = -1) -> WriteAheadLog:
     """Start logging ``shard`` in ``folder`` at a new generation, past every snapshot and past
-    ``after`` (the last one replayed), for a server that registers or restores it; None, with
-    the error logged, if the folder cannot be written (the server then runs without a log, as
-    with ``--wal off``)."""
+    ``after`` (the last one replayed), for a server that registers or restores it. If the
+    folder cannot be written (a full disk), the log starts down: pushes wait until it can
+    (:meth:`WriteAheadLog.revive`), and ``Info`` says so."""
+    folder = Path(folder)
+    generation = after + 1
     try:
-        generation = max(next_generation(folder), after + 1)
+        generation = max(next_generation(folder), generation)
         return WriteAheadLog.start(folder, shard, generation)
     except OSError as exc:
-        log.error(
-            "write-ahead log %s: cannot start (%s); shard %d runs without one: free space "
-            "or fix the folder's permissions, or run with --wal off",
-            folder,
-            exc.strerror or exc,
-            shard.index,
-        )
-        return None
+        nbytes = sum(v.nbytes for v in shard.values.values())
+        wal = WriteAheadLog(folder, generation - 1, -1, list(shard.values), compact_bound(nbytes))
+        with wal._lock:
+            wal.outage.began(exc)
+        shard.wal = wal
+        return wal
 
 
 def resume(

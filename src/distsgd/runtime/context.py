@@ -87,6 +87,13 @@ class WorkerContext:
         """Accepted shard pushes by their staleness: the histogram of ``staleness_sum``."""
         self.local_step = 0
         """Steps this worker has taken."""
+        self.push_step = 0
+        """The steps a push made now reflects (set by the session before each scheme hook: the
+        local step before a step, one more after its backward): it numbers the push
+        (:func:`distsgd.ps.sequence.push_sequence`), so a push trained again after a restart
+        goes out under the number the servers know. A :meth:`background` exchange keeps the
+        value it had when it began."""
+        self._exchange_step = threading.local()
         self.global_step = 0
         """Updates the cluster has applied, as last heard (server version, or local steps)."""
         self.clock = PhaseClock()
@@ -261,8 +268,9 @@ class WorkerContext:
                 PushResult(False, v, "lost: partitioned", PushReject.LOST) for v in self.ps.versions
             ]
         bases = list(self.ps.versions) if base_version is None else base_version
+        step = getattr(self._exchange_step, "step", self.push_step)
         with self.clock.measure("push"):
-            results = self.ps.push(arrays, base_version=bases, lr_scale=self.lr_scale)
+            results = self.ps.push(arrays, base_version=bases, lr_scale=self.lr_scale, step=step)
         for base, result in zip(self._per_shard(bases), results, strict=True):
             if result.accepted and result.sent:  # it made result.version (or joined its step)
                 self.applied_pushes += 1
@@ -288,8 +296,10 @@ class WorkerContext:
         with :meth:`wait_for`. Its pulls and pushes are not counted in the time split; the
         loop's wait for it is. The parameter client runs one exchange at a time."""
         future: Future[T] = Future()
+        step = self.push_step  # what its push reflects: the steps done as it begins
 
         def run() -> None:
+            self._exchange_step.step = step
             try:
                 future.set_result(fn())
             except BaseException as exc:  # handed to the loop's thread by wait_for

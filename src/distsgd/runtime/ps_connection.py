@@ -118,7 +118,10 @@ class PsConnection(Connection):
         self.heartbeat = Heartbeat(self.ps, joined, changed)
 
     def continue_at(self, env: TaskEnv) -> int:
-        return env.continue_at
+        """Where the servers say this worker's pushes stopped (the steps whose push every shard
+        applied, as they answered at registration), not where its metrics lines stopped
+        (``env.continue_at``, up to ``--log-every`` steps behind): no step is pushed twice."""
+        return self.ps.steps_applied()
 
     @property
     def shard_checkpoint(self) -> Callable[[str], list[dict[str, Any]]] | None:

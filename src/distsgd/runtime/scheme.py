@@ -5,6 +5,7 @@ a scheme only decides *what* to exchange and *when*, through the :class:`WorkerC
 given. Hooks, in the order the runtime calls them::
 
     check_config(config)         before anything starts: refuse settings it cannot honour
+    check_steps(steps)           before it connects: refuse a run of that many local steps
     start(ctx)                   once, after the parameters are registered / broadcast
     wrap_model(ctx, model)       once, after start (and a resume): the module forward runs
                                  through (e.g. DistributedDataParallel; default the model)
@@ -127,6 +128,12 @@ class WorkerScheme(ABC):
                 f"--pull-dtype {config.pull_dtype} under {scheme}: it has no parameter servers "
                 "to pull from (--pull-dtype applies to parameter-server pulls); drop the flag"
             )
+
+    def check_steps(self, steps: int) -> None:  # noqa: B027 - optional hook
+        """Refuse, with a one-line ValueError (cause and fix), a run in which each worker takes
+        ``steps`` local steps, when this scheme cannot honour it (a period longer than the run);
+        called before the worker connects. ``steps`` is ``runtime.setup.UNBOUNDED`` when the
+        loop decides (its own data, or leased work)."""
 
     def start(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook
         """Called once before the first step."""

@@ -288,6 +288,7 @@ class WorkerSession:
         if not self._prepared:
             self._prepare()
         ctx = self._ctx
+        ctx.push_step = ctx.local_step  # a push before this step's backward reflects the others
         self.scheme.before_step(ctx)
         if self._ckpt is not None and self.chief:
             with ctx.clock.measure("checkpoint"):
@@ -330,6 +331,7 @@ class WorkerSession:
                 float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
             )
             self.watch.observe(self.loss_value, ctx.local_step)
+        ctx.push_step = ctx.local_step + 1  # its push holds this step's update
         self.scheme.after_backward(ctx)
         ctx.local_step += 1
         self.samples += config.batch_size if samples is None else int(samples)
@@ -383,6 +385,7 @@ class WorkerSession:
         self._finished = True
         ctx, conn, ckpt = self._ctx, self._conn, self._ckpt
         self.left = self.left or (self.stop is not None and self.stop.is_set())
+        ctx.push_step = ctx.local_step
         self.scheme.finish(ctx)
         ctx.clock.stop_loop()
         seconds = time.monotonic() - self.started

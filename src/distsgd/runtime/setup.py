@@ -92,6 +92,8 @@ def open_worker(
     leased = leases_work(config, scheme, train_set)
     own = None if train_set is None else _own_batches(train_set, env, config, leased)
     check_setup(env, config, scheme, own_data=train_set is None)
+    total = run_steps(config, own)
+    scheme.check_steps(total)  # every worker alike, before any joins the others
     conn = connect(
         env=env,
         config=config,
@@ -117,7 +119,7 @@ def open_worker(
             conn=conn,
             ctx=ctx,
             batches=own if conn.leased is None else conn.leased,
-            steps=run_steps(config, own),
+            steps=total,
             module=model,
             faults=FaultInjector([]),
         )

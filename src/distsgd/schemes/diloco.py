@@ -54,6 +54,7 @@ learning-rate schedule scales it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +68,8 @@ from distsgd.schemes.registry import SchemeSpec
 
 if TYPE_CHECKING:
     from distsgd.runtime.collective import PendingMean
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +125,17 @@ class DilocoOptions:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
 
 
+def few_steps(steps: int, inner_steps: int, *, took: bool = False) -> str:
+    """What to say of a run of ``steps`` local steps per worker, fewer than ``inner_steps``:
+    no outer step before its last."""
+    rounds = f" (--inner-steps {steps // 4} gives 4 rounds)" if steps >= 4 else ""
+    return (
+        f"diloco: each worker {'took' if took else 'takes'} {steps} local steps, fewer than "
+        f"--inner-steps {inner_steps}, so the replicas train apart until the run's final outer "
+        f"step; lower --inner-steps to at most {steps}{rounds}, or raise --steps or --epochs"
+    )
+
+
 def fragment_of(num_tensors: int, fragments: int) -> list[int]:
     """Each tensor's fragment: ``fragments`` runs of consecutive tensors, as equal as possible."""
     return [i * fragments // num_tensors for i in range(num_tensors)]
@@ -138,6 +152,12 @@ class DilocoWorker(WorkerScheme):
 
     def __init__(self, options: DilocoOptions, num_workers: int) -> None:
         self.options = options
+
+    def check_steps(self, steps: int) -> None:
+        """A run shorter than one round would average the replicas only once, at its end
+        (the first outer step comes after ``inner_steps`` steps)."""
+        if steps < self.options.inner_steps:
+            raise ValueError(few_steps(steps, self.options.inner_steps))
 
     def start(self, ctx: WorkerContext) -> None:
         o = self.options
@@ -168,6 +188,8 @@ class DilocoWorker(WorkerScheme):
                 self.outer_step(ctx, part, land_at=done + self.options.overlap_steps)
 
     def finish(self, ctx: WorkerContext) -> None:
+        if ctx.local_step < self.options.inner_steps:  # a loop that decided its own length
+            log.warning("%s", few_steps(ctx.local_step, self.options.inner_steps, took=True))
         for part in list(self.land_at):
             self.land(ctx, part)
         for part in range(len(self.offsets)):

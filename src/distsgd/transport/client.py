@@ -71,6 +71,8 @@ class PushResult:
     reject: PushReject = PushReject.NONE
     moved: Mapping[str, int] = field(default_factory=dict)
     """(MOVED) piece key -> the shard that holds it now."""
+    duplicate: bool = False
+    """(accepted) the shard had applied this push's sequence already (a resend)."""
     sent: bool = True
     """False for a shard a push of some parameters had nothing for (nothing sent, nothing
     changed; ``accepted`` True, ``version`` the one last seen)."""
@@ -304,34 +306,56 @@ class ShardClient:
         base_version: int,
         tensors: Mapping[str, np.ndarray] | Payload,
         lr_scale: float = 1.0,
+        sequence: int = 0,
     ) -> PushResult:
         """Send a gradient or update computed on parameters of ``base_version``: raw arrays by
         key, or a :class:`~distsgd.transport.carriers.base.Payload` (pieces already encoded).
 
         By the attached carrier where it takes the payload, else over the stream. A push that
-        never landed (the server lost the segment) is sent again; one lost on the way is not
-        retried: the server may have applied it already.
+        never landed (the server lost the segment) is sent again. One lost on the way (the
+        server died, or did not answer in time) is sent again under its ``sequence``, which the
+        server deduplicates (exactly once: see "Exactly once" in the .proto), until
+        ``retry_seconds`` pass; a push without one (0) is not: the server may have applied it.
         """
         payload = tensors if isinstance(tensors, Payload) else Payload.raw(tensors)
+        give_up = time.monotonic() + self.retry_seconds
+        delay = 0.05
+        while True:
+            try:
+                return self._push_once(payload, base_version, lr_scale, sequence)
+            except RemoteError as err:
+                if not (sequence and err.retryable) or time.monotonic() + delay > give_up:
+                    raise
+                (log.warning if delay == 0.05 else log.debug)(
+                    "%s; sending the push (sequence %d) again until the server answers",
+                    err,
+                    sequence,
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, MAX_RETRY_DELAY)
+
+    def _push_once(
+        self, payload: Payload, base_version: int, lr_scale: float, sequence: int
+    ) -> PushResult:
         self._wait_link()
         attached = self._attacher.carrier()
         if attached is not None and attached.carries(payload):
-            header = self._push_header(attached, payload, base_version, lr_scale)
+            header = self._push_header(attached, payload, base_version, lr_scale, sequence)
             try:
                 reply = attached.push(header, payload)
             except CarrierFailed as failed:  # abandoned; sent again (or its error raised)
                 self._attacher.abandon(failed)
-                return self.push(base_version=base_version, tensors=payload, lr_scale=lr_scale)
+                return self._push_once(payload, base_version, lr_scale, sequence)
             self._attacher.succeeded()
             return _push_result(reply)
-        header = self._push_header(self._stream, payload, base_version, lr_scale)
+        header = self._push_header(self._stream, payload, base_version, lr_scale, sequence)
         reply = self._call(
             "Push", lambda: self._stream.push(header, payload), retry=False, delayed=True
         )
         return _push_result(reply)
 
     def _push_header(
-        self, carrier: Carrier, payload: Payload, base_version: int, lr_scale: float
+        self, carrier: Carrier, payload: Payload, base_version: int, lr_scale: float, sequence: int
     ) -> pb.PushHeader:
         return pb.PushHeader(
             header=self.link.header,
@@ -339,6 +363,7 @@ class ShardClient:
             tensors=list(payload.specs),
             lr_scale=lr_scale,
             segment=carrier.segment_id,
+            sequence=sequence,
         )
 
     def push_area(self) -> dict[str, np.ndarray] | None:
@@ -474,6 +499,7 @@ def _push_result(reply: pb.PushResponse) -> PushResult:
         reason=reply.reason,
         reject=_push_reject(reply.reject),
         moved={owner.key: owner.shard for owner in reply.moved},
+        duplicate=reply.accepted and reply.duplicate,
     )
 
 
