@@ -6,6 +6,7 @@ tensorboard is installed: one funnel, so both always hold the same records.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -26,7 +27,11 @@ class MetricsWriter:
 
     Each line is then written to ``tensorboard/<task>/`` beside the file (see
     :mod:`distsgd.control.board`); a failure there is logged once and ends the TensorBoard
-    events of this writer, never its lines. ``clock`` gives the time of a line (tests)."""
+    events of this writer, never its lines. ``clock`` gives the time of a line (tests).
+
+    A line the disk has no room for (ENOSPC, EDQUOT) is dropped with one warning per outage
+    and counted (:attr:`dropped`), never raised: a full disk must not end the run (a line cut
+    short is ended before the next one, so every later line parses)."""
 
     def __init__(
         self, path: Path | None, task: str, *, clock: Callable[[], float] = time.time
@@ -35,6 +40,9 @@ class MetricsWriter:
         self._clock = clock
         self._fd = None if path is None else open_private(path, os.O_WRONLY | os.O_APPEND)
         self._board: BoardWriter | None = None if path is None else open_board(path.parent, task)
+        self.dropped = 0
+        """Lines dropped because the disk was full."""
+        self._torn = self._dropping = False
 
     @property
     def board(self) -> BoardWriter | None:
@@ -46,7 +54,7 @@ class MetricsWriter:
             return
         now = self._clock()
         record = {"time": round(now, 3), "task": self.task, **fields}
-        os.write(self._fd, (json.dumps(record) + "\n").encode())
+        self._append((json.dumps(record) + "\n").encode())
         board = self._board
         if board is not None:
             try:
@@ -57,6 +65,27 @@ class MetricsWriter:
                 )
                 self._board = None
                 board.close()
+
+    def _append(self, line: bytes) -> None:
+        """One ``write`` of ``line``; a full disk drops it (see the class's docstring)."""
+        assert self._fd is not None
+        data = (b"\n" if self._torn else b"") + line
+        try:
+            written = os.write(self._fd, data)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            written = 0
+        if written == len(data):
+            if self._dropping:
+                log.warning("%s: metrics lines written again (%d dropped)", self.task, self.dropped)
+            self._torn = self._dropping = False
+            return
+        if not self._dropping:
+            log.warning("%s: metrics lines dropped: the disk is full", self.task)
+        self._dropping = True
+        self.dropped += 1
+        self._torn = self._torn or written > 0
 
     def close(self) -> None:
         if self._fd is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -52,9 +53,15 @@ class Console:
                 self._kept = None
 
     def _keep(self, text: str) -> None:
+        """Append ``text`` to the kept copy; a full disk loses the copy's line, never the
+        console's (the run goes on and says so there)."""
         if self._kept is not None:
-            self._kept.write(text + "\n")
-            self._kept.flush()
+            try:
+                self._kept.write(text + "\n")
+                self._kept.flush()
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
 
     def line(self, text: str) -> None:
         """Print a task's log line (above the status line); hidden when quiet."""

@@ -245,6 +245,7 @@ class Restarts(LocalTasks):
             seen_version=seen,
             lost_updates=max(0, (step if seen is None else seen) - restored),
         )
+        self.durability.lost_updates(index, (step if seen is None else seen) - restored)
         self.seen_versions[index] = restored
         self.restored_ps.add(index)
         self._tell_finished(index, sorted(TaskId.parse(name).index for name in self.done))
@@ -294,6 +295,7 @@ class Restarts(LocalTasks):
         if reply is not None and reply.registered:
             self.seen_versions[index] = max(self.seen_versions.get(index, 0), reply.version)
             self.shard_loads.see(index, reply, time.monotonic(), self.progress.step)
+            self.durability.see(index, reply, self.progress.step)
             if self.rebalancer is not None:
                 self.rebalancer.see(index, reply)
         return reply

@@ -475,13 +475,16 @@ class LocalRun(Restarts):
             result["time_split"] = {k: round(v, 4) for k, v in self.progress.total_split().items()}
         if self.progress.staleness:
             result["staleness"] = dict(sorted(self.progress.staleness.items()))
+        durability = self.durability.summary()
+        if durability is not None:
+            result["durability"] = durability
         if moved is not None:
             result["rebalance"] = moved
             self.console.final(
                 f"[distsgd] rebalance: {moved['moves']} move(s), {moved['failed']} failed; "
                 f"updates per piece {moved['applies_min']}..{moved['applies_max']}"
             )
-        if split or self.progress.staleness or moved is not None:
+        if split or self.progress.staleness or moved is not None or durability is not None:
             write_atomic(result_path, json.dumps(result, indent=2) + "\n")
         if result.get("test_accuracy") is not None:
             self.console.final(f"test accuracy: {result['test_accuracy']:.4f}")

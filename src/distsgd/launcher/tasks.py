@@ -25,6 +25,7 @@ from distsgd.control.rendezvous import host_store
 from distsgd.control.task import ENV_VAR
 from distsgd.launcher.argv import server_argv, worker_argv, worker_task
 from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.durability import DurabilityWatch
 from distsgd.launcher.errors import RunFailed
 from distsgd.launcher.keras_env import keras_environment
 from distsgd.launcher.lifeline import PARENT_ENV
@@ -41,6 +42,7 @@ from distsgd.transport.security import (
     write_secret_file,
 )
 from distsgd.util import write_atomic
+from distsgd.util.proctitle import TITLE_ENV, task_title
 
 
 def worker_gpus(device: str, environ: Mapping[str, str]) -> list[str]:
@@ -170,6 +172,8 @@ class LocalTasks:
         self.events = MetricsWriter(run_dir / METRICS_FILE, "launcher")
         self.shard_loads = ShardLoadLog(self.events.log)
         """Each server's load over time, from the Info polls (``shard_load`` events)."""
+        self.durability = DurabilityWatch(note=console.note, event=self.events.log, run_dir=run_dir)
+        """Each server's write-ahead log as the Info polls find it (launcher/durability.py)."""
         self.rebalancer = self._rebalancer(config, console)
         """``--rebalance auto``: moves pieces between servers (launcher/rebalance.py)."""
 
@@ -247,6 +251,7 @@ class LocalTasks:
 
     def _start(self, name: str, argv: list[str], env: dict[str, str]) -> TaskHandle:
         self.started_at[name] = time.monotonic()
+        env = {**env, TITLE_ENV: task_title(name, self.run_dir.name)}  # what ps and top show
         if self.hosts is not None:  # in its host's network namespace
             argv = [*self.hosts.enter(self.hosts.plan.host_of(TaskId.parse(name))), *argv]
         return self.supervisor.start(name, argv, env)

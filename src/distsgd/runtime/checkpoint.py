@@ -15,6 +15,7 @@ holding Python objects is refused when read (:class:`UnsafeFileError`, naming th
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import pickle
@@ -263,6 +264,8 @@ class Checkpointer:
         self.count = 0
         """Checkpoints this worker took part in (its state saved when due)."""
         self.seconds = 0.0
+        self.skipped = 0
+        """Checkpoints this worker skipped because the disk was full (ENOSPC, EDQUOT)."""
         """Seconds the training loop spent in them: saving the state, and on the chief asking
         the servers for theirs (what checkpoints cost this worker in training time)."""
 
@@ -282,10 +285,23 @@ class Checkpointer:
         self.due_step = None
         if self._due(local_step, start_step):
             started = self.last_time = time.monotonic()
-            self.save_worker(state(), local_step)
+            try:
+                self.save_worker(state(), local_step)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                log.warning(  # the previous checkpoint stays the newest; training goes on
+                    "checkpoint at step %d skipped: %s in %s (free space on that disk)",
+                    local_step,
+                    exc.strerror,
+                    self.root,
+                )
+                self.skipped += 1
+                return
+            finally:
+                self.seconds += time.monotonic() - started
             self.due_step = local_step
             self.count += 1
-            self.seconds += time.monotonic() - started
 
     def maybe_checkpoint_servers(self, shard_checkpoint: Any, extra: dict[str, Any]) -> None:
         """(Chief, after the step's pull) snapshot every shard and complete the manifest."""
