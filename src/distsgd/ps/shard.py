@@ -35,6 +35,7 @@ from distsgd.ps.rules import (
     parse_options_json,
 )
 from distsgd.ps.sequence import AppliedSequences
+from distsgd.ps.wal_outage import until_logged
 from distsgd.ps.work import Unit, WorkQueue, WorkSpec
 from distsgd.transport.errors import PushReject
 
@@ -283,8 +284,8 @@ class Shard:
                     self.pushes_rejected += 1
                     refusal = PushOutcome.refused(PushReject.NONFINITE, f"NaN or Inf in {key}")
                     return refusal, self.version
-        while True:
-            outcome = self._push_unless_moving(payload, meta)
+        while True:  # a log that is down: not applied, waits (NotLogged past the wait)
+            outcome = until_logged(lambda: self._push_unless_moving(payload, meta))
             if outcome is not None:
                 return outcome, self.version
             moves.wait_unfrozen(self, payload)

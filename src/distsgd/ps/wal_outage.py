@@ -13,10 +13,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 log = logging.getLogger("distsgd.ps.wal")
+
+T = TypeVar("T")
 
 PUSH_WAIT_SECONDS = 20.0
 """How long a push waits for a log that is down before it is answered ``not-logged`` (below a
@@ -32,6 +36,18 @@ class LogDown(Exception):
     def __init__(self, outage: Outage) -> None:
         super().__init__(f"write-ahead log {outage.folder} is down")
         self.outage = outage
+
+
+def until_logged(push: Callable[[], T]) -> T:
+    """``push()`` (a shard's push, which raises :class:`LogDown` where the log is down before
+    anything is applied), again whenever the log comes back, until it is logged; past
+    :data:`PUSH_WAIT_SECONDS` of waiting :class:`NotLogged`."""
+    since: float | None = None
+    while True:
+        try:
+            return push()
+        except LogDown as down:
+            since = down.outage.wait(since)
 
 
 class NotLogged(Exception):
