@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from distsgd.cluster.spec import JOBS, ClusterSpecError, TaskId
+from distsgd.cluster.spec import JOBS, ClusterSpecError, Role, TaskId
 
 __all__ = [
     "HOST_NETWORK",
@@ -302,6 +302,13 @@ class HostPlan:
         return (
             2.0 * sum(link.delay_s for link in links),
             sum(link.jitter_s for link in links),
+        )
+
+    def server_addresses(self) -> tuple[str, ...]:
+        """The addresses of the hosts with a parameter server on them: where clients dial
+        (what a server's TLS certificate must name)."""
+        return tuple(
+            host.address for host in self.hosts if any(t.job == Role.PS for t in host.tasks)
         )
 
     def host(self, name: str) -> Host:

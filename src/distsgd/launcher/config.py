@@ -15,7 +15,7 @@ from distsgd.control.config import TrainConfig, lr_multiplier
 from distsgd.control.faults import Fault
 from distsgd.control.folder import RESULT_FILE, new_run_folder, runs_root
 from distsgd.control.spec import RunSpec, WorkerBounds, check_worker_bounds
-from distsgd.transport.security import TlsConfig
+from distsgd.transport.security import TlsConfig, check_certificate_names
 
 DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
 """The bundled demo's training script (``distsgd demo``)."""
@@ -269,7 +269,10 @@ class LaunchConfig(WorkerBounds):
                 f"--hosts {self.hosts} for {tasks} tasks would leave a host empty; "
                 f"use --hosts {tasks} or fewer"
             )
-        self.host_plan()
+        plan = self.host_plan()
+        if self.tls is not None:  # a name missing would show only as servers that never start
+            where = "the servers on the emulated hosts"
+            check_certificate_names(self.tls, plan.server_addresses(), where=where)
 
     @property
     def forks_workers(self) -> bool:

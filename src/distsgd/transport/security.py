@@ -19,8 +19,9 @@ import contextlib
 import ipaddress
 import os
 import secrets
+import ssl
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,6 +207,70 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
         private_key=tls.key.read_bytes(),
         certificate_chain=tls.cert.read_bytes(),
     )
+
+
+def certificate_names(cert: Path) -> tuple[str, ...] | None:
+    """The names ``cert`` (PEM; the first of a chain) answers to, as a TLS client checks them:
+    its DNS and IP subject alternative names, else its common name; None where this Python
+    cannot decode a certificate (then nothing is checked). ValueError, in one line, where the
+    file is no PEM certificate."""
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode is None:  # CPython's own decoder (what its ssl tests use); absent elsewhere
+        return None
+    try:
+        info = decode(str(cert))
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(
+            f"--tls-cert {cert}: not a PEM certificate ({e}); give the task's certificate"
+        ) from None
+    alt = tuple(value for kind, value in info.get("subjectAltName", ()) if kind in _SAN_KINDS)
+    if alt:
+        return alt
+    subject = info.get("subject", ())
+    return tuple(value for rdn in subject for key, value in rdn if key == "commonName")
+
+
+_SAN_KINDS = ("DNS", "IP Address")
+
+
+def _names(names: tuple[str, ...], host: str) -> bool:
+    """Whether a certificate with ``names`` is valid for a client that dials ``host``."""
+    wanted = _canonical(host)
+    return any(_canonical(name) == wanted for name in names)
+
+
+def check_certificate_names(tls: TlsConfig, hosts: Sequence[str], *, where: str) -> None:
+    """ValueError, in one line, naming each of ``hosts`` (addresses or names that clients dial)
+    that ``tls.cert`` does not name and the fix: a client would refuse the server's certificate,
+    which gRPC reports only as a server that never comes up."""
+    names = certificate_names(tls.cert)
+    if names is None:
+        return
+    missing = [host for host in dict.fromkeys(hosts) if not _names(names, host)]
+    if not missing:
+        return
+    alt = ",".join(f"IP:{h}" if _is_ip(h) else f"DNS:{h}" for h in dict.fromkeys(hosts))
+    raise ValueError(
+        f"--tls-cert {tls.cert} does not name {', '.join(missing)}, where clients dial {where} "
+        f"(it names {', '.join(names) or 'nothing'}): clients would refuse it; make a "
+        f"certificate with subjectAltName={alt} (README, Many machines; docs/security.md, 3)"
+    )
+
+
+def _canonical(host: str) -> str:
+    """An address in one spelling (``::1`` for ``0:0:0:0:0:0:0:1``), a name in lower case."""
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        return host.lower()
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------------- exposure
