@@ -35,6 +35,7 @@ from distsgd.launcher.zygote import (
 )
 from distsgd.transport.security import SECRET_ENV
 from distsgd.util import open_private
+from distsgd.util.proctitle import TITLE_ENV, task_title
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class ForkServer:
         server_env.update({PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
         server_env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
         server_env[PRELOAD_ENV] = PRELOAD_OPTIMIZER if preload_optimizer else PRELOAD_TORCH
+        server_env[TITLE_ENV] = task_title("fork-server", log_path.parent.name)
         with theirs, os.fdopen(open_private(log_path, os.O_WRONLY | os.O_APPEND), "ab") as out:
             process = subprocess.Popen(
                 [sys.executable, "-m", "distsgd.launcher.zygote", str(theirs.fileno())],

@@ -19,6 +19,8 @@ import signal
 import sys
 import threading
 
+from distsgd.util.proctitle import set_title_from_env
+
 log = logging.getLogger(__name__)
 
 PARENT_ENV = "DISTSGD_PARENT_PID"
@@ -51,6 +53,7 @@ def tie_to_parent(environ: dict[str, str] | None = None) -> None:
     """If started by a launcher (``DISTSGD_PARENT_PID`` set), exit when that process is gone
     (or, for a task of the fork server, when the server or the launcher is)."""
     env = os.environ if environ is None else environ
+    set_title_from_env(env)  # "distsgd worker1 RUN" in ps and top, where the launcher named it
     text = env.get(PARENT_ENV)
     if not text:
         return

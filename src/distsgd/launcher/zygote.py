@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from distsgd.launcher.lifeline import FORK_SERVER_ENV, PARENT_ENV, set_death_signal
+from distsgd.util.proctitle import set_title_from_env
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +336,7 @@ def _become(
         os.environ.clear()
         os.environ.update(request.env)
         os.environ[FORK_SERVER_ENV] = str(server)
+        set_title_from_env()  # its own name (the server's otherwise: its memory is a copy)
         _reseed()
         sys.argv = ["-m", *request.args]  # run_module puts the module's file first
         sys.path[0] = request.cwd  # as ``python -m`` has it
@@ -400,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     launcher = int(text)
     set_death_signal()
+    set_title_from_env()  # "distsgd fork-server RUN", not "python3 -m distsgd.launcher.zygote 5"
     if os.getppid() != launcher:
         return 1
     sock = socket.socket(fileno=int(args[0]))
