@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
@@ -50,6 +51,35 @@ bootstrap does not have it restarted, see ``launcher/bootstrap.py``)."""
 unfinished = 0
 """:class:`Worker` objects set up in this process and neither finished nor closed (the
 bootstrap refuses a script that ends with one: its result would never be saved)."""
+
+
+def _interrupted(run_dir: str) -> KeyboardInterrupt:
+    """Ctrl-C stopped :func:`train` in a script run alone (``python script.py``): a plain
+    ``KeyboardInterrupt``, so a script's own ``except KeyboardInterrupt`` still catches it and,
+    left uncaught, the process ends as Python ends on Ctrl-C (by SIGINT: 130 in the shell), as
+    ``distsgd run`` does; but the interpreter reports it in one line, not a traceback."""
+    _say_uncaught_interruptions()
+    where = f"; its files so far are in {run_dir}" if run_dir else ""
+    exc = KeyboardInterrupt(f"distsgd: interrupted; training stopped{where}")
+    exc.distsgd_said = True  # type: ignore[attr-defined]
+    return exc
+
+
+def _say_uncaught_interruptions() -> None:
+    """Make the interpreter's report of an uncaught :func:`_interrupted` its one line (any
+    other exception goes to the hook that was there before, once installed)."""
+    previous = sys.excepthook
+    if getattr(previous, "distsgd_said", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if getattr(value, "distsgd_said", False):
+            print(value, file=sys.stderr)  # in place of the traceback the interpreter prints
+        else:
+            previous(kind, value, tb)
+
+    hook.distsgd_said = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def seed_everything(seed: int) -> None:
@@ -198,18 +228,23 @@ def train(
         _try_loss(
             model, loss_fn, {"train_data": train_set, "test_data": test_set}, config, batch_fn
         )
-    result = run_worker(
-        model=model,
-        loss_fn=loss_fn,
-        train_set=train_set,
-        test_set=test_set,
-        config=config,
-        env=env,
-        scheme=scheme,
-        batch_fn=batch_fn,
-        callbacks=callbacks,
-        metric_fns=metrics,
-    )
+    try:
+        result = run_worker(
+            model=model,
+            loss_fn=loss_fn,
+            train_set=train_set,
+            test_set=test_set,
+            config=config,
+            env=env,
+            scheme=scheme,
+            batch_fn=batch_fn,
+            callbacks=callbacks,
+            metric_fns=metrics,
+        )
+    except KeyboardInterrupt as exc:
+        if not env.standalone_run or getattr(exc, "distsgd_said", False):
+            raise
+        raise _interrupted(env.run_dir) from None
     trained = True
     return result
 
