@@ -149,3 +149,26 @@ def test_a_membership_change_while_down_is_counted_unlogged(tmp_path: Path, disk
     assert log.revive(live)  # the new snapshot holds it
     recovered = wal.recover(tmp_path, make_server_rule)
     assert recovered is not None and 2 in recovered.shard.finished
+
+
+def test_a_push_that_waited_for_the_log_is_applied_once_not_taken_for_a_duplicate(
+    tmp_path: Path, disk: Disk
+) -> None:
+    """Hogwild claims a push's sequence before it logs it: a push the down log refused must
+    not leave its sequence claimed, or its resend would be answered DUPLICATE, unapplied."""
+    live = _shard("hogwild")
+    log = wal.WriteAheadLog.start(tmp_path, live)
+    disk.full.set()
+    meta = PushMeta(worker=0, incarnation=7, base_version=0, sequence=1)
+    with pytest.raises(wal.LogDown):
+        log.append_push(live, _payload(live, 1), meta)  # (the shard's own path waits instead)
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(live.push(_payload(live, 1), meta)))
+    thread.start()
+    thread.join(0.5)
+    disk.full.clear()
+    assert log.revive(live)
+    thread.join(10.0)
+    outcome, version = out[0]
+    assert outcome.accepted and outcome.reason != "duplicate" and version == 1
+    assert live.sequences.highest(0) == 1

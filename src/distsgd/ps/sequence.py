@@ -73,6 +73,13 @@ class AppliedSequences:
                 self._highest[worker] = sequence
             return True
 
+    def unclaim(self, worker: int, sequence: int, before: int) -> None:
+        """Take back a :meth:`claim` of ``sequence`` whose push was not applied after all (its
+        write-ahead log was down): ``before`` is the highest applied until then."""
+        with self._lock:
+            if sequence > 0 and worker >= 0 and self._highest.get(worker) == sequence:
+                self._highest[worker] = before
+
     def highest(self, worker: int) -> int:
         """The highest sequence applied from ``worker`` (0: none)."""
         with self._lock:

@@ -16,6 +16,7 @@ import time
 import zipfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -312,10 +313,12 @@ class Shard:
         with self.gate.shared():
             if moves.blocked(self, payload):
                 return self._moved(payload)
+            before = self.sequences.highest(meta.worker)
             if not self.sequences.claim(meta.worker, meta.sequence):
                 return DUPLICATE  # an unlocked rule applies every push: claimed before it
-            if wal is not None:
-                wal.append_push(self, payload, meta)
+            if wal is not None:  # a log that is down: the claim is taken back (not applied)
+                undo = partial(self.sequences.unclaim, meta.worker, meta.sequence, before)
+                wal.append_push(self, payload, meta, undo=undo)
             outcome = self.rule.apply(self, payload, meta)
             self._count(outcome, payload)
             return outcome

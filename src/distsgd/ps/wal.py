@@ -56,7 +56,7 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from enum import IntEnum
@@ -343,9 +343,16 @@ class WriteAheadLog:
             self.outage.ended()
             return True
 
-    def append_push(self, shard: Shard, payload: Mapping[str, np.ndarray], meta: PushMeta) -> None:
+    def append_push(
+        self,
+        shard: Shard,
+        payload: Mapping[str, np.ndarray],
+        meta: PushMeta,
+        undo: Callable[[], None] | None = None,
+    ) -> None:
         """A validated payload, before the rule applies it (under the shard's lock for a locked
-        rule, under :attr:`gate` for an unlocked one)."""
+        rule, under :attr:`gate` for an unlocked one). ``undo``: called before
+        :class:`LogDown` is raised (the push is not applied: what was done for it is undone)."""
         if list(payload) == self._keys:
             index: bytes = self._all
             keys = self._keys
@@ -360,7 +367,12 @@ class WriteAheadLog:
             if array.size:  # an empty piece has no bytes (and no byte view)
                 arrays.append(array)
         count = struct.pack("<I", len(keys))
-        self._write(Kind.PUSH, shard.version, [count, index], tuple(arrays), meta)
+        try:
+            self._write(Kind.PUSH, shard.version, [count, index], tuple(arrays), meta)
+        except LogDown:
+            if undo is not None:
+                undo()
+            raise
 
     def append_leave(self, shard: Shard, worker: int) -> None:
         """Under the shard's lock, before :meth:`Shard.leave` changes anything."""
