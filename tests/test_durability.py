@@ -108,3 +108,20 @@ def test_a_full_disk_drops_metrics_lines_instead_of_ending_the_task(
     lines = path.read_text().splitlines()
     assert json.loads(lines[0])["step"] == 1 and json.loads(lines[-1])["step"] == 4
     assert writer.dropped == 2
+
+
+def test_a_full_disk_skips_a_worker_checkpoint_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from distsgd.runtime import checkpoint
+
+    def full(path: Path, state: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint, "save_worker_state", full)
+    saver = checkpoint.Checkpointer(
+        run_dir=tmp_path, rank=1, num_workers=2, every_steps=5, every_seconds=0, wait=1.0
+    )
+    saver.maybe_save_worker(5, 0, lambda: {"model": {}})  # no raw errno: training goes on
+    assert saver.skipped == 1 and saver.count == 0 and saver.due_step is None
+    assert "checkpoint at step 5 skipped" in caplog.text and "No space left" in caplog.text
