@@ -69,8 +69,11 @@ def move(addresses: list[str], keys: list[str], a: int, b: int) -> None:
     """What the launcher does: export from ``a``, import into ``b``, commit on ``a``."""
     with ShardClient(addresses[a]) as src, ShardClient(addresses[b]) as dst:
         header, arrays = src.export_pieces(keys, b)
-        dst.import_pieces(a, header, arrays)
-        src.finish_move(keys, b, commit=True)
+        receipt = dst.import_pieces(a, header, arrays).receipt
+        src.finish_move(
+            keys, b, commit=True, move_id=header.move_id, version=header.version, receipt=receipt
+        )
+        dst.finish_move(keys, a, commit=True, move_id=header.move_id)
 
 
 def _applies(addresses: list[str]) -> dict[str, int]:
@@ -178,17 +181,17 @@ def test_pushes_during_moves_lose_no_update(two_servers: list[str], carrier: str
 def test_a_move_not_committed_in_time_is_undone(two_servers: list[str]) -> None:
     client = _client(two_servers, 0)
     with ShardClient(two_servers[0]) as src:
-        src.export_pieces(["small1#0"], 1)
+        header, _ = src.export_pieces(["small1#0"], 1)
         with pytest.raises(RemoteError) as frozen:
             src.export_pieces(["small1#0"], 1)
         assert frozen.value.refusal is Refusal.NOT_FROZEN
-        src.finish_move(["small1#0"], 1, commit=False)  # undone: the piece stays
+        src.finish_move(["small1#0"], 1, commit=False, move_id=header.move_id)  # it stays
         assert all(
             r.accepted for r in client.push({k: np.ones_like(v) for k, v in _model().items()})
         )
         with pytest.raises(RemoteError) as late:
-            src.finish_move(["small1#0"], 1, commit=True)
-        assert late.value.refusal is Refusal.NOT_FROZEN
+            src.finish_move(["small1#0"], 1, commit=True, move_id=header.move_id)
+        assert late.value.refusal is Refusal.NO_SUCH_MOVE
     client.close()
 
 
@@ -284,12 +287,14 @@ def test_an_undone_import_drops_only_the_copy_it_took(two_servers: list[str]) ->
     destination; a destination never drops a piece it did not take from that shard."""
     client = _client(two_servers, 0)
     with ShardClient(two_servers[0]) as src, ShardClient(two_servers[1]) as dst:
-        with pytest.raises(RemoteError, match="took no such pieces"):
-            dst.finish_move(["small0#0"], 0, commit=False)  # ps1's own piece: kept
         header, arrays = src.export_pieces(["small1#0"], 1)
+        with pytest.raises(RemoteError) as refused:  # ps1's own piece: kept
+            dst.finish_move(["small0#0"], 0, commit=False, move_id=header.move_id)
+        assert refused.value.refusal is Refusal.NO_SUCH_MOVE
         dst.import_pieces(0, header, arrays)
-        assert dst.finish_move(["small1#0"], 0, commit=False).pieces == 1  # the copy goes
-        src.finish_move(["small1#0"], 1, commit=False)  # the source keeps it
+        undone = dst.finish_move(["small1#0"], 0, commit=False, move_id=header.move_id)
+        assert undone.pieces == 1  # the copy goes
+        src.finish_move(["small1#0"], 1, commit=False, move_id=header.move_id)  # it stays
         held = {t.key for t in dst.info().tensors}
     assert "small0#0" in held and "small1#0" not in held
     assert all(r.accepted for r in client.push({k: np.ones_like(v) for k, v in _model().items()}))
@@ -330,7 +335,7 @@ def test_an_export_copies_the_count_of_every_update_in_its_copy() -> None:
         for _ in range(300):
             out = moves.export(shard, ["p#0"], 1)
             assert out.arrays["p#0"][0] == out.loads["p#0"].applies, out
-            moves.finish(shard, ["p#0"], 1, commit=False)
+            moves.finish(shard, ["p#0"], 1, commit=False, move_id=out.move_id)
     finally:
         stop.set()
         sys.setswitchinterval(switch)

@@ -138,7 +138,7 @@ def test_join_takes_the_highest_free_index_and_refuses_taken_ones(tmp_path: Path
     run = _run_folder(tmp_path)
     (run / "tasks.json").write_text(json.dumps({"worker0": os.getpid(), "worker3": os.getpid()}))
     before = dict(os.environ)
-    env, script, _, secret = join_env(run, None)
+    env, script, _, secret = join_env(run, None, claim=lambda index: True)  # ps0 grants it
     assert dict(os.environ) == before  # nothing leaks into this process (the CLI sets it)
     assert secret == (run / "secret").resolve()
     assert env.task_index == 2 and env.registered_workers == 2 and script == SCRIPT

@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
-from distsgd.cluster import Role, TaskId
+from distsgd.cluster import ClusterSpec, Role, TaskId
 from distsgd.control.spec import RunSpec
 from distsgd.control.task import TaskEnv
 from distsgd.launcher.scale import launcher_alive
+from distsgd.transport.client import ShardClient
+from distsgd.transport.errors import Refusal, RemoteError
+
+CLAIM_TIMEOUT = 30.0
+"""Seconds ``distsgd join`` waits for ps0 to answer its claim of an index."""
 
 
 def _read_run_json(path: Path, what: str) -> dict[str, Any]:
@@ -61,10 +68,63 @@ def _taken(run_dir: Path) -> set[int]:
     return taken
 
 
-def join_env(run_dir: Path, task: int | None) -> tuple[TaskEnv, str, list[str], Path]:
+class IndexLease:
+    """Takes a worker index at ps0 (a Join with ``claim``): granted only for an index never
+    used in the run, so two joiners never run as one worker and a departed worker's index is
+    not given out again (see "Membership" in the .proto)."""
+
+    def __init__(self, cluster: dict[str, Any], run_id: str, secret: str | None) -> None:
+        self.address = ClusterSpec.from_dict(cluster).address(TaskId(job=Role.PS, index=0))
+        self.run_id = run_id
+        self.secret = secret
+
+    def __call__(self, index: int) -> bool:
+        """Whether ps0 gave this process worker ``index``; ValueError (one line) if it could
+        not be asked."""
+        with ShardClient(
+            self.address,
+            worker=index,
+            incarnation=secrets.randbits(63) | 1,
+            run_id=self.run_id,
+            timeout=CLAIM_TIMEOUT,
+            retry_seconds=CLAIM_TIMEOUT,
+            secret=self.secret,
+        ) as ps0:
+            try:
+                ps0.join(claim=True)
+            except RemoteError as exc:
+                if exc.refusal is Refusal.TAKEN:
+                    return False
+                raise ValueError(f"could not take a worker index at ps0: {exc}") from None
+        return True
+
+
+def _lease(
+    run_dir: Path, take: Callable[[int], bool], asked: int | None, candidates: list[int], high: int
+) -> int:
+    """The first of ``candidates`` that ``take`` grants; a one-line ValueError if none."""
+    for index in candidates:
+        if take(index):
+            return index
+    if asked is not None:
+        raise ValueError(
+            f"--task {asked}: worker{asked} of {run_dir} is or was in use (another joiner took "
+            "it, or it ran and left); leave out --task to be given a free index"
+        )
+    raise ValueError(
+        f"every worker index of {run_dir} (up to --max-workers {high}) is or was in use; "
+        "start the run with a larger --max-workers"
+    )
+
+
+def join_env(
+    run_dir: Path, task: int | None, *, claim: Callable[[int], bool] | None = None
+) -> tuple[TaskEnv, str, list[str], Path]:
     """The task environment, script, script arguments and run secret file of a worker joining
     ``run_dir``; ValueError (one line, cause and fix) when the folder is not a running elastic
-    parameter-server run or the index is taken or out of range."""
+    parameter-server run or the index is taken or out of range. The index is taken at the
+    servers (``claim``, default :class:`IndexLease`): ``task``, or without one the highest
+    index never used."""
     spec = RunSpec.load(run_dir)
     cluster = _read_run_json(
         run_dir / "cluster.json", "the servers' addresses, written once they listen"
@@ -88,7 +148,6 @@ def join_env(run_dir: Path, task: int | None) -> tuple[TaskEnv, str, list[str], 
                 f"every worker index of {run_dir} (up to --max-workers {high}) is running; "
                 "start the run with a larger --max-workers"
             )
-        task = free[0]
     elif not 0 < task < high:
         raise ValueError(
             f"--task {task}: a joining worker needs an index in 1..{high - 1} (worker0 is the "
@@ -101,6 +160,8 @@ def join_env(run_dir: Path, task: int | None) -> tuple[TaskEnv, str, list[str], 
     secret = run_dir / "secret"
     if not secret.is_file():
         raise ValueError(f"{run_dir} has no secret file; it cannot be joined")
+    take = claim or IndexLease(cluster, spec.run_id, secret.read_text().strip() or None)
+    task = _lease(run_dir, take, task, free if task is None else [task], high)
     env = TaskEnv(
         cluster=cluster,
         task_index=task,

@@ -1,10 +1,10 @@
 """``--rebalance auto``: the launcher reads each server's per-piece load from its Info polls,
 asks :func:`distsgd.plan.rebalance.decide` whether a move evens it, and carries the move out
-(export, import, commit: :mod:`distsgd.ps.moves`) on a thread of its own, so the launcher's
-loop never waits on it. Each move, made or failed, is a ``rebalance`` event in metrics.jsonl
-with the loads before and after (after: as predicted from the same rates), the pieces, their
-bytes, the version they moved at and the pause (seconds between export and commit, the longest
-any push of those pieces waited)."""
+(export, import, commit, confirm: :mod:`distsgd.ps.moves`, each step naming the move's id) on
+a thread of its own, so the launcher's loop never waits on it. Each move, made or failed, is a
+``rebalance`` event in metrics.jsonl with the loads before and after (after: as predicted from
+the same rates), the pieces, their bytes, the version they moved at and the pause (seconds
+between export and commit, the longest any push of those pieces waited)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 from distsgd.plan.rebalance import Decision, Move, decide, piece_rates, summary
 from distsgd.transport.client import ShardClient
 from distsgd.transport.codec import nbytes_of
-from distsgd.transport.errors import RemoteError
+from distsgd.transport.errors import Refusal, RemoteError
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.security import TlsConfig
 
@@ -145,19 +145,30 @@ class Rebalancer:
             except RemoteError as exc:
                 return self._failed(record, step, "export", exc)
             record["version"] = header.version
+            move_id = header.move_id
             try:
-                dst.import_pieces(move.source, header, arrays)
+                receipt = dst.import_pieces(move.source, header, arrays).receipt
             except RemoteError as exc:
-                _undo(src, keys, move.dest)
+                _finish(src, keys, move.dest, move_id, commit=False)
+                _finish(dst, keys, move.source, move_id, commit=False)  # if it took them
                 return self._failed(record, step, "import", exc)
             try:
-                src.finish_move(keys, move.dest, commit=True)
+                src.finish_move(
+                    keys,
+                    move.dest,
+                    commit=True,
+                    move_id=move_id,
+                    version=header.version,
+                    receipt=receipt,
+                )
             except RemoteError as exc:
                 committed = _committed(src, keys, move.dest)  # the answer may have been lost
                 if committed is not True:
                     if committed is False:  # not moved: the copy there goes (else it stays,
-                        _undo(dst, keys, move.source)  # unused: nothing routes to it)
+                        _finish(src, keys, move.dest, move_id, commit=False)  # unused)
+                        _finish(dst, keys, move.source, move_id, commit=False)
                     return self._failed(record, step, "commit", exc)
+            _finish(dst, keys, move.source, move_id, commit=True)  # B's now: no undo ends it
         record["pause_s"] = round(time.monotonic() - began, 4)
         self.moves += 1
         self._not_before = time.monotonic() + SETTLE_SECONDS
@@ -191,9 +202,12 @@ def _committed(src: ShardClient, keys: list[str], dest: int) -> bool | None:
     return all(moved.get(k) == dest for k in keys)
 
 
-def _undo(client: ShardClient, keys: list[str], peer: int) -> None:
-    """Undo one side of a move (best effort: a freeze also ends by itself)."""
+def _finish(client: ShardClient, keys: list[str], peer: int, move_id: str, *, commit: bool) -> None:
+    """Undo one side of a move, or confirm it on the destination (best effort: a freeze also
+    ends by itself; a step that is not open there is refused and changes nothing)."""
     try:
-        client.finish_move(keys, peer, commit=False)
+        client.finish_move(keys, peer, commit=commit, move_id=move_id)
     except RemoteError as exc:
-        log.warning("rebalance: could not undo a step of a failed move: %s", exc)
+        if exc.refusal is not Refusal.NO_SUCH_MOVE:
+            what = "confirm" if commit else "undo"
+            log.warning("rebalance: could not %s a step of move %s: %s", what, move_id[:8], exc)

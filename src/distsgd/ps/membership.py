@@ -8,7 +8,10 @@ The rules of the wire protocol's "Membership" section (``transport/proto/distsgd
   refresh its last-seen time; :meth:`see` does not bring back a worker that left;
 * :meth:`heartbeat` refreshes a member, and reports a worker that is not one;
 * :meth:`leave` and :meth:`evict` (silent for more than ``evict_after`` seconds) remove one;
-* the epoch goes up by one with every change of the set of members, never otherwise.
+* the epoch goes up by one with every change of the set of members, never otherwise;
+* :meth:`claim` (a Join with ``claim``: ``distsgd join``) takes an index as a new one: only an
+  index never in use at this shard (not registered, never a member), so two joiners never run
+  as the same worker, and a departed worker's index is never handed out again.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class Membership:
         now = clock()
         self.members: dict[int, Member] = {w: Member(0, now) for w in range(num_workers)}
         self.left: set[int] = set()
+        self.used: set[int] = set(range(num_workers))
+        """Every index that is or was a member: :meth:`claim` grants none of them."""
         self.epoch = 0
 
     @property
@@ -79,6 +84,7 @@ class Membership:
                 member.incarnation = incarnation
             return False
         self.members[worker] = Member(incarnation, now)
+        self.used.add(worker)
         self.left.discard(worker)
         self.epoch += 1
         return True
@@ -86,6 +92,15 @@ class Membership:
     def join(self, worker: int, incarnation: int) -> bool:
         """Make ``worker`` a member (again, after a leave or an eviction); True if the set
         changed. The caller has checked ``0 <= worker < max_workers``."""
+        return self._add(worker, incarnation)
+
+    def claim(self, worker: int, incarnation: int) -> bool:
+        """Take ``worker`` as a new member: True if the index was never in use here (or this
+        claim is a retry: the member has this nonzero incarnation), else False and nothing
+        changes (a joiner takes another index)."""
+        if worker in self.used:
+            member = self.members.get(worker)
+            return member is not None and incarnation != 0 and member.incarnation == incarnation
         return self._add(worker, incarnation)
 
     def see(self, worker: int, incarnation: int) -> bool:

@@ -83,7 +83,10 @@ class MovePlane:
             out.version,
         )
         header = pb.ExportHeader(
-            version=out.version, tensors=specs_of(out.arrays), loads=piece_loads(out.loads)
+            version=out.version,
+            tensors=specs_of(out.arrays),
+            loads=piece_loads(out.loads),
+            move_id=out.move_id,
         )
         yield pb.ExportResponse(header=header)
         for chunk in iter_chunks(list(out.arrays.values()), self.chunk_bytes):
@@ -102,7 +105,9 @@ class MovePlane:
         arrays = checks.assemble(head.tensors, request_iterator, context)
         loads = {p.key: PieceCounts(p.push_bytes, p.pull_bytes, p.applies) for p in head.loads}
         try:
-            taken = moves.adopt(shard, arrays, loads, head.from_shard)
+            taken, receipt = moves.adopt(
+                shard, arrays, loads, head.from_shard, move_id=head.move_id, version=head.version
+            )
         except (moves.MoveRefused, ValueError) as exc:
             refusal = exc.refusal if isinstance(exc, moves.MoveRefused) else None
             self._refused(moves.MoveRefused(refusal, str(exc)), context)
@@ -110,22 +115,29 @@ class MovePlane:
         log.info(
             "shard %d: took %d piece(s) from shard %d", self.shard_index, taken, head.from_shard
         )
-        return pb.MoveResponse(version=shard.version, pieces=taken)
+        return pb.MoveResponse(version=shard.version, pieces=taken, receipt=receipt)
 
     @guarded
     def FinishMove(self, request: pb.MoveRequest, context: grpc.ServicerContext) -> pb.MoveResponse:
         shard = self._move_request(request, context)
         try:
             changed = moves.finish(
-                shard, list(request.keys), request.peer_shard, commit=request.commit
+                shard,
+                list(request.keys),
+                request.peer_shard,
+                commit=request.commit,
+                move_id=request.move_id,
+                version=request.version,
+                receipt=request.receipt,
             )
         except moves.MoveRefused as exc:
             self._refused(exc, context)
         if changed:
             self._segments.retire()
         log.info(
-            "shard %d: move of %d piece(s) to shard %d %s",
+            "shard %d: move %s of %d piece(s) with shard %d %s",
             self.shard_index,
+            request.move_id[:8],
             len(request.keys),
             request.peer_shard,
             "committed" if request.commit else "undone",

@@ -13,6 +13,19 @@ service runs under the shard's locks (the protocol is in the .proto, "Moving pie
    the new owner, and the client sends those pieces to B. Nothing is lost: an update of ``K``
    is either in the copy (applied by A before the freeze) or refused by A and sent to B.
 
+Each move has an id (:func:`new_move_id`: 128 random bits, chosen by A at the export and sent
+only to the one who exported) and a version (A's, of the copy), and each shard keeps the open
+steps of its moves (:class:`MoveBook`): the export on A, the import on B. A step out of order
+is refused and changes nothing (``Refusal.NO_SUCH_MOVE``: no open step of that move here, e.g.
+an undo after the commit; ``Refusal.MOVE_MISMATCH``: other pieces, peer or version than the
+move's, or a commit whose receipt is not the digest of what A exported, i.e. B holds another
+copy). B's import answers a *receipt*, the SHA-256 of the move id, version and every array it
+took (:func:`digest`); A commits only with the receipt equal to the digest of its own export,
+so a stale copy, or a copy of another shape or dtype, is never committed. B never replaces a
+piece it holds (its own, or another move's copy) except by a retry of the same import; the
+launcher ends a move by confirming it on B (``FinishMove`` commit there), after which B's
+copy is B's and an undo of that move is refused.
+
 The pause a move costs is the time a push containing ``K`` waits: from the export to the
 commit, the copy's transfer and B's adoption. It is bounded by :data:`FREEZE_SECONDS`, after
 which A undoes the freeze itself (:func:`expire`): a launcher that dies mid-move stops nothing,
@@ -27,7 +40,10 @@ what it held then.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -37,6 +53,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from distsgd.ps.load import PieceCounts
+from distsgd.transport.codec import FLOAT_DTYPES
 from distsgd.transport.errors import Refusal
 
 if TYPE_CHECKING:
@@ -66,11 +83,55 @@ class MoveRefused(ValueError):
 @dataclass(frozen=True)
 class Exported:
     """What :func:`export` copied: the pieces and their rule state (one dict, state names
-    prefixed :data:`STATE_PREFIX`), their counters, and the version they belong to."""
+    prefixed :data:`STATE_PREFIX`), their counters, the version they belong to, and the move's
+    id."""
 
     version: int
     arrays: dict[str, np.ndarray]
     loads: dict[str, PieceCounts]
+    move_id: str = ""
+
+
+@dataclass(frozen=True)
+class OpenStep:
+    """A move's step that is done here and waits for its end: an export (on A; ``peer`` is
+    B) or an import (on B; ``peer`` is A), with its pieces, version and digest."""
+
+    peer: int
+    keys: tuple[str, ...]
+    version: int
+    digest: bytes
+
+
+class MoveBook:
+    """A shard's open steps of moves, by move id. Changed under the shard's ``cond``."""
+
+    def __init__(self) -> None:
+        self.exports: dict[str, OpenStep] = {}
+        self.imports: dict[str, OpenStep] = {}
+
+
+_MOVE_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def new_move_id() -> str:
+    """A move's id: 128 random bits in hex (known only to whoever did the export)."""
+    return secrets.token_hex(16)
+
+
+def check_move_id(move_id: str) -> None:
+    if not _MOVE_ID.fullmatch(move_id):
+        raise MoveRefused(None, "a move step names its move: 32 hex digits (ExportHeader.move_id)")
+
+
+def digest(move_id: str, version: int, arrays: Mapping[str, np.ndarray]) -> bytes:
+    """The SHA-256 of a move's id, version and arrays (names, dtypes, shapes, bytes)."""
+    h = hashlib.sha256(f"{move_id}:{version}".encode())
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"\0{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(a.reshape(-1).view(np.uint8).data)
+    return h.digest()
 
 
 def _exclusive(shard: Shard) -> AbstractContextManager[object]:
@@ -105,6 +166,8 @@ def expire(shard: Shard, now: float) -> None:
     if late:
         for key in late:
             del shard.frozen[key]
+        book = shard.move_book
+        book.exports = {m: step for m, step in book.exports.items() if step.keys[0] in shard.frozen}
         log.warning(
             "shard %d: a move of %d piece(s) was not committed within %gs; they stay here",
             shard.index,
@@ -122,26 +185,76 @@ def _check_keys(shard: Shard, keys: Sequence[str], peer: int) -> None:
 
 
 def export(shard: Shard, keys: Sequence[str], peer: int, now: float | None = None) -> Exported:
-    """Step 1 on the source shard: copy and freeze ``keys`` (see the module docstring)."""
+    """Step 1 on the source shard: copy and freeze ``keys`` under a new move id (see the
+    module docstring)."""
     _check_keys(shard, keys, peer)
     if not shard.rule.movable:
         raise MoveRefused(
             Refusal.NOT_MOVABLE,
             f"scheme {shard.scheme!r} keeps state that is not per piece; its pieces cannot move",
         )
+    now = time.monotonic() if now is None else now
     with _exclusive(shard), shard.cond:
+        expire(shard, now)
         missing = [k for k in keys if k not in shard.values]
         if missing:
             raise MoveRefused(None, f"shard {shard.index} holds no piece {missing[0]!r}")
         if any(k in shard.frozen for k in keys):
             raise MoveRefused(Refusal.NOT_FROZEN, "another move holds these pieces")
+        if _importing(shard, keys):
+            raise MoveRefused(Refusal.MOVE_MISMATCH, "a move into this shard is not confirmed")
         arrays = {k: shard.values[k].copy() for k in keys}
         arrays.update(
             {STATE_PREFIX + name: buf for name, buf in shard.rule.piece_state(keys).items()}
         )
-        end = (time.monotonic() if now is None else now) + FREEZE_SECONDS
-        shard.frozen.update({k: end for k in keys})
-        return Exported(shard.version, arrays, shard.load.piece_counts(keys))
+        shard.frozen.update({k: now + FREEZE_SECONDS for k in keys})
+        out = Exported(shard.version, arrays, shard.load.piece_counts(keys), new_move_id())
+    step = OpenStep(peer, tuple(keys), out.version, digest(out.move_id, out.version, arrays))
+    with shard.cond:  # the digest outside the locks: pushes of other pieces go on
+        if all(k in shard.frozen for k in keys):
+            shard.move_book.exports[out.move_id] = step
+    return out
+
+
+def _importing(shard: Shard, keys: Sequence[str]) -> bool:
+    return any(k in step.keys for step in shard.move_book.imports.values() for k in keys)
+
+
+def _check_import(
+    shard: Shard, pieces: Mapping[str, np.ndarray], source: int, move_id: str
+) -> None:
+    """Under ``cond``: an import brings pieces this shard does not hold (or a retry of the
+    same import), none of them being moved away from here."""
+    again = shard.move_book.imports.get(move_id)
+    for key in pieces:
+        if key in shard.frozen:
+            raise MoveRefused(Refusal.NOT_FROZEN, f"{key} is being moved away from here")
+        if key in shard.values and not (again and again.peer == source and key in again.keys):
+            raise MoveRefused(
+                Refusal.MOVE_MISMATCH,
+                f"shard {shard.index} holds {key!r:.80} already; an import brings pieces it "
+                "does not hold (no export of that move named this shard)",
+            )
+    if again is not None and (again.peer != source or set(again.keys) != set(pieces)):
+        raise MoveRefused(Refusal.MOVE_MISMATCH, "a repeated import with other pieces")
+
+
+def _split_import(
+    arrays: Mapping[str, np.ndarray],
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(pieces, rule state) of an import, each piece a float array of finite values."""
+    pieces = {k: v for k, v in arrays.items() if not k.startswith(STATE_PREFIX)}
+    state = {k[len(STATE_PREFIX) :]: v for k, v in arrays.items() if k.startswith(STATE_PREFIX)}
+    if not 1 <= len(pieces) <= MAX_MOVE_KEYS:
+        raise MoveRefused(None, f"a move names 1 to {MAX_MOVE_KEYS} pieces")
+    for key, value in pieces.items():
+        if value.dtype.name not in FLOAT_DTYPES:
+            raise MoveRefused(
+                None, f"{key!r:.80}: a moved piece is float16/32/64, not {value.dtype}"
+            )
+        if not np.isfinite(value).all():
+            raise MoveRefused(None, f"{key!r:.80}: NaN or Inf in a moved piece")
+    return pieces, state
 
 
 def adopt(
@@ -149,69 +262,94 @@ def adopt(
     arrays: Mapping[str, np.ndarray],
     loads: Mapping[str, PieceCounts],
     source: int,
-) -> int:
-    """Step 2 on the destination shard: hold the exported pieces of shard ``source`` with
-    their rule state and counters (replacing a copy a failed move left). Returns how many
-    pieces it took."""
+    *,
+    move_id: str,
+    version: int,
+) -> tuple[int, bytes]:
+    """Step 2 on the destination shard: hold the pieces that shard ``source`` exported in
+    move ``move_id`` at ``version``, with their rule state and counters. Returns how many
+    pieces it took and the receipt (:func:`digest` of what it took)."""
     if not shard.rule.movable:
         raise MoveRefused(Refusal.NOT_MOVABLE, f"scheme {shard.scheme!r} takes no moved pieces")
-    pieces = {k: v for k, v in arrays.items() if not k.startswith(STATE_PREFIX)}
-    state = {k[len(STATE_PREFIX) :]: v for k, v in arrays.items() if k.startswith(STATE_PREFIX)}
-    if not 1 <= len(pieces) <= MAX_MOVE_KEYS:
-        raise MoveRefused(None, f"a move names 1 to {MAX_MOVE_KEYS} pieces")
-    for key, value in pieces.items():
-        if not np.isfinite(value).all():
-            raise MoveRefused(None, f"{key}: NaN or Inf in a moved piece")
-        if key in shard.frozen:
-            raise MoveRefused(Refusal.NOT_FROZEN, f"{key} is being moved away from here")
+    check_move_id(move_id)
+    pieces, state = _split_import(arrays)
+    receipt = digest(move_id, version, arrays)
     with _exclusive(shard), shard.cond:
+        _check_import(shard, pieces, source, move_id)
         shard.rule.take_piece_state(state, pieces)  # checks every name before changing any
         values = dict(shard.values)  # a new dict: a reader iterating the old one (an unlocked
         for key, value in pieces.items():  # rule's pull) goes on undisturbed
             values[key] = np.array(value, copy=True)
             shard.moved.pop(key, None)  # a piece that comes back
-            shard.adopted[key] = source
         shard.values = values
+        shard.move_book.imports[move_id] = OpenStep(source, tuple(pieces), version, receipt)
         shard.load.give({k: loads.get(k, PieceCounts()) for k in pieces})
         shard.cond.notify_all()
     _new_generation(shard)
-    return len(pieces)
+    return len(pieces), receipt
 
 
-def finish(shard: Shard, keys: Sequence[str], peer: int, *, commit: bool) -> int:
-    """Step 3: on the source shard, commit (drop the pieces, remember ``peer`` holds them) or
-    undo the freeze; on the destination (``commit`` False, the pieces not frozen here), drop
-    a copy it adopted. Returns how many pieces it changed."""
+def finish(
+    shard: Shard,
+    keys: Sequence[str],
+    peer: int,
+    *,
+    commit: bool,
+    move_id: str,
+    version: int = 0,
+    receipt: bytes = b"",
+) -> int:
+    """Step 3 of move ``move_id``: on the source shard, commit (drop the pieces, remember
+    ``peer`` holds them; ``version`` and ``receipt`` must be the export's) or undo the freeze;
+    on the destination, confirm the import (commit: the pieces are this shard's now) or drop
+    the copy it took (undo). Returns how many pieces it dropped."""
     _check_keys(shard, keys, peer)
+    check_move_id(move_id)
     with _exclusive(shard), shard.cond:
         expire(shard, time.monotonic())
-        frozen = [k for k in keys if k in shard.frozen]
-        if frozen and len(frozen) != len(keys):
-            raise MoveRefused(Refusal.NOT_FROZEN, "only some of these pieces are being moved")
-        if not frozen and commit:
+        book = shard.move_book
+        step = book.exports.get(move_id) or book.imports.get(move_id)
+        if step is None:
             raise MoveRefused(
-                Refusal.NOT_FROZEN,
-                f"shard {shard.index} is not moving these pieces (the freeze of "
-                f"{FREEZE_SECONDS:g}s ended); start the move again",
+                Refusal.NO_SUCH_MOVE,
+                f"shard {shard.index} has no open step of move {move_id[:8]}: it was never "
+                "exported or imported here, or it was committed, undone or its freeze ended",
             )
-        if frozen and not commit:
+        if step.peer != peer or step.keys != tuple(keys):
+            raise MoveRefused(Refusal.MOVE_MISMATCH, "other pieces or another peer than the move's")
+        if move_id in book.imports:
+            del book.imports[move_id]
+            if commit:
+                return 0  # confirmed: from now on nothing undoes it
+        elif not commit:
+            del book.exports[move_id]
             for key in keys:
                 del shard.frozen[key]
             shard.cond.notify_all()
             return 0
-        if not commit and any(shard.adopted.get(k) != peer for k in keys):
-            raise MoveRefused(None, f"shard {shard.index} took no such pieces from shard {peer}")
-        shard.values = {k: v for k, v in shard.values.items() if k not in keys}  # as adopt's
-        for key in keys:
-            shard.adopted.pop(key, None)
-            shard.frozen.pop(key, None)
-            if commit:
-                shard.moved[key] = peer
-        shard.rule.drop_piece_state(keys)
-        shard.load.take(keys)
-        shard.cond.notify_all()
+        elif version != step.version or receipt != step.digest:
+            raise MoveRefused(
+                Refusal.MOVE_MISMATCH,
+                f"the commit does not match the export of version {step.version} (the copy on "
+                f"shard {peer} is another); undo the move",
+            )
+        else:
+            del book.exports[move_id]
+        _drop(shard, keys, moved_to=peer if commit else None)
     _new_generation(shard)
     return len(keys)
+
+
+def _drop(shard: Shard, keys: Sequence[str], moved_to: int | None) -> None:
+    """Under the locks: forget these pieces (a committed move records where they went)."""
+    shard.values = {k: v for k, v in shard.values.items() if k not in keys}  # as adopt's
+    for key in keys:
+        shard.frozen.pop(key, None)
+        if moved_to is not None:
+            shard.moved[key] = moved_to
+    shard.rule.drop_piece_state(keys)
+    shard.load.take(keys)
+    shard.cond.notify_all()
 
 
 def _new_generation(shard: Shard) -> None:

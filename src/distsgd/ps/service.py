@@ -600,8 +600,16 @@ class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.MembershipResponse:
         shard = self._check_member(request.header, context, joining=True)
         self._unless_closing(context)
-        epoch, members = shard.join(request.header.worker, request.header.incarnation)
-        return self._membership_reply(shard, epoch, members)
+        joined = shard.join(request.header.worker, request.header.incarnation, claim=request.claim)
+        if joined is None:
+            abort(
+                context,
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"worker {request.header.worker} is or was in use in this run; a joining worker "
+                "takes an index never used (leave out --task to be given one)",
+                Refusal.TAKEN,
+            )
+        return self._membership_reply(shard, *joined)
 
     @guarded
     def Heartbeat(

@@ -115,9 +115,9 @@ class Shard:
         self.sequences = AppliedSequences()
         """Per worker, the highest push sequence applied (exactly once; see
         :mod:`distsgd.ps.sequence`)."""
-        self.adopted: dict[str, int] = {}
-        """Pieces this server took from another (key -> that shard) since it started: the
-        only ones an undone move may drop here."""
+        self.move_book = moves.MoveBook()
+        """The open steps of moves (exported or imported here, not yet ended) since this
+        server started: the only ones a FinishMove may end. Changed under ``cond``."""
 
     def bump(self, steps: int = 1) -> int:
         """Advance the version and wake readers waiting for it."""
@@ -196,12 +196,17 @@ class Shard:
                 if self.membership.see(worker, incarnation):
                     self._membership_changed(f"worker {worker} seen")
 
-    def join(self, worker: int, incarnation: int) -> tuple[int, list[int]]:
-        """Explicit membership: ``worker`` joins (again); returns (epoch, members)."""
-        self.incarnations[worker] = incarnation
+    def join(
+        self, worker: int, incarnation: int, *, claim: bool = False
+    ) -> tuple[int, list[int]] | None:
+        """Explicit membership: ``worker`` joins (again); returns (epoch, members). ``claim``:
+        only as an index never used here (None, nothing changed, if it was)."""
         with self.cond:
+            if claim and not self.membership.claim(worker, incarnation):
+                return None
+            self.incarnations[worker] = incarnation
             self._work_seen(worker, incarnation)
-            if self.membership.join(worker, incarnation):
+            if self.membership.join(worker, incarnation) or claim:
                 self.finished.discard(worker)
                 self._membership_changed(f"worker {worker} joined")
             return self.membership.epoch, self.membership.live

@@ -383,9 +383,11 @@ class ShardClient:
             ),
         )
 
-    def join(self, *, retry: bool = True) -> pb.MembershipResponse:
-        """Announce this worker as a member of the shard (protocol 4): epoch and members."""
-        request = pb.JoinRequest(header=self.link.header)
+    def join(self, *, retry: bool = True, claim: bool = False) -> pb.MembershipResponse:
+        """Announce this worker as a member of the shard (protocol 4): epoch and members.
+        ``claim``: take the worker index as a new one (RemoteError, refusal TAKEN, if it is or
+        was in use in this run)."""
+        request = pb.JoinRequest(header=self.link.header, claim=claim)
         return self._call(
             "Join",
             lambda: self.link.stub.Join(request, timeout=self.timeout, metadata=self.link.metadata),
@@ -452,6 +454,8 @@ class ShardClient:
             from_shard=from_shard,
             tensors=list(header.tensors),
             loads=list(header.loads),
+            move_id=header.move_id,
+            version=header.version,
         )
         values = list(arrays.values())
 
@@ -468,10 +472,26 @@ class ShardClient:
             retry=False,
         )
 
-    def finish_move(self, keys: Sequence[str], peer: int, *, commit: bool) -> pb.MoveResponse:
-        """Commit (or undo) a move of these pieces; see :mod:`distsgd.ps.moves`."""
+    def finish_move(
+        self,
+        keys: Sequence[str],
+        peer: int,
+        *,
+        commit: bool,
+        move_id: str,
+        version: int = 0,
+        receipt: bytes = b"",
+    ) -> pb.MoveResponse:
+        """Commit (or undo) move ``move_id`` of these pieces; a commit on the source names the
+        export's ``version`` and the destination's ``receipt``. See :mod:`distsgd.ps.moves`."""
         request = pb.MoveRequest(
-            header=self.link.header, keys=list(keys), peer_shard=peer, commit=commit
+            header=self.link.header,
+            keys=list(keys),
+            peer_shard=peer,
+            commit=commit,
+            move_id=move_id,
+            version=version,
+            receipt=receipt,
         )
         return self._call(
             "FinishMove",

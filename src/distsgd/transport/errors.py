@@ -62,6 +62,16 @@ class Refusal(enum.Enum):
     NO_WORK = "no-work"
     """FAILED_PRECONDITION (LeaseWork): this shard hands out no work units (only shard 0 of a
     run registered with a work spec does)."""
+    TAKEN = "taken"
+    """ALREADY_EXISTS (Join with ``claim``): the worker index is, or was, in use in this run;
+    a joining worker takes another (one never used)."""
+    NO_SUCH_MOVE = "no-such-move"
+    """FAILED_PRECONDITION (FinishMove): this shard has no open step of that move (it never
+    exported or imported it here, or it was committed or undone already)."""
+    MOVE_MISMATCH = "move-mismatch"
+    """FAILED_PRECONDITION (ImportPieces, FinishMove): the step does not match its move: other
+    pieces, peer, version or receipt than the export's (a stale copy), or pieces this shard
+    holds already; nothing changed."""
     NOT_LOGGED = "not-logged"
     """UNAVAILABLE (a push): the server could not write the push to its write-ahead log in time
     (its disk is full), so it applied none of it and said nothing else: send it again."""

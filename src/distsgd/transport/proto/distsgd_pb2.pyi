@@ -382,26 +382,34 @@ class PieceOwner(_message.Message):
     def __init__(self, key: _Optional[str] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class MoveRequest(_message.Message):
-    __slots__ = ("header", "keys", "peer_shard", "commit")
+    __slots__ = ("header", "keys", "peer_shard", "commit", "move_id", "version", "receipt")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PEER_SHARD_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    MOVE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     keys: _containers.RepeatedScalarFieldContainer[str]
     peer_shard: int
     commit: bool
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., keys: _Optional[_Iterable[str]] = ..., peer_shard: _Optional[int] = ..., commit: _Optional[bool] = ...) -> None: ...
+    move_id: str
+    version: int
+    receipt: bytes
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., keys: _Optional[_Iterable[str]] = ..., peer_shard: _Optional[int] = ..., commit: _Optional[bool] = ..., move_id: _Optional[str] = ..., version: _Optional[int] = ..., receipt: _Optional[bytes] = ...) -> None: ...
 
 class ExportHeader(_message.Message):
-    __slots__ = ("version", "tensors", "loads")
+    __slots__ = ("version", "tensors", "loads", "move_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
+    MOVE_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     loads: _containers.RepeatedCompositeFieldContainer[PieceLoad]
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[PieceLoad, _Mapping]]] = ...) -> None: ...
+    move_id: str
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[PieceLoad, _Mapping]]] = ..., move_id: _Optional[str] = ...) -> None: ...
 
 class ExportResponse(_message.Message):
     __slots__ = ("header", "chunk")
@@ -412,16 +420,20 @@ class ExportResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ExportHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class ImportHeader(_message.Message):
-    __slots__ = ("header", "from_shard", "tensors", "loads")
+    __slots__ = ("header", "from_shard", "tensors", "loads", "move_id", "version")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     FROM_SHARD_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
+    MOVE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     from_shard: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     loads: _containers.RepeatedCompositeFieldContainer[PieceLoad]
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., from_shard: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[PieceLoad, _Mapping]]] = ...) -> None: ...
+    move_id: str
+    version: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., from_shard: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[PieceLoad, _Mapping]]] = ..., move_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ImportRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -432,18 +444,22 @@ class ImportRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[ImportHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class MoveResponse(_message.Message):
-    __slots__ = ("version", "pieces")
+    __slots__ = ("version", "pieces", "receipt")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     version: int
     pieces: int
-    def __init__(self, version: _Optional[int] = ..., pieces: _Optional[int] = ...) -> None: ...
+    receipt: bytes
+    def __init__(self, version: _Optional[int] = ..., pieces: _Optional[int] = ..., receipt: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("header",)
+    __slots__ = ("header", "claim")
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ...) -> None: ...
+    claim: bool
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., claim: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("header",)
