@@ -172,3 +172,51 @@ def test_a_push_that_waited_for_the_log_is_applied_once_not_taken_for_a_duplicat
     outcome, version = out[0]
     assert outcome.accepted and outcome.reason != "duplicate" and version == 1
     assert live.sequences.highest(0) == 1
+
+
+def test_over_grpc_info_says_the_log_is_down_and_a_push_is_refused_not_logged(
+    tmp_path: Path, disk: Disk, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process, over gRPC: while the disk is full Info's ``wal`` says down and a push that
+    waits too long is answered UNAVAILABLE ``not-logged``, unapplied; once there is room the
+    log comes back by itself (the server's ticker) and a push is applied and logged."""
+    import grpc
+    import numpy as np
+
+    from distsgd.ps import start_server, stop_server
+    from distsgd.transport import ShardClient
+    from distsgd.transport.errors import Refusal, RemoteError
+
+    monkeypatch.setattr(wal_outage, "PUSH_WAIT_SECONDS", 0.3)
+    folder = tmp_path / "wal" / "ps0"
+    srv, address, service = start_server(
+        address="127.0.0.1:0", shard_index=0, rule_factory=make_server_rule, wal_dir=folder
+    )
+    try:
+        with ShardClient(address, worker=0, timeout=10.0, retry_seconds=0.0) as client:
+            client.register(
+                shard_index=0,
+                scheme="hogwild",
+                options_json='{"lr": 0.1}',
+                num_workers=1,
+                tensors={"w": np.zeros(4, dtype=np.float32)},
+            )
+            grad = {"w": np.ones(4, dtype=np.float32)}
+            assert client.push(base_version=0, tensors=grad).accepted
+            disk.full.set()
+            with pytest.raises(RemoteError) as refused:
+                client.push(base_version=1, tensors=grad)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+            assert refused.value.refusal is Refusal.NOT_LOGGED
+            info = client.info()
+            assert info.version == 1 and info.wal.down and info.wal.outages == 1
+            assert info.wal.error == os.strerror(errno.ENOSPC) and info.wal.refused_pushes == 1
+            monkeypatch.setattr(wal_outage, "PUSH_WAIT_SECONDS", 30.0)
+            disk.full.clear()
+            assert client.push(base_version=1, tensors=grad).accepted  # waits for the ticker
+            info = client.info()
+            assert info.version == 2 and not info.wal.down and info.wal.down_seconds > 0
+    finally:
+        stop_server(srv, service)
+    recovered = wal.recover(folder, make_server_rule)
+    assert recovered is not None and recovered.shard.version == 2
