@@ -125,3 +125,33 @@ def test_a_full_disk_skips_a_worker_checkpoint_with_a_warning(
     saver.maybe_save_worker(5, 0, lambda: {"model": {}})  # no raw errno: training goes on
     assert saver.skipped == 1 and saver.count == 0 and saver.due_step is None
     assert "checkpoint at step 5 skipped" in caplog.text and "No space left" in caplog.text
+
+
+def test_a_launcher_write_that_finds_no_room_stops_the_run_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distsgd.launcher import run as launcher_run
+    from distsgd.launcher.tasks import write_tasks
+
+    class Local:
+        run_dir = tmp_path
+        ckpt_root = tmp_path / "checkpoints"
+
+        def run(self) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "x.json"))
+
+    with pytest.raises(RunFailed) as failed:
+        launcher_run._run(Local())  # type: ignore[arg-type]
+    line = str(failed.value)
+    assert "\n" not in line and "Errno" not in line
+    assert f"the disk that holds {tmp_path} is full (No space left on device" in line
+
+    def full(path: Path, text: str) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("distsgd.launcher.tasks.write_atomic", full)
+
+    class Supervisor:
+        tasks: dict[str, Any] = {}
+
+    write_tasks(tmp_path, Supervisor())  # type: ignore[arg-type]  # diagnostics: no raise

@@ -4,12 +4,15 @@ its record of them in snapshots and the write-ahead log. No processes."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from distsgd.control.faults import Fault, FaultInjector, kill_due, kill_landed
 from distsgd.ps import wal
 from distsgd.ps.rules import PushMeta
 from distsgd.ps.sequence import (
@@ -132,3 +135,24 @@ def test_the_write_ahead_log_replays_the_sequences(tmp_path: Path, scheme: str) 
     # The push in flight when the server died, sent again to the restarted one: applied once.
     assert _push(back, 1, push_sequence(5, 0)) == (True, True)
     assert back.version == 3
+
+
+def test_a_worker_holds_still_at_a_kills_step_until_it_landed(tmp_path: Path) -> None:
+    """Issue 36, item 11, the worker's side: at the step of a kill it marks the step and waits
+    for the launcher's mark that the kill landed (a restarted target does not wait again)."""
+    kill = Fault.parse("kill:ps:0@step=6")
+    injector = FaultInjector([kill], run_dir=str(tmp_path))
+    injector.before_step(5)
+    assert kill_due(tmp_path, kill) is None
+    landed = threading.Timer(0.3, kill_landed, (tmp_path, kill))
+    began = time.monotonic()
+    landed.start()
+    injector.before_step(7)
+    landed.join()
+    assert time.monotonic() - began >= 0.25  # it waited for the landing
+    assert kill_due(tmp_path, kill) == 7
+    again = FaultInjector([kill], run_dir=str(tmp_path))  # restarted: landed already
+    began = time.monotonic()
+    again.before_step(8)
+    assert time.monotonic() - began < 1.0
+    assert FaultInjector([kill]).kills == []  # no run folder: the launcher's reading only

@@ -48,3 +48,20 @@ def test_a_worker_and_a_server_killed_apply_each_push_once(tmp_path: Path) -> No
     assert result["global_step"] == 2 * STEPS, (result["global_step"], records)
     lost = [r["lost_pushes"] for r in records if "lost_pushes" in r]
     assert lost and max(lost) == 0
+
+
+@pytest.mark.xdist_group("demo-runs")
+def test_a_kill_lands_at_its_step(tmp_path: Path) -> None:
+    """Issue 36, item 11: ``kill:ps:0@step=6`` landed at step 9, the launcher learning the
+    step from metrics lines every 10 steps; the workers now hold still at the step until the
+    launcher has killed (6, or 7: the other worker's push in flight)."""
+    run_dir = tmp_path / "run"
+    args = ["demo", "--scheme", "hogwild", "--epochs", "3", "--quiet", "--run-dir", str(run_dir)]
+    done = run_distsgd([*args, "--inject-fault", "kill:ps:0@step=6"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = metrics(run_dir)
+    injected = [r for r in records if r.get("event") == "fault_injected"]
+    assert [r["target"] for r in injected] == ["ps0"], records
+    assert injected[0]["step"] in (6, 7), injected
+    fault = next(r for r in records if r.get("event") == "fault")
+    assert fault["seen_version"] <= 8, fault  # the server's own version as it was killed

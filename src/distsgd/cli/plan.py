@@ -40,6 +40,7 @@ from distsgd.plan.cost import (
     Setting,
     Workload,
     predict,
+    transfer_rate,
 )
 
 DEFAULT_SCHEMES = "hogwild,sync,downpour(window=10),allreduce"
@@ -140,8 +141,12 @@ def _measured_parts(args: argparse.Namespace, entries: Sequence[SchemeEntry], sc
     paths = dict(ASSUMED_PATHS)
     paths[got.path] = dataclasses.replace(
         assumed,
-        pull=Part(value=got.param_bytes / max(got.pull_s - latency, 1e-6), source=measured),
-        push=Part(value=got.param_bytes / max(got.push_s - latency, 1e-6), source=measured),
+        pull=transfer_rate(
+            got.param_bytes, got.pull_s, fixed=latency, assumed=assumed.pull, source=measured
+        ),
+        push=transfer_rate(
+            got.param_bytes, got.push_s, fixed=latency, assumed=assumed.push, source=measured
+        ),
         push_cpu=assumed.push,
         server=Part(
             value=SERVER_APPLY_S_PER_BYTE.value + beyond / got.param_bytes,
@@ -151,10 +156,13 @@ def _measured_parts(args: argparse.Namespace, entries: Sequence[SchemeEntry], sc
     if any(schemes.get(e.scheme).collective for e in entries) and not across:
         _say("measuring all-reduce, 2 workers ...")
         ar = probe_allreduce(script, args.script_args)
-        comm = max(ar.step_s - got.compute_s, 1e-6)
         source = f"measured: {ar.steps} steps of all-reduce, 2 workers (step beyond compute)"
-        rate = Part(value=got.param_bytes / comm, source=source)
         gloo = ASSUMED_PATHS["gloo"]
+        # 2 workers: one all-reduce is 2 messages of the model's bytes between them
+        fixed = got.compute_s + 2 * gloo.latency.value
+        rate = transfer_rate(
+            got.param_bytes, ar.step_s, fixed=fixed, assumed=gloo.pull, source=source
+        )
         paths["gloo"] = Path(name="gloo", latency=gloo.latency, pull=rate, push=rate)
     link = _probe_link(args, got.param_bytes) if across else None
     return Parts(workload=workload, paths=paths, link=link)

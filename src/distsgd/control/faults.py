@@ -25,9 +25,11 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from distsgd.cluster import Role, TaskId
 from distsgd.cluster.hosts import parse_rate
+from distsgd.util.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +149,53 @@ def _rate(text: str, value: str | None) -> int:
         ) from None
 
 
-class FaultInjector:
-    """Applies this worker's delay and partition faults, step by step."""
+KILL_PAUSE_SECONDS = 5.0
+"""Longest a worker holds still at a kill's step for the launcher to land it (then it goes on:
+the launcher's own reading of the step still lands it, later)."""
+_KILL_POLL = 0.005
 
-    def __init__(self, faults: Sequence[Fault]) -> None:
-        self.faults = list(faults)
+
+def kill_marker(run_dir: str | Path, fault: Fault, kind: str) -> Path:
+    """The file of a kill's step in the run folder: ``due`` (a worker reached the step and
+    holds still; it holds the global step it saw) or ``landed`` (the launcher killed)."""
+    name = f"kill-{fault.job}{fault.index}-at-{fault.step or 0}.{kind}"
+    return Path(run_dir) / "faults" / name
+
+
+def kill_due(run_dir: str | Path, fault: Fault) -> int | None:
+    """(Launcher) the global step a worker reached a kill's step at, or None (not yet)."""
+    try:
+        text = kill_marker(run_dir, fault, "due").read_text()
+    except OSError:
+        return None
+    return int(text) if text.strip().isdigit() else fault.step or 0
+
+
+def kill_landed(run_dir: str | Path, fault: Fault) -> None:
+    """(Launcher) the kill is done: workers holding still at its step go on."""
+    path = kill_marker(run_dir, fault, "landed")
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    write_atomic(path, "landed\n")
+
+
+class FaultInjector:
+    """Applies this worker's delay and partition faults, step by step, and holds still at the
+    step of a kill (the launcher's: ``kill`` faults of any task, given with a run folder) until
+    the launcher has landed it, so that a kill lands at its step, not at the launcher's next
+    reading of the metrics lines (every ``--log-every`` steps)."""
+
+    def __init__(self, faults: Sequence[Fault], run_dir: str = "") -> None:
+        self.faults = [f for f in faults if f.kind != "kill"]
+        self.kills = [f for f in faults if f.kind == "kill"] if run_dir else []
+        self.run_dir = run_dir
         self.partition_until = 0.0
         self._done: set[int] = set()
 
     def before_step(self, global_step: int) -> None:
+        for kill in list(self.kills):
+            if global_step >= (kill.step or 0):
+                self.kills.remove(kill)
+                self._hold_for(kill, global_step)
         for i, fault in enumerate(self.faults):
             if fault.kind == "delay":
                 time.sleep(fault.seconds)
@@ -170,6 +210,24 @@ class FaultInjector:
                     "fault injected: partitioned from the parameter servers for %.1fs",
                     fault.seconds,
                 )
+
+    def _hold_for(self, kill: Fault, global_step: int) -> None:
+        """Say the kill's step is here (unless it landed already: a restarted target) and hold
+        still until it landed, at most :data:`KILL_PAUSE_SECONDS`."""
+        landed = kill_marker(self.run_dir, kill, "landed")
+        if landed.exists():
+            return
+        due = kill_marker(self.run_dir, kill, "due")
+        try:
+            due.parent.mkdir(mode=0o700, exist_ok=True)
+            if not due.exists():
+                write_atomic(due, f"{global_step}\n")
+        except OSError as exc:  # a full disk: the launcher's reading of the step lands it
+            log.warning("cannot mark the step of kill:%s: %s", kill.task, exc)
+            return
+        end = time.monotonic() + KILL_PAUSE_SECONDS
+        while not landed.exists() and time.monotonic() < end:
+            time.sleep(_KILL_POLL)
 
     @property
     def partitioned(self) -> bool:

@@ -104,9 +104,12 @@ def _link_delays(config: LaunchConfig, index: int, servers: int) -> list[list[fl
 
 
 def _worker_fault(fault: Fault, index: int, hosts: int) -> bool:
-    """Whether worker ``index`` injects ``fault`` itself: a delay of its own, or a partition of
-    its own without ``--hosts`` (simulated; under ``--hosts`` the launcher cuts its host's
-    link). Kills and slow links are the launcher's."""
+    """Whether worker ``index`` is given ``fault``: a delay of its own, or a partition of its
+    own without ``--hosts`` (simulated; under ``--hosts`` the launcher cuts its host's link),
+    and every kill (the launcher's: each worker holds still at its step until it landed, see
+    :class:`~distsgd.control.faults.FaultInjector`). Slow links are the launcher's."""
+    if fault.kind == "kill":
+        return True
     if fault.task_id != TaskId(job=Role.WORKER, index=index):
         return False
     return fault.kind == "delay" or (fault.kind == "partition" and not hosts)

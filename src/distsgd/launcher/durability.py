@@ -12,6 +12,7 @@ acknowledged.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,9 @@ from typing import Any
 
 from distsgd.launcher.errors import RunFailed
 from distsgd.transport.proto import distsgd_pb2 as pb
+
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""The errors of a write that found no room: the disk is full, or the user's quota."""
 
 GIVE_UP_SECONDS = 120.0
 """A log down this long stops the run (as a task that makes no progress for 120 s does)."""
@@ -142,3 +146,17 @@ class DurabilityWatch:
             if t["outages"] or t["lost"]
         }
         return out or None
+
+
+def disk_full(exc: OSError) -> bool:
+    """Whether ``exc`` is a write that found no room (:data:`DISK_FULL`)."""
+    return exc.errno in DISK_FULL
+
+
+def disk_full_line(run_dir: Path, exc: OSError, *, resumable: bool) -> str:
+    """One line for a run that stopped because a write of the launcher found no room."""
+    where = f" writing {exc.filename}" if exc.filename else ""
+    resume = f", then resume with: distsgd run --resume {run_dir}" if resumable else ""
+    return (
+        f"the disk that holds {run_dir} is full ({exc.strerror}{where}): free space on it{resume}"
+    )

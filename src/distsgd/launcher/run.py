@@ -36,6 +36,7 @@ from distsgd.control.recovery import (
     restart_all,
 )
 from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.durability import disk_full, disk_full_line
 from distsgd.launcher.emulation import close_hosts, start_hosts
 from distsgd.launcher.errors import Interrupted, RunDiverged, RunFailed
 from distsgd.launcher.link_faults import LinkFaults
@@ -122,7 +123,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
     launcher_file = run_dir / LAUNCHER_FILE
     try:
         write_atomic(launcher_file, f"{os.getpid()}\n")  # distsgd scale checks it is running
-        return local.run()
+        return _run(local)
     except Interrupted:
         console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks")
         finished = (run_dir / RESULT_FILE).exists()  # --resume refuses a finished run
@@ -160,6 +161,19 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
         _write_tasks(run_dir, supervisor)
         if keep:
             console.close()
+
+
+def _run(local: LocalRun) -> RunOutcome:
+    """``local.run()``; a write of the launcher that found no room (the run folder's disk is
+    full) ends it in one line that names the disk and the command that resumes it."""
+    try:
+        return local.run()
+    except OSError as exc:
+        if not disk_full(exc):
+            raise
+        resumable = latest_checkpoint(local.ckpt_root)[0] is not None
+        line = disk_full_line(local.run_dir, exc, resumable=resumable)
+        raise RunFailed(line, reason="the disk is full") from None
 
 
 def interrupted_outcome(run_dir: Path, caught: list[int]) -> RunOutcome:

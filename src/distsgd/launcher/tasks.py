@@ -5,6 +5,7 @@ cluster from a checkpoint (:class:`LocalTasks`, the base of the launcher's
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -25,7 +26,7 @@ from distsgd.control.rendezvous import host_store
 from distsgd.control.task import ENV_VAR
 from distsgd.launcher.argv import server_argv, worker_argv, worker_task
 from distsgd.launcher.config import LaunchConfig
-from distsgd.launcher.durability import DurabilityWatch
+from distsgd.launcher.durability import DurabilityWatch, disk_full
 from distsgd.launcher.errors import RunFailed
 from distsgd.launcher.keras_env import keras_environment
 from distsgd.launcher.lifeline import PARENT_ENV
@@ -43,6 +44,8 @@ from distsgd.transport.security import (
 )
 from distsgd.util import write_atomic
 from distsgd.util.proctitle import TITLE_ENV, task_title
+
+log = logging.getLogger(__name__)
 
 
 def worker_gpus(device: str, environ: Mapping[str, str]) -> list[str]:
@@ -72,7 +75,12 @@ def worker_gpus(device: str, environ: Mapping[str, str]) -> list[str]:
 def write_tasks(run_dir: Path, supervisor: Tasks) -> None:
     """``tasks.json``: the PID of every task, for diagnostics and for tests that check cleanup."""
     pids = {t.name: t.pid for t in supervisor.tasks.values()}
-    write_atomic(run_dir / "tasks.json", json.dumps(pids) + "\n")
+    try:
+        write_atomic(run_dir / "tasks.json", json.dumps(pids) + "\n")
+    except OSError as exc:  # diagnostics: a full disk must not end the run
+        if not disk_full(exc):
+            raise
+        log.warning("tasks.json not written: %s", exc.strerror)
 
 
 def wait_for_address(task: TaskHandle, path: Path, timeout: float) -> str:

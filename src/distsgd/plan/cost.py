@@ -235,6 +235,30 @@ SERVER_APPLY_S_PER_BYTE = Part(
 """The server's own CPU per pushed float32 byte."""
 
 
+MIN_TRANSFER_SHARE = 0.1
+"""The least share of a measured time that the transfer in it must take for its rate to be
+read from it: below, the transfer is within the noise of the parts taken off (a step's compute,
+measured in another run), and the rate it would give is not a measurement (the demo's
+all-reduce once read as 153 GB/s: a step no longer than the compute, divided by a floor)."""
+
+
+def transfer_rate(
+    nbytes: float, seconds: float, *, fixed: float, assumed: Part, source: str
+) -> Part:
+    """Bytes/s of moving ``nbytes`` in a measured ``seconds`` of which ``fixed`` is not the
+    transfer (the calls' latency, a step's compute): ``nbytes / (seconds - fixed)`` as
+    ``source`` says, or ``assumed`` (saying why) where that rest is under
+    :data:`MIN_TRANSFER_SHARE` of ``seconds``."""
+    rest = seconds - fixed
+    if nbytes > 0 and rest > 0 and rest >= MIN_TRANSFER_SHARE * seconds:
+        return Part(value=nbytes / rest, source=source)
+    why = (
+        f"{source} gave {seconds * 1e3:.3g} ms with {fixed * 1e3:.3g} ms of it not the "
+        "transfer: too little left to measure"
+    )
+    return Part(value=assumed.value, source=f"{assumed.source} ({why})")
+
+
 def server_s_per_byte(path: Path) -> float:
     """A server's seconds per pushed float32 byte on ``path``."""
     return (path.server or SERVER_APPLY_S_PER_BYTE).value

@@ -128,7 +128,7 @@ def open_worker(
             log.info("%s", lr_scaling.describe())
         steps = describe_steps(opened.steps, config.batch_size, opened.batches)
         log.info("worker%d: scheme %s, %s", rank, env.scheme, steps)
-        opened.faults = ctx.faults = FaultInjector(env.faults)
+        opened.faults = ctx.faults = FaultInjector(env.faults, run_dir=env.run_dir)
         _start_scheme(opened, env, scheme, optimizer, metrics)
     except BaseException:
         conn.close()
