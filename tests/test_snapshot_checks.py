@@ -148,3 +148,16 @@ def test_a_damaged_restore_falls_back_to_the_log_or_is_one_line(
     assert f"{bad}: a damaged shard file: header field 'version'" in caplog.text
     with pytest.raises(CorruptCheckpoint, match=f"^{bad}: a damaged shard file: header field"):
         ParameterService(shard_index=0, rule_factory=make_server_rule, restore=bad)
+
+
+def test_a_restarted_server_is_given_the_newest_good_checkpoint(tmp_path: Path) -> None:
+    """The launcher (and --restore-latest) picks the newest shard file that passes the checks:
+    a NaN in the newest one sends the server to the one before, not to serve NaN."""
+    from distsgd.control.checkpoint.store import newest_shard_file
+
+    good, bad = tmp_path / "ckpt-00000010" / "ps0.npz", tmp_path / "ckpt-00000020" / "ps0.npz"
+    for path in (good, bad):
+        path.parent.mkdir()
+    good.write_bytes(_shard(2).to_bytes()[1])
+    bad.write_bytes(_damaged(_shard(4).to_bytes()[1], _nan))
+    assert newest_shard_file(tmp_path, 0) == good

@@ -692,9 +692,6 @@ def read_shard_arrays(path: Path, header: ShardHeader) -> tuple[list[ArrayInfo],
 
 
 def shard_file_intact(path: Path) -> bool:
-    """Whether every member of the shard file ``path`` passes its zip checksum."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return archive.testzip() is None
-    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
-        return False
+    """Whether every member of the shard file ``path`` passes its zip checksum and its
+    contents the checks a server makes before it serves them (:mod:`snapshot_check`)."""
+    return snapshot_check.file_intact(path)

@@ -12,13 +12,19 @@ a bug.
 
 from __future__ import annotations
 
+import json
+import logging
+import zipfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from distsgd.ps.rules import all_finite
 from distsgd.transport.codec import FLOAT_DTYPES
+
+log = logging.getLogger(__name__)
 
 MAX_KEY_CHARS = 1024
 """Longest piece key (as :data:`distsgd.ps.checks.MAX_KEY_CHARS`)."""
@@ -117,3 +123,21 @@ def arrays_problem(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) 
                 f"its piece {list(piece.shape)}"
             )
     return None
+
+
+def file_intact(path: Path) -> bool:
+    """Whether the shard file ``path`` passes its zip checksums and the checks above (a
+    restarted server then starts from it); a damaged one is logged, naming the damage."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            if archive.testzip() is not None:
+                return False
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+        header = json.loads(arrays.pop("header").tobytes())
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, KeyError):
+        return False
+    why = header_problem(header) or arrays_problem(header, arrays)
+    if why is not None:
+        log.warning("%s: a damaged shard file: %s", path, why)
+    return why is None
