@@ -4,8 +4,11 @@ faults and cleanup as under the local launcher."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +22,17 @@ pytest.importorskip("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
-def _ray_processes() -> list[psutil.Process]:
-    """Running processes of a Ray instance a distsgd launcher started (its --temp-dir)."""
+def _scratch(run_dir: Path) -> Path:
+    """The folder of the local Ray instance that this run started (the first line of its
+    ``ray start`` log names it): what a test judges, not other runs' folders."""
+    first = (run_dir / "logs" / "ray-start.log").read_text().splitlines()[0]
+    scratch = Path(first.rsplit(" in ", 1)[1])
+    assert scratch.parent == Path("/tmp") and scratch.name.startswith("dray-"), first
+    return scratch
+
+
+def _ray_processes(scratch: Path) -> list[psutil.Process]:
+    """Running processes of the Ray instance in ``scratch`` (its --temp-dir), and its reaper."""
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
         try:
@@ -29,15 +41,18 @@ def _ray_processes() -> list[psutil.Process]:
             cmdline = " ".join(proc.info["cmdline"] or [])
         except psutil.Error:
             continue
-        if "/tmp/dray-" in cmdline or "distsgd.launcher.reaper" in cmdline:
+        if f"{scratch}/" in cmdline or cmdline.endswith(str(scratch)):
             found.append(proc)
     return found
 
 
 def _assert_nothing_left(run_dir: Path) -> None:
+    scratch = _scratch(run_dir)
     assert wait_for(lambda: not alive(list(task_pids(run_dir).values())), 10)
-    assert wait_for(lambda: not _ray_processes(), 15), [p.info for p in _ray_processes()]
-    assert not list(Path("/tmp").glob("dray-*"))
+    assert wait_for(lambda: not _ray_processes(scratch), 15), [
+        p.info for p in _ray_processes(scratch)
+    ]
+    assert not scratch.exists()
 
 
 @pytest.mark.parametrize(
@@ -72,11 +87,43 @@ def test_a_killed_launcher_leaves_no_ray_process_behind(tmp_path: Path, spawn) -
     args = ["demo", "--ray", "--workers", "2", "--scheme", "hogwild", "--epochs", "1000"]
     launcher = spawn([*args, "--quiet", "--run-dir", str(run_dir)])
     assert wait_for(lambda: any(r.get("event") is None for r in metrics(run_dir)), 90)
-    assert _ray_processes()
+    scratch = _scratch(run_dir)
+    assert _ray_processes(scratch)
+    _assert_private(scratch)
     launcher.send_signal(signal.SIGKILL)
     launcher.wait(timeout=10)
-    assert wait_for(lambda: not _ray_processes(), 20), [p.info for p in _ray_processes()]
-    assert not list(Path("/tmp").glob("dray-*"))
+    assert wait_for(lambda: not _ray_processes(scratch), 20), [
+        p.info for p in _ray_processes(scratch)
+    ]
+    assert not scratch.exists()
+
+
+def _assert_private(scratch: Path) -> None:
+    """While the instance is up, its folder is this user's alone (Ray makes its own temporary
+    folder 0777 without the sticky bit): another user cannot reach, delete or replace the
+    instance's address file or its token."""
+    assert stat.S_IMODE(scratch.stat().st_mode) == 0o700
+    assert stat.S_IMODE((scratch / "auth_token").stat().st_mode) == 0o600
+    current = scratch / "r" / "ray_current_cluster"
+    assert current.read_text().strip()
+    if os.geteuid() != 0:
+        return
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child, as another user (nobody)
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            for attempt in (lambda: current.unlink(), lambda: (scratch / "auth_token").unlink()):
+                with contextlib.suppress(PermissionError):
+                    attempt()
+                    os._exit(3)  # it could
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "another user could change the Ray folder"
+    assert current.read_text().strip()
 
 
 def test_ray_missing_is_one_line_naming_the_extra(tmp_path: Path) -> None:

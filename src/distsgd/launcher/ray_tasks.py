@@ -25,7 +25,6 @@ import importlib.util
 import logging
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.launcher.lifeline import PARENT_ENV
-from distsgd.launcher.reaper import end_group
+from distsgd.launcher.reaper import end_group, remove
 from distsgd.util import open_private, private_dir
 
 log = logging.getLogger(__name__)
@@ -48,6 +47,8 @@ LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 (it then binds its servers there) instead of the machine's network address."""
 RAY_TIMEOUT = 60.0
 """How long a call on an actor, or the placement group's reservation, may take (seconds)."""
+RAY_LOG = "ray-start.log"
+"""The local instance's ``ray start`` output, in the run's logs (its first line: its folder)."""
 
 
 def import_ray() -> Any:
@@ -63,14 +64,34 @@ def import_ray() -> Any:
 
 class LocalRay:
     """A Ray instance of this launcher's own, on 127.0.0.1: ``ray start --head --block`` in its
-    own session (its process group is ours to end), watched by a reaper."""
+    own session (its process group is ours to end), watched by a reaper.
 
-    def __init__(self, *, cpus: int, gpus: int, timeout: float = RAY_TIMEOUT) -> None:
+    Its files are in a folder only this user may enter, ``/tmp/dray-*`` (0700, made by
+    ``mkdtemp``): the token, and Ray's temporary folder ``r`` inside it, which Ray makes
+    world-writable (0777, no sticky bit) but no other user can reach. ``log``: where ``ray
+    start`` writes its output (the run's logs, so it outlives the instance); its first line
+    names the folder. A failed or interrupted start leaves nothing; :meth:`close` removes it
+    all, and the reaper does if the launcher dies."""
+
+    def __init__(self, *, cpus: int, gpus: int, log: Path, timeout: float = RAY_TIMEOUT) -> None:
         # a short path: Ray's socket paths under it must fit in 107 bytes
-        self.temp_dir = tempfile.mkdtemp(prefix="dray-", dir="/tmp")
-        self.log = Path(self.temp_dir) / "ray-start.log"
+        self.scratch = Path(tempfile.mkdtemp(prefix="dray-", dir="/tmp"))
+        """This instance's own folder (0700): the token and Ray's temporary folder."""
+        self.temp_dir = str(self.scratch / "r")
+        """Ray's ``--temp-dir`` (Ray makes it 0777; the folder above keeps others out)."""
+        self.log = log
+        self.process: subprocess.Popen[bytes] | None = None
+        self.reaper: subprocess.Popen[bytes] | None = None
+        try:
+            self._start(cpus, gpus)
+            self.address = self._wait_for_address(timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, cpus: int, gpus: int) -> None:
         # Ray's token authentication, with a token of this run's (not ~/.ray/auth_token)
-        token = Path(self.temp_dir) / "auth_token"
+        token = self.scratch / "auth_token"
         fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(secrets.token_hex(32))
@@ -82,28 +103,27 @@ class LocalRay:
             "--port=0", f"--num-cpus={cpus}", f"--num-gpus={gpus}", "--include-dashboard=false",
             "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
         ]  # fmt: skip
-        with open(self.log, "wb") as out:
+        with os.fdopen(open_private(self.log, os.O_WRONLY | os.O_APPEND), "wb") as out:
+            out.write(f"# ray start of this run's local instance, in {self.scratch}\n".encode())
+            out.flush()
             self.process = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
+        reaper = [sys.executable, "-m", "distsgd.launcher.reaper", str(self.process.pid)]
         self.reaper = subprocess.Popen(
-            [sys.executable, "-m", "distsgd.launcher.reaper", str(self.process.pid), self.temp_dir],
+            [*reaper, str(self.scratch)],
             env={**os.environ, PARENT_ENV: str(os.getpid())},
             stdin=subprocess.DEVNULL,
         )
-        try:
-            self.address = self._wait_for_address(timeout)
-        except BaseException:
-            self.close()
-            raise
 
     def _wait_for_address(self, timeout: float) -> str:
+        assert self.process is not None
         current = Path(self.temp_dir) / "ray_current_cluster"
         deadline = time.monotonic() + timeout
         while not (current.is_file() and current.read_text().strip()):
             if self.process.poll() is not None or time.monotonic() > deadline:
-                tail = self.log.read_text(errors="replace").strip().splitlines()[-3:]
+                tail = self.log.read_text(errors="replace").strip().splitlines()[1:][-3:]
                 raise ValueError(
                     f"--ray: the local Ray instance did not start within {timeout:.0f}s "
                     f"({' / '.join(tail) or 'no output'}); see {self.log}"
@@ -112,13 +132,16 @@ class LocalRay:
         return current.read_text().strip()
 
     def close(self) -> None:
-        """End the instance's whole process group (SIGTERM, then SIGKILL), and its reaper."""
-        end_group(self.process.pid)
-        self.process.wait()
-        with contextlib.suppress(ProcessLookupError):
-            self.reaper.kill()
-        self.reaper.wait()
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        """End the instance's whole process group (SIGTERM, then SIGKILL), and its reaper;
+        remove its folder. Also after a start that failed part way."""
+        if self.process is not None:
+            end_group(self.process.pid)
+            self.process.wait()
+        if self.reaper is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.reaper.kill()
+            self.reaper.wait()
+        remove(str(self.scratch))
 
 
 class TaskRunner:
@@ -237,19 +260,12 @@ class RaySupervisor:
         self.local: LocalRay | None = None
         if importlib.util.find_spec("ray") is None:
             import_ray()  # raises the one-line error naming the extra
-        if not address:
-            cpus = sum(b.get("CPU", 0.0) for b in bundles.values())
-            gpus = sum(b.get("GPU", 0.0) for b in bundles.values())
-            self.local = LocalRay(cpus=max(1, int(cpus + 0.999)), gpus=int(gpus + 0.999))
-            address = self.local.address
-            # Read when ray is imported: this driver, too, stays on 127.0.0.1 and presents
-            # the instance's token.
-            os.environ.update({LOOPBACK_ENV: "0", **self.local.auth})
-        self.ray = ray = import_ray()
-        if ray.is_initialized():
-            self.close()
-            raise ValueError("--ray: Ray is already initialised in this process")
-        try:
+        try:  # from here on, an error or Ctrl-C leaves nothing (the local instance closed)
+            if not address:
+                address = self._start_local(bundles)
+            self.ray = ray = import_ray()
+            if ray.is_initialized():
+                raise ValueError("--ray: Ray is already initialised in this process")
             ray.init(address=address, log_to_driver=False, configure_logging=False)
             from ray.util.placement_group import placement_group
 
@@ -266,6 +282,19 @@ class RaySupervisor:
         except BaseException:
             self.close()
             raise
+
+    def _start_local(self, bundles: Mapping[str, Mapping[str, float]]) -> str:
+        """Start this run's local instance with the bundles' CPUs and GPUs; its address."""
+        cpus = sum(b.get("CPU", 0.0) for b in bundles.values())
+        gpus = sum(b.get("GPU", 0.0) for b in bundles.values())
+        private_dir(self.log_dir)
+        self.local = LocalRay(
+            cpus=max(1, int(cpus + 0.999)), gpus=int(gpus + 0.999), log=self.log_dir / RAY_LOG
+        )
+        # Read when ray is imported: this driver, too, stays on 127.0.0.1 and presents the
+        # instance's token.
+        os.environ.update({LOOPBACK_ENV: "0", **self.local.auth})
+        return self.local.address
 
     @staticmethod
     def _wanted(bundles: Mapping[str, Mapping[str, float]]) -> str:
