@@ -69,11 +69,11 @@ def test_nothing_is_restarted_once_the_result_is_recorded(task: str, code: int) 
 
 
 def test_the_record_says_it_was_after_training(tmp_path: Path) -> None:
-    record = SetupErrorRecord(task=WORKER0, message="x.py failed", after_training=True)
+    record = SetupErrorRecord(task=WORKER0, message="x.py failed", kind="after_training")
     record.save(tmp_path)
     assert SetupErrorRecord.load(tmp_path, WORKER0) == record
     path = SetupErrorRecord.path(tmp_path, WORKER0)
-    path.write_text(json.dumps({"task": "worker0", "message": "m", "after_training": "yes"}))
+    path.write_text(json.dumps({"task": "worker0", "message": "m", "kind": "later"}))
     assert SetupErrorRecord.load(tmp_path, WORKER0) is None
     path.write_text("[1]")
     assert SetupErrorRecord.load(tmp_path, WORKER0) is None
@@ -118,7 +118,7 @@ def test_the_bootstrap_names_the_line_and_exits_with_the_code_not_restarted(
         "script (training is not run again)"
     )
     record = SetupErrorRecord.load(tmp_path, WORKER0)
-    assert record is not None and record.after_training and said in record.message
+    assert record is not None and record.kind == "after_training" and said in record.message
 
 
 def test_an_error_while_training_is_still_a_crash(
@@ -129,6 +129,10 @@ def test_an_error_while_training_is_still_a_crash(
     _as_task(tmp_path, monkeypatch, trained=False)
     with pytest.raises(RuntimeError, match="lost the servers"):  # exit 1: restarted
         run_script(str(script), [])
+    record = SetupErrorRecord.load(tmp_path, WORKER0)  # named if it happens again and again
+    assert record == SetupErrorRecord(
+        task=WORKER0, message="RuntimeError at line 1: lost the servers", kind="crash"
+    )
 
 
 # -- the chief's record -----------------------------------------------------------------------

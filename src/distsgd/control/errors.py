@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 from distsgd.cluster import TaskId
 from distsgd.util import write_atomic
@@ -25,6 +26,22 @@ SETUP_ERROR_PREFIX = "distsgd: error: "
 """How the task's stderr line about its setup error begins (for people reading its log)."""
 
 
+ErrorKind = Literal["setup", "after_training", "crash"]
+"""What a task's error record says: a setup error (:data:`SETUP_EXIT_CODE`), the script's
+error after its training finished (:data:`AFTER_TRAINING_EXIT_CODE`), or an error the script
+raised while training (exit code 1, restarted: the launcher names it when restarts run out)."""
+
+MESSAGE_LIMIT = 600
+"""Characters of an error's message kept in its one line (a message may hold a tensor)."""
+
+
+def one_line(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """A message as one line: its lines joined, none dropped (a message's first line alone
+    may end inside a quotation), at most ``limit`` characters (then ``...``)."""
+    joined = " ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+    return joined if len(joined) <= limit else joined[: limit - 3] + "..."
+
+
 class SetupError(ValueError):
     """A user mistake found before (or at) the first step: settings a scheme cannot honour,
     data it cannot read, a loop that bypasses the scheme. One line: the cause and the fix."""
@@ -40,9 +57,10 @@ class SetupErrorRecord:
     """The worker that refused."""
     message: str
     """The :class:`SetupError`'s message: the cause and the fix."""
-    after_training: bool = False
-    """The script raised after its training finished (exit :data:`AFTER_TRAINING_EXIT_CODE`):
-    ``message`` names its line; the training's result stands."""
+    kind: ErrorKind = "setup"
+    """``after_training``: the script raised after its training finished (exit
+    :data:`AFTER_TRAINING_EXIT_CODE`; ``message`` names its line, the training's result
+    stands); ``crash``: it raised while training (``message``: the error in one line)."""
 
     @staticmethod
     def path(run_dir: Path, task: TaskId) -> Path:
@@ -52,8 +70,8 @@ class SetupErrorRecord:
     def save(self, run_dir: Path) -> None:
         """Write the record into ``run_dir``, atomically."""
         data: dict[str, object] = {"task": self.task.name, "message": self.message}
-        if self.after_training:
-            data["after_training"] = True
+        if self.kind != "setup":
+            data["kind"] = self.kind
         write_atomic(self.path(run_dir, self.task), json.dumps(data) + "\n")
 
     @classmethod
@@ -61,11 +79,11 @@ class SetupErrorRecord:
         """``task``'s record in ``run_dir``; None when it wrote none (or an unreadable one)."""
         try:
             data = json.loads(cls.path(run_dir, task).read_text())
-            after = data.get("after_training", False)
-            if not isinstance(after, bool):
+            kind = data.get("kind", "setup")
+            if kind not in get_args(ErrorKind):
                 return None
             task = TaskId.parse(str(data["task"]))
-            return cls(task=task, message=str(data["message"]), after_training=after)
+            return cls(task=task, message=str(data["message"]), kind=kind)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 

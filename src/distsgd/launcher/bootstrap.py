@@ -29,8 +29,10 @@ from distsgd.control.errors import (
     AFTER_TRAINING_EXIT_CODE,
     SETUP_ERROR_PREFIX,
     SETUP_EXIT_CODE,
+    ErrorKind,
     SetupError,
     SetupErrorRecord,
+    one_line,
 )
 from distsgd.launcher.lifeline import limit_threads, tie_to_parent
 
@@ -74,7 +76,8 @@ def run_script(script: str, args: Sequence[str]) -> int:
             return refuse_setup(SetupError(before_training(script, exited(exc))))
         # exit 0 before distsgd was called: as a script that returned without calling it
     except Exception as exc:
-        if api.calls and not api.trained:
+        if api.calls and not api.trained:  # while training: restarted; named if it repeats
+            record_setup_error(SetupError(raised(exc, path)), kind="crash")
             raise
         traceback.print_exc()  # once: where in the script, for the person who fixes it
         if api.trained:
@@ -119,7 +122,7 @@ def after_training(script: str, what: str) -> int:
         "not run again)"
     )
     print(f"{SETUP_ERROR_PREFIX}{message}", file=sys.stderr)
-    record_setup_error(SetupError(message), after_training=True)
+    record_setup_error(SetupError(message), kind="after_training")
     return AFTER_TRAINING_EXIT_CODE
 
 
@@ -132,9 +135,8 @@ def raised(exc: BaseException, script: Path) -> str:
         mine = [f for f in frames if Path(f.filename).resolve() == script.resolve()]
         line = mine[-1].lineno if mine else None
     where = "" if line is None else f" at line {line}"
-    text = exc.msg if isinstance(exc, SyntaxError) else str(exc)
-    first = text.splitlines()[0] if text else ""
-    return f"{type(exc).__name__}{where}" + (f": {first}" if first else "")
+    text = one_line(exc.msg if isinstance(exc, SyntaxError) else str(exc))
+    return f"{type(exc).__name__}{where}" + (f": {text}" if text else "")
 
 
 def refuse_setup(exc: SetupError) -> int:
@@ -146,10 +148,11 @@ def refuse_setup(exc: SetupError) -> int:
 
 
 def record_setup_error(
-    exc: SetupError, environ: Mapping[str, str] | None = None, *, after_training: bool = False
+    exc: SetupError, environ: Mapping[str, str] | None = None, *, kind: ErrorKind = "setup"
 ) -> None:
     """Leave ``exc`` as this task's :class:`SetupErrorRecord` in its run folder, for the
-    launcher to report (``after_training``: the script failed after its training finished);
+    launcher to report (``kind``: a setup error, the script's error after its training
+    finished, or one it raised while training);
     nothing when the task has no run folder (a script run alone)."""
     from distsgd.control.task import TaskEnv  # here: ``distsgd server`` imports this module
 
@@ -160,7 +163,7 @@ def record_setup_error(
     if env is None or not env.run_dir or env.standalone_run:
         return
     try:
-        record = SetupErrorRecord(task=env.task, message=str(exc), after_training=after_training)
+        record = SetupErrorRecord(task=env.task, message=str(exc), kind=kind)
         record.save(Path(env.run_dir))
     except OSError as err:
         logging.getLogger(__name__).warning("could not record the setup error: %s", err)

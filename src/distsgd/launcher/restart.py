@@ -134,10 +134,13 @@ class Restarts(LocalTasks):
         how = "" if self.config.max_restarts == 0 else f" and has used its {plan.used} restarts"
         resume = f"\nresume with: distsgd run --resume {self.run_dir}" if plan.resumable else ""
         head = f"task {task.name} failed (exit code {code}){how}"
+        said = SetupErrorRecord.load(self.run_dir, TaskId.parse(task.name))
+        error = f": {said.message}" if said is not None and said.kind == "crash" else ""
         raise RunFailed(
-            f"{head}; its last log lines:\n{tail}\nfull logs: {self.run_dir / 'logs'}{resume}",
-            reason=head,
-            log_tail=tuple(task.tail),
+            f"{head}{error}; its last log lines:\n{tail}\nfull logs: {self.run_dir / 'logs'}"
+            f"{resume}",
+            reason=head + error,  # the script's error in one line, not its log's last line
+            log_tail=() if error else tuple(task.tail),
         )
 
     def _finished(self, plan: Finished, name: str, code: int, step: int) -> None:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
+from distsgd.control.errors import one_line
 from distsgd.runtime.data import BatchFn, split_batch
 
 ITEMS = 8
@@ -143,5 +144,5 @@ def _shape(value: Any) -> str:
 
 
 def _said(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}" + (f": {text[0]}" if text else "")
+    text = one_line(str(exc))  # whole: a first line alone may end inside a quotation
+    return f"{type(exc).__name__}" + (f": {text}" if text else "")
