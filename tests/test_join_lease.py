@@ -111,3 +111,28 @@ def _joinable_run(tmp_path: Path, address: str) -> Path:
     (run / "cluster.json").write_text(json.dumps(cluster))
     (run / "secret").write_text("")  # the test's server takes no secret
     return run
+
+
+def test_a_departed_index_stays_taken_after_the_server_recovers_from_its_log(
+    tmp_path: Path,
+) -> None:
+    from distsgd.ps import wal
+    from distsgd.ps.shard import Shard
+
+    shard = Shard(
+        index=0,
+        scheme="hogwild",
+        options_json=json.dumps({"lr": 0.1}),
+        num_workers=2,
+        values={"w": np.zeros(4, np.float32)},
+        rule=make_server_rule("hogwild", {"lr": 0.1}, 2),
+        max_workers=6,
+    )
+    wal.WriteAheadLog.start(tmp_path, shard)
+    assert shard.join(3, 7, claim=True) is not None
+    shard.leave(3)
+    recovery = wal.recover(tmp_path, make_server_rule, max_workers=6)
+    assert recovery is not None
+    assert shard.join(3, 8, claim=True) is None
+    assert recovery.shard.join(3, 8, claim=True) is None
+    assert recovery.shard.join(4, 8, claim=True) is not None

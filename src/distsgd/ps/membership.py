@@ -98,8 +98,8 @@ class Membership:
         """Take ``worker`` as a new member: True if the index was never in use here (or this
         claim is a retry: the member has this nonzero incarnation), else False and nothing
         changes (a joiner takes another index)."""
-        if worker in self.used:
-            member = self.members.get(worker)
+        if worker in self.used or worker in self.left or worker in self.members:  # the last
+            member = self.members.get(worker)  # two as a write-ahead log's replay sets them
             return member is not None and incarnation != 0 and member.incarnation == incarnation
         return self._add(worker, incarnation)
 
