@@ -4,7 +4,6 @@ typed reason and changes nothing, and no piece or applied update is lost."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from functools import partial
 
@@ -82,9 +81,9 @@ def test_a_stale_copy_is_never_committed(
     with ShardClient(two_servers[0]) as src, ShardClient(two_servers[1]) as dst:
         first, arrays = src.export_pieces([KEY], 1)
         stale = dst.import_pieces(0, first, arrays).receipt
-        time.sleep(0.4)  # the freeze ends: pushes of KEY apply on ps0 again
-        for _ in range(5):
+        for _ in range(5):  # the first waits for the freeze to end; then all apply on ps0
             assert all(r.accepted for r in client.push(grads))
+        monkeypatch.setattr(moves, "FREEZE_SECONDS", 60.0)
         second, _ = src.export_pieces([KEY], 1)
         assert second.version == first.version + 5 and second.move_id != first.move_id
         _refused(_commit(src, first.move_id, first.version, stale), Refusal.NO_SUCH_MOVE)
