@@ -5,6 +5,7 @@ departed worker's) is never handed out again within a run."""
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,3 +137,35 @@ def test_a_departed_index_stays_taken_after_the_server_recovers_from_its_log(
     assert shard.join(3, 8, claim=True) is None
     assert recovery.shard.join(3, 8, claim=True) is None
     assert recovery.shard.join(4, 8, claim=True) is not None
+
+
+def test_two_distsgd_join_processes_of_one_index_one_is_refused(
+    server: str, tmp_path: Path
+) -> None:
+    """Real processes: two ``distsgd join RUN --task 2`` at once; one runs as worker2, the
+    other is refused in one line and exits 2 without running anything."""
+    from conftest import run_distsgd
+
+    run_dir = _joinable_run(tmp_path, server)
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit(0)\n")  # the winner's script: ends at once
+    config = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**config, "script": str(script)}))
+    done: list[subprocess.CompletedProcess[str]] = []
+    start = threading.Barrier(2)
+
+    def join_once() -> None:
+        start.wait()
+        done.append(run_distsgd(["join", str(run_dir), "--task", "2"]))
+
+    threads = [threading.Thread(target=join_once) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    joined = [d for d in done if "as worker2" in d.stderr]
+    refused = [d for d in done if d not in joined]
+    assert len(joined) == 1 and len(refused) == 1, [d.stderr for d in done]
+    (line,) = refused[0].stderr.strip().splitlines()
+    assert refused[0].returncode == 2
+    assert line.startswith("distsgd: error: --task 2: worker2 of ") and "in use" in line
