@@ -1,5 +1,6 @@
 """Exactly-once pushes (issue 36, item 13): sequence numbers, the shard's deduplication, and
-its record of them in snapshots and the write-ahead log. No processes."""
+its record of them in snapshots and the write-ahead log; a kill's step (item 11) and the first
+wait for the other workers (item 14a), as the worker sees them. No processes."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
 from distsgd.control.faults import Fault, FaultInjector, kill_due, kill_landed
 from distsgd.ps import wal
+from distsgd.ps.client import ParameterClient
+from distsgd.ps.partition import PartitionPlan
 from distsgd.ps.rules import PushMeta
 from distsgd.ps.sequence import (
     STEP_SHIFT,
@@ -24,6 +28,7 @@ from distsgd.ps.sequence import (
 )
 from distsgd.ps.shard import Shard
 from distsgd.schemes import make_server_rule
+from distsgd.transport.errors import RemoteError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -156,3 +161,57 @@ def test_a_worker_holds_still_at_a_kills_step_until_it_landed(tmp_path: Path) ->
     again.before_step(8)
     assert time.monotonic() - began < 1.0
     assert FaultInjector([kill]).kills == []  # no run folder: the launcher's reading only
+
+
+class _LateOthers:
+    """A shard whose version-waiting pulls time out ``timeouts`` times (the other workers
+    have not pushed yet), then answer."""
+
+    def __init__(self, timeouts: int) -> None:
+        self.timeouts = timeouts
+        self.calls = 0
+        self.last_waited = 0.0
+        self.last_pull_nbytes = 0
+
+    def pull(self, *, min_version: int, wait_seconds: float | None) -> tuple[int, dict]:
+        self.calls += 1
+        if min_version and self.calls <= self.timeouts:
+            raise RemoteError(
+                "ps0", "PullShared", grpc.StatusCode.DEADLINE_EXCEEDED, "still at version 0"
+            )
+        return max(min_version, 1), {"w#0": np.zeros(3, np.float32)}
+
+    def close(self) -> None:
+        pass
+
+
+def _late_client(timeouts: int, startup: float) -> tuple[ParameterClient, _LateOthers]:
+    plan = PartitionPlan.from_arrays({"w": np.zeros(3, np.float32)}, 1)
+    client = ParameterClient(["127.0.0.1:9"], plan, worker=0)
+    fake = _LateOthers(timeouts)
+    client.shards = [fake]  # type: ignore[list-item]
+    client.startup_seconds = startup
+    return client, fake
+
+
+def test_the_first_wait_for_the_others_lasts_the_startup_timeout() -> None:
+    """Issue 36, item 14a: a sync worker started 30 s after the chief ended the run, the
+    chief's first pull waiting for a version timing out at a call's 30 s; until a first such
+    pull succeeded it now waits up to the start-up timeout (300 s by default)."""
+    client, fake = _late_client(timeouts=3, startup=60.0)
+    version, _ = client.pull(min_version=1)
+    assert version == 1 and fake.calls == 4
+    fake.calls, fake.timeouts = 0, 1  # later waits time out as a call does
+    with pytest.raises(RemoteError):
+        client.pull(min_version=2)
+    client.close()
+
+
+def test_the_first_wait_still_ends_at_the_startup_timeout() -> None:
+    client, _ = _late_client(timeouts=10**9, startup=0.2)
+    began = time.monotonic()
+    with pytest.raises(RemoteError) as caught:
+        client.pull(min_version=1)
+    assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 0.2 <= time.monotonic() - began < 30
+    client.close()

@@ -40,6 +40,11 @@ class ParameterClient:
     this worker when :meth:`wait_registered` asked (a restarted worker continues from there).
     """
 
+    startup_seconds = 300.0
+    """How long the first pull that waits for a version may wait in all (the start-up wait:
+    ``TaskEnv.startup_timeout``); later ones wait a call's time and its retries."""
+    _waited_once = False
+
     def __init__(
         self,
         addresses: Sequence[str],
@@ -227,7 +232,7 @@ class ParameterClient:
 
             return self._each(one)
 
-        results = attempt()
+        results = self._patient(attempt, mins)
         if self._lacks_pieces(results, names):  # pieces moved: learn where, and pull again
             self._follow_moves(self.info())
             results = attempt()
@@ -245,6 +250,26 @@ class ParameterClient:
             else self.plan.join_into(pieces, into, names)
         )
         return min(r[0] for r in results if r is not None), joined
+
+    def _patient(self, attempt: Callable[[], _Pulled], mins: Sequence[int]) -> _Pulled:
+        """``attempt()``; while no pull of this client has waited for a version yet, one that
+        timed out waiting (DEADLINE_EXCEEDED: the other workers have not pushed yet; on a
+        cluster started by hand they may start minutes later) is tried again for up to
+        :attr:`startup_seconds`, the start-up wait, not only a call's."""
+        if self._waited_once or not any(mins):
+            return attempt()
+        give_up = time.monotonic() + self.startup_seconds
+        while True:
+            try:
+                results = attempt()
+            except RemoteError as exc:
+                if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() > give_up:
+                    raise
+                log.info("worker %d: waiting for the other workers' first updates", self.worker)
+                time.sleep(0.05)
+                continue
+            self._waited_once = True
+            return results
 
     def _push(
         self,
@@ -510,6 +535,9 @@ def _first_difference(expected: list[Any], have: list[Any]) -> str:
         return f"expected {len(expected)} pieces, server has {len(have)}"
     return "none"
 
+
+_Pulled = list[tuple[int, dict[str, np.ndarray]] | None]
+"""Each shard's answer to a pull (None: not asked)."""
 
 MAX_MOVE_HOPS = 8
 """How many times one push follows its pieces to another shard before it gives up (a piece

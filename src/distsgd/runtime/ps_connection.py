@@ -71,6 +71,7 @@ class PsConnection(Connection):
         arrays = {n: p.detach().cpu().numpy() for n, p in exchanged_parameters(model).items()}
         plan = PartitionPlan.from_arrays(arrays, spec.num_ps, placement=config.param_placement)
         conn = cls(_client(env, config, plan), rank=rank)
+        conn.ps.startup_seconds = env.startup_timeout  # the first wait for the others' pushes
         try:
             if rank == 0:
                 conn.ps.register(
