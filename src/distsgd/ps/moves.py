@@ -29,7 +29,7 @@ copy is B's and an undo of that move is refused.
 The pause a move costs is the time a push containing ``K`` waits: from the export to the
 commit, the copy's transfer and B's adoption. It is bounded by :data:`FREEZE_SECONDS`, after
 which A undoes the freeze itself (:func:`expire`): a launcher that dies mid-move stops nothing,
-and its commit then fails ``NOT_FROZEN``. Only rules whose state is per piece
+and its commit then fails ``NO_SUCH_MOVE``. Only rules whose state is per piece
 (``UpdateRule.movable``: the asynchronous ones) move pieces; a synchronous step's open
 accumulators are not per piece and stay.
 

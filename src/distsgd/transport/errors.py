@@ -57,8 +57,8 @@ class Refusal(enum.Enum):
     """FAILED_PRECONDITION (ExportPieces): the shard's rule keeps state that is not per piece
     (a synchronous step), so its pieces cannot move."""
     NOT_FROZEN = "not-frozen"
-    """FAILED_PRECONDITION (ExportPieces, FinishMove): the pieces are not (or already) being
-    moved: the freeze ended, or another move holds them; start the move again."""
+    """FAILED_PRECONDITION (ExportPieces, ImportPieces): another move holds these pieces (they
+    are frozen for it); start the move again later."""
     NO_WORK = "no-work"
     """FAILED_PRECONDITION (LeaseWork): this shard hands out no work units (only shard 0 of a
     run registered with a work spec does)."""
