@@ -27,8 +27,9 @@ def add_command(sub: Any) -> None:
         help="emulated machines on this one (network namespaces, root): for tasks started "
         "by hand, as on a real cluster",
         description="Make emulated hosts (network namespaces with addresses 198.18.0.1, .2, "
-        "... joined by a switch; this machine is 198.18.0.253 to them) and run commands in "
-        "them. `distsgd run --hosts N` does this for its own tasks.",
+        "... joined by a switch; this machine is 198.18.0.253 to them; `ip netns list` shows "
+        "them as distsgd-host0, ...) and run commands in them. `distsgd run --hosts N` does "
+        "this for its own tasks.",
     )
     actions = hosts.add_subparsers(dest="hosts_command", required=True, metavar="ACTION")
     up = actions.add_parser(

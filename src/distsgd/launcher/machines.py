@@ -49,6 +49,7 @@ def keep_hosts(
                     "address": host.address,
                     "link": None if host.link is None else host.link.text,
                     "keeper": hosts.keepers[host.name],
+                    "netns": hosts.names.get(host.name),
                 }
                 for host in hosts.plan.hosts
             ],
@@ -69,13 +70,16 @@ def _announce(record: dict, folder: Path) -> None:
         f"{h['name']} {h['address']}" + (f" ({h['link']})" if h["link"] else "")
         for h in record["hosts"]
     )
+    named = record["hosts"][0]["netns"]
+    also = f" (or `ip netns exec {named} COMMAND`; `ip netns list` shows them)" if named else ""
     log.warning(
         "%d emulated hosts up: %s; this machine is %s to them. Run a task on one with "
-        "`distsgd hosts exec --dir %s HOST -- COMMAND`; Ctrl-C takes them down.",
+        "`distsgd hosts exec --dir %s HOST -- COMMAND`%s; Ctrl-C takes them down.",
         len(record["hosts"]),
         listed,
         record["this_machine"],
         folder,
+        also,
     )
 
 

@@ -12,9 +12,14 @@ digits)::
 Each namespace is held by a *keeper* (:mod:`distsgd.launcher.netns_keeper`): a process forked
 from the creator, which unshares a new network namespace, asks for SIGKILL when the thread that
 forked it ends (``PR_SET_PDEATHSIG``), and then execs ``sleep infinity`` (shown as
-``distsgd-netns-keeper`` in ``ps``). No named namespace (``ip netns add``) is made: those
-outlive a SIGKILL of their creator, while a keeper dies with it, and with the last keeper of a
-namespace the namespace goes, and its links with it. Links are made from inside the switch
+``distsgd-netns-keeper`` in ``ps``). The namespaces live by their keepers, not by a name
+(``ip netns add``), which would outlive a SIGKILL of their creator: a keeper dies with it, and
+with the last keeper of a namespace the namespace goes, and its links with it. So that ``ip
+netns list`` shows them, the hosts of a set with a management link (one such set at a time on a
+machine) also get names, ``distsgd-host0``, ... (``ip netns attach``, a bind mount under
+/run/netns), removed by :meth:`EmulatedHosts.close`; a name left by a creator killed by SIGKILL
+holds a namespace with only ``lo`` (its link went with the switch, which has no name) and is
+removed when the next set starts. Links are made from inside the switch
 namespace with their host end put straight into its host's namespace, so the machine's own
 namespace never holds one of them, not even briefly.
 
@@ -217,6 +222,8 @@ class EmulatedHosts:
         """Hosts cut off by :meth:`cut` and not healed yet."""
         self.rates: dict[str, int] = {}
         """Rates set by :meth:`set_rate` in place of a host's own link, bits/s, by host."""
+        self.names: dict[str, str] = {}
+        """Each host's ``ip netns`` name (``distsgd-host0``), by host: with a management link."""
         self._lock = HostsLock(str(HOST_NETWORK), what=f"emulated hosts {self.prefix}")
         self._carried: dict[str, dict[str, int]] = {}
         """Bytes counted per destination by counting classes since rebuilt (by :meth:`set_rate`
@@ -302,6 +309,7 @@ class EmulatedHosts:
             self._wire()
             if self.management:
                 self._wire_management()
+                self._name_hosts()
             self.applied = self._shape()
         except BaseException:
             self.close(check=False)
@@ -422,6 +430,22 @@ class EmulatedHosts:
             f"link set {mine} up\n"
         )
         self._run_here("ip", script)
+
+    def _name_hosts(self) -> None:
+        """Name each host's namespace for ``ip netns`` (``distsgd-host0``, ...), once the
+        names a creator killed by SIGKILL left are removed (ours to remove: we hold the lock)."""
+        stale = netns_keeper.stale_names()
+        if stale:
+            log.warning("removing emulated hosts' names left behind: %s", ", ".join(stale))
+            netns_keeper.unname_namespaces(stale, self.timeout_s)
+        for host in self.plan.hosts:
+            name = netns_keeper.NAME_PREFIX + host.name
+            try:
+                netns_keeper.name_namespace(name, self.keepers[host.name], self.timeout_s)
+            except NetnsError as e:  # a convenience: the hosts work without their names
+                log.warning("the hosts are not named for `ip netns list`: %s", e)
+                return
+            self.names[host.name] = name
 
     def _address_here(self, address: str) -> bool:
         """Whether an interface of the creator's namespace has ``address``."""
@@ -631,6 +655,8 @@ class EmulatedHosts:
                     capture_output=True,
                     timeout=self.timeout_s,
                 )
+        named = netns_keeper.unname_namespaces(list(self.names.values()), self.timeout_s)
+        self.names = {}
         stuck = [
             f"{name} (pid {pid})"
             for name, pid in self.keepers.items()
@@ -640,8 +666,11 @@ class EmulatedHosts:
         self._lock.release()
         if not check:
             return
-        if stuck:
-            raise NetnsError(f"namespace keepers did not end: {', '.join(stuck)}")
+        if stuck or named:
+            raise NetnsError(
+                f"namespace keepers did not end: {', '.join(stuck) or 'none'}; names left in "
+                f"/run/netns: {', '.join(named) or 'none'} (ip netns delete NAME)"
+            )
         left = self.root_links()
         if left:
             raise NetnsError(f"links left behind: {', '.join(left)}; remove them with ip link del")

@@ -10,21 +10,40 @@ import ctypes
 import ctypes.util
 import errno
 import functools
+import logging
 import os
+import re
 import select
 import shutil
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["KEEPER_NAME", "NetnsError", "end_keeper", "fork_keeper", "write_id_maps"]
+__all__ = [
+    "KEEPER_NAME",
+    "NAME_PREFIX",
+    "NetnsError",
+    "end_keeper",
+    "fork_keeper",
+    "name_namespace",
+    "stale_names",
+    "unname_namespaces",
+    "write_id_maps",
+]
+
+log = logging.getLogger(__name__)
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 PR_SET_PDEATHSIG = 1
 KEEPER_NAME = "distsgd-netns-keeper"
 """A keeper's argv[0] (what ``ps`` shows for it)."""
+NETNS_DIR = Path("/run/netns")
+"""Where ``ip netns`` keeps the names of network namespaces (a bind mount each)."""
+NAME_PREFIX = "distsgd-"
+"""The ``ip netns`` names of emulated hosts' namespaces: ``distsgd-host0``, ..."""
 
 
 class NetnsError(RuntimeError):
@@ -164,3 +183,44 @@ def write_id_maps(pid: int) -> None:
     (proc / "setgroups").write_text("deny")
     (proc / "uid_map").write_text(f"0 {os.geteuid()} 1")
     (proc / "gid_map").write_text(f"0 {os.getegid()} 1")
+
+
+def name_namespace(name: str, pid: int, timeout_s: float) -> None:
+    """Name ``pid``'s network namespace ``name`` for ``ip netns`` (``ip netns attach``: a bind
+    mount at /run/netns/NAME), so ``ip netns list`` shows it and ``ip netns exec NAME`` enters
+    it; NetnsError if it could not."""
+    _ip_netns(["attach", name, str(pid)], timeout_s)
+
+
+def unname_namespaces(names: list[str], timeout_s: float) -> list[str]:
+    """Remove the names (``ip netns delete``; a namespace goes with its last process and name);
+    those that could not be removed."""
+    left = []
+    for name in names:
+        try:
+            _ip_netns(["delete", name], timeout_s)
+        except NetnsError as e:
+            left.append(name)
+            log.warning("%s", e)
+    return left
+
+
+def stale_names() -> list[str]:
+    """Names of emulated hosts' namespaces in /run/netns (left by a creator killed by SIGKILL,
+    where no set of hosts is up)."""
+    if not NETNS_DIR.is_dir():
+        return []
+    pattern = re.compile(rf"{re.escape(NAME_PREFIX)}host\d+")
+    return sorted(p.name for p in NETNS_DIR.iterdir() if pattern.fullmatch(p.name))
+
+
+def _ip_netns(args: list[str], timeout_s: float) -> None:
+    command = " ".join(["ip", "netns", *args])
+    try:
+        done = subprocess.run(
+            ["ip", "netns", *args], capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        raise NetnsError(f"{command} took over {timeout_s:g} s; is the machine busy?") from None
+    if done.returncode != 0:
+        raise NetnsError(f"{command} failed (exit {done.returncode}): {done.stderr.strip()}")
