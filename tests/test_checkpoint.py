@@ -205,3 +205,28 @@ def test_server_only_checkpoints_keep_the_newest_two(tmp_path: Path) -> None:
         f"{SHARDS_PREFIX}000000000120",
         f"{SHARDS_PREFIX}000000000300",
     ]
+
+
+def test_the_shards_are_saved_after_every_workers_state(tmp_path: Path) -> None:
+    """A consistent cut (issue 36, item 13): a checkpoint's shards are saved once every
+    worker's state of it is there, so they hold every push those states counted (the pushes
+    past them, a resumed worker skips: the servers tell it where its pushes stopped). They
+    were saved at the chief's step, before a lagging worker's state: its pushes in between
+    were in neither, lost at a resume."""
+    root = tmp_path / "checkpoints"
+    (root / "ckpt-00000010").mkdir(parents=True)
+    save_worker_state(root / "workers" / f"worker0-{10:08d}.pt", worker_state(10))
+    seen: list[list[str]] = []
+
+    def save_shards(name: str) -> list[dict[str, Any]]:
+        seen.append(sorted(p.name for p in (root / "workers").glob("*.pt")))
+        return []
+
+    writer = ManifestWriter(root, 2, wait=60)
+    writer.complete("ckpt-00000010", 10, save_shards, {"scheme": "hogwild"})
+    time.sleep(0.5)  # worker1 lags: nothing saved yet
+    assert seen == []
+    save_worker_state(root / "workers" / f"worker1-{12:08d}.pt", worker_state(12))
+    writer.join(30)
+    assert seen == [["worker0-00000010.pt", "worker1-00000012.pt"]]
+    assert (root / "ckpt-00000010" / MANIFEST).is_file()

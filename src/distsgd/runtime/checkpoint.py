@@ -240,8 +240,8 @@ class Checkpointer:
     """Drives checkpoints from inside the training loop (one per worker process).
 
     Every worker saves its own state when a checkpoint is due (at the start of a step, so the
-    data position is exact); the chief then asks every shard to save its state and, in the
-    background, completes the manifest.
+    data position is exact); the chief's manifest writer, in the background, has every shard
+    save its state once every worker's state is there, then completes the manifest.
     """
 
     def __init__(
@@ -304,20 +304,15 @@ class Checkpointer:
             self.count += 1
 
     def maybe_checkpoint_servers(self, shard_checkpoint: Any, extra: dict[str, Any]) -> None:
-        """(Chief, after the step's pull) snapshot every shard and complete the manifest."""
+        """(Chief, after the step's pull) have the manifest writer snapshot every shard once
+        every worker saved its state of this checkpoint (a consistent cut: the shards hold
+        every push the states counted; the later ones a resumed worker skips, as the servers
+        tell it) and complete the manifest."""
         if self.writer is None or self.due_step is None:
             return
         name = f"ckpt-{self.due_step:08d}"
-        started = time.monotonic()
-        try:
-            shards = shard_checkpoint(name) if shard_checkpoint is not None else []
-        except Exception as exc:  # a server down right now: skip this one, training goes on
-            log.warning("checkpoint %s skipped: %s", name, exc)
-            return
-        finally:
-            self.seconds += time.monotonic() - started
         private_dir(self.root / name)
-        self.writer.complete(name, self.due_step, shards, extra)
+        self.writer.complete(name, self.due_step, shard_checkpoint or [], extra)
 
     def close(self, timeout: float = 5.0) -> None:
         """(After the other workers finished) complete what checkpoints can be completed, give

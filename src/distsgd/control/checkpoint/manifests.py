@@ -8,6 +8,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +25,20 @@ from distsgd.util import write_atomic
 
 log = logging.getLogger(__name__)
 
+Shards = list[dict[str, Any]] | Callable[[str], list[dict[str, Any]]]
+"""A checkpoint's shard files (file, sha256, bytes, version each), or what saves them under a
+checkpoint's name and returns them."""
+
 
 class ManifestWriter:
     """(Chief) completes checkpoints in the background, oldest first, on one thread.
 
     A checkpoint of step k is complete when every worker has saved a state of step k or later
-    (asynchronous workers drift apart; a restarted one lags): those files are linked in and the
-    manifest is written last. A checkpoint still waiting after ``wait`` seconds is given up.
+    (asynchronous workers drift apart; a restarted one lags): those files are linked in, then
+    the shards are saved (when ``shards`` is a callable: after every worker's state, so the
+    shards hold every push those states counted, and maybe later ones, which a resumed worker
+    skips: it continues where the servers say its pushes stopped), and the manifest is written
+    last. A checkpoint still waiting after ``wait`` seconds is given up.
     Only complete checkpoints count for :data:`KEEP`; pending ones never push a complete one out.
     """
 
@@ -38,7 +46,7 @@ class ManifestWriter:
         self.root = root
         self.num_workers = num_workers
         self.wait = wait
-        self._pending: list[tuple[str, int, list[dict[str, Any]], dict[str, Any], float]] = []
+        self._pending: list[tuple[str, int, Shards, dict[str, Any], float]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closing = False
@@ -46,9 +54,9 @@ class ManifestWriter:
         self._thread = threading.Thread(target=self._run, name="manifests", daemon=True)
         self._thread.start()
 
-    def complete(
-        self, name: str, step: int, shards: list[dict[str, Any]], extra: dict[str, Any]
-    ) -> None:
+    def complete(self, name: str, step: int, shards: Shards, extra: dict[str, Any]) -> None:
+        """Complete checkpoint ``name`` of ``step`` once every worker's state is there;
+        ``shards``: the shard files saved already, or what saves them (called then)."""
         with self._lock:
             self._pending.append((name, step, shards, extra, time.monotonic() + self.wait))
         self._wake.set()
@@ -94,9 +102,7 @@ class ManifestWriter:
                     self._pending.remove(item)
                 self._prune()
 
-    def _try(
-        self, name: str, step: int, shards: list[dict[str, Any]], extra: dict[str, Any]
-    ) -> bool:
+    def _try(self, name: str, step: int, shards: Shards, extra: dict[str, Any]) -> bool:
         newest: list[Path] = []
         for rank in range(self.num_workers):
             files = worker_files(self.root, rank)
@@ -123,6 +129,12 @@ class ManifestWriter:
                     "step": worker_state_step(source),
                 }
             )
+        if callable(shards):
+            try:
+                shards = shards(name)  # after the states: the cut is consistent
+            except Exception as exc:  # a server down right now: the next pass tries again
+                log.warning("checkpoint %s: shards not saved yet: %s", name, exc)
+                return False
         manifest = {
             "format": FORMAT,
             "name": name,
