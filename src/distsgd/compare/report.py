@@ -75,24 +75,56 @@ def _short(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _step_size(scheme: str) -> tuple[str, ...]:
+    """The settings that set how far the scheme's updates move (``SchemeSpec.step_size``)."""
+    try:
+        return schemes.get(scheme).step_size
+    except ValueError:
+        return ("lr",)
+
+
+def rate_text(run: SchemeRun, star: str = "") -> str:
+    """``lr`` as applied: ``lr=0.1`` where the run took it as given, ``lr=0.1 x 4 = 0.4
+    (linear)`` where its ``--lr-rule`` scaled it (``result.json``'s ``lr_scaling``)."""
+    scaling = run.lr_scaling
+    given = scaling.get("lr", run.train_config.get("lr", run.overrides.get("lr")))
+    if given is None:
+        return ""
+    factor, applied = scaling.get("factor"), scaling.get("effective_lr")
+    if not isinstance(factor, int | float) or not isinstance(applied, int | float) or factor == 1:
+        return f"lr={_short(given)}{star}"
+    return f"lr={_short(given)}{star} x {factor:.3g} = {applied:.3g} ({scaling.get('rule', '?')})"
+
+
 def settings_text(run: SchemeRun, workers: int | None = None) -> str:
-    """The run's effective settings: lr, momentum, batch size (its ``result.json``'s
-    TrainConfig, else the flags), other training fields given, scheme options that differ
-    from the scheme's defaults, the workers; a tuned value is marked with ``*``."""
+    """The settings the run trained with: lr as applied (the given rate and what its rule made
+    of it) and momentum where the scheme uses them (not DiLoCo's, whose rates are its own
+    options), the batch size, the scheme's step-size options (defaults too), other training
+    fields and options given that differ from the scheme's defaults, the workers; a tuned value
+    is marked with ``*``."""
     config = {**run.train_config}
-    given = {k: v for k, v in run.overrides.items() if k not in _HIDDEN}
+    step_size = _step_size(run.scheme)
+    unused = set() if "lr" in step_size else {"lr", "momentum"}
+    given = {k: v for k, v in run.overrides.items() if k not in _HIDDEN | unused}
+    star = {key: "*" if key in run.tuned else "" for key in {*given, *run.scheme_options, "lr"}}
     parts = []
     for key in _SHOWN:
         value = config.get(key, given.get(key))
-        if value is not None:
-            parts.append(f"{key}={_short(value)}{'*' if key in run.tuned else ''}")
+        if key in unused or value is None:
+            continue
+        text = rate_text(run, star["lr"]) if key == "lr" else f"{key}={_short(value)}"
+        parts.append(text + ("" if key == "lr" else star.get(key, "")))
     for key, value in given.items():
         if key not in _SHOWN:
-            parts.append(f"{key}={_short(value)}{'*' if key in run.tuned else ''}")
+            parts.append(f"{key}={_short(value)}{star[key]}")
     defaults = _option_defaults(run.scheme)
+    for key in step_size:  # what sets the step is shown whether given or not
+        value = run.scheme_options.get(key, defaults.get(key))
+        if key not in _SHOWN and value is not None:
+            parts.append(f"{key}={_short(value)}{star.get(key, '')}")
     for key, value in run.scheme_options.items():
-        if key in run.tuned or defaults.get(key, object()) != value:
-            parts.append(f"{key}={_short(value)}{'*' if key in run.tuned else ''}")
+        if key not in step_size and (key in run.tuned or defaults.get(key, object()) != value):
+            parts.append(f"{key}={_short(value)}{star[key]}")
     count = run.workers or workers
     if count:
         parts.append(f"{count} worker{'s' if count != 1 else ''}")

@@ -95,6 +95,9 @@ class SchemeRun:
     seed: int | None = None
     train_config: dict[str, Any] = field(default_factory=dict)
     """The run's effective TrainConfig (the script's, then the flags), from ``result.json``."""
+    lr_scaling: dict[str, Any] = field(default_factory=dict)
+    """How its ``lr`` became the rate applied (``result.json``'s ``lr_scaling``: ``lr``,
+    ``rule``, ``factor``, ``effective_lr`` ...); empty where it wrote none."""
     workers: int = 0
     """Worker tasks of the run (0 = unknown: the comparison's ``--workers``)."""
     baseline: bool = False
@@ -396,6 +399,7 @@ def summarize(
         samples=curves.loss_samples[-1] if curves.loss_samples else None,
         seed=config.get("seed") if isinstance(config, dict) else None,
         train_config=dict(config) if isinstance(config, dict) else {},
+        lr_scaling=dict(scaling) if isinstance(scaling := result.get("lr_scaling"), dict) else {},
         curves=curves,
     )
 
