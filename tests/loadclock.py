@@ -157,3 +157,21 @@ def run(args: Any, *, timeout: float | None = None, check: bool = False, **kw: A
     if check:
         done.check_returncode()
     return done
+
+
+class Stopwatch:
+    """The share of wall time that counted as fair time since it started: a duration another
+    process measured in wall seconds (a file's mtime against a kill's time) times this share is
+    that duration in fair seconds."""
+
+    def __init__(self) -> None:
+        self._fair0 = CLOCK.now()
+        self._wall0 = time.monotonic()
+
+    def elapsed(self) -> float:
+        """Fair seconds since it started: what an upper bound on a wait is held against."""
+        return CLOCK.now() - self._fair0
+
+    def share(self) -> float:
+        wall = time.monotonic() - self._wall0
+        return 1.0 if wall <= 0 else min(1.0, (CLOCK.now() - self._fair0) / wall)
