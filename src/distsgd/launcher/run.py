@@ -47,6 +47,7 @@ from distsgd.launcher.restart import Restarts
 from distsgd.launcher.scale import LAUNCHER_FILE, read_scale_request
 from distsgd.launcher.supervisor import Supervisor, Tasks
 from distsgd.launcher.tasks import write_tasks as _write_tasks
+from distsgd.launcher.waits import Reminder
 from distsgd.transport import shm
 from distsgd.util import private_dir, write_atomic
 from distsgd.util.signals import setter
@@ -200,6 +201,7 @@ def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
         return Supervisor(
             log_dir=run_dir / "logs",
             echo=console.line,
+            note=console.note,
             fork_server_log=server_log,
             preload_optimizer=config.preloads_optimizer,
         )
@@ -266,21 +268,23 @@ class LocalRun(Restarts):
                 f"(step {checkpoint.step})"
             )
             self.events.log(step=checkpoint.step, event="resume", checkpoint=checkpoint.path.name)
-        self.write_config()
-        self.link_sampler.start()
-        self.start_cluster(checkpoint, fresh_ports=True)
         rule, factor = self.config.lr_rule
+        # said first: what follows may take a minute on a loaded machine (torch's imports)
         self.console.note(
             f"[distsgd] run {self.run_dir}: scheme {self.config.scheme}, "
             f"{self.config.workers} workers, "
             f"{self.num_ps} ps, {self.threads} threads per worker, "
             f"lr x {factor:.4g} (--lr-rule {rule})"
         )
+        self.write_config()
+        self.link_sampler.start()
+        self.start_cluster(checkpoint, fresh_ports=True)
         self.supervise()
         return self.finish()
 
     def supervise(self) -> None:
         last_plain = 0.0
+        first = Reminder(self.console.note)  # the workers start (imports, data, rendezvous)
         while True:
             # a kill set for a step lands within a poll of it: poll faster while one waits
             if self.stop.wait(KILL_POLL_SECONDS if self.kills_pending else POLL_SECONDS):
@@ -297,12 +301,24 @@ class LocalRun(Restarts):
                 ended = self._settle(ended)
                 name = first_cause(ended)
                 self._handle_failure(self.supervisor.tasks[name], ended[name])
+            first.check(self._first_step_wait())
             now = time.monotonic()
             if (self.console.tty or now - last_plain >= 10.0) and self.progress.samples:
                 self.console.status(self.progress.render())
                 last_plain = now
             if not self.leaving and all(f"worker{i}" in self.done for i in self.active):
                 return
+
+    def _first_step_wait(self) -> str | None:
+        """What the run waits for before its first metrics line (None: it has one)."""
+        if self.progress.samples:
+            return None
+        names = ", ".join(f"worker{i}" for i in sorted(self.active))
+        joining = ", joining the all-reduce rendezvous" if self.collective else ""
+        return (
+            f"the first step of {names} (importing, loading data{joining}; "
+            f"their logs: {self.run_dir / 'logs'})"
+        )
 
     def _poll_tasks(self) -> dict[str, int]:
         """Note the tasks that ended well or were asked to leave; the others that ended (name

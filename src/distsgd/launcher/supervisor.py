@@ -26,12 +26,14 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from distsgd.launcher.forked import (
+    READY_TIMEOUT,
     ForkedTask,
     ForkRefused,
     ForkServer,
     ForkServerGone,
     forkable,
 )
+from distsgd.launcher.waits import said_while_slow
 from distsgd.util import open_private, private_dir
 
 log = logging.getLogger(__name__)
@@ -121,11 +123,14 @@ class Supervisor:
         *,
         log_dir: Path,
         echo: Callable[[str], None],
+        note: Callable[[str], None] | None = None,
         fork_server_log: Path | None = None,
         preload_optimizer: bool = True,
     ) -> None:
         self.log_dir = log_dir
         self.echo = echo
+        self.note = note
+        """Where the launcher's own lines go (a long wait for the fork server is said there)."""
         self.tasks: dict[str, Task | ForkedTask] = {}
         self.preload_optimizer = preload_optimizer
         """Whether the fork server imports what torch.optim needs before forking
@@ -184,6 +189,10 @@ class Supervisor:
                 log.warning("could not start the fork server (%s); starting processes", exc)
                 self.fork_server_log = None
                 return None
+        if not self._server.wait_ready(0):  # its imports: a minute on a loaded machine
+            what = f"the fork server to import torch before it starts {name} ({server_log})"
+            with said_while_slow(self.note, what):
+                self._server.wait_ready(READY_TIMEOUT)
         read_fd, write_fd = os.pipe()
         try:
             pid = self._server.fork(*command, env=env, cwd=cwd or Path.cwd(), out_fd=write_fd)

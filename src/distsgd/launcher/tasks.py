@@ -35,6 +35,7 @@ from distsgd.launcher.progress import Console, Progress
 from distsgd.launcher.rebalance import Rebalancer
 from distsgd.launcher.shard_load import ShardLoadLog
 from distsgd.launcher.supervisor import TaskHandle, Tasks
+from distsgd.launcher.waits import said_while_slow
 from distsgd.ps import wal
 from distsgd.transport.security import (
     SECRET_ENV,
@@ -230,7 +231,8 @@ class LocalTasks:
         return task
 
     def await_ps(self, index: int, task: TaskHandle) -> None:
-        bound = wait_for_address(task, self.ps_address_file(index), 60.0)
+        with said_while_slow(self.console.note, f"ps{index} to listen ({task.log_path})"):
+            bound = wait_for_address(task, self.ps_address_file(index), 60.0)
         self.spec = self.spec.with_address(self.spec.task(Role.PS, index), bound)
 
     def ps_address_file(self, index: int) -> Path:
@@ -296,7 +298,9 @@ class LocalTasks:
         if self.collective and self.config.workers > 1:
             # under --hosts the launcher is reached over the management link
             host = self.config.host if self.hosts is None else MANAGEMENT_ADDRESS
-            self.store, port = host_store(host, timedelta(seconds=self.config.wait_timeout))
+            what = "torch to load: the launcher hosts the all-reduce rendezvous store"
+            with said_while_slow(self.console.note, what):
+                self.store, port = host_store(host, timedelta(seconds=self.config.wait_timeout))
             self.rendezvous = f"{host}:{port}"
 
     def start_cluster(self, checkpoint: Checkpoint | None, *, fresh_ports: bool) -> None:

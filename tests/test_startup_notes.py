@@ -1,0 +1,112 @@
+"""The launcher's first line comes at once, and a wait of its start-up that lasts more than a
+few seconds says what it waits for (launcher/waits.py): an all-reduce run on a loaded machine
+said nothing for 70 s while the launcher and the fork server imported torch."""
+
+from __future__ import annotations
+
+import io
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import SCRIPTS
+
+from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.errors import RunFailed
+from distsgd.launcher.progress import Console
+from distsgd.launcher.run import LocalRun, launch
+from distsgd.launcher.supervisor import Supervisor
+from distsgd.launcher.waits import Reminder, said_while_slow
+
+BOOTSTRAP = [sys.executable, "-m", "distsgd.launcher.bootstrap", str(SCRIPTS / "blobs.py")]
+
+
+class Said:
+    """A console's ``note``: the lines, and an event once one holds ``word``."""
+
+    def __init__(self, word: str) -> None:
+        self.lines: list[str] = []
+        self.word = word
+        self.seen = threading.Event()
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        if self.word in line:
+            self.seen.set()
+
+
+def test_a_slow_step_is_said_while_it_lasts() -> None:
+    said = Said("waiting for")
+    with said_while_slow(said, "the fork server to import torch", after=0.0):
+        # the slow step itself: it ends only once the wait has been said
+        assert said.seen.wait(600), "the wait was never said"
+    assert said.lines[0] == "[distsgd] waiting for the fork server to import torch (0 s)"
+
+
+def test_a_quick_step_says_nothing() -> None:
+    said = Said("waiting for")
+    with said_while_slow(said, "nothing slow", after=3600.0):
+        pass
+    assert said.lines == []
+
+
+def test_a_reminder_says_the_wait_after_a_while_then_every_so_often() -> None:
+    now = [0.0]
+    said = Said("waiting for")
+    reminder = Reminder(said, after=3.0, every=15.0, clock=lambda: now[0])
+    for t in (0.0, 2.9, 3.0, 10.0, 18.0, 18.5):
+        now[0] = t
+        reminder.check("the first step of worker0")
+    assert said.lines == [
+        "[distsgd] waiting for the first step of worker0 (3 s)",
+        "[distsgd] waiting for the first step of worker0 (18 s)",
+    ]
+    reminder.check(None)  # it came; a later wait starts anew
+    now[0] = 20.0
+    reminder.check("x")
+    assert len(said.lines) == 2
+
+
+def test_the_first_line_comes_before_the_cluster_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Starting the cluster is the slow part (torch imported to host the rendezvous, the fork
+    server's imports): the run's line is out before it begins."""
+    stream = io.StringIO()
+    before: list[str] = []
+
+    def slow_start(self: LocalRun, checkpoint: Any, *, fresh_ports: bool) -> None:
+        before.append(stream.getvalue())
+        raise RunFailed("stopped by the test where the cluster would start")
+
+    monkeypatch.setattr(LocalRun, "start_cluster", slow_start)
+    config = LaunchConfig(
+        script=str(SCRIPTS / "blobs.py"), scheme="allreduce", workers=2, run_dir=tmp_path / "r"
+    )
+    outcome = launch(config, Console(stream))
+    assert outcome.reason.startswith("stopped by the test")
+    assert before and "[distsgd] run " in before[0] and "scheme allreduce" in before[0]
+
+
+def test_the_wait_for_the_fork_server_is_said(tmp_path: Path) -> None:
+    said = Said("fork server")
+
+    class Importing:  # a fork server still importing torch until the wait has been said
+        def wait_ready(self, timeout: float | None) -> bool:
+            return said.seen.wait(600) if timeout else False
+
+        def fork(self, *args: Any, **kwargs: Any) -> int:
+            return 424242
+
+    supervisor = Supervisor(
+        log_dir=tmp_path / "logs", echo=lambda line: None, note=said, fork_server_log=tmp_path
+    )
+    supervisor._server = Importing()  # type: ignore[assignment]
+    task = supervisor._fork("worker0", BOOTSTRAP, {}, cwd=tmp_path, log_path=tmp_path / "w.log")
+    assert task is not None and task.forked_pid == 424242
+    task.stream.close()
+    assert said.lines[0].startswith(
+        "[distsgd] waiting for the fork server to import torch before it starts worker0"
+    )
