@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Mapping
@@ -66,7 +67,6 @@ class Restarts(LocalTasks):
             min_workers=self.config.lowest_workers,
             elastic=self.config.elastic,
             checkpointing=self.checkpointing,
-            result_recorded=(self.run_dir / RESULT_FILE).exists(),
         )
 
     # -- a failure ------------------------------------------------------------------------------
@@ -86,7 +86,9 @@ class Restarts(LocalTasks):
             healthy_seconds=self.config.healthy_seconds,
         )
         try:
-            plan = plan_restart(failure, self.topology(), self, budget)
+            recorded = (self.run_dir / RESULT_FILE).exists()  # training is over: no restarts
+            run = dataclasses.replace(self.topology(), result_recorded=recorded)
+            plan = plan_restart(failure, run, self, budget)
             self.restarts[task.name] = budget.in_a_row  # 0 once it ran healthy: a new fault
             self.execute(plan, task, code)
         except CheckpointError as exc:  # e.g. a checkpoint file that holds code
