@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import signal
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from distsgd.control.outcome import EXIT_INTERRUPTED, RunOutcome, RunStatus
 from distsgd.launcher.run import interrupted_outcome
@@ -21,3 +25,22 @@ def test_sigterm_exits_143_and_ctrl_c_130(tmp_path: Path) -> None:
 def test_only_an_interrupted_run_exits_143(tmp_path: Path) -> None:
     ok = RunOutcome(status=RunStatus.OK, run_dir=tmp_path, terminated=True)
     assert ok.exit_code == 0
+
+
+def test_compare_stopped_by_sigterm_exits_143(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from conftest import SCRIPTS
+
+    from distsgd.compare import run as compare_module
+    from distsgd.compare.run import CompareConfig, compare
+    from distsgd.launcher.progress import Console
+
+    def stopped(config: Any, console: Any) -> RunOutcome:  # SIGTERM reached the launch
+        return interrupted_outcome(config.run_dir, [signal.SIGTERM])
+
+    monkeypatch.setattr(compare_module, "launch", stopped)
+    config = CompareConfig(
+        schemes=("hogwild", "sync"), script=str(SCRIPTS / "blobs.py"), out=tmp_path / "out"
+    )
+    assert compare(config, Console(io.StringIO())) == 143

@@ -57,6 +57,7 @@ from distsgd.control.outcome import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_TERMINATED,
     RunOutcome,
     RunStatus,
 )
@@ -415,11 +416,12 @@ class Comparison:
             f"{how}{fair}; output in {self.out}"
         )
         self.interrupted = False
+        self.terminated = False  # by SIGTERM: 143, not Ctrl-C's 130
         for index, entry in enumerate(c.entries):
             self.runs.extend(self._entry(index, entry))
         self._write_reports()
         if self.interrupted:
-            return EXIT_INTERRUPTED
+            return EXIT_TERMINATED if self.terminated else EXIT_INTERRUPTED
         if any(r.status not in ("ok", "diverged") for r in self.runs):
             return EXIT_FAILED
         return EXIT_DIVERGED if any(r.status == "diverged" for r in self.runs) else EXIT_OK
@@ -559,6 +561,7 @@ class Comparison:
                     status=RunStatus.FAILED, run_dir=run_dir, reason=str(exc).split("\n")[0]
                 )
         wall = time.monotonic() - started
+        self.terminated = self.terminated or outcome.exit_code == EXIT_TERMINATED
         status = run_status(outcome)
         reason = outcome.explanation() if status in ("failed", "diverged") else ""
         run = summarize(
@@ -642,5 +645,5 @@ def _outcome(run: SchemeRun, *, validation: bool = False) -> str:
 
 def compare(config: CompareConfig, console: Console | None = None) -> int:
     """Run every scheme of ``config``, write the reports; 0, 1 (a run failed), 3 (none failed
-    but one diverged) or 130."""
+    but one diverged), 130 (Ctrl-C) or 143 (SIGTERM)."""
     return Comparison(config, console or Console()).run()
