@@ -44,3 +44,31 @@ def test_compare_stopped_by_sigterm_exits_143(
         schemes=("hogwild", "sync"), script=str(SCRIPTS / "blobs.py"), out=tmp_path / "out"
     )
     assert compare(config, Console(io.StringIO())) == 143
+
+
+def test_k8s_local_stopped_by_sigterm_exits_143(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from distsgd.launcher import k8s_local
+    from distsgd.launcher.errors import Interrupted
+    from distsgd.launcher.progress import Console
+
+    class Cluster:  # stands in for LocalCluster: SIGTERM reaches the process while it runs
+        def __init__(self, out_dir: Path, local_dir: Path, console: Console) -> None:
+            self.name, self.jobs = "digits", []
+            self.supervisor = type("S", (), {"tasks": {}})()
+            self.stop = threading.Event()
+
+        def run(self) -> int:
+            signal.raise_signal(signal.SIGTERM)  # its handler runs before the next line
+            assert self.stop.wait(600)
+            raise Interrupted
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(k8s_local, "LocalCluster", Cluster)
+    code = k8s_local.run_local(tmp_path, local_dir=tmp_path / "l", console=Console(io.StringIO()))
+    assert code == 143

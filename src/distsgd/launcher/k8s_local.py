@@ -43,12 +43,13 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from distsgd.cluster import Role, TaskId, kube
 from distsgd.control.folder import METRICS_FILE, RESULT_FILE
-from distsgd.control.outcome import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from distsgd.control.outcome import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED
 from distsgd.control.recovery import (
     NothingStored,
     RestartBudget,
@@ -547,8 +548,8 @@ def run_local(
     out_dir: Path, *, local_dir: Path | None = None, console: Console | None = None
 ) -> int:
     """Run the rendered JobSet in ``out_dir`` to its end; returns the exit code (0 complete,
-    1 a pod failed, 130 interrupted). The volumes and logs go to ``local_dir`` (default a new
-    ``OUT_DIR/local-<time>``)."""
+    1 a pod failed, 130 interrupted by Ctrl-C, 143 by SIGTERM). The volumes and logs go to
+    ``local_dir`` (default a new ``OUT_DIR/local-<time>``)."""
     console = console or Console()
     # absolute: each pod runs in its image's working folder, where a relative claim path
     # would point somewhere else (and the launcher would not find the chief's result)
@@ -559,10 +560,13 @@ def run_local(
     folder.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(out_dir, folder, console)
     previous: dict[signal.Signals, Any] = {}
+    caught: list[int] = []  # the signals that stopped it, first first
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, setter(cluster.stop))
+            previous[sig] = signal.signal(
+                sig, setter(cluster.stop, before=partial(caught.append, sig))
+            )
     try:
         console.note(
             f"[k8s local] JobSet {cluster.name}: "
@@ -572,7 +576,7 @@ def run_local(
         return cluster.run()
     except Interrupted:
         console.final(f"distsgd: interrupted; stopping {len(cluster.supervisor.tasks)} pods")
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if caught[:1] == [signal.SIGTERM] else EXIT_INTERRUPTED
     except (RunFailed, ValueError) as exc:  # a pod failed, or the rendered files cannot run
         console.error(f"distsgd: error: {exc}")
         return EXIT_FAILED
