@@ -110,3 +110,36 @@ def test_the_wait_for_the_fork_server_is_said(tmp_path: Path) -> None:
     assert said.lines[0].startswith(
         "[distsgd] waiting for the fork server to import torch before it starts worker0"
     )
+
+
+def test_the_fork_server_starts_before_the_launcher_loads_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The two imports of an all-reduce run's start (the fork server's, the launcher's for the
+    rendezvous store) go on side by side, not one after the other."""
+    from distsgd.launcher import tasks as tasks_module
+    from distsgd.launcher.tasks import LocalTasks
+
+    order: list[str] = []
+
+    class Recorder:
+        def prepare(self, env: Any) -> None:
+            order.append("fork server")
+
+    class Stop(Exception):
+        pass
+
+    def host_store(*args: Any, **kwargs: Any) -> Any:
+        order.append("rendezvous store")
+        raise Stop
+
+    monkeypatch.setattr(tasks_module, "host_store", host_store)
+    local = LocalTasks.__new__(LocalTasks)  # only what start_cluster reads up to the store
+    local.config = LaunchConfig(script=str(SCRIPTS / "blobs.py"), scheme="allreduce", workers=2)
+    local.wal_root, local.seen_versions, local.num_ps = tmp_path / "wal", {}, 0
+    local.active, local.collective, local.hosts = {0, 1}, True, None
+    local.supervisor, local.worker_env = Recorder(), {}  # type: ignore[assignment]
+    local.console = Console(io.StringIO())
+    with pytest.raises(Stop):
+        local.start_cluster(None, fresh_ports=True)
+    assert order == ["fork server", "rendezvous store"]

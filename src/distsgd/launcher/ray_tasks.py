@@ -384,6 +384,9 @@ class RaySupervisor:
     def forget(self) -> None:
         self.tasks.clear()
 
+    def prepare(self, env: Mapping[str, str]) -> None:
+        """Nothing to start ahead: Ray's workers have their own processes."""
+
     def close(self) -> None:
         """Stop every task, remove the placement group, and leave Ray (shutting down the
         instance this launcher started)."""

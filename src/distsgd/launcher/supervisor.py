@@ -72,6 +72,10 @@ class Tasks(Protocol):
     def forget(self) -> None:
         """Drop every stopped task (before the whole cluster starts again)."""
 
+    def prepare(self, env: Mapping[str, str]) -> None:
+        """Start ahead what the workers will need (the fork server, whose imports take
+        seconds, while the launcher does the rest of the start), with the workers' ``env``."""
+
     def close(self) -> None: ...
 
 
@@ -137,7 +141,8 @@ class Supervisor:
         (``LaunchConfig.preloads_optimizer``)."""
         self.fork_server_log = fork_server_log
         """Where the fork server's own output goes; None: no fork server, every task is a
-        process (it is started with the first worker task, and this is None once it is gone)."""
+        process (it is started by :meth:`prepare` as the cluster starts, or with the first worker
+        task, and this is None once it is gone)."""
         self._server: ForkServer | None = None
 
     def start(
@@ -180,15 +185,9 @@ class Supervisor:
         command = forkable(argv) if server_log is not None else None
         if command is None or server_log is None:
             return None
-        if self._server is None:
-            try:
-                self._server = ForkServer.spawn(
-                    env, server_log, preload_optimizer=self.preload_optimizer
-                )
-            except OSError as exc:
-                log.warning("could not start the fork server (%s); starting processes", exc)
-                self.fork_server_log = None
-                return None
+        self.prepare(env)
+        if self._server is None or self.fork_server_log is None:
+            return None
         if not self._server.wait_ready(0):  # its imports: a minute on a loaded machine
             what = f"the fork server to import torch before it starts {name} ({server_log})"
             with said_while_slow(self.note, what):
@@ -212,6 +211,18 @@ class Supervisor:
         return ForkedTask(
             name=name, server=self._server, forked_pid=pid, log_path=log_path, stream=stream
         )
+
+    def prepare(self, env: Mapping[str, str]) -> None:
+        """Start the fork server (it imports in the background) unless it runs already, or
+        this supervisor has none; one that cannot start leaves every task a process."""
+        if self._server is None and self.fork_server_log is not None:
+            try:
+                self._server = ForkServer.spawn(
+                    env, self.fork_server_log, preload_optimizer=self.preload_optimizer
+                )
+            except OSError as exc:
+                log.warning("could not start the fork server (%s); starting processes", exc)
+                self.fork_server_log = None
 
     def _relay(self, task: Task | ForkedTask) -> None:
         stream = task.stream

@@ -309,6 +309,8 @@ class LocalTasks:
         from the checkpoint: logs of an earlier cluster are removed."""
         shutil.rmtree(self.wal_root, ignore_errors=True)
         self.seen_versions.clear()
+        if self.active:  # its imports go on beside the launcher's (the rendezvous store's)
+            self.supervisor.prepare(self.worker_env)
         if self.config.wal and self.num_ps:
             wal.make_private_dir(self.wal_root)
         servers = []
