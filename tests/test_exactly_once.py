@@ -14,7 +14,13 @@ import grpc
 import numpy as np
 import pytest
 
-from distsgd.control.faults import Fault, FaultInjector, kill_due, kill_landed
+from distsgd.control.faults import (
+    Fault,
+    FaultInjector,
+    clear_kill_marks,
+    kill_due,
+    kill_landed,
+)
 from distsgd.ps import wal
 from distsgd.ps.client import ParameterClient
 from distsgd.ps.partition import PartitionPlan
@@ -161,6 +167,8 @@ def test_a_worker_holds_still_at_a_kills_step_until_it_landed(tmp_path: Path) ->
     again.before_step(8)
     assert time.monotonic() - began < 1.0
     assert FaultInjector([kill]).kills == []  # no run folder: the launcher's reading only
+    clear_kill_marks(tmp_path)  # a resumed run: its kills are due again
+    assert kill_due(tmp_path, kill) is None
 
 
 class _LateOthers:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -169,6 +170,12 @@ def kill_due(run_dir: str | Path, fault: Fault) -> int | None:
     except OSError:
         return None
     return int(text) if text.strip().isdigit() else fault.step or 0
+
+
+def clear_kill_marks(run_dir: str | Path) -> None:
+    """(Launcher, as a run starts or resumes) forget the kills' steps of an earlier launch: a
+    resumed run's kills are due again."""
+    shutil.rmtree(Path(run_dir) / "faults", ignore_errors=True)
 
 
 def kill_landed(run_dir: str | Path, fault: Fault) -> None:

@@ -11,6 +11,7 @@ SIGTERM) every task is stopped in a ``finally`` before the launcher returns.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from typing import Any
 from distsgd import schemes
 from distsgd.cluster import Role, TaskId
 from distsgd.control.checkpoint.store import latest_checkpoint
-from distsgd.control.faults import Fault
+from distsgd.control.faults import Fault, clear_kill_marks, kill_due, kill_landed
 from distsgd.control.folder import CONFIG_FILE, RESULT_FILE
 from distsgd.control.outcome import RunOutcome, RunStatus
 from distsgd.control.recovery import (
@@ -240,6 +241,7 @@ class LocalRun(Restarts):
         """The ``seq`` of the last scale request handled."""
         self.faults = [Fault.parse(f) for f in config.faults]
         self.kills_pending = [f for f in self.faults if f.kind == "kill"]
+        clear_kill_marks(run_dir)  # a resumed run's kills are due again
         self.link_faults = LinkFaults(
             self.faults, hosts, events=self.events, note=console.note, run_dir=run_dir
         )
@@ -358,24 +360,32 @@ class LocalRun(Restarts):
 
     def _inject_kills(self) -> None:
         for fault in list(self.kills_pending):
-            if self.progress.step >= (fault.step or 0):
+            due = kill_due(self.run_dir, fault)  # a worker holds still at the step
+            if due is not None or self.progress.step >= (fault.step or 0):
                 self.kills_pending.remove(fault)
-                task = self.supervisor.tasks.get(fault.task)
-                if task is not None and task.poll() is None:
-                    target = TaskId.parse(fault.task)
-                    if target.job == Role.PS:
-                        self._read_version(target.index)
-                    self.console.note(
-                        f"[distsgd] fault injected: SIGKILL {fault.task} (pid {task.pid}) "
-                        f"at step {self.progress.step}"
-                    )
-                    self.events.log(
-                        step=self.progress.step,
-                        event="fault_injected",
-                        fault="kill",
-                        target=fault.task,
-                    )
-                    task.kill()
+                self._kill(fault, max(self.progress.step, due or 0))
+
+    def _kill(self, fault: Fault, step: int) -> None:
+        """SIGKILL the target of ``fault`` at global ``step``; the workers holding still at
+        the step then go on."""
+        try:
+            self._kill_now(fault, step)
+        finally:
+            with contextlib.suppress(OSError):
+                kill_landed(self.run_dir, fault)
+
+    def _kill_now(self, fault: Fault, step: int) -> None:
+        task = self.supervisor.tasks.get(fault.task)
+        if task is None or task.poll() is not None:
+            return
+        target = TaskId.parse(fault.task)
+        if target.job == Role.PS:
+            self._read_version(target.index)
+        self.console.note(
+            f"[distsgd] fault injected: SIGKILL {fault.task} (pid {task.pid}) at step {step}"
+        )
+        self.events.log(step=step, event="fault_injected", fault="kill", target=fault.task)
+        task.kill()
 
     # -- elastic runs ---------------------------------------------------------------------------
     def _poll_scale(self) -> None:
