@@ -603,7 +603,7 @@ def test_k8s_local_stops_every_pod_on_sigterm(spawn, tmp_path: Path) -> None:  #
     assert all(psutil.pid_exists(pid) for pid in pids)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, output[-3000:]
+    assert proc.returncode == 143, output[-3000:]
     assert "interrupted" in output
     assert alive(pids) == []
 

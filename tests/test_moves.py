@@ -131,6 +131,23 @@ def test_a_moved_piece_keeps_its_value_and_the_clients_follow_it(two_servers: li
         c.close()
 
 
+def test_a_numbered_push_sent_on_after_a_move_is_applied_not_dropped(
+    two_servers: list[str],
+) -> None:
+    """A push with a sequence (a worker's step) that ps0 refuses MOVED goes on to ps1, which
+    applied its own part of the same push already: the pieces sent on travel under a sequence
+    of their own, or ps1 would drop them as a duplicate (2998 of 3000 in a real run)."""
+    chief = _client(two_servers, 0)
+    grads = {k: np.ones_like(v) for k, v in _model().items()}
+    chief.pull()
+    assert all(r.accepted for r in chief.push(grads, step=1))
+    move(two_servers, ["small1#0", "small3#0"], 0, 1)
+    assert all(r.accepted for r in chief.push(grads, step=2))  # ps0 refuses MOVED, ps1 takes
+    assert all(r.accepted for r in chief.push(grads, step=3))
+    assert _applies(two_servers) == {piece.key: 3 for piece in chief.plan.pieces}
+    chief.close()
+
+
 @pytest.mark.parametrize("carrier", ["stream", "shared_memory", "tensor_socket"])
 def test_pushes_during_moves_lose_no_update(two_servers: list[str], carrier: str) -> None:
     """Two workers push as fast as they can while pieces move back and forth; every push of

@@ -337,7 +337,9 @@ class ParameterClient:
     ) -> list[PushResult]:
         """Shards ``moved`` refused their part MOVED (nothing of it applied): follow the moves
         and send each of its pieces to the shard that holds it now (again, should it have
-        moved on meanwhile, up to :data:`MAX_MOVE_HOPS` times)."""
+        moved on meanwhile, up to :data:`MAX_MOVE_HOPS` times). Each hop goes under a sequence
+        of its own, the worker's next: the shard that holds a piece now may have applied its own
+        part of this push under ``seq`` already, and would drop the resend as a duplicate."""
         out = list(results)
         for i in moved:
             pending = [(payloads[i], results[i])]
@@ -345,10 +347,12 @@ class ParameterClient:
             for _ in range(MAX_MOVE_HOPS):
                 self._adopt_plan({k: s for _, r in pending for k, s in r.moved.items()})
                 again: list[tuple[Payload, PushResult]] = []
+                hop = 0 if seq == 0 else push_sequence(steps_applied(seq), self.last_sequence)
+                self.last_sequence = max(self.last_sequence, hop)
                 for payload, _ in pending:
                     for j, keys in self._by_owner(payload).items():
                         part = payload.only(keys)
-                        reply = self._send(j, part, self.versions[j], lr_scale, seq)
+                        reply = self._send(j, part, self.versions[j], lr_scale, hop)
                         (again if reply.reject is PushReject.MOVED else done).append((part, reply))
                 pending = again
                 if not pending:
