@@ -331,7 +331,9 @@ class _FakeServers:
             return 0, {k: into[k] for k in wanted}
         return 0, {k: v.copy() for k, v in wanted.items()}
 
-    def push(self, arrays: Any, *, base_version: Any, lr_scale: float) -> list[PushResult]:
+    def push(
+        self, arrays: Any, *, base_version: Any, lr_scale: float, step: int | None = None
+    ) -> list[PushResult]:
         return [PushResult(True, 1)]
 
     def push_buffers(self) -> None:

@@ -33,6 +33,7 @@ from distsgd.launcher.errors import Interrupted, RunDiverged, RunFailed
 from distsgd.launcher.servers import read_info, tell_finished
 from distsgd.launcher.supervisor import TaskHandle
 from distsgd.launcher.tasks import LocalTasks, write_tasks
+from distsgd.ps.sequence import steps_applied
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.util import write_atomic
 
@@ -204,22 +205,39 @@ class Restarts(LocalTasks):
 
     # -- restarts -------------------------------------------------------------------------------
     def _restart_worker(self, plan: Restart, code: int, step: int) -> None:
-        # Its last metrics line says how far it got: every step up to there was pushed to the
-        # servers, so the restarted worker continues there instead of redoing them (only the
-        # steps after that line, fewer than log_every, are done again).
+        # Its last metrics line says how far it got at least; the servers say exactly (the
+        # steps whose pushes every shard applied), and the restarted worker continues there.
         resume = plan.resume
         assert resume is None or isinstance(resume, WorkerStateRef)
+        continued = max(plan.continue_at, 0 if resume is None else resume.step)
         self._fault(
             plan.task.name,
             code,
             step,
             "restart",
             resumed_from=None if resume is None else str(resume.path),
-            continued_at=max(plan.continue_at, 0 if resume is None else resume.step),
+            continued_at=max(continued, self._steps_applied(plan.task.index)),
             lost_steps=0,
         )
         path = None if resume is None else resume.path
         self.start_worker(plan.task.index, resume=path, continue_at=plan.continue_at)
+
+    def _steps_applied(self, worker: int) -> int:
+        """The steps of ``worker`` whose pushes every server applied (what the worker reads
+        as it starts again, :meth:`ParameterClient.steps_applied`); 0 for a collective run
+        or where a server does not answer (the metrics line's step stands then)."""
+        if self.collective or self.num_ps == 0:
+            return 0
+        applied = []
+        for index in range(self.num_ps):
+            address = self.spec.address(self.spec.task(Role.PS, index))
+            reply = read_info(
+                address, run_id=self.run_id, secret=self.secret, tls=self.config.tls, worker=worker
+            )
+            if reply is None or not reply.registered:
+                return 0
+            applied.append(steps_applied(reply.applied_sequence))
+        return min(applied)
 
     def _restart_ps(self, plan: Restart, code: int, step: int) -> None:
         """Restart a ps from its write-ahead log or its newest shard file (the server takes the

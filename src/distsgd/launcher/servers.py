@@ -10,12 +10,24 @@ from distsgd.transport.security import TlsConfig
 
 
 def read_info(
-    address: str, *, run_id: str, secret: str | None, tls: TlsConfig | None
+    address: str,
+    *,
+    run_id: str,
+    secret: str | None,
+    tls: TlsConfig | None,
+    worker: int = -1,
 ) -> pb.InfoResponse | None:
-    """The server's Info, or None if it does not answer at once (2 s, no retry)."""
+    """The server's Info, or None if it does not answer at once (2 s, no retry); asked for
+    ``worker`` (its ``applied_sequence`` is that worker's), else for no worker."""
     try:
         with ShardClient(
-            address, run_id=run_id, timeout=2.0, retry_seconds=0.0, secret=secret, tls=tls
+            address,
+            worker=worker,
+            run_id=run_id,
+            timeout=2.0,
+            retry_seconds=0.0,
+            secret=secret,
+            tls=tls,
         ) as client:
             return client.info(retry=False)
     except RemoteError:
