@@ -9,6 +9,7 @@ import fcntl
 import ipaddress
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -248,6 +249,29 @@ def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:  # type:
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Where ``$DISTSGD_TEST_CPU`` names a file: one line per test appended to it, its CPU
+    seconds (the test process and every child it waited for, their children included) and
+    its name, to find what the suite spends its 2 cores on (``sort -rn FILE | head``)."""
+    path = os.environ.get("DISTSGD_TEST_CPU")
+    if not path:
+        yield
+        return
+    before = _cpu_seconds()
+    yield
+    with open(path, "a") as f:
+        f.write(f"{_cpu_seconds() - before:.2f} {item.nodeid}\n")
+
+
+def _cpu_seconds() -> float:
+    own, waited = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
 
 
 @pytest.hookimpl(tryfirst=True)
