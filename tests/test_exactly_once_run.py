@@ -95,3 +95,56 @@ def test_ctrl_c_then_resume_applies_each_push_once(spawn, tmp_path: Path) -> Non
     result = json.loads((run_dir / "result.json").read_text())
     assert result["local_steps"] == steps
     assert result["global_step"] == 2 * steps, result["global_step"]
+
+
+@pytest.mark.xdist_group("demo-runs")
+def test_ctrl_c_saves_a_checkpoint_and_resume_trains_each_step_once(spawn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C with no checkpoint yet: the workers finish their step and push, save, the servers
+    snapshot, and the launcher says where it saved; the resumed run trains the rest, each step
+    once (before: no checkpoint to resume from, or one a checkpoint interval back whose steps
+    were trained again)."""
+    run_dir = tmp_path / "run"
+    steps = 300
+    proc = spawn(
+        [
+            "run",
+            *("--scheme", "hogwild", "--workers", "2", "--checkpoint-every", "1000"),
+            *("--run-dir", str(run_dir), str(SCRIPTS / "blobs.py")),
+            *("--steps", str(steps), "--slow", "0.01"),
+        ]
+    )
+
+    def trained() -> dict[str, int]:
+        last: dict[str, int] = {}
+        for r in metrics(run_dir):
+            if "local_step" in r and str(r.get("task", "")).startswith("worker"):
+                last[r["task"]] = max(last.get(r["task"], 0), r["local_step"])
+        return last
+
+    assert wait_for(lambda: min(trained().values(), default=0) >= 20, 120), "no steps"
+    proc.send_signal(signal.SIGINT)
+    out, _ = loadclock.communicate(proc, 90)
+    assert proc.returncode == 130, out[-2000:]
+    assert "saved at step" in out and f"distsgd run --resume {run_dir}" in out, out[-2000:]
+    first = trained()  # each worker's steps in the first launch (its state's step)
+    states = {f"worker{i}": _state_step(run_dir, i) for i in range(2)}
+    assert first == states and all(0 < s < steps for s in first.values()), (first, states)
+    done = run_distsgd(["run", "--resume", str(run_dir), "--quiet"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["local_steps"] == steps
+    assert result["global_step"] == 2 * steps, result["global_step"]
+    records = metrics(run_dir)
+    resumed = {r["task"]: r["local_step"] for r in records if r.get("event") == "resumed"}
+    assert resumed == states, (resumed, states)
+    for worker in states:  # blobs.py logs every step: each trained once over both launches
+        lines = sorted(r["local_step"] for r in records if r["task"] == worker and "loss" in r)
+        assert lines == list(range(1, steps + 1)), (worker, len(lines))
+
+
+def _state_step(run_dir: Path, rank: int) -> int:
+    """The step of worker ``rank``'s state in the newest complete checkpoint."""
+    manifests = sorted((run_dir / "checkpoints").glob("ckpt-*/MANIFEST.json"))
+    manifest = json.loads(manifests[-1].read_text())
+    assert manifest.get("stopped"), manifest
+    return int(manifest["workers"][rank]["step"])

@@ -269,6 +269,9 @@ class ForkedTask:
     def terminate(self) -> None:
         self._signal(signal.SIGTERM)
 
+    def interrupt(self) -> None:
+        self._signal(signal.SIGINT)
+
     def _signal(self, signum: signal.Signals) -> None:
         if self.poll() is None:  # not a PID the server has reaped (and may be reused)
             with contextlib.suppress(ProcessLookupError):

@@ -237,6 +237,12 @@ class RayTask:
 
         ray.get(self.actor.signal.remote(int(signal.SIGTERM)), timeout=RAY_TIMEOUT)
 
+    def interrupt(self) -> None:
+        """SIGINT to the task's process group on its node (stop and save)."""
+        import ray
+
+        ray.get(self.actor.signal.remote(int(signal.SIGINT)), timeout=RAY_TIMEOUT)
+
 
 class RaySupervisor:
     """Owns the tasks of one run as actors in a placement group of one bundle per task.

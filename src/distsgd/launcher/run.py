@@ -65,6 +65,8 @@ KILL_POLL_SECONDS = 0.05
 """The same while an injected kill waits for its step (``--inject-fault kill:...``)."""
 LEAVE_GRACE_SECONDS = 30.0
 """How long a worker asked to leave (distsgd scale) may take before it is SIGKILLed."""
+SAVE_ON_STOP_SECONDS = 30.0
+"""How long the first Ctrl-C (or SIGTERM) waits for the workers to stop and save."""
 
 
 DIVERGED_PREFIX = "distsgd: the run diverged: "
@@ -127,7 +129,8 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
         write_atomic(launcher_file, f"{os.getpid()}\n")  # distsgd scale checks it is running
         return _run(local)
     except Interrupted:
-        console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks")
+        saved = "" if local.saved_step is None else f" (saved at step {local.saved_step})"
+        console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks{saved}")
         finished = (run_dir / RESULT_FILE).exists()  # --resume refuses a finished run
         if not finished and latest_checkpoint(local.ckpt_root)[0] is not None:
             console.final(f"distsgd: continue it with: distsgd run --resume {run_dir}")
@@ -248,6 +251,9 @@ class LocalRun(Restarts):
         """Partitions and slow links of emulated hosts (launcher/link_faults.py)."""
         self.link_sampler = LinkSampler(hosts, run_dir)
         """The emulated hosts' bytes over time, from the run's start (``links.jsonl``)."""
+        self.saved_step: int | None = None
+        """The step of the checkpoint the workers saved when the run was stopped (None:
+        none; a resume goes back to the last periodic checkpoint)."""
 
     def close_hosts(self) -> None:
         """Undo the network faults still in effect, stop sampling, record the bytes, and take
@@ -290,6 +296,7 @@ class LocalRun(Restarts):
         while True:
             # a kill set for a step lands within a poll of it: poll faster while one waits
             if self.stop.wait(KILL_POLL_SECONDS if self.kills_pending else POLL_SECONDS):
+                self._save_on_stop()
                 raise Interrupted
             self.progress.poll()
             self._poll_versions()
@@ -310,6 +317,43 @@ class LocalRun(Restarts):
                 last_plain = now
             if not self.leaving and all(f"worker{i}" in self.done for i in self.active):
                 return
+
+    def _save_on_stop(self) -> None:
+        """(First Ctrl-C or SIGTERM) ask the workers of a parameter-server run with
+        checkpoints to stop and save (:meth:`TaskHandle.interrupt`): each finishes its step
+        and push, saves its state and leaves, then the chief has the servers saved and writes
+        the manifest. Up to :data:`SAVE_ON_STOP_SECONDS`; a second signal stops at once."""
+        config = self.config
+        workers = [
+            task
+            for name, task in self.supervisor.tasks.items()
+            if TaskId.parse(name).job == Role.WORKER and task.poll() is None
+        ]
+        saves = config.checkpoint_every or config.checkpoint_seconds
+        if self.collective or not workers or not saves:
+            return
+        self.stop.clear()
+        self.console.final(
+            f"distsgd: stopping: the workers finish their step and save (up to "
+            f"{SAVE_ON_STOP_SECONDS:.0f}s; Ctrl-C again to stop at once)"
+        )
+        asked = time.time()
+        for task in workers:
+            task.interrupt()
+        deadline = time.monotonic() + SAVE_ON_STOP_SECONDS
+        while any(task.poll() is None for task in workers):
+            if self.stop.wait(POLL_SECONDS) or time.monotonic() > deadline:
+                break
+        saved = latest_checkpoint(self.ckpt_root)[0]
+        if saved is not None and saved.manifest.get("stopped") and saved.manifest["time"] >= asked:
+            self.saved_step = saved.step
+            self.events.log(step=self.progress.step, event="saved", checkpoint=saved.path.name)
+            return
+        alive = any(task.poll() is None for task in workers)
+        why = "not saved in time" if alive else "the workers ended without saving"
+        why = "stopped at once" if self.stop.is_set() else why
+        last = "none" if saved is None else f"{saved.path.name}, step {saved.step}"
+        self.console.final(f"distsgd: {why}; the last periodic checkpoint stands ({last})")
 
     def _first_step_wait(self) -> str | None:
         """What the run waits for before its first metrics line (None: it has one)."""

@@ -57,6 +57,11 @@ class TaskHandle(Protocol):
         """Ask the task to stop (SIGTERM to its process: a worker of an elastic run finishes
         its step, hands its work back and leaves)."""
 
+    def interrupt(self) -> None:
+        """Ask the task to stop and save (SIGINT to its process: a parameter-server worker
+        with checkpoints finishes its step and push, saves its state and leaves; the chief
+        then has the servers saved: the launcher's Ctrl-C)."""
+
 
 class Tasks(Protocol):
     """Starts, watches and stops the tasks of one run: :class:`Supervisor` (local processes)
@@ -117,6 +122,10 @@ class Task:
     def terminate(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.process.pid, signal.SIGTERM)
+
+    def interrupt(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.process.pid, signal.SIGINT)
 
 
 class Supervisor:

@@ -200,13 +200,14 @@ class Shard:
         self, worker: int, incarnation: int, *, claim: bool = False
     ) -> tuple[int, list[int]] | None:
         """Explicit membership: ``worker`` joins (again); returns (epoch, members). ``claim``:
-        only as an index never used here (None, nothing changed, if it was)."""
+        only as an index never used here (None, nothing changed, if it was). A joiner runs:
+        one finished in a stopped run's shards (saved after it left) is finished no more."""
         with self.cond:
             if claim and not self.membership.claim(worker, incarnation):
                 return None
             self.incarnations[worker] = incarnation
             self._work_seen(worker, incarnation)
-            if self.membership.join(worker, incarnation) or claim:
+            if self.membership.join(worker, incarnation) or claim or worker in self.finished:
                 self.finished.discard(worker)
                 self._membership_changed(f"worker {worker} joined")
             return self.membership.epoch, self.membership.live

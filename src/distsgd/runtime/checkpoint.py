@@ -314,6 +314,21 @@ class Checkpointer:
         private_dir(self.root / name)
         self.writer.complete(name, self.due_step, shard_checkpoint or [], extra)
 
+    def checkpoint_on_stop(
+        self, local_step: int, shard_checkpoint: Any, extra: dict[str, Any]
+    ) -> None:
+        """(Chief, asked to stop and save, once every worker saved its last state and left)
+        a checkpoint of each worker's newest state, then the shards (a consistent cut: every
+        push those states counted, and nothing later: the workers stopped), named after the
+        chief's ``local_step``; its manifest says ``"stopped": true``. :meth:`close`
+        completes it."""
+        if self.writer is None:
+            return
+        name = f"ckpt-{local_step:08d}"
+        private_dir(self.root / name)
+        shards = shard_checkpoint or []
+        self.writer.complete(name, local_step, shards, {**extra, "stopped": True}, newest=True)
+
     def close(self, timeout: float = 5.0) -> None:
         """(After the other workers finished) complete what checkpoints can be completed, give
         up the others, and stop the chief's manifest writer."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -52,7 +53,7 @@ from distsgd.runtime.evaluate import LossFn, MetricFns
 from distsgd.runtime.modules import as_torch_module
 from distsgd.runtime.result import TrainResult, work_counts
 from distsgd.runtime.scheme import WorkerScheme
-from distsgd.runtime.setup import UNBOUNDED, checkpointer, open_worker, stop_on_sigterm
+from distsgd.runtime.setup import UNBOUNDED, checkpointer, open_worker, stop_on, stop_on_sigterm
 from distsgd.runtime.step_log import StepLog
 from distsgd.runtime.stream import Batches  # streaming
 from distsgd.runtime.work import LeasedBatches
@@ -70,6 +71,11 @@ class WorkerSession:
     the work units and leaves (``TrainResult.left``). In the main thread of an elastic run
     SIGTERM sets it (the launcher shrinks a run so).
     """
+
+    saving = False
+    """Asked to stop and save (SIGINT: the launcher's Ctrl-C): the worker ends after its step,
+    saves its state and leaves; the chief then ends with a checkpoint (the servers, then the
+    manifest of every worker's newest state)."""
 
     def __init__(
         self,
@@ -126,7 +132,7 @@ class WorkerSession:
         self.samples = 0
         self.faults = FaultInjector([])
         self.watch = DivergenceMonitor(self.name)
-        self._restore_sigterm: Callable[[], None] | None = None
+        self._restores: list[Callable[[], None] | None] = []  # the old signal handlers
         self._conn = Connection()
         """What this worker is connected to (set up by :meth:`open`)."""
         self._batches: Batches | LeasedBatches | None = None  # streaming: Batches
@@ -189,7 +195,7 @@ class WorkerSession:
     def _open(self) -> None:
         env = self.env = self.env.with_ps_addresses(self.env.startup_timeout)
         if self.dynamic and self.stop is not None:
-            self._restore_sigterm = stop_on_sigterm(self.stop)
+            self._restores.append(stop_on_sigterm(self.stop))
         opened = open_worker(
             env=env,
             config=self.config,
@@ -207,12 +213,21 @@ class WorkerSession:
         if self.module is not self.model:
             self.module.register_forward_pre_hook(self._count_forward)
         self._ckpt = checkpointer(env, self.run_dir, self.scheme)
+        if self._ckpt is not None and not env.standalone_run and self._conn.shard_checkpoint:
+            self.stop = self.stop or threading.Event()
+            said = "SIGINT: stopping after this step to save a checkpoint"
+            self._restores.append(
+                stop_on(signal.SIGINT, self.stop, said, self._save_on_stop, once=True)
+            )
         self.watch = DivergenceMonitor(self.name, from_start=self.start_step == 0)
         if self._chief is not None:
             self._chief.start(self.model, from_start=self.start_step == 0)
         self.started = time.monotonic()
         self._ctx.clock.start_loop()
         self.model.train()
+
+    def _save_on_stop(self) -> None:
+        self.saving = True
 
     def _count_forward(self, module: nn.Module, args: Any) -> None:
         self._forwards += 1
@@ -400,6 +415,9 @@ class WorkerSession:
         if self.chief:
             work_status = conn.wait_for_others(self.env, None if ckpt is None else ckpt.root)
         if ckpt is not None:
+            if self.saving:  # every worker saved and left: the servers now, then the manifest
+                extra = {"scheme": self.env.scheme, "steps": self.steps}
+                ckpt.checkpoint_on_stop(ctx.local_step, conn.shard_checkpoint, extra)
             ckpt.close()
         result = TrainResult(
             scheme=self.env.scheme,
@@ -440,9 +458,10 @@ class WorkerSession:
 
     def close(self) -> None:
         """Always, after finish or a failure: signal handler, heartbeat, sockets, files."""
-        if self._restore_sigterm is not None:
-            self._restore_sigterm()
-            self._restore_sigterm = None
+        while self._restores:
+            restore = self._restores.pop()
+            if restore is not None:
+                restore()
         conn, self._conn = self._conn, Connection()  # closed once
         conn.close()
         self.metrics.close()

@@ -229,16 +229,35 @@ def resolve_device(text: str, current: torch.device, rank: int = 0) -> torch.dev
 def stop_on_sigterm(stop: threading.Event) -> Callable[[], None] | None:
     """In the main thread: SIGTERM sets ``stop``; returns what restores the old handler (None
     elsewhere: signals reach the main thread only)."""
+    return stop_on(signal.SIGTERM, stop, "SIGTERM: leaving the run after this step")
+
+
+def stop_on(
+    signum: signal.Signals,
+    stop: threading.Event,
+    said: str,
+    before: Callable[[], None] | None = None,
+    *,
+    once: bool = False,
+) -> Callable[[], None] | None:
+    """In the main thread: ``signum`` logs ``said``, calls ``before`` and sets ``stop``
+    (``once``: the first time; the next is handled as before, e.g. a second Ctrl-C
+    interrupts); returns what restores the old handler (None elsewhere: signals reach the
+    main thread only). SIGINT so is how the launcher asks its workers to stop and save."""
     if threading.current_thread() is not threading.main_thread():
         return None
 
-    def said() -> None:
-        log.info("SIGTERM: leaving the run after this step")
+    def noted() -> None:
+        if once:
+            signal.signal(signum, previous)
+        log.info("%s", said)
+        if before is not None:
+            before()
 
-    previous = signal.signal(signal.SIGTERM, setter(stop, before=said))
+    previous = signal.signal(signum, setter(stop, before=noted))
 
     def restore() -> None:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signum, previous)
 
     return restore
 

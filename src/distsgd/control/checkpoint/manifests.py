@@ -40,13 +40,15 @@ class ManifestWriter:
     skips: it continues where the servers say its pushes stopped), and the manifest is written
     last. A checkpoint still waiting after ``wait`` seconds is given up.
     Only complete checkpoints count for :data:`KEEP`; pending ones never push a complete one out.
+    A checkpoint of the ``newest`` states (a run stopped and saved) takes each worker's newest
+    state, whatever its step: every worker saved its last one before the chief asked for it.
     """
 
     def __init__(self, root: Path, num_workers: int, wait: float = 60.0) -> None:
         self.root = root
         self.num_workers = num_workers
         self.wait = wait
-        self._pending: list[tuple[str, int, Shards, dict[str, Any], float]] = []
+        self._pending: list[tuple[str, int, Shards, dict[str, Any], float, bool]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closing = False
@@ -54,11 +56,21 @@ class ManifestWriter:
         self._thread = threading.Thread(target=self._run, name="manifests", daemon=True)
         self._thread.start()
 
-    def complete(self, name: str, step: int, shards: Shards, extra: dict[str, Any]) -> None:
+    def complete(
+        self,
+        name: str,
+        step: int,
+        shards: Shards,
+        extra: dict[str, Any],
+        *,
+        newest: bool = False,
+    ) -> None:
         """Complete checkpoint ``name`` of ``step`` once every worker's state is there;
-        ``shards``: the shard files saved already, or what saves them (called then)."""
+        ``shards``: the shard files saved already, or what saves them (called then);
+        ``newest``: of each worker's newest state, whatever its step."""
+        give_up = time.monotonic() + self.wait
         with self._lock:
-            self._pending.append((name, step, shards, extra, time.monotonic() + self.wait))
+            self._pending.append((name, step, shards, extra, give_up, newest))
         self._wake.set()
 
     def join(self, timeout: float, *, settled: bool = False) -> None:
@@ -91,8 +103,8 @@ class ManifestWriter:
         with self._lock:
             pending = list(self._pending)
         for item in pending:
-            name, step, shards, extra, give_up = item
-            done = self._try(name, step, shards, extra)
+            name, step, shards, extra, give_up, newest = item
+            done = self._try(name, -1 if newest else step, shards, {"step": step, **extra})
             if done or give_up_all or time.monotonic() > give_up:
                 if not done:
                     log.warning(
@@ -103,6 +115,8 @@ class ManifestWriter:
                 self._prune()
 
     def _try(self, name: str, step: int, shards: Shards, extra: dict[str, Any]) -> bool:
+        """Complete ``name`` if every worker saved a state of ``step`` or later (-1: any);
+        ``extra`` holds the manifest's ``step``."""
         newest: list[Path] = []
         for rank in range(self.num_workers):
             files = worker_files(self.root, rank)
@@ -138,7 +152,6 @@ class ManifestWriter:
         manifest = {
             "format": FORMAT,
             "name": name,
-            "step": step,
             "time": time.time(),
             "shards": [{**s, "file": Path(s["file"]).name} for s in shards],
             "workers": workers,
