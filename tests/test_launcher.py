@@ -118,6 +118,26 @@ def test_sigint_after_a_checkpoint_says_how_to_resume(spawn, tmp_path: Path) -> 
     assert alive(tree) == []
 
 
+def test_a_second_ctrl_c_stops_at_once_and_says_the_periodic_checkpoint_stands(
+    spawn, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """The first Ctrl-C of a parameter-server run asks the workers to stop and save; the chief
+    waits for worker1 (held with SIGSTOP here), and a second Ctrl-C stops at once, in one line
+    that says no new checkpoint was saved."""
+    run_dir = tmp_path / "run"
+    proc, tree, pids = _start_slow_run(spawn, run_dir, "hogwild")
+    os.kill(pids["worker1"], signal.SIGSTOP)  # the launcher's SIGKILL ends it all the same
+    proc.send_signal(signal.SIGINT)
+    said = run_dir / "launcher.log"
+    assert wait_for(lambda: "distsgd: stopping" in said.read_text(), 30), said.read_text()
+    proc.send_signal(signal.SIGINT)
+    out, _ = loadclock.communicate(proc, 60)
+    assert proc.returncode == 130, out[-2000:]
+    assert "stopped at once; the last periodic checkpoint stands (" in out, out[-2000:]
+    assert "saved at step" not in out
+    assert wait_for(lambda: alive(tree) == [], 15), f"left behind: {alive(tree)}"
+
+
 def test_sigkill_of_launcher_takes_tasks_down(spawn, tmp_path: Path) -> None:
     """Even a launcher killed with SIGKILL (no chance to clean up) leaves no task behind."""
     run_dir = tmp_path / "run"
