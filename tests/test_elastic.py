@@ -236,13 +236,14 @@ def test_join_adds_a_worker_in_its_own_process(spawn, tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.xdist_group("ray")
 def test_ray_run_grows_and_shrinks(spawn, tmp_path: Path) -> None:
-    """distsgd scale under --ray: the reserved bundles (up to --max-workers) take the new
-    worker; the one asked to leave hands its work back."""
+    """distsgd scale under --ray, with two parameter servers as Ray actors: the reserved
+    bundles (up to --max-workers) take the new worker; the one asked to leave hands its work
+    back."""
     pytest.importorskip("ray")
     run_dir = tmp_path / "run"
     launcher = spawn(
         [
-            *_demo("hogwild", run_dir, "--workers", "2", "--max-workers", "3"),
+            *_demo("hogwild", run_dir, "--workers", "2", "--max-workers", "3", "--ps", "2"),
             *("--world-size", "dynamic", "--ray"),
         ]
     )
@@ -254,4 +255,5 @@ def test_ray_run_grows_and_shrinks(spawn, tmp_path: Path) -> None:
     assert _accuracy(_finish(launcher)) >= 0.95
     work = json.loads((run_dir / "result.json").read_text())["work"]
     assert work["trained_twice"] == 0 and work["never_trained"] == 0, work
+    assert {"ps0", "ps1"} <= set(task_pids(run_dir)), task_pids(run_dir)
     assert alive(list(task_pids(run_dir).values())) == []

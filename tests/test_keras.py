@@ -376,8 +376,11 @@ def test_worker_environment_keeps_the_users_settings() -> None:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("demo-runs")
-@pytest.mark.parametrize("scheme", ["hogwild", "sync", "allreduce"])
+@pytest.mark.parametrize("scheme", ["hogwild", "allreduce"])
 def test_keras_cnn_trains_under_distsgd_run(scheme: str, tmp_path: Path) -> None:
+    """A Keras model under a parameter-server scheme and under all-reduce (what a Keras model
+    meets differs by that alone: its variables as the servers' pieces, or DDP's buckets; a
+    third scheme cost 16 CPU-seconds of the suite's 12 minutes and added no path)."""
     run_dir = tmp_path / "run"
     ps = "0" if scheme == "allreduce" else "1"
     args = ["run", "--workers", "4", "--ps", ps, "--scheme", scheme, "--quiet"]

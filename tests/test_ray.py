@@ -55,15 +55,13 @@ def _assert_nothing_left(run_dir: Path) -> None:
     assert not scratch.exists()
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [["--scheme", "hogwild", "--ps", "2"], ["--scheme", "allreduce"]],
-    ids=["hogwild-2ps", "allreduce"],
-)
-def test_the_demo_on_ray_survives_a_killed_worker(tmp_path: Path, flags: list[str]) -> None:
-    """Issue 10's commands: 4 workers (and 2 ps) on a local Ray instance reach 0.95 with a
-    worker SIGKILLed mid-run and restarted, and nothing is left afterwards."""
+def test_the_demo_on_ray_survives_a_killed_worker(tmp_path: Path) -> None:
+    """Issue 10's command: 4 workers on a local Ray instance reach 0.95 with a worker SIGKILLed
+    mid-run and every actor restarted, and nothing is left afterwards. (Parameter servers as
+    Ray actors, two of them: tests/test_elastic.py::test_ray_run_grows_and_shrinks; each local
+    Ray instance costs about 50 CPU-seconds of the suite's 12 minutes.)"""
     run_dir = tmp_path / "run"
+    flags = ["--scheme", "allreduce"]
     fault = ["--inject-fault", "kill:worker:1@step=100"]
     args = ["demo", "--ray", "--workers", "4", *flags, *fault, "--quiet", "--run-dir"]
     done = run_distsgd([*args, str(run_dir)], timeout=400)

@@ -91,11 +91,14 @@ SCRIPT = ROOT / "benchmarks" / "unbalanced_script.py"
 def test_a_run_with_rebalance_auto_moves_pieces_and_loses_no_update(tmp_path: Path) -> None:
     """The whole path: the launcher reads the servers' loads, moves ps0's small pieces (the
     round-robin placement gives ps0 about 3x ps1's bytes) and every piece takes 2 x steps
-    updates; no task outlives the run."""
-    steps = 1500
+    updates; no task outlives the run. The workers are paced (20 ms a step, asleep): the run
+    must last past the first decision's 3 s window on any machine, which 1,500 unpaced steps
+    did at 40 CPU-seconds; 300 paced ones last at least 6 s at 16 CPU-seconds."""
+    steps = 300
     run_dir = tmp_path / "run"
     flags = "--scheme hogwild --workers 2 --ps 2 --param-placement round-robin --rebalance auto"
-    args = ["run", *flags.split(), "--steps", str(steps), "--threads", "1"]
+    pace = [f"--inject-fault=delay:worker:{i}=20ms" for i in range(2)]
+    args = ["run", *flags.split(), *pace, "--steps", str(steps), "--threads", "1"]
     args += ["--checkpoint-every", "0", "--quiet", "--run-dir", str(run_dir), str(SCRIPT)]
     done = run_distsgd(args)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
