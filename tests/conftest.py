@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import fork_template
 import loadclock
 import psutil
 import pytest
@@ -132,6 +133,24 @@ LOCKED_GROUPS = ("ray", "hosts")
 """xdist groups whose tests run one at a time across the test processes: "ray" (each asserts
 that no Ray process is left on the machine, so another's local Ray instance fails it) and
 "hosts" (a run on emulated hosts gives the launcher 198.18.0.253: one such run at a time)."""
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fork_server_template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Runs' fork servers forked from one template per test process (:mod:`fork_template`)."""
+    if not fork_template.wanted():
+        yield
+        return
+    with fork_template.running(tmp_path_factory.mktemp("fork-template")):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _own_fork_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests marked ``own_fork_server`` run as a user's run would, each launcher starting its
+    own fork server (those that judge the launcher's own process tree)."""
+    if request.node.get_closest_marker("own_fork_server"):
+        monkeypatch.delenv(fork_template.TEMPLATE_ENV, raising=False)
 
 
 @pytest.fixture(autouse=True)

@@ -135,6 +135,7 @@ def test_group_keys_under_the_run_id_and_gloo_on_loopback(one_rank_group) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.own_fork_server  # it finds the workers' sockets in the launcher's tree
 @pytest.mark.parametrize("scheme", ["allreduce"])
 def test_collective_run_listens_on_loopback_only(spawn, tmp_path: Path, scheme: str) -> None:  # type: ignore[no-untyped-def]
     """Every LISTEN socket of the launcher and its workers, sampled through a whole run."""

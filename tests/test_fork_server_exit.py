@@ -20,7 +20,10 @@ import atexit, time
 atexit.register(time.sleep, 3600)  # an interpreter exit that would never end
 """
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only"),
+    pytest.mark.own_fork_server,
+]
 
 
 def test_a_closed_fork_server_exits_without_finalizing(

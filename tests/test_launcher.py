@@ -15,7 +15,7 @@ from conftest import SCRIPTS, alive, metrics, run_distsgd, task_pids, wait_for
 
 from distsgd.launcher.lifeline import PARENT_ENV
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_fork_server]  # they judge the launcher's tree
 BLOBS = str(SCRIPTS / "blobs.py")
 
 

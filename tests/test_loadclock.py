@@ -69,7 +69,7 @@ def test_communicate_kills_a_process_past_its_wait() -> None:
 
 def _pytest_in(tmp_path: Path, test: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """pytest with this suite's conftest.py, a 1-second per-test timeout, on one test file."""
-    for name in ("conftest.py", "loadclock.py"):
+    for name in ("conftest.py", "loadclock.py", "fork_template.py"):
         (tmp_path / name).write_text((HERE / name).read_text())
     (tmp_path / "test_one.py").write_text(test)
     pytest_args = ["-n", "0", "-q", "-p", "no:cacheprovider", "--timeout", "1"]
@@ -79,7 +79,7 @@ def _pytest_in(tmp_path: Path, test: str, env: dict[str, str]) -> subprocess.Com
         text=True,
         timeout=60,
         cwd=tmp_path,
-        env={**os.environ, **env},
+        env={**os.environ, "DISTSGD_TEST_TEMPLATE": "0", **env},
     )
 
 

@@ -32,6 +32,7 @@ def test_run_over_mutual_tls(tmp_path: Path) -> None:
     assert "mutual TLS" in (run_dir / "logs" / "ps0.log").read_text()
 
 
+@pytest.mark.own_fork_server  # every process of the run, in the launcher's tree
 def test_secret_is_0600_and_never_on_a_command_line(spawn, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = spawn(

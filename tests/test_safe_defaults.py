@@ -121,6 +121,7 @@ def test_nonfinite_loss_stops_the_run_without_restarts(tmp_path: Path) -> None:
 
 
 @pytest.mark.xdist_group("demo-runs")
+@pytest.mark.own_fork_server  # every process of the run, in the launcher's tree
 def test_sigint_leaves_no_process_after_3_seconds(spawn, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = spawn(["demo", "--scheme", "sync", "--quiet", "--run-dir", str(run_dir)])
@@ -141,7 +142,8 @@ def test_ps_killed_after_the_chief_finished(spawn, tmp_path: Path) -> None:
     push. The restored server must learn who had finished (no hang until a timeout), and it
     restores from a checkpoint taken after the chief finished, losing at most one interval."""
     run_dir = tmp_path / "run"
-    args = ["demo", "--scheme", "agn", "--workers", "4", "--checkpoint-every", "20", "--quiet"]
+    args = ["demo", "--scheme", "agn", "--workers", "4", "--epochs", "12", "--quiet"]
+    args += ["--checkpoint-every", "20"]
     for i in (1, 2, 3):
         args += ["--inject-fault", f"delay:worker:{i}=40ms"]
     started = time.monotonic()

@@ -9,6 +9,7 @@ import collections
 import contextlib
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from typing import IO
 
 from distsgd.control.task import ENV_VAR as TASK_ENV
 from distsgd.launcher.lifeline import PARENT_ENV
+from distsgd.launcher.template import TEMPLATE_ENV, ask
 from distsgd.launcher.zygote import (
     FORKABLE,
     MAX_MESSAGE,
@@ -31,6 +33,7 @@ from distsgd.launcher.zygote import (
     ProtocolError,
     Report,
     encode,
+    launcher_watch,
     parse_report,
 )
 from distsgd.transport.security import SECRET_ENV
@@ -67,7 +70,7 @@ def forkable(argv: Sequence[str]) -> tuple[str, list[str]] | None:
 class ForkServer:
     """One fork server, started by :meth:`spawn`; safe to use from several threads."""
 
-    def __init__(self, process: subprocess.Popen[bytes], sock: socket.socket) -> None:
+    def __init__(self, process: subprocess.Popen[bytes] | Adopted, sock: socket.socket) -> None:
         self.process = process
         self._sock = sock
         self._cond = threading.Condition()
@@ -94,6 +97,15 @@ class ForkServer:
         server_env[PRELOAD_ENV] = PRELOAD_OPTIMIZER if preload_optimizer else PRELOAD_TORCH
         server_env[TITLE_ENV] = task_title("fork-server", log_path.parent.name)
         with theirs, os.fdopen(open_private(log_path, os.O_WRONLY | os.O_APPEND), "ab") as out:
+            path = env.get(TEMPLATE_ENV)
+            if path:  # one forked, its imports done, from a template (if it answers)
+                try:
+                    title = server_env[TITLE_ENV]
+                    pid = ask(path, os.getpid(), title, theirs.fileno(), out.fileno())
+                    log.debug("fork server pid %d forked from the template at %s", pid, path)
+                    return cls(Adopted(pid), ours)
+                except OSError as exc:
+                    log.debug("fork-server template at %s: %s; starting a server", path, exc)
             process = subprocess.Popen(
                 [sys.executable, "-m", "distsgd.launcher.zygote", str(theirs.fileno())],
                 env=server_env,
@@ -236,6 +248,31 @@ class ForkServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+class Adopted:
+    """A fork server forked from a template (:mod:`distsgd.launcher.template`): not this
+    process's child, so its end is watched through a pidfd (its exit code is the template's
+    to collect; it reports its tasks' own)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._watch = launcher_watch(pid)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """0 once the server has ended; :class:`subprocess.TimeoutExpired` after ``timeout``."""
+        if self.poll(timeout) is None:
+            raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0.0)
+        return 0
+
+    def poll(self, timeout: float | None = 0.0) -> int | None:
+        """0 once the server has ended, else None (waiting up to ``timeout`` seconds)."""
+        if self._watch is not None:
+            if not select.select([self._watch], [], [], timeout)[0]:
+                return None
+            os.close(self._watch)
+            self._watch = None
+        return 0
 
 
 @dataclass

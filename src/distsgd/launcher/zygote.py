@@ -99,7 +99,7 @@ def encode(message: Mapping[str, Any]) -> bytes:
     return (json.dumps(message, separators=(",", ":")) + "\n").encode()
 
 
-def _load(data: bytes) -> dict[str, Any]:
+def load_message(data: bytes) -> dict[str, Any]:
     try:
         message = json.loads(data.decode())
     except (UnicodeDecodeError, ValueError) as exc:
@@ -109,14 +109,14 @@ def _load(data: bytes) -> dict[str, Any]:
     return message
 
 
-def _int(message: Mapping[str, Any], key: str, *, low: int = 0) -> int:
+def int_field(message: Mapping[str, Any], key: str, *, low: int = 0) -> int:
     value = message.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ProtocolError(f"{key!r} must be an integer >= {low}, got {value!r}")
     return value
 
 
-def _text(value: Any, what: str) -> str:
+def text_field(value: Any, what: str) -> str:
     if not isinstance(value, str) or "\0" in value:
         raise ProtocolError(f"{what} must be a string without NUL, got {value!r:.80}")
     return value
@@ -124,12 +124,12 @@ def _text(value: Any, what: str) -> str:
 
 def parse_request(data: bytes, fds: Sequence[int]) -> ForkRequest:
     """The request in ``data`` with the descriptors ``fds`` received with it."""
-    message = _load(data)
+    message = load_message(data)
     if set(message) != REQUEST_KEYS:
         raise ProtocolError(f"a request has the keys {sorted(REQUEST_KEYS)}, got {sorted(message)}")
     if message["op"] != "fork":
         raise ProtocolError(f"unknown op {message['op']!r}")
-    module = _text(message["module"], "module")
+    module = text_field(message["module"], "module")
     if module not in FORKABLE:
         raise ProtocolError(f"module {module!r} is not one this server runs")
     args = message["args"]
@@ -141,17 +141,17 @@ def parse_request(data: bytes, fds: Sequence[int]) -> ForkRequest:
     for key, value in env.items():
         if not key or "=" in key:
             raise ProtocolError(f"environment name {key!r} is empty or holds '='")
-        _text(key, "an environment name")
-        _text(value, f"environment variable {key}")
-    cwd = _text(message["cwd"], "cwd")
+        text_field(key, "an environment name")
+        text_field(value, f"environment variable {key}")
+    cwd = text_field(message["cwd"], "cwd")
     if not os.path.isabs(cwd):
         raise ProtocolError(f"cwd must be an absolute path, got {cwd!r}")
     if len(fds) != 1:
         raise ProtocolError(f"a request carries one descriptor, got {len(fds)}")
     return ForkRequest(
-        id=_int(message, "id"),
+        id=int_field(message, "id"),
         module=module,
-        args=tuple(_text(a, "each argument") for a in args),
+        args=tuple(text_field(a, "each argument") for a in args),
         env=dict(env),
         cwd=cwd,
         out_fd=fds[0],
@@ -160,26 +160,27 @@ def parse_request(data: bytes, fds: Sequence[int]) -> ForkRequest:
 
 def parse_report(data: bytes) -> Report:
     """The server's message in ``data``."""
-    message = _load(data)
+    message = load_message(data)
     keys = set(message)
     if keys == {"ready", "pid"} and message["ready"] is True:
-        return Report(ready=True, pid=_int(message, "pid", low=1))
+        return Report(ready=True, pid=int_field(message, "pid", low=1))
     if keys == {"id", "pid"}:
-        return Report(id=_int(message, "id"), pid=_int(message, "pid", low=1))
+        return Report(id=int_field(message, "id"), pid=int_field(message, "pid", low=1))
     if keys == {"id", "error"}:
-        return Report(id=_int(message, "id"), error=_text(message["error"], "error") or "?")
+        error = text_field(message["error"], "error") or "?"
+        return Report(id=int_field(message, "id"), error=error)
     if keys == {"pid", "exit"}:
         code = message["exit"]
         if not isinstance(code, int) or isinstance(code, bool) or not -128 < code < 256:
             raise ProtocolError(f"'exit' must be an exit code or minus a signal, got {code!r}")
-        return Report(pid=_int(message, "pid", low=1), exit=code)
+        return Report(pid=int_field(message, "pid", low=1), exit=code)
     raise ProtocolError(f"unknown report with the keys {sorted(keys)}")
 
 
 def _request_id(data: bytes) -> int:
     """The id of a refused request, where it has a valid one (else 0, which no request uses)."""
     with contextlib.suppress(ProtocolError):
-        return _int(_load(data), "id")
+        return int_field(load_message(data), "id")
     return 0
 
 
@@ -215,17 +216,22 @@ def serve(sock: socket.socket, launcher: int) -> ForkRequest | None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes select via wake_w
     children: set[int] = set()
+    watch = launcher_watch(launcher)  # a server forked from a template is not its child
+    private = (wake_r, wake_w) if watch is None else (wake_r, wake_w, watch)
+    waits = [sock.fileno(), wake_r] if watch is None else [sock.fileno(), wake_r, watch]
     _send(sock, {"ready": True, "pid": os.getpid()})
     try:
-        while os.getppid() == launcher:
-            readable, _, _ = select.select([sock.fileno(), wake_r], [], [], 1.0)
+        while watch is not None or os.getppid() == launcher:
+            readable, _, _ = select.select(waits, [], [], 1.0)
+            if watch is not None and watch in readable:
+                break  # the launcher has ended
             if wake_r in readable:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
             _reap(sock, children)
             if sock.fileno() not in readable:
                 continue
-            outcome = _handle(sock, children, (wake_r, wake_w))
+            outcome = _handle(sock, children, private)
             if isinstance(outcome, ForkRequest):  # the forked task: not the server's children
                 children.clear()
                 return outcome
@@ -236,6 +242,15 @@ def serve(sock: socket.socket, launcher: int) -> ForkRequest | None:
     finally:
         _end(children)
     return None
+
+
+def launcher_watch(launcher: int) -> int | None:
+    """A descriptor that becomes readable when process ``launcher`` ends (a Linux pidfd, which
+    works for a process that is not this one's parent), or None where there is none."""
+    try:
+        return os.pidfd_open(launcher)
+    except (AttributeError, OSError):  # not Linux 5.3+, or the launcher is gone already
+        return None
 
 
 def _send(sock: socket.socket, message: Mapping[str, Any]) -> None:
@@ -414,10 +429,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if request is not None:  # a forked task
         run_task(request)
         return 0
-    _exit_now()
+    exit_now()
 
 
-def _exit_now() -> NoReturn:
+def exit_now() -> NoReturn:
     """End the server at once, its output flushed. It holds nothing to save, and the
     interpreter's own finalization (tearing down torch's modules) took over half a second of
     CPU: under load, longer than the launcher waits before it kills a server that hangs."""
