@@ -11,14 +11,13 @@ there.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
 import sys
 import threading
 
+from distsgd.util.libc import libc
 from distsgd.util.proctitle import set_title_from_env
 
 log = logging.getLogger(__name__)
@@ -32,11 +31,8 @@ PR_SET_PDEATHSIG = 1
 def set_death_signal() -> None:
     """Linux: SIGTERM to this process when its parent ends (elsewhere: nothing)."""
     if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except OSError:  # pragma: no cover - exotic libc
-            pass
+        with contextlib.suppress(OSError):  # an exotic libc
+            libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _alive(pid: int) -> bool:

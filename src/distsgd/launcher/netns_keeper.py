@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import functools
 import logging
@@ -20,6 +19,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from distsgd.util.libc import libc
 
 __all__ = [
     "KEEPER_NAME",
@@ -57,7 +58,7 @@ class NetnsError(RuntimeError):
 def _libc() -> ctypes.CDLL:
     """libc, loaded in the parent: a child forked from a process with threads must not load
     a library (the loader's lock may be held by a thread that is not in the child)."""
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return libc()
 
 
 @dataclass(frozen=True, kw_only=True)

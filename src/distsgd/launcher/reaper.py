@@ -18,6 +18,7 @@ import threading
 import time
 
 from distsgd.launcher.lifeline import PARENT_ENV, PR_SET_PDEATHSIG
+from distsgd.util.libc import libc
 from distsgd.util.signals import setter
 
 
@@ -61,12 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, setter(woken))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     if sys.platform.startswith("linux"):
-        import ctypes
-        import ctypes.util
-
         with contextlib.suppress(OSError):
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     while group_alive(pgid):
         if woken.wait(0.5) or os.getppid() != parent:
             end_group(pgid)

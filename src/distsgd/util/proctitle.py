@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
 from collections.abc import Mapping
+
+from distsgd.util.libc import libc
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,7 @@ def set_title(title: str) -> None:
     if not sys.platform.startswith("linux") or not title:
         return
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_NAME, ctypes.c_char_p(short_name(title).encode()), 0, 0, 0)
+        libc().prctl(PR_SET_NAME, ctypes.c_char_p(short_name(title).encode()), 0, 0, 0)
     except OSError as exc:  # pragma: no cover - exotic libc
         log.debug("no short process name: %s", exc)
     with contextlib.suppress(OSError, ValueError, IndexError):
