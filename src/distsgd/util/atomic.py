@@ -7,9 +7,12 @@ the temporary file an atomic write renames, which ``mkstemp`` makes 0600).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 PRIVATE_DIR_MODE = 0o700
 """Mode of every folder distsgd creates (its user only)."""
@@ -43,12 +46,18 @@ def open_private(path: Path, flags: int) -> int:
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to a temporary file beside ``path`` (0600), fsync it, then rename over
     ``path``; missing folders are made 0700."""
+    write_stream_atomic(path, lambda f: f.write(data))
+
+
+def write_stream_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """:func:`write_bytes_atomic` of what ``write`` writes into the (seekable) file it is
+    given: a large file is never whole in memory."""
     path = Path(path)
     private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -65,3 +74,13 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 def write_atomic(path: Path, text: str) -> None:
     """Text version of :func:`write_bytes_atomic`."""
     write_bytes_atomic(path, text.encode())
+
+
+def file_digest(path: Path) -> tuple[str, int]:
+    """(SHA-256 in hex, size in bytes) of a file, read in 1 MiB blocks."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+            size += len(block)
+    return digest.hexdigest(), size
