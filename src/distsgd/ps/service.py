@@ -16,7 +16,6 @@ bytes, into that same ``scratch`` under the entry's lock, and checked and applie
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import secrets
@@ -60,7 +59,7 @@ from distsgd.transport.errors import (
 )
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
-from distsgd.util import write_bytes_atomic
+from distsgd.util import file_digest, write_stream_atomic
 
 log = logging.getLogger(__name__)
 
@@ -563,10 +562,11 @@ class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
                 f"bad checkpoint name {request.name[:80]!r}; use letters, digits, '.', '_' and '-'",
             )
         with nullcontext() if shard.rule.locked else shard.gate.exclusive():
-            version, data = shard.to_bytes()  # no push half-applied (its sequence recorded)
+            version, arrays, header = shard.state_copy()  # no push half-applied
         path = self.checkpoint_dir / request.name / shard_file_name(self.shard_index)
-        try:
-            write_bytes_atomic(path, data)
+        try:  # written as it is packed: the shard is never whole in memory a second time
+            write_stream_atomic(path, lambda f: Shard.pack_into(f, arrays, header))
+            digest, size = file_digest(path)
         except OSError as exc:
             log.error("shard %d: cannot write checkpoint %s: %s", self.shard_index, path, exc)
             abort(
@@ -575,10 +575,7 @@ class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
                 f"ps{self.shard_index} cannot write {path} ({exc.strerror}); "
                 "check the checkpoint directory's space and permissions",
             )
-        digest = hashlib.sha256(data).hexdigest()
-        return pb.CheckpointResponse(
-            version=version, file=str(path), sha256=digest, bytes=len(data)
-        )
+        return pb.CheckpointResponse(version=version, file=str(path), sha256=digest, bytes=size)
 
     @guarded
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:

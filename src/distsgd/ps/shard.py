@@ -1,10 +1,8 @@
 """One parameter-server shard: its pieces, a version counter, membership, and its update rule.
 
-A shard serialises to one ``.npz`` file (:meth:`Shard.to_bytes` / :meth:`Shard.from_bytes`):
-every piece, the rule's state, and a JSON header with the version, membership and counters.
-This module is the one owner of that file's layout: :func:`read_shard_header` reads the header
-alone (a :class:`ShardHeader`), :func:`read_shard_arrays` describes the arrays.
-"""
+A shard serialises to one ``.npz`` file (:meth:`Shard.pack_into`, :meth:`Shard.from_bytes`):
+every piece, the rule's state, a JSON header with the version, membership and counters. This
+module owns that layout: :func:`read_shard_header` reads the header (a :class:`ShardHeader`)."""
 
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -442,10 +440,14 @@ class Shard:
     @staticmethod
     def pack(arrays: dict[str, np.ndarray], header: dict[str, Any]) -> bytes:
         """The ``.npz`` of a :meth:`state_copy` (outside the lock)."""
-        arrays = {**arrays, "header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)}
-        buf = io.BytesIO()
-        np.savez(buf, **arrays)  # type: ignore[arg-type]
+        Shard.pack_into(buf := io.BytesIO(), arrays, header)
         return buf.getvalue()
+
+    @staticmethod
+    def pack_into(f: BinaryIO, arrays: dict[str, np.ndarray], header: dict[str, Any]) -> None:
+        """:meth:`pack` into the file ``f`` (how a server writes snapshots: never twice whole)."""
+        arrays = {**arrays, "header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)}
+        np.savez(f, **arrays)  # type: ignore[arg-type]
 
     @classmethod
     def from_bytes(

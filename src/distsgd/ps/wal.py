@@ -61,7 +61,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -136,6 +136,14 @@ def compact_bound(shard_bytes: int) -> int:
     return max(MIN_COMPACT_BYTES, COMPACT_FACTOR * shard_bytes)
 
 
+def _packer(arrays: dict[str, np.ndarray], header: dict[str, Any]) -> Callable[[BinaryIO], None]:
+    """What writes a shard's :meth:`~distsgd.ps.shard.Shard.state_copy` into a snapshot file
+    (the ``.npz`` of :meth:`~distsgd.ps.shard.Shard.pack`, never whole in memory)."""
+    from distsgd.ps.shard import Shard  # the shard imports this module
+
+    return lambda f: Shard.pack_into(f, arrays, header)
+
+
 def _members_body(shard: Shard, hook: bool) -> bytes:
     """Under the shard's lock: its membership as a MEMBERS body."""
     m = shard.membership
@@ -197,8 +205,8 @@ class WriteAheadLog:
         folder = Path(folder)
         make_private_dir(folder)
         fresh = not has_state(folder)
-        _, data = shard.to_bytes()
-        _write_snapshot(folder / f"snapshot-{generation:08d}.npz", data)
+        _, arrays, header = shard.state_copy()
+        _write_snapshot(folder / f"snapshot-{generation:08d}.npz", _packer(arrays, header))
         nbytes = sum(v.nbytes for v in shard.values.values())
         fd = _open_log(folder, generation, truncate=fresh)
         if fresh:
@@ -302,7 +310,7 @@ class WriteAheadLog:
                 members = [_members_body(shard, False)]
                 try:
                     self.write_snapshot(
-                        self.folder / f"snapshot-{generation:08d}.npz", shard.pack(arrays, header)
+                        self.folder / f"snapshot-{generation:08d}.npz", _packer(arrays, header)
                     )
                     fd = _open_log(self.folder, generation)
                 except OSError as exc:
@@ -432,9 +440,10 @@ class WriteAheadLog:
                     return
                 self._write(Kind.MEMBERS, version, [members])
             os.close(old)
-            data = shard.pack(arrays, header)
             try:
-                self.write_snapshot(self.folder / f"snapshot-{generation:08d}.npz", data)
+                self.write_snapshot(
+                    self.folder / f"snapshot-{generation:08d}.npz", _packer(arrays, header)
+                )
             except OSError as exc:  # the older snapshot and both logs still hold the state
                 with self._lock:
                     self.outage.began(exc)
@@ -445,7 +454,7 @@ class WriteAheadLog:
                 shard.index,
                 generation,
                 version,
-                len(data),
+                (self.folder / f"snapshot-{generation:08d}.npz").stat().st_size,
             )
         finally:
             self._compacting.release()

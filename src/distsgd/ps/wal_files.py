@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 SLOTS = 2
 """Log files a folder cycles through (generation G writes ``log-{G % SLOTS}.wal``)."""
@@ -69,14 +71,19 @@ def pwrite_all(fd: int, parts: list[memoryview], offset: int) -> None:
             views[0] = views[0][written:]
 
 
-def write_snapshot(path: Path, data: bytes) -> None:
-    """Write ``data`` to a private temporary file beside ``path`` and rename it over ``path``:
-    atomic, and not fsynced (the log covers a killed process, whose writes the page cache
-    keeps; a flush per generation cost more than the log's writes on this machine)."""
+def write_snapshot(path: Path, data: bytes | Callable[[BinaryIO], object]) -> None:
+    """Write ``data`` (bytes, or a function that writes into the file it is given: a
+    snapshot is never whole in memory twice) to a private temporary file beside ``path`` and
+    rename it over ``path``: atomic, and not fsynced (the log covers a killed process, whose
+    writes the page cache keeps; a flush per generation cost more than the log's writes on
+    this machine)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
