@@ -16,7 +16,6 @@ holding Python objects is refused when read (:class:`UnsafeFileError`, naming th
 from __future__ import annotations
 
 import errno
-import io
 import logging
 import pickle
 import time
@@ -32,7 +31,7 @@ import torch
 from distsgd.control.checkpoint.errors import CheckpointError, first_line, refuse_code
 from distsgd.control.checkpoint.manifests import ManifestWriter
 from distsgd.control.checkpoint.store import prune_worker_files, worker_file, write_sidecar
-from distsgd.util import private_dir, write_bytes_atomic
+from distsgd.util import private_dir, write_stream_atomic
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +189,9 @@ def save_worker_state(path: Path, state: Mapping[str, Any]) -> None:
         key: value if key == "model" else _walk(value, key, lambda t: t, _encode_array)
         for key, value in full.items()
     }
-    buf = io.BytesIO()
-    torch.save(encoded, buf)
-    data = buf.getvalue()
-    write_bytes_atomic(path, data)
-    write_sidecar(path, data)
+    # written into the file as it is made (a state is never whole in memory a second time)
+    write_stream_atomic(path, lambda f: torch.save(encoded, f))
+    write_sidecar(path)
 
 
 def _unsafe_globals(path: Path) -> list[str]:

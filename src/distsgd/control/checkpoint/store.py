@@ -44,7 +44,7 @@ from distsgd.ps.shard import (
     shard_file_intact,
     shard_file_name,
 )
-from distsgd.util import write_atomic
+from distsgd.util import file_digest, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +101,14 @@ def sidecar(path: Path) -> Path:
     return path.with_suffix(".json")
 
 
-def write_sidecar(path: Path, data: bytes) -> None:
-    """Record the state file ``path`` just written with ``data``."""
-    digest = hashlib.sha256(data).hexdigest()
-    write_atomic(sidecar(path), json.dumps({"bytes": len(data), "sha256": digest}) + "\n")
+def write_sidecar(path: Path, data: bytes | None = None) -> None:
+    """Record the state file ``path`` just written with ``data`` (None: read it back, in
+    blocks, for a file written as it was made)."""
+    if data is None:
+        digest, size = file_digest(path)
+    else:
+        digest, size = hashlib.sha256(data).hexdigest(), len(data)
+    write_atomic(sidecar(path), json.dumps({"bytes": size, "sha256": digest}) + "\n")
 
 
 def _zip_intact(path: Path) -> bool:
@@ -134,7 +138,7 @@ def check_worker_file(path: Path) -> None:
     if not _zip_intact(path):
         raise CheckpointError(f"{path}: damaged (a zip checksum fails)")
     try:
-        write_sidecar(path, path.read_bytes())
+        write_sidecar(path)
     except OSError as exc:  # a read-only copy of a run folder: derived again next time
         log.debug("no sidecar for %s: %s", path, exc)
 
