@@ -366,7 +366,14 @@ class AsyncDilocoWorker(WorkerScheme):
         names = self.parts[part]
         some = names if len(self.parts) > 1 else None  # None: the whole model
         now = ctx.views()
-        pseudo = {k: np.subtract(self.round_start[k], now[k]) for k in names}
+        # Without overlap the pseudo-gradient is written straight into the servers' push areas
+        # where there are some (shared memory): the push copies nothing, and no whole-model
+        # temporary is made. (A push running in the background must not see them change.)
+        out = None if self.options.overlap else ctx.push_buffers()
+        pseudo = {
+            k: np.subtract(self.round_start[k], now[k], out=None if out is None else out[k])
+            for k in names
+        }
         steps = self.pending[part]
         if self.options.overlap:
             self._land(ctx, part, keep_progress=True)
