@@ -16,7 +16,9 @@ from distsgd.control.checkpoint.store import (
     FORMAT,
     KEEP,
     MANIFEST,
+    checkpoint_bytes,
     checkpoint_dirs,
+    keep_count,
     sha256_file,
     worker_files,
     worker_state_step,
@@ -39,7 +41,8 @@ class ManifestWriter:
     shards hold every push those states counted, and maybe later ones, which a resumed worker
     skips: it continues where the servers say its pushes stopped), and the manifest is written
     last. A checkpoint still waiting after ``wait`` seconds is given up.
-    Only complete checkpoints count for :data:`KEEP`; pending ones never push a complete one out.
+    Only complete checkpoints count for :func:`keep_count`; pending ones never push a complete
+    one out.
     A checkpoint of the ``newest`` states (a run stopped and saved) takes each worker's newest
     state, whatever its step: every worker saved its last one before the chief asked for it.
     """
@@ -162,14 +165,16 @@ class ManifestWriter:
         return True
 
     def _prune(self) -> None:
-        """Keep the newest KEEP complete checkpoints and whatever is newer than them."""
+        """Keep the newest complete checkpoints (:func:`keep_count` of the newest one's size)
+        and whatever is newer than them."""
         with self._lock:
             waiting = {name for name, *_ in self._pending}
         folders = checkpoint_dirs(self.root)
         complete = [f for f in folders if (f / MANIFEST).exists()]
-        if len(complete) <= KEEP:
+        keep = keep_count(checkpoint_bytes(complete[-1])) if complete else KEEP
+        if len(complete) <= keep:
             return
-        oldest_kept = complete[-KEEP]
+        oldest_kept = complete[-keep]
         for folder in folders:
             if folder < oldest_kept and folder.name not in waiting:
                 shutil.rmtree(folder, ignore_errors=True)

@@ -53,7 +53,30 @@ SHARDS_PREFIX = "shards-"
 """Folders of server-only checkpoints (``shards-<version>/ps<j>.npz``, no manifest) that the
 chief takes while it waits for the other workers to finish."""
 KEEP = 3
-"""Complete checkpoints kept, and saved states kept per worker."""
+"""Complete checkpoints kept (of a size under :data:`LARGE_CHECKPOINT`), and saved states
+kept per worker."""
+LARGE_CHECKPOINT = 256 * 2**20
+"""Bytes (every worker state and shard file of one checkpoint) from which only two complete
+checkpoints are kept: with the next one being written, a run folder then holds about three
+checkpoints' bytes, not four, and a crash while one is written still leaves the newest
+complete one and the one before it."""
+
+
+def keep_count(checkpoint_bytes: int) -> int:
+    """How many complete checkpoints to keep when the newest holds ``checkpoint_bytes``."""
+    return 2 if checkpoint_bytes >= LARGE_CHECKPOINT else KEEP
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    """The bytes a complete checkpoint's manifest names (its shards and worker states); 0 for
+    a manifest that cannot be read."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        return sum(int(e["bytes"]) for e in [*manifest["shards"], *manifest["workers"]])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 FORMAT = 1
 """The manifest's format."""
 

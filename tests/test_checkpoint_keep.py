@@ -1,0 +1,54 @@
+"""How many complete checkpoints a run keeps follows their size (control.checkpoint): 3 small
+ones, 2 from LARGE_CHECKPOINT bytes on; pending ones and newer ones are never pruned."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from distsgd.control.checkpoint.manifests import ManifestWriter
+from distsgd.control.checkpoint.store import (
+    KEEP,
+    LARGE_CHECKPOINT,
+    MANIFEST,
+    checkpoint_bytes,
+    keep_count,
+)
+
+
+def test_large_checkpoints_are_kept_twice_small_ones_three_times() -> None:
+    assert keep_count(0) == keep_count(LARGE_CHECKPOINT - 1) == KEEP == 3
+    assert keep_count(LARGE_CHECKPOINT) == keep_count(10 * LARGE_CHECKPOINT) == 2
+
+
+def _checkpoint(root: Path, step: int, shard_bytes: int, worker_bytes: int) -> Path:
+    folder = root / f"ckpt-{step:08d}"
+    folder.mkdir(parents=True)
+    manifest = {
+        "shards": [{"file": "ps0.npz", "bytes": shard_bytes}],
+        "workers": [{"file": "worker0.pt", "bytes": worker_bytes}] * 2,
+    }
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return folder
+
+
+def _pruned(tmp_path: Path, each: int) -> list[str]:
+    root = tmp_path / "checkpoints"
+    for step in (10, 20, 30, 40):
+        _checkpoint(root, step, each // 2, each // 4)
+    (root / "ckpt-00000050").mkdir()  # being written: no manifest yet
+    writer = ManifestWriter(root, num_workers=2, wait=1.0)
+    try:
+        writer._prune()
+    finally:
+        writer.join(1.0, settled=True)
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_the_manifest_writer_keeps_by_the_newest_checkpoints_size(tmp_path: Path) -> None:
+    assert checkpoint_bytes(_checkpoint(tmp_path / "one", 1, 100, 30)) == 160
+    assert checkpoint_bytes(tmp_path / "none") == 0
+    small = _pruned(tmp_path / "small", 1000)
+    assert small == ["ckpt-00000020", "ckpt-00000030", "ckpt-00000040", "ckpt-00000050"]
+    large = _pruned(tmp_path / "large", LARGE_CHECKPOINT)
+    assert large == ["ckpt-00000030", "ckpt-00000040", "ckpt-00000050"]
