@@ -23,7 +23,13 @@ from torch import nn
 
 import distsgd
 from distsgd import schemes
-from distsgd.control.config import LR_RULES, LrScaling, TrainConfig, lr_multiplier
+from distsgd.control.config import (
+    LR_RULES,
+    LrScaling,
+    TrainConfig,
+    lr_multiplier,
+    momentum_after_asynchrony,
+)
 from distsgd.control.task import TaskEnv
 from distsgd.runtime.session import WorkerSession
 
@@ -87,6 +93,8 @@ def test_auto_takes_the_schemes_rule_and_a_chosen_rule_overrides_it() -> None:
         "factor": 4.0,
         "effective_lr": pytest.approx(0.4),
         "by_default": False,
+        "momentum": 0.0,
+        "effective_momentum": 0.0,
     }
 
 
@@ -142,6 +150,31 @@ def test_the_session_applies_the_schemes_rule_and_keeps_the_given_config() -> No
     assert _session("hogwild", 4, given).config.lr == pytest.approx(0.05)
     assert _session("hogwild", 4, given.replace(lr_rule="none")).config.lr == 0.1
     assert _session("sync", 1, given).config.lr == 0.1  # alone: as given, whatever the rule
+
+
+def test_hogwild_lowers_its_momentum_by_asynchronys_own_under_its_default_rule() -> None:
+    """Asynchrony begets momentum (Mitliagkas et al. 2016): on N Hogwild workers the servers'
+    momentum is the given one less 1 - 1/N, under the scheme's default rule only; schemes that
+    do not apply stale gradients, one worker and a chosen rule keep it as given."""
+    assert momentum_after_asynchrony(0.9, 1) == 0.9
+    assert momentum_after_asynchrony(0.9, 2) == pytest.approx(0.4)
+    assert momentum_after_asynchrony(0.9, 4) == pytest.approx(0.15)
+    assert momentum_after_asynchrony(0.9, 10) == 0.0 and momentum_after_asynchrony(0.0, 4) == 0
+    with pytest.raises(ValueError, match="at least 1"):
+        momentum_after_asynchrony(0.9, 0)
+    given = TrainConfig(lr=0.1, momentum=0.9)
+    hogwild = _session("hogwild", 4, given)
+    assert hogwild.config.momentum == pytest.approx(0.15) and hogwild.given_config is given
+    assert hogwild.scheme.server_options(hogwild.config)["momentum"] == pytest.approx(0.15)
+    scaling = hogwild.lr_scaling.to_dict()
+    assert (scaling["momentum"], scaling["effective_momentum"]) == (0.9, pytest.approx(0.15))
+    assert "momentum 0.9 - 0.75 (asynchrony's own on 4 workers) = 0.15" in (
+        hogwild.lr_scaling.describe()
+    )
+    assert _session("hogwild", 4, given.replace(lr_rule="inverse-sqrt")).config.momentum == 0.9
+    assert _session("hogwild", 1, given).config.momentum == 0.9
+    assert _session("sync", 4, given).config.momentum == 0.9
+    assert "momentum" not in _session("sync", 4, given).lr_scaling.describe()
 
 
 def test_a_script_run_alone_records_its_rate_unchanged(tmp_path: Path) -> None:

@@ -65,6 +65,21 @@ def lr_multiplier(rule: str, workers: int) -> float:
     raise ValueError(f"lr_rule must be one of {', '.join(LR_RULES[1:])}, got {rule!r}")
 
 
+def momentum_after_asynchrony(momentum: float, workers: int) -> float:
+    """The momentum to apply on ``workers`` asynchronous workers for ``momentum`` tuned alone.
+
+    Asynchrony begets momentum (Mitliagkas, Zhang, Hadjis and Re, "Asynchrony begets Momentum,
+    with an Application to Deep Learning", Allerton 2016, arXiv:1605.09774): N workers that
+    apply gradients of parameters about N - 1 updates old behave, in expectation, like SGD with
+    an implicit momentum of 1 - 1/N on top of the explicit one. Lowering the explicit momentum
+    by it keeps the total near the tuned value: ``max(0, momentum - (1 - 1/N))`` (0.9 becomes
+    0.4 on 2 workers, 0.15 on 4, 0 from 10). One worker: ``momentum`` as given.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    return max(0.0, momentum - (1.0 - 1.0 / workers))
+
+
 @dataclass(frozen=True, kw_only=True)
 class LrScaling:
     """How a run's ``lr`` became the rate its scheme applies (``result.json``'s
@@ -78,14 +93,37 @@ class LrScaling:
     """The workers the run started with."""
     by_default: bool
     """Whether the rule is the scheme's default (``lr_rule`` auto) rather than chosen."""
+    momentum: float = 0.0
+    """``TrainConfig.momentum`` as given."""
+    implicit_momentum: bool = False
+    """Whether the momentum applied is lowered by asynchrony's implicit momentum
+    (:func:`momentum_after_asynchrony`): a scheme that asks for it, under its default rule."""
 
     @classmethod
-    def resolve(cls, config: TrainConfig, default_rule: str, workers: int) -> LrScaling:
-        """The rule of ``config.lr_rule``, ``default_rule`` (the scheme's) when it is auto."""
+    def resolve(
+        cls, config: TrainConfig, default_rule: str, workers: int, *, asynchronous: bool = False
+    ) -> LrScaling:
+        """The rule of ``config.lr_rule``, ``default_rule`` (the scheme's) when it is auto;
+        ``asynchronous``: the scheme's workers apply stale gradients (Hogwild), so under its
+        default rule the momentum applied is lowered by their implicit momentum."""
         auto = config.lr_rule == "auto"
         rule = default_rule if auto else config.lr_rule
         lr_multiplier(rule, workers)  # a rule by its name, or ValueError
-        return cls(lr=config.lr, rule=rule, workers=workers, by_default=auto)
+        return cls(
+            lr=config.lr,
+            rule=rule,
+            workers=workers,
+            by_default=auto,
+            momentum=config.momentum,
+            implicit_momentum=auto and asynchronous,
+        )
+
+    @property
+    def effective_momentum(self) -> float:
+        """The momentum the run applies."""
+        if not self.implicit_momentum:
+            return self.momentum
+        return momentum_after_asynchrony(self.momentum, self.workers)
 
     @property
     def factor(self) -> float:
@@ -104,13 +142,21 @@ class LrScaling:
     def describe(self) -> str:
         """One line for the log: what was applied, and how to turn it off."""
         if self.factor == 1.0:
-            return f"lr {self.lr:g} as given (--lr-rule {self.rule}, {self.workers} worker(s))"
-        whose = "the scheme's default" if self.by_default else "chosen"
-        return (
-            f"lr {self.lr:g} x {self.factor:.4g} ({self.rule}, {self.workers} workers) = "
-            f"{self.effective_lr:.4g} (--lr-rule {self.rule}, {whose}; --lr-rule none keeps "
-            f"{self.lr:g})"
-        )
+            line = f"lr {self.lr:g} as given (--lr-rule {self.rule}, {self.workers} worker(s))"
+        else:
+            whose = "the scheme's default" if self.by_default else "chosen"
+            line = (
+                f"lr {self.lr:g} x {self.factor:.4g} ({self.rule}, {self.workers} workers) = "
+                f"{self.effective_lr:.4g} (--lr-rule {self.rule}, {whose}; --lr-rule none keeps "
+                f"{self.lr:g})"
+            )
+        if self.effective_momentum != self.momentum:
+            line += (
+                f"; momentum {self.momentum:g} - {1 - 1 / self.workers:.4g} (asynchrony's own "
+                f"on {self.workers} workers) = {self.effective_momentum:.4g} (a chosen --lr-rule "
+                "keeps it)"
+            )
+        return line
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +166,8 @@ class LrScaling:
             "factor": self.factor,
             "effective_lr": self.effective_lr,
             "by_default": self.by_default,
+            "momentum": self.momentum,
+            "effective_momentum": self.effective_momentum,
         }
 
 

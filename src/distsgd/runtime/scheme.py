@@ -46,6 +46,10 @@ class WorkerScheme(ABC):
     :func:`~distsgd.control.config.lr_multiplier` (none, sqrt, linear, inverse-sqrt,
     elastic). Each scheme sets its own in its module; its guide page says what the default
     guarantees."""
+    implicit_momentum: ClassVar[bool] = False
+    """Whether its workers apply stale gradients as they come (Hogwild): under its default
+    ``lr_rule`` the momentum applied is then lowered by asynchrony's own
+    (:func:`~distsgd.control.config.momentum_after_asynchrony`)."""
 
     transient: ClassVar[tuple[str, ...]] = ()
     """Attributes that are not state (an exchange running in the background): the default

@@ -100,9 +100,14 @@ class WorkerSession:
         self.train_set = train_set
         self.given_config = config
         """The config as the script and the command line gave it (``result.json``'s)."""
-        self.lr_scaling = LrScaling.resolve(config, scheme.lr_rule, env.num_workers)
-        self.config = config.replace(lr=self.lr_scaling.effective_lr)
-        """What the run applies: ``lr`` is the scheme's rate on this many workers."""
+        self.lr_scaling = LrScaling.resolve(
+            config, scheme.lr_rule, env.num_workers, asynchronous=scheme.implicit_momentum
+        )
+        self.config = config.replace(
+            lr=self.lr_scaling.effective_lr, momentum=self.lr_scaling.effective_momentum
+        )
+        """What the run applies: ``lr`` (and, for Hogwild, ``momentum``) the scheme's on this
+        many workers."""
         self.env = env
         self.scheme = scheme
         self.batch_fn = batch_fn

@@ -73,6 +73,8 @@ class HogwildServer(UpdateRule):
 class HogwildWorker(WorkerScheme):
     lr_rule = "inverse-sqrt"
     """Every gradient is applied, on parameters about N - 1 updates old: --lr / sqrt(N)."""
+    implicit_momentum = True
+    """... which acts as a momentum of 1 - 1/N: --momentum lowered by it (see the guide)."""
 
     def __init__(self, options: HogwildOptions, num_workers: int) -> None:
         self.options = options
