@@ -100,12 +100,7 @@ class WorkerSession:
         self.train_set = train_set
         self.given_config = config
         """The config as the script and the command line gave it (``result.json``'s)."""
-        self.lr_scaling = LrScaling.resolve(
-            config, scheme.lr_rule, env.num_workers, asynchronous=scheme.implicit_momentum
-        )
-        self.config = config.replace(
-            lr=self.lr_scaling.effective_lr, momentum=self.lr_scaling.effective_momentum
-        )
+        self.lr_scaling, self.config = applied(config, scheme, env.num_workers)
         """What the run applies: ``lr`` (and, for Hogwild, ``momentum``) the scheme's on this
         many workers."""
         self.env = env
@@ -470,3 +465,14 @@ class WorkerSession:
         conn, self._conn = self._conn, Connection()  # closed once
         conn.close()
         self.metrics.close()
+
+
+def applied(
+    config: TrainConfig, scheme: WorkerScheme, workers: int
+) -> tuple[LrScaling, TrainConfig]:
+    """The scheme's rule on ``workers`` workers, and ``config`` with the rate and the momentum
+    it applies."""
+    scaling = LrScaling.resolve(
+        config, scheme.lr_rule, workers, asynchronous=scheme.implicit_momentum
+    )
+    return scaling, config.replace(lr=scaling.effective_lr, momentum=scaling.effective_momentum)
