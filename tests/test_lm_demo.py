@@ -5,9 +5,13 @@ uniform guess over 256 bytes, ln 256 = 5.55)."""
 from __future__ import annotations
 
 import gzip
+import json
 import math
+from pathlib import Path
 
+import pytest
 import torch
+from conftest import run_distsgd
 
 from distsgd.demo import lm
 
@@ -28,3 +32,25 @@ def test_a_short_run_alone_learns_the_bytes() -> None:
     result = lm.main(["--steps", "40"])
     assert result.test_loss is not None
     assert result.test_loss < math.log(256) - 1.5, result.test_loss
+
+
+@pytest.mark.slow
+def test_distsgd_demo_model_lm_trains_the_language_model(tmp_path: Path) -> None:
+    """``distsgd demo --model lm``: the bundled LM under a scheme, its test loss printed last."""
+    run_dir = tmp_path / "run"
+    args = ["demo", "--model", "lm", "--workers", "2", "--scheme", "hogwild", "--steps", "20"]
+    done = run_distsgd([*args, "--quiet", "--run-dir", str(run_dir)])
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("test loss: ") and float(last.split()[-1]) < 4.5, last
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["scheme"] == "hogwild" and result["local_steps"] == 20
+
+
+def test_an_unknown_demo_model_is_one_line() -> None:
+    done = run_distsgd(["demo", "--model", "gpt4"])
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "distsgd demo: error: argument --model: invalid choice: 'gpt4' (choose from digits, lm); "
+        "see distsgd demo --help"
+    ]

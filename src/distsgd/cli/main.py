@@ -18,7 +18,7 @@ from distsgd import schemes
 from distsgd.cli.flags import checkpoint_every, collect, scheme_options
 from distsgd.cli.parser import build_parser, parse_argv
 from distsgd.cluster import ClusterSpecError, Role, resolve_cluster
-from distsgd.launcher.config import DEMO_SCRIPT
+from distsgd.launcher.config import DEMO_SCRIPT, DEMO_SCRIPTS
 from distsgd.transport.errors import RemoteError
 from distsgd.util import private_dir
 
@@ -291,7 +291,7 @@ def _dispatch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run the parsed command."""
     if args.command in ("run", "demo"):
         if args.command == "demo":
-            return _cmd_run(args, str(DEMO_SCRIPT), [])
+            return _cmd_run(args, str(DEMO_SCRIPTS[args.model]), [])
         return _cmd_run(args, args.script, args.script_args)
     if args.command == "compare":
         return _cmd_compare(args, argv)

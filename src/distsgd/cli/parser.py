@@ -317,7 +317,14 @@ def _add_run(sub: Any) -> None:
 
 def _add_demo(sub: Any) -> None:
     demo = sub.add_parser(
-        "demo", help="train the bundled digits CNN (prints the test accuracy last)"
+        "demo", help="train a bundled model: the digits CNN (prints the test accuracy last)"
+    )
+    demo.add_argument(
+        "--model",
+        choices=("digits", "lm"),
+        default="digits",
+        help="digits: a CNN on 8x8 handwritten digits (prints the test accuracy); lm: a small "
+        "GPT on distsgd's own guide, read as bytes (prints the test loss)",
     )
     add_launch_flags(demo)
     _add_host_flags(demo)

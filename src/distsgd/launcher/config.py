@@ -18,6 +18,8 @@ from distsgd.control.spec import RunSpec, WorkerBounds, check_worker_bounds
 from distsgd.transport.security import TlsConfig, check_certificate_names
 
 DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
+DEMO_SCRIPTS = {"digits": DEMO_SCRIPT, "lm": DEMO_SCRIPT.with_name("lm.py")}
+"""``distsgd demo --model``'s scripts: the digits CNN, and the small GPT on bundled text."""
 """The bundled demo's training script (``distsgd demo``)."""
 
 DEFAULT_CHECKPOINT_SECONDS = 30.0
