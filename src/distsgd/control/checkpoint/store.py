@@ -85,11 +85,8 @@ WORKER_FILE = re.compile(r"worker(\d+)-(\d+)\.pt")
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """A file's SHA-256 in hex (:func:`distsgd.util.file_digest`)."""
+    return file_digest(path)[0]
 
 
 # -- worker files -------------------------------------------------------------------------------
