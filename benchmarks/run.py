@@ -254,6 +254,14 @@ class Suite:
             raise Failed(f"{len(done)} of {workers} workers logged finished_steps: {_tail(log)}")
         return _sample(done, "judged diverged (exit 3)" if code == 3 else "")
 
+    def hogwild_wal_off(self) -> Sample:
+        """Figure 1's Hogwild run with its servers' write-ahead log off (row 1b: the log's cost,
+        the default being on). Not in --quick: its 30 steps would be the log's warm-up alone
+        (the first pushes write log files that have no pages in the page cache yet)."""
+        if self.quick:
+            raise NotMeasured("not measured in --quick (its steps are the log's warm-up)")
+        return self.distsgd("hogwild", 2, 1, options=WAL_OFF)
+
     # -- PyTorch references -------------------------------------------------------------------
     def _reference(self, mode: str, ranks: int, steps: int, hidden: int) -> Sample:
         folder = self.folder(f"torch-{mode}-{ranks}")
@@ -361,9 +369,13 @@ class Row:
     b: str | None
 
 
+WAL_OFF = ("--wal", "off")
+
 ROWS = (
     Row("1", "Hogwild, 2 workers + 1 ps", "distsgd hogwild",
         "TF2 ParameterServerStrategy, 2 workers + 1 ps", "fig1", "distsgd", "tf"),
+    Row("1b", "Hogwild, 2 workers + 1 ps: the write-ahead log's cost", "distsgd hogwild (--wal on)",
+        "distsgd hogwild, --wal off", "fig1", "distsgd", "nowal"),
     Row("2", "Hogwild, 1 worker + 1 ps", "distsgd hogwild",
         "TF2 ParameterServerStrategy, 1 worker + 1 ps", "fig2", "distsgd", "tf"),
     Row("2b", "Hogwild, 1 worker + 1 ps", "distsgd hogwild",
@@ -895,7 +907,11 @@ def main(argv: list[str] | None = None) -> int:
                 print("figure 1: hogwild, 2 workers + 1 ps", flush=True)
                 blocks["fig1"] = interleave(
                     repeats,
-                    {"distsgd": lambda: suite.distsgd("hogwild", 2, 1), "tf": lambda: suite.tf(2)},
+                    {
+                        "distsgd": lambda: suite.distsgd("hogwild", 2, 1),
+                        "tf": lambda: suite.tf(2),
+                        "nowal": suite.hogwild_wal_off,  # row 1b: the log's cost
+                    },
                     "1",
                 )
             if "2" in figures:

@@ -66,7 +66,9 @@ def available_paths() -> dict[str, dict[str, bool]]:
     return out
 
 
-def _start_server(folder: Path, secret_file: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _start_server(
+    folder: Path, secret_file: Path, wal: bool = False
+) -> tuple[subprocess.Popen[bytes], str]:
     address_file = folder / "ps0.address"
     env = {
         **os.environ,
@@ -77,6 +79,7 @@ def _start_server(folder: Path, secret_file: Path) -> tuple[subprocess.Popen[byt
         "MKL_NUM_THREADS": "1",
     }
     args = ["server", "--task", "0", "--ps-hosts", "127.0.0.1:0", "--worker-hosts", "127.0.0.1:0"]
+    args += ["--wal-dir", str(folder / "wal")] if wal else ["--wal", "off"]
     log = (folder / "ps0.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "distsgd", *args, "--address-file", str(address_file)],
@@ -112,7 +115,13 @@ def _client(
 
 
 def measure_size(
-    megabytes: float, pieces: int, repeats: int, folder: Path, secret_file: Path, secret: str
+    megabytes: float,
+    pieces: int,
+    repeats: int,
+    folder: Path,
+    secret_file: Path,
+    secret: str,
+    wal: bool = False,
 ) -> dict[str, Any]:
     """Median pull and push seconds of one model size, for each data path."""
     per_piece = max(1, int(megabytes * MB / 4 / pieces))
@@ -122,7 +131,7 @@ def measure_size(
     nbytes = sum(a.nbytes for a in arrays.values())
     plan = PartitionPlan.from_arrays(arrays, 1)
     paths = available_paths()
-    proc, address = _start_server(folder, secret_file)
+    proc, address = _start_server(folder, secret_file, wal)
     clients: dict[str, Any] = {}
     try:
         chief = _client(address, plan, 0, secret, paths["grpc"])
@@ -170,7 +179,7 @@ def measure_size(
             with contextlib.suppress(Exception):
                 client.close()
         _stop(proc)
-    out: dict[str, Any] = {"megabytes": nbytes / MB, "bytes": nbytes, "pieces": pieces}
+    out: dict[str, Any] = {"megabytes": nbytes / MB, "bytes": nbytes, "pieces": pieces, "wal": wal}
     out["shards_on_path"] = used
     for name, kinds in times.items():
         for kind, seconds in kinds.items():
@@ -193,6 +202,12 @@ def main() -> None:
     parser.add_argument("--pieces", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="3 timed rounds per size")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--wal",
+        choices=("on", "off"),
+        default="off",
+        help="the server's write-ahead log (a run's default is on; off: the transport alone)",
+    )
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="distsgd-transport-") as tmp:
@@ -203,7 +218,13 @@ def main() -> None:
             folder = Path(tmp) / f"{text}mb"
             folder.mkdir()
             row = measure_size(
-                size, args.pieces, repeats_for(size, args.quick), folder, secret_file, secret
+                size,
+                args.pieces,
+                repeats_for(size, args.quick),
+                folder,
+                secret_file,
+                secret,
+                args.wal == "on",
             )
             rows.append(row)
             shown = ", ".join(f"{k[:-5]} {row[k]:.2f} GB/s" for k in row if k.endswith("_gbps"))

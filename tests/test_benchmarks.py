@@ -17,7 +17,7 @@ import psutil
 import pytest
 from conftest import ROOT
 
-ROWS = ["1", "2", "2b", "2c", "3", "4", "4b"]
+ROWS = ["1", "1b", "2", "2b", "2c", "3", "4", "4b"]
 TF_MISSING = "not measured: pass --tf-python (see docs/performance.md for install)"
 
 
@@ -80,6 +80,7 @@ def test_quick_suite_writes_every_row_and_cleans_up(tmp_path: Path) -> None:
         assert "failed" not in f"{row['distsgd']} {row['reference']}", row
     rows = {row["key"]: row for row in report["rows"]}
     assert rows["1"]["reference"] == TF_MISSING and rows["2"]["reference"] == TF_MISSING
+    assert rows["1b"]["reference"].startswith("not measured in --quick"), rows["1b"]
     for key in ("1", "2", "2b", "3", "4"):
         assert rows[key]["distsgd_samples"][0]["rate"] > 0, key
     for key in ("2b", "3", "4", "4b"):
