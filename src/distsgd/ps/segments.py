@@ -14,11 +14,12 @@ belongs to its entry: a tensor socket's bytes travel on it, a segment's requests
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +32,8 @@ CONFIRM_SECONDS = 10.0
 """How long a created segment waits for the worker's confirmation."""
 MAX_TOOL_SEGMENTS = 4
 """Segments that tools (worker -1) may hold at once on one shard."""
+SCRATCH_BUDGET = 128 << 20
+"""Bytes of push buffers a shard holds at most (one push's, if it is larger)."""
 
 
 @dataclass(frozen=True)
@@ -80,17 +83,13 @@ class Attached:
     """The one-time token its data channel must present (b"": none offered, or presented)."""
     sock: socket.socket | None = None
     """Its data channel, once presented (a tensor socket's is its only way in)."""
-    scratch: np.ndarray | None = None
-    """Server-private memory where a push's bytes land before they are checked and applied
-    (a tensor socket's received bytes, a segment's push area copied): made once, reused."""
     stale: bool = False
     """Its layout is no longer the shard's (pieces moved): its next request is refused
     NO_SEGMENT, which a client answers by attaching again (nothing of that request applied)."""
-    _pull_views: dict[str, np.ndarray] | None = None
-    _push_views: dict[str, np.ndarray] | None = None
+    _pull_writers: dict[str, Callable[[np.ndarray], None]] | None = None
 
     def close(self) -> None:
-        self._pull_views = self._push_views = None  # views would keep the mapping alive
+        self._pull_writers = None
         if self.segment is not None:
             self.segment.close()
         if self.sock is not None:  # shut down first: that wakes the thread serving it at once
@@ -99,41 +98,70 @@ class Attached:
             with contextlib.suppress(OSError):
                 self.sock.close()
 
-    def pull_views(self) -> dict[str, np.ndarray]:
-        """Views of the pull area, one per piece (made once: every pull writes the same)."""
-        if self._pull_views is None:
-            self._pull_views = self._views(self.layout.pull)
-        return self._pull_views
-
-    def push_views(self) -> dict[str, np.ndarray]:
-        """Views of the push area, one per piece as the layout has it (made once)."""
-        if self._push_views is None:
-            self._push_views = self._views(self.layout.push)
-        return self._push_views
-
-    def _views(self, offsets: tuple[int, ...]) -> dict[str, np.ndarray]:
-        assert self.segment is not None, "a tensor socket has no pull or push area"
-        return {
-            spec.key: self.segment.array(offset, np.dtype(spec.dtype), tuple(spec.shape))
-            for spec, offset in zip(self.layout.specs, offsets, strict=True)
-        }
+    def pull_writers(self) -> dict[str, Callable[[np.ndarray], None]]:
+        """For each piece, what writes its values into the pull area (made once)."""
+        if self._pull_writers is None:
+            assert self.segment is not None, "a tensor socket has no pull area"
+            write = self.segment.write_at
+            self._pull_writers = {
+                spec.key: functools.partial(write, offset)
+                for spec, offset in zip(self.layout.specs, self.layout.pull, strict=True)
+            }
+        return self._pull_writers
 
     def push_offset(self, key: str) -> int:
         return self.layout.push_at[key]
 
-    def scratch_of(self, nbytes: int) -> np.ndarray:
-        """:attr:`scratch`, at least ``nbytes`` long: allocated once as big as the push area
-        (again only if a push needs more). Call under :attr:`lock`."""
-        if self.scratch is None or self.scratch.size < nbytes:
-            push_area = self.layout.size - self.layout.push[0] if self.layout.push else 0
-            self.scratch = np.empty(max(nbytes, push_area), np.uint8)
-        return self.scratch
+
+class ScratchPool:
+    """Server-private buffers where pushes land before they are checked and applied (a
+    segment's push area copied, a tensor socket's bytes received), shared by a shard's entries:
+    at most ``budget`` bytes in all, or one buffer when a push is larger than that, so the
+    server's memory stays its shard's plus a bounded amount however many workers attach. A
+    push past the budget waits for a buffer (another push's, which ends)."""
+
+    def __init__(self, budget: int = SCRATCH_BUDGET) -> None:
+        self.budget = budget
+        self._free: list[np.ndarray] = []
+        self._bytes = 0
+        self._cond = threading.Condition()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every buffer made (free or in use)."""
+        return self._bytes
+
+    @contextlib.contextmanager
+    def take(self, nbytes: int) -> Iterator[np.ndarray]:
+        """A buffer of exactly ``nbytes`` (a view of one at least that long) while inside."""
+        buffer = self._acquire(nbytes)
+        try:
+            yield buffer[:nbytes]
+        finally:
+            with self._cond:
+                self._free.append(buffer)
+                self._cond.notify()
+
+    def _acquire(self, nbytes: int) -> np.ndarray:
+        with self._cond:
+            while True:
+                fits = [i for i, b in enumerate(self._free) if b.size >= nbytes]
+                if fits:  # the smallest that fits (by index: arrays do not compare as values)
+                    return self._free.pop(min(fits, key=lambda i: self._free[i].size))
+                while self._free and self._bytes + nbytes > self.budget:
+                    self._bytes -= self._free.pop(0).size  # too small: make room instead
+                if self._bytes == 0 or self._bytes + nbytes <= self.budget:
+                    self._bytes += nbytes
+                    return np.empty(nbytes, np.uint8)
+                self._cond.wait(1.0)
 
 
 class SegmentTable:
     """The segments of one shard, by id."""
 
-    def __init__(self) -> None:
+    def __init__(self, scratch_budget: int = SCRATCH_BUDGET) -> None:
+        self.scratch = ScratchPool(scratch_budget)
+        """Where the entries' pushes land (:class:`ScratchPool`)."""
         self._by_id: dict[int, Attached] = {}
         self._lock = threading.Lock()
         self._next = int.from_bytes(np.random.default_rng().bytes(6), "little") | 1

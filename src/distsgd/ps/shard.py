@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -171,11 +171,11 @@ class Shard:
             return self.values
         return {k: self.values[k] for k in keys if k in self.values}
 
-    def snapshot_into(self, out: Mapping[str, np.ndarray]) -> int:
-        """Copy the pieces into ``out`` (arrays of the same keys, dtypes and shapes, such as a
-        shared-memory segment's pull area); returns their version (consistent under locked
-        rules, as :meth:`snapshot`). A piece ``out`` has no place for (one that moved here
-        since ``out`` was laid out) is left out; the next request on ``out`` is refused."""
+    def snapshot_into(self, out: Mapping[str, Callable[[np.ndarray], object]]) -> int:
+        """Hand each piece to its writer in ``out`` (such as one into a shared-memory segment's
+        pull area); returns their version (consistent under locked rules, as
+        :meth:`snapshot`). A piece ``out`` has no place for (one that moved here since ``out``
+        was laid out) is left out; the next request on ``out`` is refused."""
         if self.rule.locked:
             with self.cond:
                 _copy_into(out, self.values)
@@ -564,11 +564,10 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
-def _copy_into(out: Mapping[str, np.ndarray], values: Mapping[str, np.ndarray]) -> None:
+def _copy_into(out: Mapping[str, Callable[[np.ndarray], object]], values: Mapping) -> None:
     for key, value in values.items():
-        place = out.get(key)
-        if place is not None:
-            np.copyto(place, value)
+        if (write := out.get(key)) is not None:
+            write(value)
 
 
 def _count(header: Mapping[str, Any], key: str) -> int | None:

@@ -2,7 +2,9 @@
 shared-memory segment or a tensor socket, PullShared and PushShared over gRPC, and the data
 channel serving a tensor socket's frames. A push from a segment is copied, exactly the announced
 bytes, into the entry's server-private ``scratch`` under its lock before it is checked and
-applied."""
+applied. The server reaches a segment through its descriptor (``pread``, ``pwrite``), never a
+mapping: its workers' areas are not in its memory, and push buffers come from the shard's
+bounded :class:`~distsgd.ps.segments.ScratchPool`."""
 
 from __future__ import annotations
 
@@ -157,8 +159,8 @@ class SharedPlane:
                 Refusal.NO_SHARED_MEMORY,
             )
         try:
-            segment = shm.Segment.create(
-                shm.run_prefix(shard.run_id), layout.size, record=self.segment_record
+            segment = shm.Segment.create(  # reached through its descriptor: see read_into
+                shm.run_prefix(shard.run_id), layout.size, record=self.segment_record, mapped=False
             )
         except shm.SegmentError as exc:
             abort(
@@ -276,7 +278,7 @@ class SharedPlane:
         specs = list(entry.layout.specs)
         with entry.lock:
             if entry.segment is not None:  # memory is not a link: RAW whatever was asked
-                version = shard.snapshot_into(entry.pull_views())
+                version = shard.snapshot_into(entry.pull_writers())
             else:  # a locked rule's values copied under its lock, an unlocked rule's as they are
                 version, values = shard.snapshot() if shard.rule.locked else shard.live()
                 arrays = list(values.values())
@@ -334,17 +336,17 @@ class SharedPlane:
             self._encoded_size(shard, spec, context) if is_encoded(spec) else nbytes_of(spec)
             for spec in request.tensors
         ]
-        with entry.lock:
+        total = sum(shm.align(size) for size in sizes)
+        with entry.lock, self._segments.scratch.take(total) as scratch:
             # The push area stays writable by the worker (and any process mapping the segment):
             # copy exactly the announced bytes into server-private memory first, so the bytes
             # checked (finite, decodable) are the bytes applied.
-            scratch = entry.scratch_of(sum(shm.align(size) for size in sizes))
             payload: dict[str, np.ndarray] = {}
             start = 0
             for spec, size in zip(request.tensors, sizes, strict=True):
                 part = scratch[start : start + size]
                 start = shm.align(start + size)
-                np.copyto(part, entry.segment.raw(entry.push_offset(spec.key), size))
+                entry.segment.read_into(entry.push_offset(spec.key), part)
                 payload[spec.key] = (
                     part
                     if is_encoded(spec)
@@ -396,8 +398,7 @@ class SharedPlane:
             self._encoded_size(shard, spec, context) if is_encoded(spec) else nbytes_of(spec)
             for spec in request.tensors
         ]
-        with entry.lock:
-            raw = entry.scratch_of(sum(sizes))[: sum(sizes)]
+        with entry.lock, self._segments.scratch.take(sum(sizes)) as raw:
             try:
                 bulk.recv_into(entry.sock, raw, deadline=time.monotonic() + RPC_BYTES_SECONDS)
             except bulk.SocketClosed as exc:

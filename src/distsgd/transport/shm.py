@@ -29,6 +29,7 @@ import secrets
 import stat
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -68,11 +69,17 @@ def run_prefix(run_id: str) -> str:
 class Segment:
     """One mapped segment; :meth:`array` gives numpy views of it."""
 
-    def __init__(self, name: str, size: int, fd: int, *, owner: bool) -> None:
+    def __init__(self, name: str, size: int, fd: int, *, owner: bool, mapped: bool = True) -> None:
         self.name = name
         self.size = size
         self.owner = owner
         self._linked = owner
+        self._fd = -1
+        self._map: mmap.mmap | None = None
+        if not mapped:  # reached through its descriptor alone (read_into, write_at)
+            self._fd = fd
+            self._buffer = np.empty(0, np.uint8)
+            return
         try:
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -80,9 +87,14 @@ class Segment:
         self._buffer = np.frombuffer(self._map, dtype=np.uint8)
 
     @classmethod
-    def create(cls, prefix: str, size: int, *, record: Path | None = None) -> Segment:
+    def create(
+        cls, prefix: str, size: int, *, record: Path | None = None, mapped: bool = True
+    ) -> Segment:
         """A new segment of ``size`` bytes named ``<prefix><random>``, with a fresh nonce; its
-        name is appended to ``record`` first (:func:`record_name`).
+        name is appended to ``record`` first (:func:`record_name`). ``mapped=False`` (a
+        server's): the creator keeps a descriptor, not a mapping, and reaches the bytes only
+        through :meth:`read_into` and :meth:`write_at`, so the worker's areas never count in its
+        own memory (each copy goes through the kernel, as fast as one through a mapping).
 
         :class:`SegmentError` when shared memory has no room (ENOSPC) or cannot be used, or the
         name cannot be recorded.
@@ -107,8 +119,8 @@ class Segment:
             raise SegmentError(
                 exc.errno, f"no room for {size} bytes in {SHM_DIR}: {exc.strerror}"
             ) from None
-        segment = cls(name, size, fd, owner=True)
-        segment._buffer[:NONCE_BYTES] = np.frombuffer(secrets.token_bytes(NONCE_BYTES), np.uint8)
+        segment = cls(name, size, fd, owner=True, mapped=mapped)
+        segment.write_at(0, np.frombuffer(secrets.token_bytes(NONCE_BYTES), np.uint8))
         return segment
 
     @classmethod
@@ -133,6 +145,8 @@ class Segment:
     @property
     def nonce(self) -> bytes:
         """The first :data:`NONCE_BYTES` bytes (written by the server at creation)."""
+        if self._map is None:
+            return os.pread(self._fd, NONCE_BYTES, 0)
         return bytes(self._buffer[:NONCE_BYTES])
 
     def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -145,9 +159,30 @@ class Segment:
 
     def raw(self, offset: int, nbytes: int) -> np.ndarray:
         """A writable uint8 view of ``nbytes`` bytes at ``offset``."""
-        if offset < HEADER_BYTES or nbytes < 0 or offset + nbytes > self.size:
-            raise SegmentError(0, f"bytes {offset}..{offset + nbytes} are not inside {self.name}")
+        self._inside(offset, nbytes)
         return self._buffer[offset : offset + nbytes]
+
+    def _inside(self, offset: int, nbytes: int, start: int = HEADER_BYTES) -> None:
+        if offset < start or nbytes < 0 or offset + nbytes > self.size:
+            raise SegmentError(0, f"bytes {offset}..{offset + nbytes} are not inside {self.name}")
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        """Copy ``out.nbytes`` bytes at ``offset`` into ``out`` (contiguous)."""
+        view = _bytes_of(out)
+        self._inside(offset, view.nbytes)
+        if self._map is None:
+            _whole(os.preadv, self._fd, view, offset)
+        else:
+            np.copyto(np.frombuffer(view, np.uint8), self._buffer[offset : offset + view.nbytes])
+
+    def write_at(self, offset: int, data: np.ndarray) -> None:
+        """Copy ``data`` (contiguous) into the segment at ``offset`` (the header's nonce too)."""
+        view = _bytes_of(data)
+        self._inside(offset, view.nbytes, start=0)
+        if self._map is None:
+            _whole(os.pwritev, self._fd, view, offset)
+        else:
+            np.copyto(self._buffer[offset : offset + view.nbytes], np.frombuffer(view, np.uint8))
 
     def unlink(self) -> None:
         """Remove the name (the memory stays until every mapping is gone)."""
@@ -164,8 +199,29 @@ class Segment:
         """
         self.unlink()
         self._buffer = np.empty(0, np.uint8)
-        with contextlib.suppress(BufferError):
-            self._map.close()
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """The bytes of a contiguous array, as a flat memoryview (no copy)."""
+    if not array.flags.c_contiguous:
+        raise ValueError("a segment copies contiguous arrays only")
+    return array.reshape(-1).view(np.uint8).data
+
+
+def _whole(call: Any, fd: int, view: memoryview, offset: int) -> None:
+    """``os.preadv`` or ``os.pwritev`` of all of ``view`` (a call may move fewer bytes)."""
+    done = 0
+    while done < view.nbytes:
+        moved = call(fd, [view[done:]], offset + done)
+        if moved <= 0:
+            raise SegmentError(0, f"{moved} bytes moved at {offset + done} of a shared segment")
+        done += moved
 
 
 def record_name(record: Path, name: str) -> None:
