@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +172,12 @@ def test_a_torn_or_corrupt_last_record_is_dropped(tmp_path: Path, damage: str) -
     _assert_same(recovery.shard, reference)
 
 
-def test_compaction_starts_a_new_generation_and_recovery_stays_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("live_snapshot", [False, True], ids=["copied", "live"])
+def test_compaction_starts_a_new_generation_and_recovery_stays_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, live_snapshot: bool
+) -> None:
+    if live_snapshot:  # every shard is a large one: snapshots from the live values
+        monkeypatch.setattr(wal, "LIVE_SNAPSHOT_BYTES", 0)
     for scheme in ("hogwild", "sync"):
         folder = tmp_path / scheme
         live = _shard(scheme)
@@ -191,6 +198,43 @@ def test_compaction_starts_a_new_generation_and_recovery_stays_exact(tmp_path: P
         assert log.generation == 4 and (folder / "snapshot-00000004.npz").exists()
         assert _log(folder, 4).stat().st_size > log.size  # generation 2 left more behind
         _assert_same(live, _recover(folder, scheme))
+
+
+def test_a_large_shard_writes_its_snapshot_from_its_live_values_holding_pushes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wal, "LIVE_SNAPSHOT_BYTES", 0)
+    live = _shard("hogwild")
+    log = wal.WriteAheadLog.start(tmp_path, live)
+    _drive(live, 3)
+    events: list[str] = []
+    write = log.write_snapshot
+
+    def slow_write(path: Path, data: Any) -> None:
+        events.append("snapshot begins")
+        time.sleep(0.3)
+        write(path, data)
+        events.append("snapshot written")
+
+    log.write_snapshot = slow_write
+    shared: list[bool] = []
+    packer = wal._packer
+
+    def spy(arrays: dict[str, np.ndarray], header: dict[str, Any]) -> Any:
+        shared.extend(np.shares_memory(arrays[f"values/{k}"], v) for k, v in live.values.items())
+        return packer(arrays, header)
+
+    monkeypatch.setattr(wal, "_packer", spy)
+    compacting = threading.Thread(target=log.compact, args=(live,))
+    compacting.start()
+    while not events:
+        time.sleep(0.01)
+    _push(live, 5, 1)  # waits for the snapshot: it is written from these very arrays
+    events.append("push applied")
+    compacting.join(5)
+    assert events == ["snapshot begins", "snapshot written", "push applied"]
+    assert shared and all(shared)  # no copy of the shard was made
+    _assert_same(live, _recover(tmp_path, "hogwild"))
 
 
 def test_a_lost_new_snapshot_replays_both_logs(tmp_path: Path) -> None:

@@ -404,14 +404,15 @@ class Shard:
         version, arrays, header = self.state_copy()
         return version, self.pack(arrays, header)
 
-    def state_copy(self) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
-        """(version, arrays, header) for :meth:`pack`: copies taken under the lock."""
+    def state_copy(self, copy: bool = True) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
+        """(version, arrays, header) for :meth:`pack`: copies taken under the lock (``copy``
+        False: the live arrays, for a caller that holds every push off while it writes them)."""
         with self.cond:
             rule_state = self.rule.state_dict()
-            arrays = {f"values/{k}": v.copy() for k, v in self.values.items()}
+            arrays = {f"values/{k}": np.array(v, copy=copy) for k, v in self.values.items()}
             arrays.update(
                 {
-                    f"rule/{k}": np.array(v, copy=True)
+                    f"rule/{k}": np.array(v, copy=copy)
                     for k, v in rule_state.items()
                     if isinstance(v, np.ndarray)
                 }

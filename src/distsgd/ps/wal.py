@@ -28,12 +28,11 @@ in the page cache), not a machine that loses power or a disk that corrupts data.
 
 Recovery (:func:`recover`) loads the newest readable snapshot and replays the records of its
 generation (and of the next one, when the server died before that one's snapshot was written)
-through :meth:`Shard.push` and :meth:`Shard.leave`, the same code as the live server, up to the
-first record that is missing, torn, or of another generation.
-
-When a log outgrows :func:`compact_bound` the server starts the next generation
-(:meth:`WriteAheadLog.compact`): the state is copied under the locks and the other log file
-taken at once, the snapshot written after, and the older snapshot removed when it is in place.
+through :meth:`Shard.push` and :meth:`Shard.leave`, as the live server, up to the first record
+that is missing, torn, or of another generation. Past :func:`compact_bound` the server starts
+the next generation (:meth:`WriteAheadLog.compact`): the state copied under the locks (a large
+shard's written there, :data:`LIVE_SNAPSHOT_BYTES`) and the other log file taken at once, the
+snapshot written after, and the older snapshot removed when it is in place.
 
 A write that fails (a full disk: ENOSPC) takes the log *down*, never off
 (:mod:`distsgd.ps.wal_outage`): the files stay as they were (a consistent prefix of what the
@@ -113,6 +112,11 @@ _CRC_FROM = 16
 MIN_COMPACT_BYTES = 64 << 20
 """A log starts a new generation past max(this, :data:`COMPACT_FACTOR` x the shard's bytes)."""
 COMPACT_FACTOR = 4
+
+LIVE_SNAPSHOT_BYTES = 64 << 20
+"""A shard of at least this many bytes writes a new generation's snapshot from its live
+values, holding pushes meanwhile (pulls go on), instead of from a copy: no second copy of a
+large shard in memory, for a pause about as long as writing it to the page cache."""
 
 MAX_META_BYTES = 1 << 20
 """Largest non-payload body (a MEMBERS record's JSON) a log may hold."""
@@ -205,7 +209,7 @@ class WriteAheadLog:
         folder = Path(folder)
         make_private_dir(folder)
         fresh = not has_state(folder)
-        _, arrays, header = shard.state_copy()
+        _, arrays, header = shard.state_copy(copy=False)  # not serving yet
         _write_snapshot(folder / f"snapshot-{generation:08d}.npz", _packer(arrays, header))
         nbytes = sum(v.nbytes for v in shard.values.values())
         fd = _open_log(folder, generation, truncate=fresh)
@@ -306,7 +310,7 @@ class WriteAheadLog:
                 if not self.outage.down or self._closed:
                     return not self.outage.down
                 generation = max(self.generation + 1, next_generation(self.folder))
-                version, arrays, header = shard.state_copy()
+                version, arrays, header = shard.state_copy(copy=False)  # written under the locks
                 members = [_members_body(shard, False)]
                 try:
                     self.write_snapshot(
@@ -419,45 +423,57 @@ class WriteAheadLog:
         if not self._compacting.acquire(blocking=wait):
             return  # another thread is at it
         try:
+            live = sum(v.nbytes for v in shard.values.values()) >= LIVE_SNAPSHOT_BYTES
             gate = shard.gate.exclusive() if not shard.rule.locked else _nothing()
             with gate, shard.cond:
-                version, arrays, header = shard.state_copy()
+                version, arrays, header = shard.state_copy(copy=not live)
                 members = _members_body(shard, False)
-                generation = self.generation + 1
-                try:
-                    fd = _open_log(self.folder, generation)
-                except OSError as exc:
-                    with self._lock:
-                        self.outage.began(exc)
+                old = self._switch_to_next(shard, version, members)
+                if old is None:
                     return
-                with self._lock:
-                    old, closed = self._fd, self._closed or self.outage.down
-                    if not closed:
-                        self._fd, self._offset, self.generation = fd, 0, generation
-                        self._set_keys(list(shard.values))  # pieces may have moved
-                if closed:
-                    os.close(fd)
-                    return
-                self._write(Kind.MEMBERS, version, [members])
-            os.close(old)
-            try:
-                self.write_snapshot(
-                    self.folder / f"snapshot-{generation:08d}.npz", _packer(arrays, header)
-                )
-            except OSError as exc:  # the older snapshot and both logs still hold the state
-                with self._lock:
-                    self.outage.began(exc)
+                path = self.folder / f"snapshot-{old[1]:08d}.npz"
+                written = live and self._snapshot(path, arrays, header)
+            os.close(old[0])
+            if not (written if live else self._snapshot(path, arrays, header)):
                 return
-            _remove_before(self.folder, generation)
-            log.info(
-                "shard %d: write-ahead log at generation %d (version %d, snapshot %d bytes)",
-                shard.index,
-                generation,
-                version,
-                (self.folder / f"snapshot-{generation:08d}.npz").stat().st_size,
-            )
+            _remove_before(self.folder, old[1])
+            size, at = path.stat().st_size, (shard.index, old[1], version)
+            log.info("shard %d: log generation %d, version %d, snapshot %d B", *at, size)
         finally:
             self._compacting.release()
+
+    def _switch_to_next(self, shard: Shard, version: int, members: bytes) -> tuple[int, int] | None:
+        """Under the locks: open the next generation's log and make it the current one, its
+        first record the members; (the older descriptor, the new generation), or None if the
+        log is closed or down (nothing switched)."""
+        generation = self.generation + 1
+        try:
+            fd = _open_log(self.folder, generation)
+        except OSError as exc:
+            with self._lock:
+                self.outage.began(exc)
+            return None
+        with self._lock:
+            old, closed = self._fd, self._closed or self.outage.down
+            if not closed:
+                self._fd, self._offset, self.generation = fd, 0, generation
+                self._set_keys(list(shard.values))  # pieces may have moved
+        if closed:
+            os.close(fd)
+            return None
+        self._write(Kind.MEMBERS, version, [members])
+        return old, generation
+
+    def _snapshot(self, path: Path, arrays: dict[str, np.ndarray], header: dict[str, Any]) -> bool:
+        """Write a new generation's snapshot; False (the log down) if the disk refused it: the
+        older snapshot and both logs still hold the state."""
+        try:
+            self.write_snapshot(path, _packer(arrays, header))
+        except OSError as exc:
+            with self._lock:
+                self.outage.began(exc)
+            return False
+        return True
 
 
 @contextmanager
