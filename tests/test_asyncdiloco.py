@@ -383,3 +383,15 @@ def test_the_demo_with_fragments_on_two_servers_learns_and_pulls_one_fragment_at
     assert final_accuracy(done) >= 0.95
     result = json.loads((run_dir / "result.json").read_text())
     assert 0.8 < result["bytes_received"] / result["bytes_sent"] < 1.5, result
+
+
+def test_the_inner_adamw_is_torchs_fused_one_where_it_can_be() -> None:
+    """The DiLoCo family's inner AdamW: torch's fused kernel on CPU (no whole-model temporary
+    at each step, as the foreach one makes), the foreach one where fusing cannot be."""
+    from distsgd.runtime.context import _fusable
+
+    floats = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, requires_grad=True)]
+    assert _fusable(floats)
+    assert not _fusable([])
+    assert not _fusable([*floats, torch.zeros(2, dtype=torch.int64)])
+    assert not _fusable([torch.zeros(1, device="meta")])

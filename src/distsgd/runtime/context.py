@@ -176,6 +176,8 @@ class WorkerContext:
         }
         if kind not in classes:
             raise ValueError(f"unknown optimizer {kind!r}; use sgd, adagrad or adamw")
+        if kind == "adamw" and _fusable(params):  # 2-4x faster, no whole-model temporaries
+            kw.setdefault("fused", True)
         optimizer = classes[kind](params, **kw)  # type: ignore[arg-type]
         for group in optimizer.param_groups:
             group["base_lr"] = group["lr"]
@@ -439,3 +441,15 @@ class WorkerContext:
         """Tensor bytes this worker's pulls brought from the parameter servers, as they
         travelled (halved by ``--pull-dtype bf16``); 0 under collective schemes."""
         return 0 if self._ps is None else self._ps.bytes_received
+
+
+def _fusable(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW takes ``params``: floating point, all on the CPU or all on
+    one CUDA device. The foreach kernels it replaces make a temporary as large as the model at
+    every step (the denominator); the fused kernel works piece by piece."""
+    devices = {p.device.type for p in params}
+    return (
+        bool(params)
+        and all(p.is_floating_point() for p in params)
+        and (devices == {"cpu"} or devices == {"cuda"})
+    )
