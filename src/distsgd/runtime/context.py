@@ -443,7 +443,7 @@ class WorkerContext:
         return 0 if self._ps is None else self._ps.bytes_received
 
 
-def _fusable(params: list[torch.Tensor]) -> bool:
+def _fusable(params: Sequence[torch.Tensor]) -> bool:
     """Whether torch's fused AdamW takes ``params``: floating point, all on the CPU or all on
     one CUDA device. The foreach kernels it replaces make a temporary as large as the model at
     every step (the denominator); the fused kernel works piece by piece."""
