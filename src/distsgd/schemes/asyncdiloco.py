@@ -330,8 +330,9 @@ class AsyncDilocoWorker(WorkerScheme):
         o = self.options
         self.inner = ctx.make_optimizer("adamw", lr=o.inner_lr, weight_decay=o.weight_decay)
         ctx.pull()
-        self.round_start = ctx.arrays()
-        names = list(self.round_start)
+        self.round_start: dict[str, np.ndarray] = {}
+        names = list(ctx.views())
+        self._start_in_push_area(ctx, names)
         count = min(o.fragments, len(names))
         owner = fragment_of(len(names), count)
         self.parts = [
@@ -391,10 +392,22 @@ class AsyncDilocoWorker(WorkerScheme):
             results = ctx.push(pseudo)
             ctx.pull(names=some)
             self._pace(ctx, results, bases, steps)
-        now = ctx.views()
-        for k in names:
-            np.copyto(self.round_start[k], now[k])
+        self._start_in_push_area(ctx, names)
         self.pending[part] = self.lead[part] = 0
+
+    def _start_in_push_area(self, ctx: WorkerContext, names: list[str]) -> None:
+        """The new round's start: the parameters now, kept where the next pseudo-gradient will
+        be written (the servers' push areas, when there are some and no exchange runs in the
+        background), so that the start costs no copy of the model in this worker's memory:
+        ``start - theta`` is computed in place. Elsewhere a copy of its own."""
+        now = ctx.views()
+        areas = None if self.options.overlap else ctx.push_buffers()
+        for k in names:
+            if areas is not None:
+                self.round_start[k] = areas[k]
+            elif k not in self.round_start:
+                self.round_start[k] = np.empty_like(now[k])
+            np.copyto(self.round_start[k], now[k])
 
     def _land(self, ctx: WorkerContext, part: int, *, keep_progress: bool) -> None:
         """(overlap) Take the fragment's parameters its background exchange pulled, plus the
