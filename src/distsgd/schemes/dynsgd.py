@@ -61,6 +61,10 @@ class DynsgdWorker(WorkerScheme):
     better (0.9833 vs 0.9556-0.9583) but took the demo (lr 0.3 x 2) to 0.9167-0.9778 with a
     worker and a server killed (0.9806-0.9917 at the rate as given): the demo's rate alone is
     already near its limit."""
+    implicit_momentum = True
+    """Asynchronous as Hogwild's (stale gradients applied as they come): the servers' momentum
+    is lowered by asynchrony's own, 1 - 1/N (see hogwild). At 0.9 on 2 workers the bundled
+    language model's loss became NaN at step 55 (2026-12-06)."""
 
     """Hogwild's worker; every push carries the version it was computed on (the runtime's
     ``mean_staleness`` metric reports what the server divided by)."""
