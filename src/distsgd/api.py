@@ -27,8 +27,9 @@ from distsgd.control.errors import SetupError
 from distsgd.control.folder import new_run_folder, runs_root
 from distsgd.control.task import TaskInfo
 from distsgd.runtime import TaskEnv, TrainConfig, TrainResult, run_worker
+from distsgd.runtime.amp import check_grad_scaler
 from distsgd.runtime.callbacks import Callback
-from distsgd.runtime.data import BatchFn, as_dataset, check_data, to_device
+from distsgd.runtime.data import BatchFn, as_dataset, check_data, micro_batches, to_device
 from distsgd.runtime.evaluate import LossFn, MetricFns, check_metric_names
 from distsgd.runtime.first_step import try_first_step
 from distsgd.runtime.modules import as_torch_module
@@ -252,12 +253,43 @@ def train(
 class Step:
     """One step of a :class:`Worker`'s loop, as ``with worker.step() as step:`` gives it."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: nn.Module | None = None) -> None:
         self.loss: float | torch.Tensor | None = None
         """Set it to the step's loss: it feeds the metrics lines, the progress line and
         divergence detection (unset: the step has no loss on record)."""
-        self.samples: int | None = None
-        """The batch's size, when it is not ``batch_size`` (the samples/s figures count it)."""
+        self._samples: int | None = None
+        self._module = module
+
+    @property
+    def samples(self) -> int | None:
+        """The step's samples, when they are not ``batch_size`` (a last short batch, or
+        several batches accumulated into one step): the samples/s figures count them."""
+        return self._samples
+
+    @samples.setter
+    def samples(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"step.samples must be a whole number, got {value!r}")
+        if value is not None and value < 1:
+            raise ValueError(f"step.samples must be 1 or more, the step's samples; got {value}")
+        self._samples = value
+
+    def micro_batches(self, batch: Any, parts: int) -> Iterator[Any]:
+        """Gradient accumulation: ``batch`` in ``parts`` micro-batches (cut along the first
+        dimension, sizes differing by at most one), one forward and backward each; the
+        gradients add up, and the step updates once. Divide each micro-batch's mean loss by
+        ``parts`` for the batch's mean. Under allreduce the gradients travel once, after the
+        last backward (DDP's ``no_sync`` around the others)."""
+        pieces = micro_batches(batch, parts)
+        no_sync = getattr(self._module, "no_sync", None)
+        if getattr(self._module, "static_graph", False):
+            no_sync = None  # DDP's static graph fails under no_sync: every backward travels
+        for index, piece in enumerate(pieces):
+            if no_sync is None or index == len(pieces) - 1:
+                yield piece
+            else:
+                with no_sync():
+                    yield piece
 
 
 class Worker:
@@ -293,6 +325,10 @@ class Worker:
             diloco's inner one) your own optimizer over the model's parameters, stepped by the
             scheme instead of the SGD of ``--lr`` / ``--momentum``. Under the other schemes the
             parameter servers apply every update: passing one is refused.
+        grad_scaler: a ``torch.amp.GradScaler`` the loop scales its loss with
+            (``scaler.scale(loss).backward()``): on leaving each step the gradients are
+            unscaled, a step whose gradients hold inf or NaN is skipped (nothing sent, no
+            optimizer step; the step still counts) and the scale updated.
         callbacks, metrics: as for :func:`train`.
 
     Collective schemes (allreduce, localsgd, diloco) need every worker to take the same
@@ -310,6 +346,7 @@ class Worker:
         config: TrainConfig | None = None,
         batch_fn: BatchFn | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
         callbacks: Sequence[Callback] = (),
         metrics: MetricFns | None = None,
     ) -> None:
@@ -327,6 +364,8 @@ class Worker:
             )
             if loss_fn is not None:  # the chief's evaluation; the loop's own loss is the user's
                 _try_loss(model, loss_fn, {"test_data": test_set}, self.config, batch_fn)
+            if grad_scaler is not None:
+                check_grad_scaler(grad_scaler)
         self._session = WorkerSession(
             model=model,
             loss_fn=loss_fn,
@@ -339,6 +378,7 @@ class Worker:
             callbacks=callbacks,
             metric_fns=metrics,
             optimizer=optimizer,
+            grad_scaler=grad_scaler,
         )
         self.result: TrainResult | None = None
         """What :meth:`finish` returned (None before)."""
@@ -359,6 +399,18 @@ class Worker:
         (allreduce: ``DistributedDataParallel``, which exchanges the gradients); the same
         parameters either way."""
         return self._session.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose learning rate this worker's updates follow: a
+        ``torch.optim.lr_scheduler`` over it schedules the run. Under schemes that step a local
+        optimizer, that one (yours, ``optimizer=``, or distsgd's); under the others a stand-in
+        that updates nothing and holds the parameter servers' rate: each push carries its
+        ``lr`` over the starting one, and the servers scale their step by it. Refused with
+        ``--lr-schedule``/``--warmup``, which set the rate themselves."""
+        rate = self._session.rate
+        assert rate is not None, "set when the session opened"
+        return rate
 
     @property
     def device(self) -> torch.device:
@@ -401,7 +453,7 @@ class Worker:
         pulls fresh parameters) and the gradients are zeroed; on exit it applies the update
         and the metrics, evaluation and checkpoints of this step follow. An exception inside
         leaves the step untaken."""
-        step = Step()
+        step = Step(self._session.module)
         self._session.begin_step()
         try:
             yield step

@@ -67,6 +67,13 @@ class WorkerContext:
         self._adopted: torch.optim.Optimizer | None = None
         self.adopted_optimizer_taken = False
         """Whether the scheme took the user's optimizer (:meth:`adopt_optimizer`)."""
+        self.checks_gradients = False
+        """(Runtime) the loop scales its loss (``distsgd.Worker(grad_scaler=...)``): the
+        gradients are unscaled after backward, and inf or NaN in them skips the update."""
+        self.skip_update = False
+        """This step's gradients hold inf or NaN after unscaling (only while
+        :attr:`checks_gradients`): the scheme neither sends them nor steps with them, and
+        :meth:`step_optimizer` does nothing; the step still counts."""
         self.lost_pushes = 0
         """Pushes that never reached the servers (network partition, server down)."""
         self.nonfinite_skipped = 0
@@ -183,6 +190,26 @@ class WorkerContext:
             group["base_lr"] = group["lr"]
         self._optimizers.append(optimizer)
         return optimizer
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The local optimizers made by :meth:`make_optimizer` (the user's own among them)."""
+        return list(self._optimizers)
+
+    def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step a local optimizer with this step's gradients, unless they are not finite
+        (:attr:`skip_update`): every scheme's local update goes through here."""
+        if not self.skip_update:
+            optimizer.step()
+
+    def gradients_averaged(self) -> None:
+        """(A scheme that averaged the gradients itself, after backward) when the loop scales
+        its loss, the mean decides the skip: an inf or NaN on any worker skips the update on
+        every one of them alike."""
+        if self.checks_gradients:
+            from distsgd.runtime.amp import all_finite_grads
+
+            self.skip_update = not all_finite_grads(self.params.values())
 
     def set_lr_scale(self, scale: float) -> None:
         """(Runtime) the schedule's factor for this step: local optimizers and pushes follow it."""

@@ -82,6 +82,65 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
+def micro_batches(batch: Any, parts: int) -> list[Any]:
+    """``batch`` cut along its first dimension into ``parts`` micro-batches of the same shape
+    (sizes differ by at most one): every tensor inside it (tuples, lists, dicts, nested) is
+    cut, a list of other values (strings) as a sequence of samples.
+
+    Raises:
+        ValueError: ``parts`` is not a whole number from 1 to the batch's size, the batch holds
+            no tensor, or its tensors differ in length.
+    """
+    size = _first_length(batch)
+    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= max(size, 1):
+        raise ValueError(
+            f"micro-batches: parts must be a whole number from 1 to the batch's {size} "
+            f"samples, got {parts!r}"
+        )
+    return [_cut(batch, parts, size, i) for i in range(parts)]
+
+
+def _first_length(value: Any) -> int:
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return int(value.shape[0])
+    items = value.values() if isinstance(value, Mapping) else value
+    if isinstance(value, (Mapping, tuple, list)):
+        for item in items:
+            if isinstance(item, (torch.Tensor, Mapping, tuple, list)):
+                try:
+                    return _first_length(item)
+                except ValueError:
+                    continue
+    raise ValueError(
+        f"micro-batches: {_kind(value)} holds no tensor to cut; cut the batch yourself"
+    )
+
+
+def _cut(value: Any, parts: int, size: int, index: int) -> Any:
+    """Micro-batch ``index`` of ``parts`` of ``value`` (:func:`micro_batches`)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] != size:
+            raise ValueError(
+                f"micro-batches: a tensor of shape {list(value.shape)} in a batch of {size} "
+                "samples; every tensor must have the batch's size first"
+            )
+        return value.tensor_split(parts)[index]
+    if isinstance(value, Mapping):
+        return {k: _cut(v, parts, size, index) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        if any(isinstance(v, (torch.Tensor, Mapping, tuple, list)) for v in value):
+            cut = [_cut(v, parts, size, index) for v in value]
+            return type(value)(*cut) if hasattr(value, "_fields") else type(value)(cut)
+        if len(value) != size:
+            raise ValueError(
+                f"micro-batches: a list of {len(value)} values in a batch of {size} samples; "
+                "cut the batch yourself"
+            )
+        bounds = torch.arange(size).tensor_split(parts)[index]
+        return type(value)(value[int(i)] for i in bounds)
+    return value
+
+
 def _kind(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}"

@@ -43,6 +43,7 @@ from distsgd.control.faults import FaultInjector
 from distsgd.control.folder import METRICS_FILE
 from distsgd.control.metrics import MetricsWriter
 from distsgd.control.task import TaskEnv
+from distsgd.runtime.amp import ScaledGradients
 from distsgd.runtime.callbacks import Callback, StepInfo, check_user_values
 from distsgd.runtime.checkpoint import Checkpointer
 from distsgd.runtime.chief import Chief, log_work
@@ -51,6 +52,7 @@ from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.data import BatchFn
 from distsgd.runtime.evaluate import LossFn, MetricFns
 from distsgd.runtime.modules import as_torch_module
+from distsgd.runtime.rates import ServerRate, distsgd_sets_rate, refuse_scheduler
 from distsgd.runtime.result import TrainResult, work_counts
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.setup import UNBOUNDED, checkpointer, open_worker, stop_on, stop_on_sigterm
@@ -77,6 +79,10 @@ class WorkerSession:
     saves its state and leaves; the chief then ends with a checkpoint (the servers, then the
     manifest of every worker's newest state)."""
 
+    rate: torch.optim.Optimizer | None = None
+    """The optimizer whose ``lr`` the updates follow (``worker.optimizer``, set by
+    :meth:`open`): the scheme's local one, or a :class:`ServerRate` for the servers' rate."""
+
     def __init__(
         self,
         *,
@@ -92,6 +98,7 @@ class WorkerSession:
         callbacks: Sequence[Callback] = (),
         metric_fns: MetricFns | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if test_set is not None and loss_fn is None:
             raise ValueError("test_data needs loss_fn= to evaluate with; pass both or neither")
@@ -106,9 +113,8 @@ class WorkerSession:
         self.env = env
         self.scheme = scheme
         self.batch_fn = batch_fn
-        self.callbacks = tuple(callbacks)
-        self.metric_fns = dict(metric_fns or {})
-        self.optimizer = optimizer
+        self.callbacks, self.metric_fns = tuple(callbacks), dict(metric_fns or {})
+        self.optimizer, self.scaled = optimizer, ScaledGradients.of(grad_scaler)
         self.rank = env.task_index
         self.chief = self.rank == 0
         self.name = f"worker{self.rank}"
@@ -210,6 +216,9 @@ class WorkerSession:
         self._conn, self._ctx, self._batches = opened.conn, opened.ctx, opened.batches
         self.steps, self.start_step, self.samples = opened.steps, opened.start_step, opened.samples
         self.module, self.faults = opened.module, opened.faults
+        made = self._ctx.optimizers
+        self.rate = made[0] if made else ServerRate(self._ctx.params.values(), self.config.lr)
+        self._ctx.checks_gradients = self.scaled is not None
         if self.module is not self.model:
             self.module.register_forward_pre_hook(self._count_forward)
         self._ckpt = checkpointer(env, self.run_dir, self.scheme)
@@ -265,15 +274,28 @@ class WorkerSession:
             with ctx.clock.measure("checkpoint"):
                 self._ckpt.maybe_save_worker(ctx.local_step, self.start_step, self.worker_state)
         self.faults.before_step(ctx.global_step)
-        progress = self.progress()
-        if progress is not None:
-            done, total = progress
-            scale = lr_factor(self.config.lr_schedule, done, total, self.config.warmup)
-            if self.config.world_size == "dynamic":  # the rule follows the live workers
-                scale *= self.lr_scaling.at(ctx.live_workers)
-            ctx.set_lr_scale(scale)
+        self._set_rate()
         self._conn.settle(ctx.push_outcomes)
         self._prepared = True
+
+    def _set_rate(self) -> None:
+        """This step's rate: distsgd's schedule when it has one (a scheduler of the loop's
+        own is then refused), else the rate the loop's scheduler gave ``worker.optimizer``
+        (the local optimizer keeps it; the servers get it as each push's ``lr_scale``)."""
+        ctx, progress, rate = self._ctx, self.progress(), self.rate
+        assert rate is not None
+        if not distsgd_sets_rate(self.config):
+            if isinstance(rate, ServerRate):
+                ctx.lr_scale = rate.scale()
+            return
+        if progress is None:
+            return
+        refuse_scheduler(self.config, rate)
+        done, total = progress
+        scale = lr_factor(self.config.lr_schedule, done, total, self.config.warmup)
+        if self.config.world_size == "dynamic":  # the rule follows the live workers
+            scale *= self.lr_scaling.at(ctx.live_workers)
+        ctx.set_lr_scale(scale)
 
     def batches(self) -> Iterator[Any]:
         """This worker's batches of the training set, as ``default_collate`` made them (on the
@@ -347,7 +369,7 @@ class WorkerSession:
             )
             self.watch.observe(self.loss_value, ctx.local_step)
         ctx.push_step = ctx.local_step + 1  # its push holds this step's update
-        self.scheme.after_backward(ctx)
+        self._update()
         ctx.local_step += 1
         self.samples += config.batch_size if samples is None else int(samples)
         self._conn.after_step(ctx)
@@ -360,6 +382,19 @@ class WorkerSession:
             if scores is not None:
                 callback.on_evaluate(self._info(), scores)
 
+    def _update(self) -> None:
+        """The scheme's update (``after_backward``); gradients the loop's loss scaler scaled
+        are unscaled first, and not used when they are not finite (:mod:`.amp`)."""
+        ctx, rate, scaled = self._ctx, self.rate, self.scaled
+        assert rate is not None
+        if scaled is not None:
+            scaled.unscale(ctx, rate)
+        self.scheme.after_backward(ctx)
+        if isinstance(rate, ServerRate):
+            ctx.step_optimizer(rate)  # nothing to update: a scheduler over it sees it stepped
+        if scaled is not None:
+            scaled.update(ctx)
+
     def _log_step(self) -> None:
         ctx = self._ctx
         self._log.step(
@@ -369,7 +404,11 @@ class WorkerSession:
             samples=self.samples,
             last=ctx.local_step == self.steps,
             epoch=None if self._batches is None else self._batches.epoch,
-            extra={**self._conn.step_fields(ctx), **self.scheme.stats()},
+            extra={
+                **self._conn.step_fields(ctx),
+                **self.scheme.stats(),
+                **({} if self.scaled is None else self.scaled.fields()),
+            },
         )
 
     def log_values(self, values: Mapping[str, Any]) -> None:

@@ -115,7 +115,7 @@ class AllreduceWorker(WorkerScheme):
 
     def after_backward(self, ctx: WorkerContext) -> None:
         # DDP's hooks left the mean over the workers in every param.grad during backward.
-        self.optimizer.step()
+        ctx.step_optimizer(self.optimizer)
 
 
 SPEC = SchemeSpec(

@@ -348,7 +348,7 @@ class AsyncDilocoWorker(WorkerScheme):
         p * H / P steps (Streaming DiLoCo's stagger); 0 once it has travelled."""
 
     def after_backward(self, ctx: WorkerContext) -> None:
-        self.inner.step()
+        ctx.step_optimizer(self.inner)
         for p in range(len(self.pending)):
             self.pending[p] += 1
             if self.pending[p] + self.lead[p] >= self.round_steps:

@@ -178,7 +178,7 @@ class DilocoWorker(WorkerScheme):
         self.travelling: dict[int, PendingMean] = {}
 
     def after_backward(self, ctx: WorkerContext) -> None:
-        self.inner.step()
+        ctx.step_optimizer(self.inner)
         done = ctx.local_step + 1  # inner steps taken, this one included
         for part, at in list(self.land_at.items()):
             if at == done:

@@ -147,7 +147,7 @@ class DownpourWorker(WorkerScheme):
         self.window_start = ctx.arrays()
 
     def after_backward(self, ctx: WorkerContext) -> None:
-        self.optimizer.step()
+        ctx.step_optimizer(self.optimizer)
         self.pending += 1
         if self.pending == self.options.window:
             self._exchange(ctx)

@@ -76,6 +76,8 @@ class DynsgdWorker(WorkerScheme):
         ctx.pull()
 
     def after_backward(self, ctx: WorkerContext) -> None:
+        if ctx.skip_update:  # the gradient is not finite (a scaled loss overflowed): not sent
+            return
         ctx.push_grads(base_version=ctx.versions, in_place=True)
 
 

@@ -109,7 +109,7 @@ class EasgdWorker(WorkerScheme):
         return 0.9 / ctx.live_workers
 
     def after_backward(self, ctx: WorkerContext) -> None:
-        self.optimizer.step()
+        ctx.step_optimizer(self.optimizer)
 
     def finish(self, ctx: WorkerContext) -> None:
         self.elastic_exchange(ctx)

@@ -92,6 +92,8 @@ class HogwildWorker(WorkerScheme):
             self.base = ctx.versions
 
     def after_backward(self, ctx: WorkerContext) -> None:
+        if ctx.skip_update:  # the gradient is not finite (a scaled loss overflowed): not sent
+            return
         if not self.options.overlap:
             ctx.push_grads(in_place=True)  # backward then writes into the push area: no copy
             return

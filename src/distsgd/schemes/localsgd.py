@@ -64,9 +64,10 @@ class LocalsgdWorker(WorkerScheme):
         step = ctx.local_step  # the step being taken (counted after this hook)
         if step < self.options.switch_step:
             ctx.allreduce_mean([p.grad for p in ctx.params.values() if p.grad is not None])
-            self.optimizer.step()
+            ctx.gradients_averaged()  # a scaled loss: inf on any worker skips on every one
+            ctx.step_optimizer(self.optimizer)
             return
-        self.optimizer.step()
+        ctx.step_optimizer(self.optimizer)
         if (step + 1) % self.options.period == 0:
             ctx.allreduce_mean([p.data for p in ctx.params.values()])
 

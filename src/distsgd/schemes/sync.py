@@ -307,6 +307,10 @@ class SyncWorker(WorkerScheme):
         ctx.pull(min_version=self.next_versions)
 
     def after_backward(self, ctx: WorkerContext) -> None:
+        if ctx.skip_update:
+            # The gradient is not finite (a scaled loss overflowed): not sent; the next step
+            # computes this worker's gradient for the same round again, on the same version.
+            return
         base = ctx.versions
         if self.rates:
             factor = self.rates[ctx.rank] / ctx.config.lr
