@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SCRIPTS, final_accuracy, run_distsgd, run_scheme
+from conftest import ROOT, SCRIPTS, final_accuracy, run_distsgd, run_scheme
 from torch import nn
 from torch.optim.swa_utils import update_bn
 
@@ -226,6 +226,14 @@ def test_each_scheme_evaluates_its_parameters_with_statistics_measured_at_them(
     assert result.test_accuracy is not None
     chief.close()
     assert not replica._forward_pre_hooks
+
+
+@pytest.mark.parametrize("name", schemes.names())
+def test_each_schemes_page_states_what_it_does_with_the_statistics(name: str) -> None:
+    page = (ROOT / "docs" / "schemes" / f"{name}.md").read_text()
+    assert "**BatchNorm statistics.**" in page, f"docs/schemes/{name}.md: state the rule"
+    table = (ROOT / "docs" / "schemes" / "README.md").read_text().split("## BatchNorm")[1]
+    assert f"`{name}`" in table.split("\n\n## ")[0], f"docs/schemes/README.md: {name}'s row"
 
 
 def test_a_run_alone_ends_with_the_statistics_of_its_final_parameters(tmp_path: Path) -> None:
