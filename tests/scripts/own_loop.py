@@ -3,7 +3,8 @@
 under every scheme).
 
 Arguments: ``own-data`` reads this worker's part of the data with a DataLoader of its own
-instead of ``worker.batches()``; ``adam`` hands the scheme an Adam optimizer of its own.
+instead of ``worker.batches()``; ``adam`` hands the scheme an Adam optimizer of its own;
+``batch-norm`` trains the CNN with BatchNorm (``DigitsCNN(batch_norm=True)``).
 """
 
 import sys
@@ -18,7 +19,7 @@ from distsgd.demo.digits import DigitsCNN, load_digits
 config = distsgd.TrainConfig(batch_size=32, epochs=30, lr=0.3, lr_schedule="cosine", warmup=0.1)
 distsgd.seed_everything(config.seed)
 train, test = load_digits()
-model = DigitsCNN()
+model = DigitsCNN(batch_norm="batch-norm" in sys.argv)
 
 if "own-data" in sys.argv:
     me = distsgd.task()  # this worker's rank of num_workers: it reads every num_workers-th sample

@@ -5,10 +5,14 @@ package (``digits.npz``, see ``tools/export_digits.py``); a fixed 80/20 split gi
 training and 360 for test. ``distsgd demo`` runs this script; so can ``distsgd run``::
 
     distsgd run --workers 2 --ps 1 --scheme hogwild src/distsgd/demo/digits.py
+
+``--batch-norm`` (an argument of the script: ``distsgd run ... digits.py --batch-norm``) trains
+the same CNN with a BatchNorm after each hidden layer (:class:`DigitsCNN` ``batch_norm=True``).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -35,19 +39,27 @@ def load_digits(
 
 
 class DigitsCNN(nn.Module):
-    """conv 3x3 (16) -> conv 3x3 (32) -> max-pool -> fc 64 -> fc 10; about 38k parameters."""
+    """conv 3x3 (16) -> conv 3x3 (32) -> max-pool -> fc 64 -> fc 10; about 38k parameters.
 
-    def __init__(self) -> None:
+    ``batch_norm``: a BatchNorm after each of the three hidden layers, before its ReLU
+    (``bn1``, ``bn2``: ``BatchNorm2d``; ``bn3``: ``BatchNorm1d``); 224 parameters more, and
+    the running statistics (buffers) that evaluation normalizes with.
+    """
+
+    def __init__(self, *, batch_norm: bool = False) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
         self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
         self.fc1 = nn.Linear(32 * 4 * 4, 64)
         self.fc2 = nn.Linear(64, 10)
+        self.bn1: nn.Module = nn.BatchNorm2d(16) if batch_norm else nn.Identity()
+        self.bn2: nn.Module = nn.BatchNorm2d(32) if batch_norm else nn.Identity()
+        self.bn3: nn.Module = nn.BatchNorm1d(64) if batch_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.fc1(x.flatten(1)))
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        x = F.relu(self.bn3(self.fc1(x.flatten(1))))
         return self.fc2(x)
 
 
@@ -58,7 +70,11 @@ def main() -> None:
     distsgd.seed_everything(config.seed)
     train, test = load_digits()
     result = distsgd.train(
-        model=DigitsCNN(), loss_fn=F.cross_entropy, train_data=train, test_data=test, config=config
+        model=DigitsCNN(batch_norm="--batch-norm" in sys.argv[1:]),
+        loss_fn=F.cross_entropy,
+        train_data=train,
+        test_data=test,
+        config=config,
     )
     if result.test_accuracy is not None:
         print(f"test accuracy: {result.test_accuracy:.4f}")

@@ -1,7 +1,9 @@
 """What worker 0, the chief, does besides training: the evaluations on the test set and the
 end of the run (:class:`Chief`).
 
-Every ``eval_every`` steps it evaluates a copy of the model (:meth:`Chief.every_step`). After
+Every ``eval_every`` steps it evaluates a copy of the model (:meth:`Chief.every_step`), its
+BatchNorm statistics re-estimated at the parameters evaluated (:mod:`~distsgd.runtime.batchnorm`;
+so are the final model's). After
 its last step it waits until every other worker has left the servers, checkpointing the
 servers meanwhile (:func:`wait_all_finished`); then :meth:`Chief.finish` evaluates, judges
 whether the run diverged or stalled (:func:`final_verdict`), and saves what the run produced
@@ -40,6 +42,7 @@ from distsgd.control.divergence import (
 from distsgd.control.folder import FINAL_PARAMS_FILE, RESULT_FILE
 from distsgd.control.metrics import MetricsWriter
 from distsgd.ps.client import ParameterClient
+from distsgd.runtime.batchnorm import RecentInputs, recalibrate, running_stats_modules
 from distsgd.runtime.connection import Connection
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.data import BatchFn
@@ -84,6 +87,9 @@ class Chief:
         """The copy of the model evaluated every ``eval_every`` steps (None: never)."""
         self.resumed = False
         """This chief continues a run (restarted or resumed), not starting it."""
+        self.recent: RecentInputs | None = None
+        """The chief's latest training inputs, replayed to re-estimate BatchNorm statistics
+        before each evaluation and the final model's (None: a model without them)."""
 
     def start(self, model: nn.Module, *, from_start: bool) -> None:
         """Before the first step (``from_start``: the run's first, not a resumed one)."""
@@ -93,6 +99,25 @@ class Chief:
             self.start_point = parameter_sample(model)
         if self.test_set is not None and self.config.eval_every:
             self.eval_model = copy.deepcopy(model)
+        if running_stats_modules(model):
+            self.recent = RecentInputs(model)  # after the copy, which must not hold its hook
+
+    def recalibrate(self, model: nn.Module) -> None:
+        """Re-estimate ``model``'s BatchNorm statistics at its parameters over the chief's
+        latest training batches (nothing without BatchNorm)."""
+        if self.recent is None:
+            return
+        if recalibrate(model, self.recent) == 0:
+            log.info(
+                "BatchNorm statistics kept as the replica has them: this process has not "
+                "trained a batch to re-estimate them with (a chief restarted after its steps)"
+            )
+
+    def close(self) -> None:
+        """Take the recording hook off the model (the script may go on using it)."""
+        if self.recent is not None:
+            self.recent.remove()
+            self.recent = None
 
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         assert self.test_set is not None and self.loss_fn is not None
@@ -126,6 +151,7 @@ class Chief:
             # the replica's whole state (its BatchNorm statistics), then the servers' weights
             server = ctx.ps.pull(record=False)[1] if scheme.evaluate_on == "server" else None
             load_eval_state(self.eval_model, ctx.model, server)
+            self.recalibrate(self.eval_model)
             scores = self.evaluate(self.eval_model, ctx.device)
         self.log_scores(ctx, scores)
         return scores
@@ -140,7 +166,8 @@ class Chief:
         on_evaluate: Callable[[dict[str, float]], None],
     ) -> TrainResult:
         """After the other workers finished: the servers' parameters into the replica (where
-        the scheme evaluates those), the final evaluation (``on_evaluate`` its scores) and
+        the scheme evaluates those), its BatchNorm statistics re-estimated at them, the final
+        evaluation (``on_evaluate`` its scores) and
         its verdict, and the run's result files. A chief restarted (or resumed) after it
         recorded the run's result keeps that record and returns it: training was over."""
         if self.resumed and self.run_dir is not None and (self.run_dir / RESULT_FILE).exists():
@@ -155,6 +182,7 @@ class Chief:
             ctx.load(pulled[1])
             ctx.global_step = max(ctx.global_step, pulled[0])
             result = dataclasses.replace(result, global_step=ctx.global_step)
+        self.recalibrate(ctx.model)  # the final model's statistics at its parameters
         if self.test_set is not None:
             scores = self.evaluate(ctx.model, ctx.device)
             result = final_verdict(

@@ -503,6 +503,8 @@ class WorkerSession:
                 restore()
         conn, self._conn = self._conn, Connection()  # closed once
         conn.close()
+        if self._chief is not None:
+            self._chief.close()
         self.metrics.close()
 
 
