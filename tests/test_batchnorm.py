@@ -136,6 +136,12 @@ def test_recent_inputs_keep_the_newest_batches_within_their_bounds(
     for inputs in batches:
         model(inputs)
     assert len(recent.batches) == 2  # the count bound: never more than 3
+    monkeypatch.setattr(batchnorm, "RECENT_BATCHES", 10)
+    monkeypatch.setattr(batchnorm, "RECENT_SAMPLES", 10**6)
+    monkeypatch.setattr(batchnorm, "RECENT_BYTES", 2 * batches[0].nbytes)
+    for inputs in batches:  # the byte bound: two batches' inputs at most
+        model(inputs)
+    assert len(recent.batches) == 2 and recent.nbytes == 2 * batches[0].nbytes
     model.eval()
     model(batches[0])  # evaluation passes are not training batches
     assert recent.samples == 64

@@ -37,6 +37,9 @@ batches of 32 re-estimate the digits CNN's statistics as well as the whole train
 RECENT_SAMPLES = 512
 """Most samples kept: fewer batches than :data:`RECENT_BATCHES` when batches are large (the
 kept inputs are references to the loop's own batches, held until newer ones replace them)."""
+RECENT_BYTES = 64 << 20
+"""Most bytes of inputs kept (at least the newest batch): 512 images of 224 x 224 x 3 floats
+would hold 300 MB alive."""
 
 
 def running_stats_modules(model: nn.Module) -> list[_NormBase]:
@@ -45,12 +48,12 @@ def running_stats_modules(model: nn.Module) -> list[_NormBase]:
     return [m for m in model.modules() if isinstance(m, _NormBase) and m.track_running_stats]
 
 
-def _samples(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """The batch's size: the first dimension of its first tensor (1 if it has none)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    return 1
+def _samples(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int]:
+    """The batch's size (the first dimension of its first tensor; 1 if it has none) and the
+    bytes of its tensors."""
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    size = next((int(t.shape[0]) for t in tensors if t.dim() > 0), 1)
+    return size, sum(t.nelement() * t.element_size() for t in tensors)
 
 
 class RecentInputs:
@@ -59,21 +62,27 @@ class RecentInputs:
     forward pre-hook on the model records them: what :func:`recalibrate` replays."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.batches: deque[tuple[tuple[Any, ...], dict[str, Any], int]] = deque()
+        self.batches: deque[tuple[tuple[Any, ...], dict[str, Any], int, int]] = deque()
         self.samples = 0
+        self.nbytes = 0
         self.paused = False
         self._handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.paused or not module.training:
             return
-        n = _samples(args, kwargs)
-        self.batches.append((args, kwargs, n))
+        n, nbytes = _samples(args, kwargs)
+        self.batches.append((args, kwargs, n, nbytes))
         self.samples += n
+        self.nbytes += nbytes
         while len(self.batches) > 1 and (
-            len(self.batches) > RECENT_BATCHES or self.samples > RECENT_SAMPLES
+            len(self.batches) > RECENT_BATCHES
+            or self.samples > RECENT_SAMPLES
+            or self.nbytes > RECENT_BYTES
         ):
-            self.samples -= self.batches.popleft()[2]
+            _, _, n, nbytes = self.batches.popleft()
+            self.samples -= n
+            self.nbytes -= nbytes
 
     @contextmanager
     def pause(self) -> Iterator[None]:
@@ -87,7 +96,7 @@ class RecentInputs:
     def remove(self) -> None:
         self._handle.remove()
         self.batches.clear()
-        self.samples = 0
+        self.samples = self.nbytes = 0
 
 
 def recalibrate(model: nn.Module, recent: RecentInputs) -> int:
@@ -107,7 +116,7 @@ def recalibrate(model: nn.Module, recent: RecentInputs) -> int:
                 m.reset_running_stats()
                 m.momentum = None
             model.train()
-            for args, kwargs, _ in recent.batches:
+            for args, kwargs, _, _ in recent.batches:
                 model(*args, **kwargs)
     finally:
         for m, (momentum, count) in zip(modules, kept, strict=True):
