@@ -319,6 +319,7 @@ class Checkpointer:
     ) -> None:
         self.root = run_dir / "checkpoints"
         self.rank = rank
+        self.num_workers = num_workers
         self.every_steps = every_steps
         self.every_seconds = every_seconds
         self.background = background and CAN_FORK
@@ -359,7 +360,7 @@ class Checkpointer:
             return
         assert outcome is WriteOutcome.WRITTEN, outcome
         write_sidecar(path)
-        prune_worker_files(self.root, self.rank)
+        prune_worker_files(self.root, self.rank, self.num_workers)
 
     def _background_done(self, write: BackgroundWrite) -> None:
         assert write.outcome is not None
@@ -404,7 +405,7 @@ class Checkpointer:
                 raise
             self._written(path, WriteOutcome.NO_SPACE)
             return
-        prune_worker_files(self.root, self.rank)
+        prune_worker_files(self.root, self.rank, self.num_workers)
 
     def _start_save(self, state: dict[str, Any], local_step: int) -> bool:
         """Snapshot ``state`` and have it written (in the background where possible);
