@@ -247,3 +247,57 @@ def test_scheme_states_leave_out_what_the_servers_hold() -> None:
 
     for scheme in (HogwildWorker, DynsgdWorker, SyncWorker):  # each pulls before every step
         assert scheme.replica_from_servers, scheme.__name__
+
+
+def test_a_server_writes_its_checkpoint_without_stalling_pushes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shard's state is copied under its lock, then written outside it: pushes go on
+    while a slow disk writes, and the file holds the state as it was at the copy."""
+    import json
+    import threading
+
+    from distsgd.ps import start_server, stop_server
+    from distsgd.ps.shard import Shard, read_shard_header
+    from distsgd.schemes import make_server_rule
+    from distsgd.transport import ShardClient
+
+    real = Shard.pack_into
+    writing = threading.Event()
+
+    def slow(f: Any, arrays: Any, header: Any) -> None:
+        writing.set()
+        time.sleep(1.5)
+        real(f, arrays, header)
+
+    monkeypatch.setattr(Shard, "pack_into", staticmethod(slow))
+    srv, address, service = start_server(
+        address="127.0.0.1:0", shard_index=0, rule_factory=make_server_rule, checkpoint_dir=tmp_path
+    )
+    client = ShardClient(address, worker=0, run_id="r", timeout=10)
+    try:
+        client.register(
+            shard_index=0,
+            scheme="hogwild",
+            options_json=json.dumps({"lr": 0.5, "momentum": 0.0}),
+            num_workers=1,
+            tensors={"w#0": np.ones(4, dtype=np.float32)},
+        )
+        version, _ = client.pull()
+        replies: list[Any] = []
+        saver = threading.Thread(target=lambda: replies.append(client.checkpoint("c1")))
+        saver.start()
+        assert writing.wait(10)
+        started = time.monotonic()
+        for _ in range(3):
+            grad = {"w#0": np.ones(4, dtype=np.float32)}
+            assert client.push(base_version=version, tensors=grad).accepted
+        pushed = time.monotonic() - started
+        saver.join(10)
+        assert pushed < 1.0, f"pushes waited {pushed:.2f} s for the checkpoint's write"
+        assert replies[0].version == version  # the copy's state, not the later pushes'
+        assert read_shard_header(Path(replies[0].file)).version == version
+        assert client.pull()[0] == version + 3
+    finally:
+        client.close()
+        stop_server(srv, service, grace=0.1)
