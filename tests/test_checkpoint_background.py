@@ -301,3 +301,26 @@ def test_a_server_writes_its_checkpoint_without_stalling_pushes(
     finally:
         client.close()
         stop_server(srv, service, grace=0.1)
+
+
+def test_downpour_saves_the_windows_start_only_inside_a_window() -> None:
+    from distsgd.schemes.downpour import DownpourOptions, DownpourWorker
+
+    model = nn.Linear(3, 2)
+    worker = DownpourWorker(DownpourOptions(window=4), num_workers=2)
+    worker.start(_Ctx(model))  # type: ignore[arg-type]
+    assert "window_start" not in worker.state_dict()  # between windows: the replica's own
+    worker.pending = 2
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    state = worker.state_dict()
+    assert np.allclose(state["window_start"]["weight"], model.weight.detach().numpy() - 1)
+    resumed_model = nn.Linear(3, 2)
+    resumed = DownpourWorker(DownpourOptions(window=4), num_workers=2)
+    resumed.start(_Ctx(resumed_model))  # type: ignore[arg-type]
+    resumed.load_state_dict(state)
+    assert np.array_equal(resumed.window_start["weight"], state["window_start"]["weight"])
+    worker.pending = 0
+    resumed.load_state_dict(worker.state_dict())
+    assert np.array_equal(resumed.window_start["weight"], resumed_model.weight.detach().numpy())
+    assert resumed.pending == 0
