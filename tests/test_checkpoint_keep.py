@@ -52,3 +52,22 @@ def test_the_manifest_writer_keeps_by_the_newest_checkpoints_size(tmp_path: Path
     assert small == ["ckpt-00000020", "ckpt-00000030", "ckpt-00000040", "ckpt-00000050"]
     large = _pruned(tmp_path / "large", LARGE_CHECKPOINT)
     assert large == ["ckpt-00000030", "ckpt-00000040", "ckpt-00000050"]
+
+
+def test_a_worker_keeps_as_many_states_as_checkpoints_of_their_size_are_kept(
+    tmp_path: Path,
+) -> None:
+    from distsgd.control.checkpoint.store import prune_worker_files, worker_files
+
+    workers = tmp_path / "workers"
+    workers.mkdir()
+
+    def saved(size: int) -> list[int]:
+        for step in (1, 2, 3, 4):
+            with open(workers / f"worker0-{step:08d}.pt", "wb") as f:
+                f.truncate(size)  # sparse: the size without the bytes
+        prune_worker_files(tmp_path, 0, num_workers=2)
+        return [int(f.stem.split("-")[1]) for f in worker_files(tmp_path, 0)]
+
+    assert saved(LARGE_CHECKPOINT // 4) == [2, 3, 4]  # two of them: a small checkpoint
+    assert saved(LARGE_CHECKPOINT // 2) == [3, 4]  # two of them: a large one, kept twice

@@ -110,21 +110,29 @@ def test_a_full_disk_drops_metrics_lines_instead_of_ending_the_task(
     assert writer.dropped == 2
 
 
+@pytest.mark.parametrize("background", [False, True])
 def test_a_full_disk_skips_a_worker_checkpoint_with_a_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    background: bool,
 ) -> None:
-    from distsgd.runtime import checkpoint
+    from distsgd.runtime import checkpoint, state_writer
 
     def full(path: Path, state: Any) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(checkpoint, "save_worker_state", full)
-    saver = checkpoint.Checkpointer(
-        run_dir=tmp_path, rank=1, num_workers=2, every_steps=5, every_seconds=0, wait=1.0
-    )
-    saver.maybe_save_worker(5, 0, lambda: {"model": {}})  # no raw errno: training goes on
-    assert saver.skipped == 1 and saver.count == 0 and saver.due_step is None
-    assert "checkpoint at step 5 skipped" in caplog.text and "No space left" in caplog.text
+    monkeypatch.setattr(state_writer, "write_state_file", full)  # the forked writer's too
+    where: dict[str, Any] = {"run_dir": tmp_path, "rank": 1, "num_workers": 2, "wait": 1.0}
+    saver = checkpoint.Checkpointer(**where, every_steps=5, every_seconds=0, background=background)
+    state = {"worker": 1, "local_step": 5, "global_step": 9, "steps": 10, "position": None}
+    state |= {"model": {}, "scheme": {}, "scheme_name": "hogwild"}
+    saver.maybe_save_worker(5, 0, lambda: state)  # no raw errno: training goes on
+    saver.close()
+    assert saver.skipped == 1 and saver.count == 0
+    assert (saver.due_step is None) is not background  # a background write fails later
+    assert "checkpoint at step 5 skipped: no space left" in caplog.text
+    assert not list((tmp_path / "checkpoints" / "workers").glob("*"))
 
 
 def test_a_launcher_write_that_finds_no_room_stops_the_run_in_one_line(

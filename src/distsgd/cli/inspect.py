@@ -41,13 +41,15 @@ def _worker_lines(path: Path) -> list[str]:
     state = load_worker_state(path)
     params = sum(int(v.numel()) for v in state["model"].values())
     scheme_state = ", ".join(sorted(map(str, state["scheme"]))) or "none"
+    from_servers = state.get("replica_from_servers", False)
+    held = " (its exchanged parameters are the servers', pulled on resume)" if from_servers else ""
     return [
         f"  {path.name}: worker {state['worker']}, "
         f"local step {state['local_step']} of {state['steps']}, "
         f"global step {state['global_step']}, "
         f"data position (epoch, batch) = {tuple(state['position'])}",
-        f"    replica: {len(state['model'])} tensors, {params} values; "
-        f"scheme state: {scheme_state}",
+        f"    replica: {len(state['model'])} tensors, {params} values"
+        f"{held}; scheme state: {scheme_state}",
     ]
 
 

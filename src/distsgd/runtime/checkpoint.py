@@ -15,7 +15,6 @@ holding Python objects is refused when read (:class:`UnsafeFileError`, naming th
 
 from __future__ import annotations
 
-import errno
 import logging
 import pickle
 import time
@@ -27,11 +26,20 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from distsgd.control.checkpoint.errors import CheckpointError, first_line, refuse_code
 from distsgd.control.checkpoint.manifests import ManifestWriter
-from distsgd.control.checkpoint.store import prune_worker_files, worker_file, write_sidecar
-from distsgd.util import private_dir, write_stream_atomic
+from distsgd.control.checkpoint.store import (
+    prune_worker_files,
+    remove_stale_temps,
+    worker_file,
+    worker_state_step,
+    write_sidecar,
+)
+from distsgd.runtime import state_writer
+from distsgd.runtime.state_writer import CAN_FORK, BackgroundWrite, WriteOutcome, outcome_of
+from distsgd.util import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +127,10 @@ def plain_state(value: Any, where: str, *, copy: bool = True) -> Any:
 
 
 def _encode_array(a: np.ndarray | np.generic, where: str) -> dict[str, Any]:
-    tensor = torch.from_numpy(np.array(a, order="C"))  # a copy: np.generic becomes 0-d
+    # No copy of a writable C-ordered array: the state is a copy already (WorkerScheme's
+    # state_dict), or written by a forked process from its snapshot. np.generic becomes 0-d.
+    plain = isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.writeable
+    tensor = torch.from_numpy(a if plain else np.array(a, order="C"))  # type: ignore[arg-type]
     return {_ARRAY: tensor, "scalar": True} if isinstance(a, np.generic) else {_ARRAY: tensor}
 
 
@@ -170,7 +181,33 @@ def _structure_problem(state: Any) -> str | None:
         return f"'scheme' is a {type(state['scheme']).__name__}, not a dict"
     if not isinstance(state["scheme_name"], str):
         return f"'scheme_name' is {state['scheme_name']!r}, not a name"
+    if type(state.get("replica_from_servers", False)) is not bool:
+        return f"'replica_from_servers' is {state['replica_from_servers']!r}, not a bool"
     return None
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself on the CPU, else a copy there (a forked writer must not touch a GPU)."""
+    return tensor if tensor.device.type == "cpu" else tensor.detach().cpu()
+
+
+def encode_worker_state(path: Path, state: Mapping[str, Any]) -> dict[str, Any]:
+    """What :func:`save_worker_state` writes for ``state``: checked (:class:`UnsavableStateError`
+    naming ``path``'s file), numpy arrays as tensors, tensors on the CPU; no other copy."""
+    full = {**state, "format": WORKER_FORMAT}
+    problem = _structure_problem(full)
+    if problem is not None:
+        raise UnsavableStateError(f"worker state for {path.name}: {problem}")
+    encoded = {
+        key: _walk(value, key, _host, _encode_array)
+        for key, value in full.items()
+        if key != "model"
+    }
+    model = state["model"]  # a state_dict's metadata (its version per module) stays with it
+    encoded["model"] = type(model)((k, _host(v)) for k, v in model.items())
+    if hasattr(model, "_metadata"):
+        encoded["model"]._metadata = model._metadata
+    return encoded
 
 
 def save_worker_state(path: Path, state: Mapping[str, Any]) -> None:
@@ -180,18 +217,40 @@ def save_worker_state(path: Path, state: Mapping[str, Any]) -> None:
     :class:`UnsavableStateError` if it lacks one of those or holds a value a file cannot hold
     (see :func:`plain_state`); numpy arrays are stored as tensors.
     """
-    full = {**state, "format": WORKER_FORMAT}
-    problem = _structure_problem(full)
-    if problem is not None:
-        raise UnsavableStateError(f"worker state for {path.name}: {problem}")
-    # The replica as it is (its state_dict's metadata included); the rest encoded.
-    encoded = {
-        key: value if key == "model" else _walk(value, key, lambda t: t, _encode_array)
-        for key, value in full.items()
-    }
-    # written into the file as it is made (a state is never whole in memory a second time)
-    write_stream_atomic(path, lambda f: torch.save(encoded, f))
+    state_writer.write_state_file(path, encode_worker_state(path, state))
     write_sidecar(path)
+
+
+def replica_state(model: nn.Module, left_out: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """``model.state_dict()`` without the entries that are ``left_out``'s tensors (by storage:
+    a tied weight's second name goes too): a replica whose exchanged parameters the servers
+    hold and a resumed worker pulls (:attr:`WorkerScheme.replica_from_servers`)."""
+    state = model.state_dict()
+    if not left_out:
+        return state
+    held = {t.untyped_storage().data_ptr() for t in left_out.values()}
+    for key in [k for k, v in state.items() if v.untyped_storage().data_ptr() in held]:
+        del state[key]
+    return state
+
+
+def load_replica(model: nn.Module, state: Mapping[str, Any], exchanged: Mapping[str, Any]) -> None:
+    """Load a saved replica into ``model``; one saved without its exchanged parameters
+    (``replica_from_servers``) must lack only those (or their tied names): they are pulled
+    before the first step."""
+    if not state.get("replica_from_servers", False):
+        model.load_state_dict(state["model"])
+        return
+    found = model.load_state_dict(state["model"], strict=False)
+    held = {t.untyped_storage().data_ptr() for t in exchanged.values()}
+    params = model.state_dict()
+    missing = [k for k in found.missing_keys if params[k].untyped_storage().data_ptr() not in held]
+    if missing or found.unexpected_keys:
+        raise CheckpointError(
+            f"worker state of step {state['local_step']} does not fit this model "
+            f"(missing {missing[:3]}, unexpected {found.unexpected_keys[:3]}); resume with "
+            "the script and model it was saved with"
+        )
 
 
 def _unsafe_globals(path: Path) -> list[str]:
@@ -239,6 +298,12 @@ class Checkpointer:
     Every worker saves its own state when a checkpoint is due (at the start of a step, so the
     data position is exact); the chief's manifest writer, in the background, has every shard
     save its state once every worker's state is there, then completes the manifest.
+
+    A worker's state is written in the background (``background``, where ``os.fork`` exists):
+    the loop builds the state and forks a writer that saves it from that snapshot
+    (:mod:`distsgd.runtime.state_writer`), then trains on. A checkpoint due while the previous
+    one is still being written waits for it (counted in :attr:`waited`, logged): every due
+    checkpoint is taken, and the cadence holds.
     """
 
     def __init__(
@@ -250,21 +315,30 @@ class Checkpointer:
         every_steps: int,
         every_seconds: float,
         wait: float,
+        background: bool = True,
     ) -> None:
         self.root = run_dir / "checkpoints"
         self.rank = rank
+        self.num_workers = num_workers
         self.every_steps = every_steps
         self.every_seconds = every_seconds
+        self.background = background and CAN_FORK
         self.last_time = time.monotonic()
         self.due_step: int | None = None
         self.writer = ManifestWriter(self.root, num_workers, wait) if rank == 0 else None
         self.count = 0
-        """Checkpoints this worker took part in (its state saved when due)."""
+        """Checkpoints this worker took part in (its state written when due)."""
         self.seconds = 0.0
+        """Seconds the training loop spent in them: building the state and starting its
+        write, waiting for a previous write, and on the chief asking the manifest writer for
+        the servers' (what checkpoints cost this worker in training time)."""
         self.skipped = 0
         """Checkpoints this worker skipped because the disk was full (ENOSPC, EDQUOT)."""
-        """Seconds the training loop spent in them: saving the state, and on the chief asking
-        the servers for theirs (what checkpoints cost this worker in training time)."""
+        self.waited = 0
+        """Checkpoints that came due while the previous state was still being written."""
+        self._writing: BackgroundWrite | None = None
+        self._failed: BackgroundWrite | None = None
+        remove_stale_temps(self.root, rank)
 
     def _due(self, local_step: int, start_step: int) -> bool:
         if local_step <= start_step:
@@ -273,32 +347,100 @@ class Checkpointer:
             return True
         return bool(self.every_seconds) and time.monotonic() - self.last_time >= self.every_seconds
 
+    def _written(self, path: Path, outcome: WriteOutcome) -> None:
+        """(After a write, on whichever thread waited for it) record its outcome."""
+        if outcome is WriteOutcome.NO_SPACE:
+            log.warning(  # the previous checkpoint stays the newest; training goes on
+                "checkpoint at step %d skipped: no space left (or over quota) in %s "
+                "(free space on that disk)",
+                worker_state_step(path),
+                self.root,
+            )
+            self.skipped += 1
+            return
+        assert outcome is WriteOutcome.WRITTEN, outcome
+        write_sidecar(path)
+        prune_worker_files(self.root, self.rank, self.num_workers)
+
+    def _background_done(self, write: BackgroundWrite) -> None:
+        assert write.outcome is not None
+        if write.outcome is WriteOutcome.FAILED:
+            self._failed = write
+            return
+        self._written(write.path, write.outcome)
+        if write.outcome is WriteOutcome.WRITTEN:
+            self.count += 1
+
+    def _settle(self, local_step: int) -> None:
+        """Wait for a write still running (logged: a checkpoint came due meanwhile), and
+        raise what a finished one failed with."""
+        writing = self._writing
+        if writing is not None and not writing.done:
+            log.warning(
+                "checkpoint at step %d waits for the previous one (%s, %.1f s so far) to be "
+                "written: the disk is slower than the checkpoint cadence (--checkpoint-every)",
+                local_step,
+                writing.path.name,
+                time.monotonic() - writing.started,
+            )
+            self.waited += 1
+            writing.join()
+        self._writing = None
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise CheckpointError(
+                f"{failed.path}: writing this worker's state failed (exit status "
+                f"{failed.exit_code}; the reason is in this worker's log)"
+            )
+
     def save_worker(self, state: dict[str, Any], local_step: int) -> None:
-        save_worker_state(worker_file(self.root, self.rank, local_step), state)
-        prune_worker_files(self.root, self.rank)
+        """Write this worker's state now, in the loop (its last one: it must be on disk
+        before the worker leaves), after any write still running."""
+        self._settle(local_step)
+        path = worker_file(self.root, self.rank, local_step)
+        try:
+            save_worker_state(path, state)
+        except OSError as exc:
+            if outcome_of(exc) is not WriteOutcome.NO_SPACE:
+                raise
+            self._written(path, WriteOutcome.NO_SPACE)
+            return
+        prune_worker_files(self.root, self.rank, self.num_workers)
+
+    def _start_save(self, state: dict[str, Any], local_step: int) -> bool:
+        """Snapshot ``state`` and have it written (in the background where possible);
+        whether it was (False: skipped, the disk full)."""
+        path = worker_file(self.root, self.rank, local_step)
+        encoded = encode_worker_state(path, state)
+        if self.background:
+            private_dir(path.parent)
+            self._writing = BackgroundWrite(path, encoded, self._background_done)
+            return True
+        try:
+            state_writer.write_state_file(path, encoded)
+        except OSError as exc:
+            if outcome_of(exc) is not WriteOutcome.NO_SPACE:
+                raise
+            self._written(path, WriteOutcome.NO_SPACE)
+            return False
+        self._written(path, WriteOutcome.WRITTEN)
+        self.count += 1
+        return True
 
     def maybe_save_worker(self, local_step: int, start_step: int, state: Any) -> None:
         """``state`` is a callable returning the worker state (built only when due)."""
         self.due_step = None
-        if self._due(local_step, start_step):
-            started = self.last_time = time.monotonic()
-            try:
-                self.save_worker(state(), local_step)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    raise
-                log.warning(  # the previous checkpoint stays the newest; training goes on
-                    "checkpoint at step %d skipped: %s in %s (free space on that disk)",
-                    local_step,
-                    exc.strerror,
-                    self.root,
-                )
-                self.skipped += 1
-                return
-            finally:
-                self.seconds += time.monotonic() - started
-            self.due_step = local_step
-            self.count += 1
+        if self._failed is not None:
+            self._settle(local_step)  # raises what the write failed with
+        if not self._due(local_step, start_step):
+            return
+        started = self.last_time = time.monotonic()
+        try:
+            self._settle(local_step)
+            if self._start_save(state(), local_step):
+                self.due_step = local_step
+        finally:
+            self.seconds += time.monotonic() - started
 
     def maybe_checkpoint_servers(self, shard_checkpoint: Any, extra: dict[str, Any]) -> None:
         """(Chief, after the step's pull) have the manifest writer snapshot every shard once
@@ -328,6 +470,9 @@ class Checkpointer:
 
     def close(self, timeout: float = 5.0) -> None:
         """(After the other workers finished) complete what checkpoints can be completed, give
-        up the others, and stop the chief's manifest writer."""
+        up the others, and stop the chief's manifest writer; a state still being written is
+        waited for first."""
+        if self._writing is not None:
+            self._writing.join()
         if self.writer is not None:
             self.writer.join(timeout, settled=True)

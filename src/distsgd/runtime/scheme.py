@@ -51,6 +51,12 @@ class WorkerScheme(ABC):
     ``lr_rule`` the momentum applied is then lowered by asynchrony's own
     (:func:`~distsgd.control.config.momentum_after_asynchrony`)."""
 
+    replica_from_servers: ClassVar[bool] = False
+    """Whether every step starts by pulling the servers' parameters into the replica (Hogwild,
+    DynSGD, sync): a checkpoint then leaves the exchanged parameters out of the worker's state
+    (the shards hold them, and a resumed worker pulls them before its first step), keeping the
+    model's other entries (buffers, frozen parameters)."""
+
     transient: ClassVar[tuple[str, ...]] = ()
     """Attributes that are not state (an exchange running in the background): the default
     :meth:`state_dict` leaves them out, and :meth:`load_state_dict` leaves them as they are."""

@@ -45,7 +45,7 @@ from distsgd.control.metrics import MetricsWriter
 from distsgd.control.task import TaskEnv
 from distsgd.runtime.amp import ScaledGradients
 from distsgd.runtime.callbacks import Callback, StepInfo, check_user_values
-from distsgd.runtime.checkpoint import Checkpointer
+from distsgd.runtime.checkpoint import Checkpointer, replica_state
 from distsgd.runtime.chief import Chief, log_work
 from distsgd.runtime.connection import Connection
 from distsgd.runtime.context import WorkerContext
@@ -244,13 +244,15 @@ class WorkerSession:
     def worker_state(self) -> dict[str, Any]:
         """What a checkpoint saves of this worker (read back by ``load_worker_state``)."""
         ctx = self._ctx
+        from_servers = self.scheme.replica_from_servers
         return {
             "worker": self.rank,
             "local_step": ctx.local_step,
             "global_step": ctx.global_step,
             "position": None if self._batches is None else self._batches.position,
             "samples": self.samples,
-            "model": self.model.state_dict(),
+            "model": replica_state(self.model, ctx.params if from_servers else {}),
+            "replica_from_servers": from_servers,
             "scheme": self.scheme.state_dict(),
             "scheme_name": self.env.scheme,
             "steps": self.steps,

@@ -27,7 +27,7 @@ from distsgd.control.config import LrScaling, TrainConfig
 from distsgd.control.faults import FaultInjector
 from distsgd.control.metrics import MetricsWriter
 from distsgd.control.task import TaskEnv
-from distsgd.runtime.checkpoint import Checkpointer, load_worker_state
+from distsgd.runtime.checkpoint import Checkpointer, load_replica, load_worker_state
 from distsgd.runtime.collective_connection import CollectiveConnection
 from distsgd.runtime.connection import Connection
 from distsgd.runtime.context import WorkerContext
@@ -170,7 +170,7 @@ def _start_scheme(
             "a local optimizer (allreduce, downpour, easgd, localsgd, diloco)"
         )
     if resumed is not None:
-        ctx.model.load_state_dict(resumed["model"])
+        load_replica(ctx.model, resumed, ctx.params)
         scheme.load_state_dict(resumed["scheme"])
         log.info(
             "worker%d: resumed from %s at local step %d", ctx.rank, env.resume, opened.start_step

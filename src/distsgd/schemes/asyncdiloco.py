@@ -306,7 +306,7 @@ sent, the shard versions its push was based on, the inner steps it carries)."""
 class AsyncDilocoWorker(WorkerScheme):
     lr_rule = "none"
     """``--lr`` is not its rate: the inner AdamW's is ``inner_lr``, the servers' ``outer_lr``."""
-    transient = ("inflight",)
+    transient = ("inflight", "replica")
 
     def __init__(self, options: AsyncDilocoOptions, num_workers: int) -> None:
         self.options = options
@@ -331,6 +331,8 @@ class AsyncDilocoWorker(WorkerScheme):
         self.inner = ctx.make_optimizer("adamw", lr=o.inner_lr, weight_decay=o.weight_decay)
         ctx.pull()
         self.round_start: dict[str, np.ndarray] = {}
+        self.replica = ctx.params
+        """The replica's exchanged parameters (not state: a resumed worker's own)."""
         names = list(ctx.views())
         self._start_in_push_area(ctx, names)
         count = min(o.fragments, len(names))
@@ -439,10 +441,27 @@ class AsyncDilocoWorker(WorkerScheme):
         )
         self.pace = dataclasses.asdict(pace)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The default's, but the round's start only of the fragments that took an inner step
+        since their exchange: the others' is the replica's parameters (the exchange copied
+        them), which the worker state holds already."""
+        started = {k for p, names in enumerate(self.parts) if self.pending[p] for k in names}
+        round_start = self.round_start
+        self.round_start = {k: v for k, v in round_start.items() if k in started}
+        try:
+            return super().state_dict()
+        finally:
+            self.round_start = round_start
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """(After the replica is loaded) the default's; the round's start left out of the
+        state is the replica's parameters."""
+        saved = dict(state.pop("round_start", {}))
         super().load_state_dict(state)
         if isinstance(self.pending, int):  # a checkpoint written before fragments
             self.pending = [self.pending]
+        for k, start in self.round_start.items():
+            np.copyto(start, saved[k] if k in saved else self.replica[k].detach().cpu().numpy())
 
     def stats(self) -> dict[str, float]:
         return {"inner_steps": float(self.round_steps)}

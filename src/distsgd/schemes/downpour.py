@@ -129,7 +129,7 @@ class DownpourWorker(WorkerScheme):
     lr_rule = "sqrt"
     """N workers take 1/N of the steps; the servers move by the mean of their windows (server_lr
     1/N): --lr x sqrt(N), as for sync's mean of N gradients."""
-    transient = ("inflight",)
+    transient = ("inflight", "replica")
 
     def __init__(self, options: DownpourOptions, num_workers: int) -> None:
         self.options = options
@@ -145,6 +145,27 @@ class DownpourWorker(WorkerScheme):
         self.optimizer = ctx.make_optimizer(self.options.local_optimizer)
         ctx.pull()
         self.window_start = ctx.arrays()
+        self.replica = ctx.params
+        """The replica's exchanged parameters (not state: a resumed worker's own)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The default's, without the window's start between windows: it is the replica's
+        parameters then (the exchange copied them), which the worker state holds already."""
+        if self.pending:
+            return super().state_dict()
+        start = self.__dict__.pop("window_start")
+        try:
+            return super().state_dict()
+        finally:
+            self.window_start = start
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """(After the replica is loaded) the default's; a window's start left out of the state
+        is the replica's parameters."""
+        super().load_state_dict(state)
+        if "window_start" not in state and not self.pending:
+            replica = self.replica.items()
+            self.window_start = {k: p.detach().cpu().numpy().copy() for k, p in replica}
 
     def after_backward(self, ctx: WorkerContext) -> None:
         ctx.step_optimizer(self.optimizer)

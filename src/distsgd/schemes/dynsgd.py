@@ -55,6 +55,7 @@ class DynsgdServer(UpdateRule):
 
 
 class DynsgdWorker(WorkerScheme):
+    replica_from_servers = True  # it pulls before every step
     lr_rule = "none"
     """The server divides each gradient by its staleness + 1 (about N on N workers): the scheme
     adapts its step to N by itself. ``sqrt`` on top trained the CNN of docs/schemes/defaults.md

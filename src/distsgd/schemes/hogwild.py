@@ -71,6 +71,7 @@ class HogwildServer(UpdateRule):
 
 
 class HogwildWorker(WorkerScheme):
+    replica_from_servers = True  # it pulls before every step
     lr_rule = "inverse-sqrt"
     """Every gradient is applied, on parameters about N - 1 updates old: --lr / sqrt(N)."""
     implicit_momentum = True

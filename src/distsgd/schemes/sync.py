@@ -283,6 +283,7 @@ class SyncServer(UpdateRule):
 
 
 class SyncWorker(WorkerScheme):
+    replica_from_servers = True  # it pulls before every step
     lr_rule = "sqrt"
     """N workers take 1/N of the steps, each on the mean of N batches: --lr x sqrt(N)."""
 

@@ -175,11 +175,26 @@ def newest_worker_state(root: Path, rank: int) -> Path | None:
     return None
 
 
-def prune_worker_files(root: Path, rank: int) -> None:
-    """Keep this worker's newest :data:`KEEP` states (and their sidecars)."""
-    for old in worker_files(root, rank)[:-KEEP]:
+def prune_worker_files(root: Path, rank: int, num_workers: int = 1) -> None:
+    """Keep this worker's newest states (and their sidecars): as many as complete checkpoints
+    are kept (:func:`keep_count`) of ``num_workers`` states the size of its newest, so that
+    ``workers/`` holds no state that no kept checkpoint holds too (they link the same files)."""
+    files = worker_files(root, rank)
+    try:
+        keep = keep_count(num_workers * files[-1].stat().st_size) if files else KEEP
+    except OSError:  # pruned meanwhile (another incarnation of this worker)
+        keep = KEEP
+    for old in files[:-keep]:
         old.unlink(missing_ok=True)
         sidecar(old).unlink(missing_ok=True)
+
+
+def remove_stale_temps(root: Path, rank: int) -> None:
+    """Remove the temporary files a write of this worker's state left behind (a crash, or a
+    writer killed, mid-write; an atomic write renames its temporary file only when whole)."""
+    for tmp in (root / "workers").glob(f".worker{rank}-*.tmp"):
+        if (match := WORKER_FILE.match(tmp.name[1:])) and int(match.group(1)) == rank:
+            tmp.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,116 @@
+"""A worker's state file written in the background, from a consistent snapshot.
+
+The training loop only forks (:class:`BackgroundWrite`): the child process sees the worker's
+memory as it was at that instant (copy-on-write: the pages the loop changes while the child
+writes are copied, and only those), writes the state file atomically (a temporary file,
+fsync, rename: a crash, of either process, leaves the previous file) and exits; a thread of the
+worker waits for it and reports the outcome. The loop goes on training meanwhile.
+
+The child runs nothing but ``torch.save`` into the file: no logging, no gRPC, no torch
+operator (tensors off the CPU are copied to host memory before the fork, by the caller), and
+it leaves by ``os._exit``. It ignores SIGINT and SIGTERM, so a run asked to stop still gets the
+file it is writing. Where ``os.fork`` does not exist the caller writes in the loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from distsgd.util import write_stream_atomic
+
+CAN_FORK = hasattr(os, "fork")
+"""Whether state files can be written by a forked process here (POSIX)."""
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class WriteOutcome(enum.Enum):
+    WRITTEN = "written"
+    NO_SPACE = "no space"
+    """The disk (or the user's quota) was full: the previous file stays the newest."""
+    FAILED = "failed"
+    """Anything else (the child's traceback is in this worker's log)."""
+
+
+def write_state_file(path: Path, state: Mapping[str, Any]) -> None:
+    """``torch.save`` ``state`` into ``path`` atomically, as it is made (the state is never
+    whole in memory a second time)."""
+    write_stream_atomic(path, lambda f: torch.save(state, f))
+
+
+def outcome_of(exc: OSError) -> WriteOutcome:
+    return WriteOutcome.NO_SPACE if exc.errno in _NO_SPACE else WriteOutcome.FAILED
+
+
+def _child(path: Path, state: Mapping[str, Any]) -> NoReturn:
+    """(The forked process) write the file and leave: exit 0, an errno of :data:`_NO_SPACE`,
+    or 1 with the traceback on stderr."""
+    code = 1
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        write_state_file(path, state)
+        code = 0
+    except OSError as exc:
+        code = exc.errno if exc.errno in _NO_SPACE else 1
+        os.write(2, f"writing {path} failed: {exc}\n".encode())
+    except BaseException:
+        os.write(2, f"writing {path} failed:\n{traceback.format_exc()}".encode())
+    finally:
+        os._exit(code)
+
+
+class BackgroundWrite:
+    """One worker state file being written by a forked process; ``on_done`` is called (on a
+    thread of this process) with this write once the child has exited and :attr:`outcome`
+    says how it went."""
+
+    def __init__(
+        self,
+        path: Path,
+        state: Mapping[str, Any],
+        on_done: Callable[[BackgroundWrite], None],
+    ) -> None:
+        self.path = path
+        self.started = time.monotonic()
+        self.outcome: WriteOutcome | None = None
+        self.exit_code: int | None = None
+        self._on_done = on_done
+        pid = os.fork()
+        if pid == 0:
+            _child(path, state)
+        self.pid = pid
+        self._thread = threading.Thread(target=self._wait, name="state-writer", daemon=True)
+        self._thread.start()
+
+    def _wait(self) -> None:
+        _, status = os.waitpid(self.pid, 0)
+        self.exit_code = os.waitstatus_to_exitcode(status)
+        if self.exit_code == 0:
+            self.outcome = WriteOutcome.WRITTEN
+        elif self.exit_code in _NO_SPACE:
+            self.outcome = WriteOutcome.NO_SPACE
+        else:
+            self.outcome = WriteOutcome.FAILED
+        self._on_done(self)
+
+    @property
+    def done(self) -> bool:
+        """Whether the child has exited and ``on_done`` has run."""
+        return not self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the write (and ``on_done``); whether it is done."""
+        self._thread.join(timeout)
+        return self.done
