@@ -212,6 +212,23 @@ class _Ctx:
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: p.detach().numpy().copy() for k, p in self.params.items()}
 
+    def views(self) -> dict[str, np.ndarray]:
+        return {k: p.detach().numpy() for k, p in self.params.items()}
+
+    def push_buffers(self) -> dict[str, np.ndarray] | None:
+        return None  # no shared memory: the round's start is a copy of the worker's own
+
+
+class _CtxWithPushAreas(_Ctx):
+    """... with shared-memory push areas, where the round's start is kept."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.areas = {k: np.zeros(p.shape, np.float32) for k, p in self.params.items()}
+
+    def push_buffers(self) -> dict[str, np.ndarray] | None:
+        return self.areas
+
 
 def test_asyncdiloco_saves_the_rounds_start_only_when_it_differs_from_the_replica() -> None:
     from distsgd.schemes.asyncdiloco import AsyncDilocoOptions, AsyncDilocoWorker
@@ -238,6 +255,15 @@ def test_asyncdiloco_saves_the_rounds_start_only_when_it_differs_from_the_replic
     resumed.load_state_dict(worker.state_dict())  # the start left out: the replica's
     assert np.array_equal(resumed.round_start["weight"], resumed_model.weight.detach().numpy())
     assert resumed.pending == [0]
+
+    in_areas = _CtxWithPushAreas(nn.Linear(3, 2))
+    kept = AsyncDilocoWorker(AsyncDilocoOptions(inner_steps=4), num_workers=2)
+    kept.start(in_areas)  # type: ignore[arg-type]
+    for key, area in in_areas.areas.items():  # the start lives in the push areas, no copy
+        assert kept.round_start[key] is area
+        assert np.array_equal(area, in_areas.params[key].detach().numpy())
+    kept.load_state_dict(dict(state))  # a resumed start lands there too
+    assert np.array_equal(in_areas.areas["weight"], state["round_start"]["weight"])
 
 
 def test_scheme_states_leave_out_what_the_servers_hold() -> None:
