@@ -561,11 +561,9 @@ class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"bad checkpoint name {request.name[:80]!r}; use letters, digits, '.', '_' and '-'",
             )
-        with nullcontext() if shard.rule.locked else shard.gate.exclusive():
-            version, arrays, header = shard.state_copy()  # no push half-applied
         path = self.checkpoint_dir / request.name / shard_file_name(self.shard_index)
         try:  # written as it is packed: the shard is never whole in memory a second time
-            write_stream_atomic(path, lambda f: Shard.pack_into(f, arrays, header))
+            version = _write_state(shard, path)
             digest, size = file_digest(path)
         except OSError as exc:
             log.error("shard %d: cannot write checkpoint %s: %s", self.shard_index, path, exc)
@@ -684,3 +682,19 @@ class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
             ignored=[pb.WorkUnit(epoch=e, unit=u) for e, u in ignored],
             status=status,
         )
+
+
+def _write_state(shard: Shard, path: Path) -> int:
+    """Write the shard's state (no push half-applied) into ``path``; its version. As the log's
+    snapshots (:data:`~distsgd.ps.wal.LIVE_SNAPSHOT_BYTES`): copied, or live, pushes held."""
+    live = sum(v.nbytes for v in shard.values.values()) >= wal.LIVE_SNAPSHOT_BYTES
+    hold: Any = shard.gate.exclusive()  # an unlocked rule's pushes held (a locked one's: cond)
+    if shard.rule.locked:
+        hold = shard.cond if live else nullcontext()  # state_copy takes cond itself
+    with hold:
+        version, arrays, header = shard.state_copy(copy=not live)
+        if live:
+            write_stream_atomic(path, lambda f: Shard.pack_into(f, arrays, header))
+    if not live:
+        write_stream_atomic(path, lambda f: Shard.pack_into(f, arrays, header))
+    return version
