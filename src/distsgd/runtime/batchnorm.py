@@ -23,11 +23,13 @@ import logging
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.nn.modules.batchnorm import _NormBase
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,8 @@ would hold 300 MB alive."""
 def running_stats_modules(model: nn.Module) -> list[_NormBase]:
     """The BatchNorm-like modules of ``model`` that track running statistics (BatchNorm1d/2d/3d,
     SyncBatchNorm, the lazy ones, InstanceNorm with ``track_running_stats=True``)."""
-    return [m for m in model.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+    norm = torch.nn.modules.batchnorm._NormBase  # looked up here: a server never loads torch
+    return [m for m in model.modules() if isinstance(m, norm) and m.track_running_stats]
 
 
 def _samples(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int]:

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from distsgd.control.checkpoint.errors import CheckpointError, first_line, refuse_code
 from distsgd.control.checkpoint.manifests import ManifestWriter
@@ -221,7 +220,7 @@ def save_worker_state(path: Path, state: Mapping[str, Any]) -> None:
     write_sidecar(path)
 
 
-def replica_state(model: nn.Module, left_out: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def replica_state(model: torch.nn.Module, left_out: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """``model.state_dict()`` without the entries that are ``left_out``'s tensors (by storage:
     a tied weight's second name goes too): a replica whose exchanged parameters the servers
     hold and a resumed worker pulls (:attr:`WorkerScheme.replica_from_servers`)."""
@@ -234,7 +233,9 @@ def replica_state(model: nn.Module, left_out: Mapping[str, torch.Tensor]) -> dic
     return state
 
 
-def load_replica(model: nn.Module, state: Mapping[str, Any], exchanged: Mapping[str, Any]) -> None:
+def load_replica(
+    model: torch.nn.Module, state: Mapping[str, Any], exchanged: Mapping[str, Any]
+) -> None:
     """Load a saved replica into ``model``; one saved without its exchanged parameters
     (``replica_from_servers``) must lack only those (or their tied names): they are pulled
     before the first step."""
