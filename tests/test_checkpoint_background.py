@@ -358,3 +358,47 @@ def test_downpour_saves_the_windows_start_only_inside_a_window() -> None:
     resumed.load_state_dict(worker.state_dict())
     assert np.array_equal(resumed.window_start["weight"], resumed_model.weight.detach().numpy())
     assert resumed.pending == 0
+
+
+def test_a_killed_worker_takes_its_state_writer_along(tmp_path: Path) -> None:
+    """The forked writer dies with the worker (PR_SET_PDEATHSIG): a worker SIGKILLed while
+    its state is being written leaves no process behind (its older file stays the newest)."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from distsgd.runtime import state_writer\n"
+        "state_writer.write_state_file = lambda path, state: time.sleep(60)  # a slow disk\n"
+        "w = state_writer.BackgroundWrite(Path(sys.argv[1]), {}, lambda w: None)\n"
+        "print(w.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    worker = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "state.pt")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert worker.stdout is not None
+        writer = psutil.Process(int(worker.stdout.readline()))
+        assert writer.is_running()
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if writer.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
+        else:
+            writer.kill()  # only what this test started
+            pytest.fail("the state writer outlived its worker")
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()

@@ -9,7 +9,9 @@ worker waits for it and reports the outcome. The loop goes on training meanwhile
 The child runs nothing but ``torch.save`` into the file: no logging, no gRPC, no torch
 operator (tensors off the CPU are copied to host memory before the fork, by the caller), and
 it leaves by ``os._exit``. It ignores SIGINT and SIGTERM, so a run asked to stop still gets the
-file it is writing. Where ``os.fork`` does not exist the caller writes in the loop.
+file it is writing; it dies with the worker's thread that forked it (``PR_SET_PDEATHSIG``), so a
+killed worker leaves no writer behind. Where ``os.fork`` does not exist the caller writes in
+the loop.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, NoReturn
 import torch
 
 from distsgd.util import write_stream_atomic
+from distsgd.util.libc import die_with_parent
 
 CAN_FORK = hasattr(os, "fork")
 """Whether state files can be written by a forked process here (POSIX)."""
@@ -53,13 +56,14 @@ def outcome_of(exc: OSError) -> WriteOutcome:
     return WriteOutcome.NO_SPACE if exc.errno in _NO_SPACE else WriteOutcome.FAILED
 
 
-def _child(path: Path, state: Mapping[str, Any]) -> NoReturn:
+def _child(path: Path, state: Mapping[str, Any], parent: int) -> NoReturn:
     """(The forked process) write the file and leave: exit 0, an errno of :data:`_NO_SPACE`,
     or 1 with the traceback on stderr."""
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        die_with_parent(parent)  # a worker killed takes its writer along (the older file stays)
         write_state_file(path, state)
         code = 0
     except OSError as exc:
@@ -87,9 +91,10 @@ class BackgroundWrite:
         self.outcome: WriteOutcome | None = None
         self.exit_code: int | None = None
         self._on_done = on_done
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _child(path, state)
+            _child(path, state, parent)
         self.pid = pid
         self._thread = threading.Thread(target=self._wait, name="state-writer", daemon=True)
         self._thread.start()

@@ -39,13 +39,10 @@ the very batches the same data in memory gives.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import logging
 import os
-import signal
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,6 +53,7 @@ from distsgd.control.config import TrainConfig
 from distsgd.control.errors import SetupError
 from distsgd.runtime.data import ShardedBatches
 from distsgd.runtime.shards import ShardFolder
+from distsgd.util.libc import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +102,10 @@ class _Part(IterableDataset[Any]):
 
 
 def _die_with_parent(worker_id: int, parent: int) -> None:
-    """(In each DataLoader worker) on Linux, be killed when the process that forked it
-    (``parent``) dies, so no reader outlives a killed worker; torch's own check notices only
-    every few seconds. A parent that died before the request was made is seen at once."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-        if os.getppid() != parent:  # it died before prctl: no signal will come
-            os.kill(os.getpid(), signal.SIGKILL)
+    """(In each DataLoader worker) be killed when the process that forked it (``parent``)
+    dies, so no reader outlives a killed worker; torch's own check notices only every few
+    seconds."""
+    die_with_parent(parent)
 
 
 def _loader(dataset: Dataset[Any], workers: int, **kwargs: Any) -> DataLoader[Any]:

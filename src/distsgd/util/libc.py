@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import signal
+import sys
 
 
 @functools.cache
@@ -13,3 +16,17 @@ def libc() -> ctypes.CDLL:
     interpreter has loaded already. (``ctypes.util.find_library("c")`` runs ``ldconfig -p``
     in a child process at every call: some milliseconds, several times in every task.)"""
     return ctypes.CDLL(None, use_errno=True)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """(In a forked child, on Linux) be killed when the thread that forked it ends (its
+    process ``parent`` killed included), so nothing it started outlives it; a parent that died
+    before the request was made is seen at once. Elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before prctl: no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
