@@ -271,12 +271,13 @@ ALONE_AT_LEAST = 0.97
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_batchnorm_cnn_trains_within_3_points_of_alone_under_a_ps_scheme_and_allreduce(
+def test_the_batchnorm_cnn_trains_within_3_points_of_alone_under_a_ps_scheme(
     tmp_path: Path,
 ) -> None:
     """tests/scripts/own_loop.py with ``batch-norm`` (the demo's settings) alone and on 2
-    workers under EASGD (the chief's replica only approaches the center it evaluates) and
-    allreduce (each replica's statistics its own); each within 0.03 of alone."""
+    workers under EASGD (the chief's replica only approaches the center it evaluates): within
+    0.03 of alone. (allreduce, each replica's statistics its own, measured so in
+    benchmarks/batchnorm.py; its re-estimate is unit-tested above.)"""
     script = SCRIPTS / "own_loop.py"
     alone = final_accuracy(
         run_distsgd(
@@ -289,7 +290,7 @@ def test_the_batchnorm_cnn_trains_within_3_points_of_alone_under_a_ps_scheme_and
     assert alone >= ALONE_AT_LEAST
     reached = {
         scheme: final_accuracy(run_scheme(scheme, tmp_path / scheme, script, "batch-norm"))
-        for scheme in ("easgd", "allreduce")
+        for scheme in ("easgd",)
     }
     missed = {scheme: acc for scheme, acc in reached.items() if acc < alone - 0.03}
     assert not missed, f"more than 0.03 below {alone} alone on 2 workers: {missed}"
