@@ -179,6 +179,11 @@ def test_pushes_during_moves_lose_no_update(two_servers: list[str], carrier: str
         stop.set()
         for t in threads:
             t.join(10)
+    for w, client in enumerate(clients):  # after the last move's retire: attached again
+        for _ in range(2):
+            client.pull()
+            assert all(r.accepted for r in client.push(grads))
+            pushed[w] += 1
     total = sum(pushed)
     assert total > 0
     assert set(_applies(two_servers).values()) == {total}
