@@ -39,7 +39,8 @@ def _check_partition(run_dir: Path, host: str, *, seconds: float) -> None:
 @pytest.mark.slow  # 18-25 s each
 @pytest.mark.parametrize(
     ("scheme", "ps", "hosts", "epochs"),
-    [("hogwild", "1", "3", "20"), ("sync", "1", "3", "10"), ("allreduce", "0", "2", "10")],
+    # sync's round under a partition: its step timeout and eviction, tests/test_membership.py
+    [("hogwild", "1", "3", "20"), ("allreduce", "0", "2", "10")],
 )
 def test_a_scheme_survives_a_partition_of_a_worker_host(
     tmp_path: Path, scheme: str, ps: str, hosts: str, epochs: str
