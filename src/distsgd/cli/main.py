@@ -40,6 +40,7 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
         "threads": args.threads,
         "quiet": args.quiet,
         "max_restarts": args.max_restarts,
+        "max_rollbacks": args.max_rollbacks,
         "faults": tuple(args.inject_fault),
         "tls": _tls(args),
         "ray": args.ray,

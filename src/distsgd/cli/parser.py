@@ -16,6 +16,7 @@ from distsgd.cli.flags import (
     add_training_flags,
 )
 from distsgd.cli.one_line import OneLineParser
+from distsgd.control.rollback import MAX_ROLLBACKS
 from distsgd.launcher.config import (
     DEFAULT_CHECKPOINT_SECONDS,
     DEFAULT_MAX_RESTARTS,
@@ -133,6 +134,15 @@ def _add_fault_tolerance_flags(parser: argparse.ArgumentParser, *, compare: bool
         help="restart a dead task up to K times in a row from its last checkpoint (default "
         f"{DEFAULT_MAX_RESTARTS}; 0 = stop the run at the first failure)",
     )
+    if not compare:
+        ft.add_argument(
+            "--max-rollbacks",
+            type=int,
+            default=MAX_ROLLBACKS,
+            help="a run whose loss spikes or turns NaN goes back to its last good checkpoint "
+            f"at half the rate, up to K times (default {MAX_ROLLBACKS}; 0 = stop it at once, "
+            "exit code 3)",
+        )
     ft.add_argument(
         "--inject-fault",
         action="append",

@@ -211,6 +211,14 @@ class TrainConfig:
             "help": "fraction of the run whose learning rate rises linearly from 0 (e.g. 0.1)"
         },
     )
+    lr_cut: float = field(
+        default=1.0,
+        metadata={
+            "help": "factor on every rate the run applies, in (0, 1]: the launcher halves it "
+            "each time it rolls a diverged run back (0.5, then 0.25; docs/fault-tolerance.md); "
+            "giving it yourself is a lower --lr that also lowers DiLoCo's inner rate"
+        },
+    )
     nonfinite: str = field(
         default="skip",
         metadata={
@@ -327,6 +335,8 @@ class TrainConfig:
         _one_of("lr_rule", self.lr_rule, LR_RULES)
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _fraction("warmup", self.warmup, "a fraction in [0, 1)")
+        if not 0.0 < self.lr_cut <= 1.0:
+            raise ValueError(f"lr_cut must be in (0, 1], got {self.lr_cut}")
         _either("nonfinite", self.nonfinite, ("skip", "stop"))
         encoding_for(self.wire_dtype)  # the flag's one check, the parameter server's
         pull_encoding_for(self.pull_dtype)  # the same for pulls

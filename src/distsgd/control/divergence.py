@@ -22,9 +22,20 @@ Between :data:`STALL_MOVEMENT` and :data:`BLOWUP_MOVEMENT` the run is *unclear*
 (``TrainResult.unclear``): the launcher names both fixes.
 
 A worker that diverges raises :class:`Diverged`; the bootstrap turns it into the task exit code
-:data:`DIVERGED_EXIT_CODE`, which the launcher never restarts (the same settings would diverge
-again) and reports as the run's own exit code 3 with the fix. A run that ends diverged by the
-last two rules finishes normally, and its ``result.json`` says ``"diverged": true``.
+:data:`DIVERGED_EXIT_CODE`. The launcher does not restart the task as it is (the same settings
+would diverge again): it rolls the whole run back to its last good checkpoint at half the rate
+(:mod:`distsgd.control.rollback`), up to ``--max-rollbacks`` times, and then reports the run's own
+exit code 3 with the fix. A run that ends diverged by the last two rules finishes normally, and
+its ``result.json`` says ``"diverged": true``.
+
+A *loss spike* is the second rule caught while a rollback can still save the run: a worker's
+loss, over :data:`WINDOW` steps, back above where it started by more than :data:`SIGMAS`
+standard errors, for :data:`WINDOW` steps in a row, after it had come :data:`SPIKE_ARMED` of the
+way down (all its progress undone; a worker's loss that climbs only part of the way back can
+recover alone: measured on the demo under AGN with slow peers, the chief's own loss went from
+1.06 back to 2.05 of 2.31 while the servers' model ended at 0.96 accuracy). A worker watches for
+spikes only when the launcher can roll the run back (:class:`LossSpiked`); alone, or with no
+rollbacks left, a spike is judged at the end by the second rule.
 """
 
 from __future__ import annotations
@@ -59,18 +70,37 @@ chance."""
 MOVEMENT_SAMPLE = 4096
 """Elements of each parameter tensor kept (evenly strided) to measure the movement."""
 
+SPIKE_ARMED = 0.2
+"""Spikes are watched for once the best window is this share of the start's size below it:
+before that, a loss that wobbles as it sets off (common under asynchronous schemes, measured
+on the demo: from 2.3 down to 2.0 and back within 40 steps) has made no progress to undo, and
+the end's verdict judges it."""
+
 DIVERGED_EXIT_CODE = 86
-"""Exit code of a worker task whose training diverged (the launcher does not restart it)."""
+"""Exit code of a worker task whose training diverged (the launcher does not restart it as it
+was: it rolls the run back at a lower rate, or stops it)."""
 
 
 class Diverged(FloatingPointError):
-    """Training diverged; the message says where and how."""
+    """Training diverged; the message says where and how. ``good_until``: the last local step
+    whose state was still good, where a rollback may go back to (None: a rollback would not
+    help, e.g. the servers refused a non-finite push under ``--nonfinite stop``)."""
+
+    def __init__(self, message: str, *, good_until: int | None = None) -> None:
+        super().__init__(message)
+        self.good_until = good_until
+
+
+class LossSpiked(Diverged):
+    """The loss spiked (see the module's docstring): the run is rolled back."""
 
 
 class DivergenceMonitor:
     """Follows one worker's training loss; :meth:`observe` raises on a non-finite loss."""
 
-    def __init__(self, name: str, window: int = WINDOW, *, from_start: bool = True) -> None:
+    def __init__(
+        self, name: str, window: int = WINDOW, *, from_start: bool = True, spikes: bool = False
+    ) -> None:
         self.name = name
         self.first: list[float] = []
         self.last: deque[float] = deque(maxlen=window)
@@ -78,14 +108,57 @@ class DivergenceMonitor:
         self.seen = 0
         self.from_start = from_start
         """False for a worker resumed mid-run: its first losses are not the run's start."""
+        self.spikes = spikes
+        """Whether a loss spike raises :class:`LossSpiked` (the launcher can roll back)."""
+        self.best: float | None = None
+        """The lowest mean of :attr:`window` losses in a row so far."""
+        self.best_step = 0
+        """The local step at the end of that window."""
+        self.above = 0
+        """Steps in a row whose window was above the spike's threshold."""
 
     def observe(self, loss: float, step: int) -> None:
+        """One step's loss; :class:`Diverged` when it is not finite, :class:`LossSpiked` on a
+        spike (when watched for)."""
         if not math.isfinite(loss):
-            raise Diverged(f"{self.name}: the training loss became {loss} at step {step}")
+            raise Diverged(
+                f"{self.name}: the training loss became {loss} at step {step}",
+                good_until=max(0, step - self.window),
+            )
         self.seen += 1
         if len(self.first) < self.window:
             self.first.append(loss)
         self.last.append(loss)
+        if len(self.last) < self.window:
+            return
+        now = sum(self.last) / self.window
+        if self.best is None or now <= self.best:
+            self.best, self.best_step, self.above = now, step, 0
+        elif self.spikes and len(self.first) == self.window:
+            self._check_spike(now, step)
+
+    def _check_spike(self, now: float, step: int) -> None:
+        """Raise :class:`LossSpiked` if the windows ending at ``step`` (mean ``now``) and the
+        :attr:`window` before it were above where the loss started, by :data:`SIGMAS`
+        standard errors of the two windows' difference, after it had come down."""
+        start, best = sum(self.first) / self.window, self.best
+        assert best is not None
+        if start - best < SPIKE_ARMED * abs(start):
+            return
+        spread = math.sqrt(
+            (statistics.variance(self.first) + statistics.variance(self.last)) / self.window
+        )
+        if now <= start + SIGMAS * spread:
+            self.above = 0
+            return
+        self.above += 1
+        if self.above >= self.window:  # it stayed up: no passing wobble that recovers alone
+            raise LossSpiked(
+                f"{self.name}: the training loss spiked back to {now:.4g} at step {step}, above "
+                f"where it started ({start:.4g}; it was down to {best:.4g} at step "
+                f"{self.best_step}; means of {self.window} steps)",
+                good_until=self.best_step,
+            )
 
     @property
     def start_loss(self) -> float | None:

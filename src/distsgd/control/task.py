@@ -131,6 +131,15 @@ class TaskEnv:
         },
     )
 
+    rollbacks_left: int = field(
+        default=0,
+        metadata={
+            "help": "rollbacks the launcher may still take (control/rollback.py): while any "
+            "are left a loss spike ends this worker so that the run is rolled back; 0 = a "
+            "spike is judged at the end, as alone"
+        },
+    )
+
     reshard: bool = field(
         default=False,
         metadata={
@@ -148,8 +157,9 @@ class TaskEnv:
                 f"registered_workers must be in 0..{spec.num_workers} (the cluster's workers), "
                 f"got {self.registered_workers}"
             )
-        if self.continue_at < 0:
-            raise ValueError(f"continue_at must be 0 or more, got {self.continue_at}")
+        for name in ("continue_at", "rollbacks_left"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
         for pair in self.ps_link_delays:
             if not (
                 isinstance(pair, (list, tuple))

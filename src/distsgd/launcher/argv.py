@@ -61,8 +61,10 @@ def worker_task(
     resume: Path | None,
     continue_at: int = 0,
     reshard: bool = False,
+    rollbacks_left: int = 0,
 ) -> TaskEnv:
-    """Worker ``index``'s task in a cluster of ``active`` workers started now."""
+    """Worker ``index``'s task in a cluster of ``active`` workers started now; the launcher
+    may still roll the run back ``rollbacks_left`` times."""
     c = config
     return TaskEnv(
         cluster=spec.to_dict(),
@@ -89,6 +91,7 @@ def worker_task(
         # started now (a process group's size), a parameter-server one registers --workers
         registered_workers=(active if c.collective else c.workers) if c.elastic else 0,
         reshard=reshard,
+        rollbacks_left=rollbacks_left,
     )
 
 

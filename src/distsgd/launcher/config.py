@@ -14,6 +14,7 @@ from distsgd.cluster.hosts import HostPlan, Placement, parse_links, plan_hosts
 from distsgd.control.config import TrainConfig, lr_multiplier
 from distsgd.control.faults import Fault
 from distsgd.control.folder import RESULT_FILE, new_run_folder, runs_root
+from distsgd.control.rollback import MAX_ROLLBACKS
 from distsgd.control.spec import RunSpec, WorkerBounds, check_worker_bounds
 from distsgd.transport.security import TlsConfig, check_certificate_names
 
@@ -87,6 +88,13 @@ class LaunchConfig(WorkerBounds):
         metadata={
             "help": "restarts allowed per task in a row before the run stops (0 = fail fast); "
             "a task that then runs healthy for healthy_seconds gets them back"
+        },
+    )
+    max_rollbacks: int = field(
+        default=MAX_ROLLBACKS,
+        metadata={
+            "help": "times a diverged run (a loss spike, a NaN) goes back to its last good "
+            "checkpoint at half the rate before it stops with exit code 3 (0 = stop at once)"
         },
     )
     healthy_seconds: float = field(
@@ -184,8 +192,9 @@ class LaunchConfig(WorkerBounds):
         uses_ps = self._check_scheme()
         if self.checkpoint_every < 0 or self.checkpoint_seconds < 0:
             raise ValueError("--checkpoint-every must be 0 or more steps (N) or seconds (Ns)")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        for flag, value in (("restarts", self.max_restarts), ("rollbacks", self.max_rollbacks)):
+            if value < 0:
+                raise ValueError(f"--max-{flag} must be 0 or more, got {value}")
         if not (self.startup_timeout > 0 and self.wait_timeout > 0 and self.healthy_seconds > 0):
             raise ValueError(
                 "startup_timeout, wait_timeout and healthy_seconds must be positive seconds"

@@ -143,6 +143,8 @@ class Progress:
         self.started = time.time()
         self.divergence: str | None = None
         """The first 'diverged' event's reason (a worker's loss went non-finite or up)."""
+        self.good_until: int | None = None
+        """That event's last good local step (None: none given, a rollback would not help)."""
         self.rates: dict[str, Rate] = {}
         """Per worker, its samples per second since its first metrics line."""
         self.first_record: float | None = None
@@ -191,6 +193,12 @@ class Progress:
                 self.rates.pop(str(record.get("target")), None)
             if record.get("event") == "diverged" and self.divergence is None:
                 self.divergence = str(record.get("reason", "training diverged"))
+                good = record.get("good_until")
+                self.good_until = good if type(good) is int and good >= 0 else None
+
+    def forget_divergence(self) -> None:
+        """The run was rolled back: its divergence is behind it."""
+        self.divergence = self.good_until = None
 
     def total_split(self) -> dict[str, float]:
         """Seconds per phase summed over the workers that finished."""

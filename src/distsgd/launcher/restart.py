@@ -11,7 +11,14 @@ from typing import Any
 
 from distsgd.cluster import Role, TaskId
 from distsgd.control.checkpoint.errors import CheckpointError
-from distsgd.control.checkpoint.store import DiskStore, ShardRef, WorkerStateRef
+from distsgd.control.checkpoint.store import (
+    Checkpoint,
+    DiskStore,
+    ShardRef,
+    WorkerStateRef,
+    complete_checkpoints,
+    set_aside,
+)
 from distsgd.control.errors import SetupErrorRecord
 from distsgd.control.folder import RESULT_FILE
 from distsgd.control.outcome import RunStatus
@@ -29,6 +36,7 @@ from distsgd.control.recovery import (
     plan_restart,
     restart_all,
 )
+from distsgd.control.rollback import RollBack, plan_rollback
 from distsgd.launcher.errors import Interrupted, RunDiverged, RunFailed
 from distsgd.launcher.servers import read_info, tell_finished
 from distsgd.launcher.supervisor import TaskHandle
@@ -122,10 +130,24 @@ class Restarts(LocalTasks):
 
     def _stop(self, plan: Stop, task: TaskHandle, code: int, step: int) -> None:
         if plan.reason == "diverged":
-            self._fault(task.name, code, step, "stop", diverged=True)
             self.progress.poll()
             reason = self.progress.divergence or f"{task.name} stopped on a non-finite loss"
+            rollback = plan_rollback(
+                why=reason,
+                good_until=self.progress.good_until,
+                furthest=max(self.progress.local_steps.values(), default=0),
+                checkpoints=complete_checkpoints(self.ckpt_root),
+                done=len(self.rollbacks),
+                max_rollbacks=self.config.max_rollbacks,
+                lr_cut=float(self.config.overrides.get("lr_cut", 1.0)),
+            )
+            if rollback is not None:
+                self._roll_back(rollback, task.name, code, step)
+                return
+            self._fault(task.name, code, step, "stop", diverged=True)
             record = {"scheme": self.config.scheme, "diverged": True, "divergence": reason}
+            if self.rollbacks:
+                record["rollbacks"] = list(self.rollbacks)
             write_atomic(self.run_dir / RESULT_FILE, json.dumps(record, indent=2) + "\n")
             raise RunDiverged(reason)
         self._fault(task.name, code, step, "stop")
@@ -279,10 +301,6 @@ class Restarts(LocalTasks):
             f"[distsgd] restarting the whole cluster ({plan.why}) "
             f"from {checkpoint.path.name if checkpoint else 'the start'}"
         )
-        self.supervisor.stop()
-        self.supervisor.forget()
-        self.done.clear()
-        self.restored_ps.clear()
         self._fault(
             name,
             code,
@@ -291,6 +309,34 @@ class Restarts(LocalTasks):
             resumed_from=None if checkpoint is None else checkpoint.path.name,
             lost_steps=plan.lost_steps,
         )
+        self._start_over(checkpoint)
+
+    def _roll_back(self, plan: RollBack, name: str, code: int, step: int) -> None:
+        """Carry out ``plan``: every task again from its checkpoint (or the start), every rate
+        times its ``lr_cut`` (saved in ``config.json``: a ``--resume`` keeps it); the newer
+        checkpoints, which hold the diverged state, set aside in ``checkpoints/diverged/``."""
+        at = "the start" if plan.checkpoint is None else plan.checkpoint.path.name
+        self.console.note(
+            f"[distsgd] {plan.why}; rolling back to {at} at {plan.lr_cut:g}x the rate "
+            f"(rollback {plan.number} of {self.config.max_rollbacks})"
+        )
+        self._fault(name, code, step, "rollback", **plan.record())
+        self.rollbacks = (*self.rollbacks, plan.record())
+        self.supervisor.stop()  # before its files move: no worker still writes one
+        at_step = 0 if plan.checkpoint is None else plan.checkpoint.step
+        set_aside(self.ckpt_root, plan.newer, after_step=at_step)
+        overrides = {**self.config.overrides, "lr_cut": plan.lr_cut}
+        self.config = dataclasses.replace(self.config, overrides=overrides)
+        self.write_config()
+        self.progress.forget_divergence()
+        self._start_over(plan.checkpoint)
+
+    def _start_over(self, checkpoint: Checkpoint | None) -> None:
+        """Stop every task and start the whole cluster from ``checkpoint`` (None: the start)."""
+        self.supervisor.stop()
+        self.supervisor.forget()
+        self.done.clear()
+        self.restored_ps.clear()
         self.start_cluster(checkpoint, fresh_ports=True)
 
     # -- the servers ----------------------------------------------------------------------------

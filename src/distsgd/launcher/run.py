@@ -568,7 +568,13 @@ class LocalRun(Restarts):
                 f"[distsgd] rebalance: {moved['moves']} move(s), {moved['failed']} failed; "
                 f"updates per piece {moved['applies_min']}..{moved['applies_max']}"
             )
-        if split or self.progress.staleness or moved is not None or durability is not None:
+        if self.rollbacks:
+            result["rollbacks"] = list(self.rollbacks)
+            self.console.final(
+                f"[distsgd] rolled back {len(self.rollbacks)} time(s) after a divergence; "
+                f"every rate at {self.config.overrides.get('lr_cut', 1.0):g}x since"
+            )
+        if split or self.progress.staleness or moved or durability or self.rollbacks:
             write_atomic(result_path, json.dumps(result, indent=2) + "\n")
         if result.get("test_accuracy") is not None:
             self.console.final(f"test accuracy: {result['test_accuracy']:.4f}")

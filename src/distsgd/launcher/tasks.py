@@ -105,6 +105,9 @@ def wait_for_address(task: TaskHandle, path: Path, timeout: float) -> str:
 class LocalTasks:
     """The tasks of one local run and how they are started."""
 
+    rollbacks: tuple[dict[str, object], ...] = ()
+    """The rollbacks taken so far (``result.json``'s ``rollbacks``; see :class:`Restarts`)."""
+
     def __init__(
         self,
         config: LaunchConfig,
@@ -217,6 +220,11 @@ class LocalTasks:
         worker = [self.task_host(TaskId(job=Role.WORKER, index=i)) for i in workers]
         return ClusterSpec(ps=tuple(f"{a}:0" for a in ps), worker=tuple(f"{a}:0" for a in worker))
 
+    @property
+    def rollbacks_left(self) -> int:
+        """Rollbacks the run may still take (each worker watches for spikes while any are)."""
+        return max(0, self.config.max_rollbacks - len(self.rollbacks))
+
     # -- starting tasks -------------------------------------------------------------------------
     def write_config(self) -> None:
         """Save the run's :class:`~distsgd.control.spec.RunSpec` as its ``config.json``."""
@@ -282,6 +290,7 @@ class LocalTasks:
             resume=resume,
             continue_at=continue_at,
             reshard=reshard,
+            rollbacks_left=self.rollbacks_left,
         )
         self.done.discard(f"worker{index}")
         SetupErrorRecord.clear(self.run_dir, TaskId(job=Role.WORKER, index=index))

@@ -52,7 +52,12 @@ from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.data import BatchFn
 from distsgd.runtime.evaluate import LossFn, MetricFns
 from distsgd.runtime.modules import as_torch_module
-from distsgd.runtime.rates import ServerRate, distsgd_sets_rate, refuse_scheduler
+from distsgd.runtime.rates import (
+    ServerRate,
+    distsgd_sets_rate,
+    has_scheduler,
+    refuse_scheduler,
+)
 from distsgd.runtime.result import TrainResult, work_counts
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.setup import UNBOUNDED, checkpointer, open_worker, stop_on, stop_on_sigterm
@@ -228,7 +233,9 @@ class WorkerSession:
             self._restores.append(
                 stop_on(signal.SIGINT, self.stop, said, self._save_on_stop, once=True)
             )
-        self.watch = DivergenceMonitor(self.name, from_start=self.start_step == 0)
+        self.watch = DivergenceMonitor(
+            self.name, from_start=self.start_step == 0, spikes=self.env.rollbacks_left > 0
+        )
         if self._chief is not None:
             self._chief.start(self.model, from_start=self.start_step == 0)
         self.started = time.monotonic()
@@ -283,18 +290,20 @@ class WorkerSession:
     def _set_rate(self) -> None:
         """This step's rate: distsgd's schedule when it has one (a scheduler of the loop's
         own is then refused), else the rate the loop's scheduler gave ``worker.optimizer``
-        (the local optimizer keeps it; the servers get it as each push's ``lr_scale``)."""
+        (the local optimizer keeps it; the servers get it as each push's ``lr_scale``); both
+        times a rollback's ``lr_cut``, which a scheduler of the loop's own leaves to it."""
         ctx, progress, rate = self._ctx, self.progress(), self.rate
         assert rate is not None
-        if not distsgd_sets_rate(self.config):
+        cut = self.config.lr_cut  # below 1 after a rollback (control/rollback.py)
+        if not distsgd_sets_rate(self.config) or progress is None:
             if isinstance(rate, ServerRate):
-                ctx.lr_scale = rate.scale()
-            return
-        if progress is None:
+                ctx.lr_scale = rate.scale() * cut
+            elif ctx.lr_scale != cut and not has_scheduler(rate):  # else its scheduler's
+                ctx.set_lr_scale(cut)
             return
         refuse_scheduler(self.config, rate)
         done, total = progress
-        scale = lr_factor(self.config.lr_schedule, done, total, self.config.warmup)
+        scale = lr_factor(self.config.lr_schedule, done, total, self.config.warmup) * cut
         if self.config.world_size == "dynamic":  # the rule follows the live workers
             scale *= self.lr_scaling.at(ctx.live_workers)
         ctx.set_lr_scale(scale)
@@ -495,7 +504,7 @@ class WorkerSession:
     def failed(self, exc: BaseException) -> None:
         """The loop raised: a divergence is logged as such (the launcher reports it)."""
         if isinstance(exc, Diverged):
-            self.metrics.log(event="diverged", reason=str(exc))
+            self.metrics.log(event="diverged", reason=str(exc), good_until=exc.good_until)
 
     def close(self) -> None:
         """Always, after finish or a failure: signal handler, heartbeat, sockets, files."""

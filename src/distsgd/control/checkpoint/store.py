@@ -26,6 +26,7 @@ import logging
 import re
 import shutil
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -296,6 +297,47 @@ def latest_checkpoint(root: Path) -> tuple[Checkpoint | None, list[CheckpointErr
         except CheckpointError as exc:
             problems.append(exc)
     return None, problems
+
+
+def complete_checkpoints(root: Path) -> list[Checkpoint]:
+    """Every complete, intact checkpoint under ``root``, oldest first (as
+    :func:`latest_checkpoint` judges each: a damaged or incomplete one is left out, one holding
+    Python objects raises)."""
+    found = []
+    for path in checkpoint_dirs(root):
+        try:
+            found.append(verify(path))
+        except UnsafeFileError:
+            raise
+        except CheckpointError:
+            continue
+    return found
+
+
+DIVERGED = "diverged"
+"""The folder under ``checkpoints/`` that a rollback moves what it went back past into (it
+holds the diverged state): out of every resume's and restart's reach, kept to be looked at."""
+
+
+def set_aside(root: Path, newer: Iterable[Checkpoint], *, after_step: int) -> None:
+    """Move the checkpoints ``newer``, every server-only one (:data:`SHARDS_PREFIX`) and every
+    worker state saved after local step ``after_step`` into ``root/diverged/``, in place of
+    what an earlier rollback set aside there (one rollback's worth is kept)."""
+    moving = [c.path for c in newer if c.path.parent == root]
+    moving += [p for p in root.glob(f"{SHARDS_PREFIX}*") if p.is_dir()]
+    states = [p for p in (root / "workers").glob("worker*.pt") if WORKER_FILE.fullmatch(p.name)]
+    states = [p for p in states if worker_state_step(p) > after_step]
+    if not moving and not states:
+        return
+    aside = root / DIVERGED
+    shutil.rmtree(aside, ignore_errors=True)
+    (aside / "workers").mkdir(parents=True)
+    for path in moving:
+        path.rename(aside / path.name)
+    for path in states:
+        path.rename(aside / "workers" / path.name)
+        if sidecar(path).exists():
+            sidecar(path).rename(aside / "workers" / sidecar(path).name)
 
 
 # -- shard files --------------------------------------------------------------------------------
