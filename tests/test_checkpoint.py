@@ -23,7 +23,7 @@ from distsgd.control.checkpoint.store import (
     verify,
 )
 from distsgd.ps import PushMeta, Shard
-from distsgd.ps.shard import CorruptCheckpoint
+from distsgd.ps.shard_file import CorruptCheckpoint
 from distsgd.runtime.checkpoint import save_worker_state
 from distsgd.schemes.downpour import DownpourOptions, DownpourWorker
 

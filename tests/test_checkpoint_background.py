@@ -288,7 +288,8 @@ def test_a_server_writes_its_checkpoint_without_stalling_pushes(
     import threading
 
     from distsgd.ps import start_server, stop_server, wal
-    from distsgd.ps.shard import Shard, read_shard_header
+    from distsgd.ps.shard import Shard
+    from distsgd.ps.shard_file import read_shard_header
     from distsgd.schemes import make_server_rule
     from distsgd.transport import ShardClient
 

@@ -32,7 +32,8 @@ from distsgd.control.checkpoint.store import (
     worker_state_step,
 )
 from distsgd.control.config import TrainConfig
-from distsgd.ps.shard import CorruptCheckpoint, Shard, read_shard_header
+from distsgd.ps.shard import Shard
+from distsgd.ps.shard_file import CorruptCheckpoint, read_shard_header
 from distsgd.runtime.checkpoint import (
     UnsavableStateError,
     load_worker_state,

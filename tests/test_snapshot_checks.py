@@ -17,7 +17,8 @@ import pytest
 from distsgd.ps import wal
 from distsgd.ps.rules import PushMeta
 from distsgd.ps.service import ParameterService
-from distsgd.ps.shard import CorruptCheckpoint, Shard
+from distsgd.ps.shard import Shard
+from distsgd.ps.shard_file import CorruptCheckpoint
 from distsgd.schemes import make_server_rule
 
 OPTIONS = {"lr": 0.1, "momentum": 0.9}

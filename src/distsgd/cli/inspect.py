@@ -7,7 +7,7 @@ from typing import Any
 
 from distsgd.control.checkpoint.errors import CheckpointError
 from distsgd.control.checkpoint.store import MANIFEST, latest_checkpoint, verify
-from distsgd.ps.shard import (
+from distsgd.ps.shard_file import (
     SHARD_FILE_GLOB,
     CorruptCheckpoint,
     read_shard_arrays,

@@ -9,10 +9,9 @@ never UNKNOWN.
 What is validated is what is applied: the rule only ever reads server-private memory that no
 peer can write once the checks begin. A stream's chunks are assembled into buffers of the call
 (``ChunkAssembler``); a data-channel frame is read into bytes of its own; a tensor socket's
-payload is received into the entry's ``scratch``; and a shared-memory push, whose segment the
+payload is received into the entry's ``scratch``; a shared-memory push, whose segment the
 worker (or any process mapping it) can still write, is first copied, exactly the announced
-bytes, into that same ``scratch`` under the entry's lock, and checked and applied from there.
-"""
+bytes, into that same ``scratch`` under the entry's lock, and checked and applied from there."""
 
 from __future__ import annotations
 
@@ -43,7 +42,8 @@ from distsgd.ps.rules import (
 )
 from distsgd.ps.segments import SegmentTable
 from distsgd.ps.service_errors import abort, clip, guarded
-from distsgd.ps.shard import Shard, restore_file, shard_file_name
+from distsgd.ps.shard import Shard, restore_file
+from distsgd.ps.shard_file import shard_file_name
 from distsgd.ps.shared_plane import SharedPlane
 from distsgd.ps.work import MAX_DONE, MAX_LEASE, Unit, WorkQueue, WorkSpec
 from distsgd.transport import bulk
@@ -95,8 +95,7 @@ class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
     At most ``max_waiting_pulls`` Pulls wait for a version at once (each holds a server thread);
     one more is answered RESOURCE_EXHAUSTED (``Refusal.BUSY``, retried by clients), so waiting
     pulls never take the threads that pushes, Info and Leave need. :meth:`close` wakes every
-    waiting pull, which then answers UNAVAILABLE.
-    """
+    waiting pull, which then answers UNAVAILABLE."""
 
     def __init__(
         self,
@@ -371,6 +370,7 @@ class ParameterService(SharedPlane, MovePlane, pb_grpc.ParameterServerServicer):
                 max_workers=self.max_workers,
                 evict_after=self.evict_after,
                 work=work,
+                own=True,  # the stream's buffers, assembled for it alone: no copy
             )
             if self.wal_dir is not None:
                 wal.begin(self.wal_dir, shard)  # the base snapshot, before any push

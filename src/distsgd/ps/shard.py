@@ -11,9 +11,7 @@ import json
 import logging
 import threading
 import time
-import zipfile
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -34,6 +32,10 @@ from distsgd.ps.rules import (
     parse_options_json,
 )
 from distsgd.ps.sequence import AppliedSequences
+from distsgd.ps.shard_file import (  # re-exported: callers read them here too
+    CHECKPOINT_FORMAT as CHECKPOINT_FORMAT,
+)
+from distsgd.ps.shard_file import CorruptCheckpoint, first_line
 from distsgd.ps.wal_outage import until_logged
 from distsgd.ps.work import Unit, WorkQueue, WorkSpec
 from distsgd.transport.errors import PushReject
@@ -42,12 +44,6 @@ if TYPE_CHECKING:
     from distsgd.ps.wal import WriteAheadLog
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_FORMAT = 1
-
-
-class CorruptCheckpoint(ValueError):
-    """A shard file that cannot be read back; the message names the file."""
 
 
 class Shard:
@@ -70,15 +66,14 @@ class Shard:
         max_workers: int = 0,
         evict_after: float = DEFAULT_EVICT_AFTER,
         work: WorkSpec | None = None,
+        own: bool = False,
     ) -> None:
-        """``max_workers`` and ``evict_after``: see :class:`~distsgd.ps.membership.Membership`;
-        ``work``: the work units this shard hands out (shard 0 of an elastic run; see
-        :mod:`distsgd.ps.work`)."""
-        self.index = index
-        self.scheme = scheme
-        self.options_json = options_json
+        """``max_workers``, ``evict_after``: see :class:`~distsgd.ps.membership.Membership`;
+        ``work``: the work units it hands out (:mod:`distsgd.ps.work`); ``own``: ``values`` are
+        its to keep (nothing else holds them), not copied: no second model while it registers."""
+        self.index, self.scheme, self.options_json = index, scheme, options_json
         self.num_workers = num_workers
-        self.values: dict[str, np.ndarray] = {k: np.array(v, copy=True) for k, v in values.items()}
+        self.values: dict[str, np.ndarray] = {k: _kept(v, own) for k, v in values.items()}
         self.rule = rule
         self.run_id = run_id
         self.version = 0
@@ -491,6 +486,7 @@ class Shard:
                 run_id=header["run_id"],
                 max_workers=max_workers,
                 evict_after=evict_after,
+                own=True,  # np.load made them
             )
             shard.version = shard.restored_version = int(header["version"])
             shard.finished = set(header["finished"])
@@ -504,7 +500,7 @@ class Shard:
             raise
         except Exception as exc:  # zip, json, key, rule state errors: the file is damaged
             raise CorruptCheckpoint(
-                f"{name}: not a readable shard checkpoint ({_first_line(exc)})"
+                f"{name}: not a readable shard checkpoint ({first_line(exc)})"
             ) from None
         return shard
 
@@ -542,159 +538,13 @@ def restore_file(
 
 
 # -- the shard file, read without rebuilding a shard ---------------------------------------------
-_HEADER_TYPES: dict[str, type] = {
-    "index": int,
-    "version": int,
-    "num_workers": int,
-    "scheme": str,
-    "keys": list,
-    "finished": list,
-    "rule": dict,
-}
-"""The header keys every reader of a shard file relies on, with their JSON types."""
-
-
-def _not_a_shard(path: Path, why: str) -> CorruptCheckpoint:
-    return CorruptCheckpoint(
-        f"{path}: not a distsgd shard checkpoint ({why}); give a psN.npz of a checkpoint"
-    )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+def _kept(value: np.ndarray, own: bool) -> np.ndarray:
+    """``value`` as the shard keeps it: itself when ``own`` and writable and contiguous."""
+    keep = own and value.flags.writeable and value.flags.c_contiguous
+    return value if keep else np.array(value, copy=True)
 
 
 def _copy_into(out: Mapping[str, Callable[[np.ndarray], object]], values: Mapping) -> None:
     for key, value in values.items():
         if (write := out.get(key)) is not None:
             write(value)
-
-
-def _count(header: Mapping[str, Any], key: str) -> int | None:
-    value = header.get(key)
-    return value if type(value) is int else None
-
-
-SHARD_FILE_GLOB = "ps*.npz"
-"""The names of shard files in a checkpoint folder."""
-
-
-def shard_file_name(index: int) -> str:
-    """The file name shard ``index`` saves to in a checkpoint folder (``ps<index>.npz``)."""
-    return f"ps{index}.npz"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardHeader:
-    """The JSON header of a shard file (``ps<j>.npz``, written by :meth:`Shard.to_bytes`)."""
-
-    index: int
-    """Which shard of the model the file holds."""
-    version: int
-    """The shard's version (parameter changes applied) when it was saved."""
-    num_workers: int
-    """The workers the shard was serving."""
-    scheme: str
-    """The scheme whose update rule the shard ran."""
-    keys: tuple[str, ...]
-    """The parameters (``values/<key>`` members)."""
-    finished: tuple[int, ...]
-    """Workers that had finished when the file was saved."""
-    rule: Mapping[str, Any]
-    """The rule's non-array state (its arrays are ``rule/<name>`` members)."""
-    pushes_accepted: int | None = None
-    """Pushes applied (None: a file without the counter)."""
-    pushes_rejected: int | None = None
-    """Pushes refused."""
-    nonfinite_rejected: int | None = None
-    """Pushes refused for non-finite values."""
-
-    @classmethod
-    def from_json(cls, path: Path, header: Any) -> ShardHeader:
-        """The header of ``path`` from its decoded JSON; :class:`CorruptCheckpoint` naming the
-        file for a header of another format or without a required key."""
-        if not isinstance(header, dict):
-            raise _not_a_shard(path, "its header is not a JSON object")
-        if header.get("format") != CHECKPOINT_FORMAT:
-            why = f"shard format {header.get('format')!r}, not {CHECKPOINT_FORMAT}"
-            raise _not_a_shard(path, why)
-        for key, kind in _HEADER_TYPES.items():
-            if key not in header:
-                raise _not_a_shard(path, f"its header has no {key!r}")
-            if not isinstance(header[key], kind) or isinstance(header[key], bool):
-                raise _not_a_shard(path, f"its header's {key!r} is {header[key]!r}")
-        return cls(
-            index=header["index"],
-            version=header["version"],
-            num_workers=header["num_workers"],
-            scheme=header["scheme"],
-            keys=tuple(str(k) for k in header["keys"]),
-            finished=tuple(int(w) for w in header["finished"]),
-            rule=dict(header["rule"]),
-            pushes_accepted=_count(header, "pushes_accepted"),
-            pushes_rejected=_count(header, "pushes_rejected"),
-            nonfinite_rejected=_count(header, "nonfinite_rejected"),
-        )
-
-
-def read_shard_header(path: Path) -> ShardHeader:
-    """The header of a shard file, read from its ``header`` member alone (no parameters, no
-    pickle); :class:`CorruptCheckpoint` naming the file when it is no shard file."""
-    if not zipfile.is_zipfile(path):
-        raise _not_a_shard(path, "not an .npz archive")
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            if "header" not in npz.files:
-                raise _not_a_shard(path, "no header")
-            raw = npz["header"]
-    except CorruptCheckpoint:
-        raise
-    except ValueError:  # numpy: an object array, which would need pickle
-        raise _not_a_shard(path, "its header is not plain data") from None
-    except Exception as exc:  # zip, zlib, truncated member
-        raise _not_a_shard(path, f"damaged: {_first_line(exc)}") from None
-    if raw.dtype != np.uint8 or raw.ndim != 1:
-        raise _not_a_shard(path, f"its header is {raw.dtype.name}{list(raw.shape)}, not JSON")
-    try:
-        header = json.loads(raw.tobytes())
-    except ValueError:
-        raise _not_a_shard(path, "its header is not JSON") from None
-    return ShardHeader.from_json(path, header)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ArrayInfo:
-    """One array of a shard file, described without keeping its values."""
-
-    name: str
-    """The parameter's key."""
-    dtype: str
-    """Its numpy dtype's name."""
-    shape: tuple[int, ...]
-    """Its shape."""
-    nbytes: int
-    """Its size in bytes."""
-
-
-def read_shard_arrays(path: Path, header: ShardHeader) -> tuple[list[ArrayInfo], list[str]]:
-    """(each parameter of ``path``, the names of the rule's state: its arrays, then the rest),
-    read without pickle; :class:`CorruptCheckpoint` naming the file for a missing parameter,
-    an object array or a damaged member."""
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = []
-            for key in header.keys:
-                a = npz[f"values/{key}"]
-                info = ArrayInfo(name=key, dtype=a.dtype.name, shape=a.shape, nbytes=a.nbytes)
-                arrays.append(info)
-            rule = [k[5:] for k in npz.files if k.startswith("rule/")] + list(header.rule)
-    except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        raise _not_a_shard(path, f"{type(exc).__name__} reading its parameters") from None
-    return arrays, rule
-
-
-def shard_file_intact(path: Path) -> bool:
-    """Whether every member of the shard file ``path`` passes its zip checksum and its
-    contents the checks a server makes before it serves them (:mod:`snapshot_check`)."""
-    return snapshot_check.file_intact(path)

@@ -5,7 +5,7 @@ dtype and shape the header records, where it records them), and every array of t
 finite and, where it belongs to a piece, of that piece's shape.
 
 :func:`problem` says in a few words what is wrong (None: nothing); the caller names the file
-and raises :class:`~distsgd.ps.shard.CorruptCheckpoint`, so that a damaged snapshot is named as
+and raises :class:`~distsgd.ps.shard_file.CorruptCheckpoint`, so that a damaged snapshot is named as
 damaged and the server falls back to an older state instead of serving NaN or failing later as
 a bug.
 """

@@ -504,9 +504,9 @@ def recover(
     evict_after: float = DEFAULT_EVICT_AFTER,
 ) -> Recovery | None:
     """The shard as the dead server had it: the newest readable snapshot, then every record
-    logged after it. None if ``folder`` holds no snapshot; :class:`WalError` if none is
-    readable."""
-    from distsgd.ps.shard import CorruptCheckpoint, Shard
+    logged after it. None if ``folder`` holds no snapshot; :class:`WalError` if none reads."""
+    from distsgd.ps.shard import Shard
+    from distsgd.ps.shard_file import CorruptCheckpoint
 
     folder = Path(folder)
     snapshots = _generations(folder, _SNAPSHOT_RE)

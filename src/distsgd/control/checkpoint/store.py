@@ -15,7 +15,7 @@ checksum; a write killed halfway leaves no manifest (or a damaged file), and
 temporary name, fsynced and renamed. A worker state file holding Python objects beyond tensors
 and plain containers is refused (:class:`UnsafeFileError`) by reading its pickle's opcodes
 (:mod:`distsgd.control.checkpoint.safety`); the shard file's own reader is
-:func:`distsgd.ps.shard.read_shard_header`.
+:func:`distsgd.ps.shard_file.read_shard_header`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from distsgd.control.checkpoint.errors import (
 )
 from distsgd.control.checkpoint.safety import unsafe_globals
 from distsgd.ps import wal
-from distsgd.ps.shard import (
+from distsgd.ps.shard_file import (
     CorruptCheckpoint,
     read_shard_header,
     shard_file_intact,
