@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import io
 import json
 import logging
 import math
@@ -50,7 +49,7 @@ from distsgd.runtime.evaluate import LossFn, MetricFns, evaluate
 from distsgd.runtime.modules import exchanged_parameters, load_eval_state
 from distsgd.runtime.result import TrainResult, recorded_result, result_fields
 from distsgd.runtime.scheme import WorkerScheme
-from distsgd.util import write_atomic, write_bytes_atomic
+from distsgd.util import write_atomic, write_stream_atomic
 
 log = logging.getLogger(__name__)
 
@@ -341,9 +340,9 @@ def save_result(
 ) -> None:
     """The run's final parameters and ``result.json`` (with the config as given and how its
     rate was scaled) in ``run_dir``."""
-    buf = io.BytesIO()
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
-    write_bytes_atomic(run_dir / FINAL_PARAMS_FILE, buf.getvalue())
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    # streamed into the file: no serialized copy of the model in memory (two, with getvalue)
+    write_stream_atomic(run_dir / FINAL_PARAMS_FILE, lambda f: torch.save(state, f))
     saved: dict[str, Any] = {
         **result_fields(result),
         "config": config.to_dict(),
