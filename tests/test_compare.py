@@ -700,6 +700,28 @@ def test_a_run_that_did_not_learn_is_named_so(tmp_path: Path) -> None:
     assert best is not None and best.setting == {"lr": 0.3}
 
 
+@pytest.mark.parametrize(
+    ("status", "cell"),
+    [("ok", "ok (rolled back 2x)"), ("diverged", "**diverged** (rolled back 2x): why")],
+)
+def test_a_run_that_was_rolled_back_says_so_in_the_table(
+    status: str, cell: str, tmp_path: Path
+) -> None:
+    """``result.json``'s ``rollbacks`` (docs/fault-tolerance.md) reach the table's status cell;
+    a run without them reads as before."""
+    rollbacks = [{"rollback": n, "lr_cut": 0.5**n} for n in (1, 2)]
+    (tmp_path / RESULT_FILE).write_text(json.dumps({"test_accuracy": 0.9, "rollbacks": rollbacks}))
+    (tmp_path / METRICS_FILE).write_text("")
+    common = dict(label="sync", parameter_servers=1, eval_every=4, wall_seconds=3.0)
+    run = compare_module.summarize("sync", tmp_path, status=status, reason="why", **common)
+    assert run.rollbacks == 2
+    context = _context(command="distsgd compare --schemes sync", label="demo", workers=2)
+    assert _rows(markdown(context, [run]))["sync"][0] == cell
+    (tmp_path / RESULT_FILE).write_text(json.dumps({"test_accuracy": 0.9, "rollbacks": "bad"}))
+    plain = compare_module.summarize("sync", tmp_path, status="ok", **common)
+    assert plain.rollbacks == 0 and _rows(markdown(context, [plain]))["sync"][0] == "ok"
+
+
 # ----------------------------------------------------------------------------- matplotlib, an extra
 
 

@@ -202,11 +202,12 @@ def _row(group: Sequence[SchemeRun], target: float | None, workers: int | None =
         reach = "not reached"
     else:
         reach = f"{run.seconds_to_target:.1f}"
+    rolled = f" (rolled back {run.rollbacks}x)" if run.rollbacks else ""
     cells = [
         f"`{run.label}`",
-        "ok"
+        f"ok{rolled}"
         if run.status == "ok"
-        else f"**{'did not learn' if run.stalled else 'diverged'}**: {run.reason}",
+        else f"**{'did not learn' if run.stalled else 'diverged'}**{rolled}: {run.reason}",
         _number(run.final_accuracy),
         _number(run.final_test_loss),
         reach,
@@ -223,8 +224,9 @@ def _status(group: Sequence[SchemeRun]) -> str:
     counts: dict[str, int] = {}
     for run in group:
         counts[run.status] = counts.get(run.status, 0) + 1
+    rolled = sum(1 for run in group if run.rollbacks)
     if set(counts) == {"ok"}:
-        return f"ok ({len(group)} runs)"
+        return f"ok ({len(group)} runs{f', {rolled} rolled back' if rolled else ''})"
     text = ", ".join(f"{n} {status}" for status, n in counts.items())
     reasons = sorted({r.reason for r in group if r.status != "ok" and r.reason})
     return f"**{text}**" + (f": {reasons[0]}" if reasons else "")

@@ -111,6 +111,9 @@ class SchemeRun:
     stalled: bool = False
     """A diverged run that ended at chance while its parameters barely moved: it did not
     learn."""
+    rollbacks: int = 0
+    """Times the run went back to its last good state at a lower rate after a divergence
+    (``result.json``'s ``rollbacks``; docs/fault-tolerance.md)."""
     curves: Curves = field(default_factory=Curves)
 
     def __post_init__(self) -> None:
@@ -384,6 +387,7 @@ def summarize(
         status=status,
         reason=reason,
         stalled=bool(result.get("stalled")),
+        rollbacks=len(rolled) if isinstance(rolled := result.get("rollbacks"), list) else 0,
         run_dir=str(run_dir),
         parameter_servers=parameter_servers,
         eval_every=eval_every,
