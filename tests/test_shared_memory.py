@@ -105,6 +105,29 @@ def test_pull_and_push_through_shared_memory_equal_the_stream_bit_for_bit(server
         stream.close()
 
 
+def test_a_released_pull_area_gives_its_pages_back_and_the_next_pull_fills_it(servers) -> None:
+    model = {"big": np.arange(1 << 16, dtype=np.float32), "small": np.ones(3, np.float32)}
+    plan = PartitionPlan.from_arrays(model, 1)
+    client = ParameterClient(
+        [servers[0][0]], plan, worker=0, run_id=RUN, timeout=10.0, shared_memory=True
+    )
+    try:
+        client.register(model, scheme="hogwild", options={"lr": 0.1}, num_workers=1)
+        client.wait_registered(5)
+        _, views = client.shards[0].pull()  # views of the segment's pull area, by piece key
+        big, small = sorted(views.values(), key=lambda v: -v.size)
+        assert client.shared_memory_shards == 1 and np.array_equal(big, model["big"])
+        client.release_pulled()
+        # The pages wholly inside the 256 KB piece are gone (zeros); the 12-byte one keeps its
+        # page, which it shares with its neighbours.
+        assert (big == 0).mean() > 0.9 and np.array_equal(small, model["small"])
+        into = {k: np.zeros_like(v) for k, v in model.items()}
+        client.pull(into=into)
+        assert all(np.array_equal(into[k], model[k]) for k in model)
+    finally:
+        client.close()
+
+
 @contextlib.contextmanager
 def _one_piece_shard(
     address: str,

@@ -499,6 +499,14 @@ class ParameterClient:
             out[piece.param.name] = view
         return out
 
+    def release_pulled(self) -> None:
+        """Give the memory the last pull's values took on the way back (each shared-memory
+        segment's pull area: a pull writes it again). Only once they were copied where they
+        are kept, such as the replica's parameters (``pull(into=...)``)."""
+        with self._lock:
+            for shard in self.shards:
+                shard.release_pulled()
+
     def checkpoint(self, name: str) -> list[dict[str, Any]]:
         """Every shard writes its state under checkpoint ``name``: file, sha256, bytes, version."""
         replies = self._each(lambda i, s: s.checkpoint(name))

@@ -25,6 +25,7 @@ from distsgd.ps.client import ParameterClient
 from distsgd.ps.compression import encoding_for
 from distsgd.transport.client import PushResult
 from distsgd.transport.errors import PushReject
+from distsgd.util.libc import trim_heap
 
 T = TypeVar("T")
 
@@ -256,9 +257,26 @@ class WorkerContext:
         return version, arrays
 
     def pull(
-        self, *, min_version: int | Sequence[int] = 0, names: Collection[str] | None = None
+        self,
+        *,
+        min_version: int | Sequence[int] = 0,
+        names: Collection[str] | None = None,
+        release: bool = False,
     ) -> int:
-        """Load the servers' parameters (``names``: those) into the replica; their version."""
+        """Load the servers' parameters (``names``: those) into the replica; their version.
+
+        ``release``: give back the memory the values came through (a shared-memory pull area
+        of the model's size) once they are in the replica, for a scheme that pulls seldom: the
+        next pull takes it again."""
+        try:
+            return self._pull_into_replica(min_version, names)
+        finally:
+            if release and self._ps is not None:
+                self._ps.release_pulled()
+
+    def _pull_into_replica(
+        self, min_version: int | Sequence[int], names: Collection[str] | None
+    ) -> int:
         views = self._param_views()
         if views is None:
             version, arrays = self.pull_arrays(min_version=min_version, names=names)
@@ -354,6 +372,14 @@ class WorkerContext:
 
     def _per_shard(self, version: int | Sequence[int]) -> list[int]:
         return [version] * len(self.ps.versions) if isinstance(version, int) else list(version)
+
+    def release_grads(self) -> None:
+        """Free the replica's gradients until the next backward makes them again (a scheme
+        that has used them, before an exchange that needs memory of the model's size), and give
+        their pages back to the system (C heap blocks stay resident when freed)."""
+        for p in self.params.values():
+            p.grad = None
+        trim_heap()
 
     def push_buffers(self) -> dict[str, np.ndarray] | None:
         """Arrays (one per parameter, of its shape) into which a scheme may write a whole

@@ -329,7 +329,7 @@ class AsyncDilocoWorker(WorkerScheme):
     def start(self, ctx: WorkerContext) -> None:
         o = self.options
         self.inner = ctx.make_optimizer("adamw", lr=o.inner_lr, weight_decay=o.weight_decay)
-        ctx.pull()
+        ctx.pull(release=not o.overlap)
         self.round_start: dict[str, np.ndarray] = {}
         self.replica = ctx.params
         """The replica's exchanged parameters (not state: a resumed worker's own)."""
@@ -390,9 +390,13 @@ class AsyncDilocoWorker(WorkerScheme):
             sent_at = {k: np.array(landed[k]) for k in names}
             self.inflight[part] = (ctx.background(exchange), sent_at, bases, steps)
         else:
+            # The model-sized buffers an exchange needs come out of what a round no longer
+            # does: the gradients (the next backward makes them again) and, once the pulled
+            # values are in the replica, the pull area (a pull writes it again).
+            ctx.release_grads()
             bases = ctx.versions
             results = ctx.push(pseudo)
-            ctx.pull(names=some)
+            ctx.pull(names=some, release=True)
             self._pace(ctx, results, bases, steps)
         self._start_in_push_area(ctx, names)
         self.pending[part] = self.lead[part] = 0

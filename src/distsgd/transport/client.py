@@ -373,6 +373,13 @@ class ShardClient:
         attached = self._attacher.carrier()
         return None if attached is None else attached.push_area()
 
+    def release_pulled(self) -> None:
+        """Give the memory of the attached carrier's last pull back (a shared-memory segment's
+        pull area: its pages); a later pull writes it again. Only once the pulled arrays were
+        copied where they are kept. Attaches nothing."""
+        if self._attacher.current is not None:
+            self._attacher.current.release_pulled()
+
     def checkpoint(self, name: str) -> pb.CheckpointResponse:
         """Ask the shard to write its state under checkpoint ``name``."""
         request = pb.CheckpointRequest(header=self.link.header, name=name)

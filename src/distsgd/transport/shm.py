@@ -184,6 +184,21 @@ class Segment:
         else:
             np.copyto(self._buffer[offset : offset + view.nbytes], np.frombuffer(view, np.uint8))
 
+    def discard(self, view: np.ndarray) -> None:
+        """Give the pages wholly inside ``view`` (an :meth:`array` of this segment) back to the
+        system: they read as zeros until written again, and count in no process's memory
+        meanwhile. Nothing where the segment is not mapped or the system cannot (no
+        ``MADV_REMOVE``)."""
+        if self._map is None or not hasattr(mmap, "MADV_REMOVE") or not view.nbytes:
+            return
+        offset = view.__array_interface__["data"][0] - self._buffer.__array_interface__["data"][0]
+        self._inside(offset, view.nbytes)
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        stop = (offset + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if stop > start:
+            with contextlib.suppress(OSError, ValueError):
+                self._map.madvise(mmap.MADV_REMOVE, start, stop - start)
+
     def unlink(self) -> None:
         """Remove the name (the memory stays until every mapping is gone)."""
         if self._linked:

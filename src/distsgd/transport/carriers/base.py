@@ -109,5 +109,9 @@ class Carrier(ABC):
         """Where a payload may be written in place, one array per piece (None: nowhere)."""
         return None
 
+    def release_pulled(self) -> None:  # noqa: B027 (most carriers keep their buffers)
+        """Give the memory of the last pull's values back (the next pull writes them again);
+        only after they were copied where they are kept."""
+
     def close(self) -> None:  # noqa: B027 (most carriers hold nothing to close)
         """Release what the carrier holds (a mapping, a connection)."""

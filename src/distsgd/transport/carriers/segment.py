@@ -37,6 +37,10 @@ class SegmentCarrier(AttachedCarrier):
     def push_area(self) -> dict[str, np.ndarray] | None:
         return self.push_views
 
+    def release_pulled(self) -> None:
+        for view in self.pull_views.values():
+            self.segment.discard(view)
+
     def carries(self, payload: Payload) -> bool:
         if not payload.encoded:
             return all(self.fits(key, array) for key, array in payload.items())
