@@ -163,6 +163,30 @@ def test_a_writer_killed_mid_write_leaves_the_last_good_state(
     assert not list((saver.root / "workers").glob(".*.tmp"))
 
 
+def test_a_writer_that_hangs_is_killed_after_its_patience_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A forked writer that never ends (as one waiting on a lock another thread of the worker
+    held at the fork would): the next due checkpoint waits for it only as long as its
+    patience, kills it, skips its checkpoint and is written itself."""
+    model, saver = _model(), _saver(tmp_path)
+    monkeypatch.setattr(state_writer, "PATIENCE_SECONDS", 1.0)
+    real = state_writer.write_state_file
+    monkeypatch.setattr(state_writer, "write_state_file", lambda path, state: time.sleep(600))
+    saver.maybe_save_worker(1, 0, lambda: _state(model, 1))
+    hung = saver._writing
+    assert hung is not None and hung.patience < 1.5
+    monkeypatch.setattr(state_writer, "write_state_file", real)
+    began = time.monotonic()
+    saver.maybe_save_worker(2, 0, lambda: _state(model, 2))  # waits for step 1's writer
+    assert 0.5 < time.monotonic() - began < 10
+    assert hung.outcome is state_writer.WriteOutcome.HUNG and hung.exit_code == -signal.SIGKILL
+    assert "the writer of worker0-00000001.pt made no end" in caplog.text
+    saver.close()
+    assert [f.name for f in worker_files(saver.root, 0)] == ["worker0-00000002.pt"]
+    assert saver.skipped == 1 and saver.count == 1
+
+
 class Tied(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -341,6 +341,9 @@ class _FakeServers:
     def push_buffers(self) -> None:
         return None  # no shared memory: gradients stay where backward puts them
 
+    def release_pulled(self) -> None:
+        """No pull area to give back."""
+
 
 def _trained_scheme(name: str) -> tuple[WorkerScheme, WorkerContext]:
     """Worker 0 of ``name`` after 3 steps of a tiny problem, servers and peers faked."""

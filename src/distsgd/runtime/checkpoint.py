@@ -334,7 +334,8 @@ class Checkpointer:
         write, waiting for a previous write, and on the chief asking the manifest writer for
         the servers' (what checkpoints cost this worker in training time)."""
         self.skipped = 0
-        """Checkpoints this worker skipped because the disk was full (ENOSPC, EDQUOT)."""
+        """Checkpoints this worker skipped: the disk was full (ENOSPC, EDQUOT), or their writer
+        hung and was killed."""
         self.waited = 0
         """Checkpoints that came due while the previous state was still being written."""
         self._writing: BackgroundWrite | None = None
@@ -365,6 +366,9 @@ class Checkpointer:
 
     def _background_done(self, write: BackgroundWrite) -> None:
         assert write.outcome is not None
+        if write.outcome is WriteOutcome.HUNG:
+            self.skipped += 1
+            return
         if write.outcome is WriteOutcome.FAILED:
             self._failed = write
             return
@@ -385,7 +389,14 @@ class Checkpointer:
                 time.monotonic() - writing.started,
             )
             self.waited += 1
-            writing.join()
+            if not writing.join(max(0.0, writing.started + writing.patience - time.monotonic())):
+                log.warning(
+                    "the writer of %s made no end in %.0f s; killed (its checkpoint is "
+                    "skipped, the previous one stays the newest)",
+                    writing.path.name,
+                    time.monotonic() - writing.started,
+                )
+                writing.abandon()
         self._writing = None
         failed, self._failed = self._failed, None
         if failed is not None:

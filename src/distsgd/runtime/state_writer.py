@@ -16,6 +16,7 @@ the loop.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import os
@@ -30,7 +31,7 @@ from typing import Any, NoReturn
 import torch
 
 from distsgd.util import write_stream_atomic
-from distsgd.util.libc import die_with_parent
+from distsgd.util.libc import die_with_parent, resolve_before_fork
 
 CAN_FORK = hasattr(os, "fork")
 """Whether state files can be written by a forked process here (POSIX)."""
@@ -44,6 +45,31 @@ class WriteOutcome(enum.Enum):
     """The disk (or the user's quota) was full: the previous file stays the newest."""
     FAILED = "failed"
     """Anything else (the child's traceback is in this worker's log)."""
+    HUNG = "hung"
+    """The child made no end within its patience and was killed (:meth:`BackgroundWrite.abandon`):
+    the previous file stays the newest."""
+
+
+PATIENCE_SECONDS = 60.0
+"""How long a state file's writer may take, plus :data:`PATIENCE_BYTES_PER_SECOND`'s share."""
+PATIENCE_BYTES_PER_SECOND = 10e6
+"""The slowest disk a writer is waited for: a 1.2 GB state may take 120 s more than that."""
+
+
+def patience(state: Any) -> float:
+    """Seconds after which the writer of ``state`` counts as hung: :data:`PATIENCE_SECONDS`
+    plus its tensors' and arrays' bytes at :data:`PATIENCE_BYTES_PER_SECOND`."""
+    return PATIENCE_SECONDS + _nbytes(state) / PATIENCE_BYTES_PER_SECOND
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.element_size() * obj.numel()
+    if isinstance(obj, Mapping):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return int(getattr(obj, "nbytes", 0) or 0)
 
 
 def write_state_file(path: Path, state: Mapping[str, Any]) -> None:
@@ -91,18 +117,28 @@ class BackgroundWrite:
         self.outcome: WriteOutcome | None = None
         self.exit_code: int | None = None
         self._on_done = on_done
+        self.abandoned = False
+        self.patience = patience(state)
+        """Seconds after :attr:`started` past which the write counts as hung."""
         parent = os.getpid()
+        resolve_before_fork()  # the child looks nothing up (see its docstring)
         pid = os.fork()
         if pid == 0:
             _child(path, state, parent)
         self.pid = pid
+        self._pidfd = _pidfd(pid)  # signals reach this child even once it has been reaped
         self._thread = threading.Thread(target=self._wait, name="state-writer", daemon=True)
         self._thread.start()
 
     def _wait(self) -> None:
         _, status = os.waitpid(self.pid, 0)
         self.exit_code = os.waitstatus_to_exitcode(status)
-        if self.exit_code == 0:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+        if self.abandoned:
+            self.outcome = WriteOutcome.HUNG
+        elif self.exit_code == 0:
             self.outcome = WriteOutcome.WRITTEN
         elif self.exit_code in _NO_SPACE:
             self.outcome = WriteOutcome.NO_SPACE
@@ -119,3 +155,24 @@ class BackgroundWrite:
         """Wait for the write (and ``on_done``); whether it is done."""
         self._thread.join(timeout)
         return self.done
+
+    def abandon(self) -> None:
+        """Kill a writer that has hung (this process forked it: by its pidfd, or by its PID
+        while it is not reaped) and wait for ``on_done``; its outcome is :attr:`WriteOutcome.HUNG`.
+        A child forked from a process with other threads can wait forever on a lock one of them
+        held at the fork; the loop must not wait with it."""
+        self.abandoned = True
+        with contextlib.suppress(OSError):
+            if self._pidfd >= 0:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            elif self.exit_code is None:
+                os.kill(self.pid, signal.SIGKILL)
+        self._thread.join()
+
+
+def _pidfd(pid: int) -> int:
+    """A descriptor of the child ``pid`` (-1 where the system has none)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return -1

@@ -21,6 +21,15 @@ def libc() -> ctypes.CDLL:
 PR_SET_PDEATHSIG = 1
 
 
+def resolve_before_fork() -> None:
+    """Look up, in a process about to fork, what :func:`die_with_parent` calls in the child: a
+    symbol lookup takes the dynamic loader's lock, which another thread may hold at the fork (a
+    C++ exception being unwound, a library being loaded), and the child would wait for it
+    forever."""
+    if sys.platform.startswith("linux"):
+        libc().prctl  # noqa: B018 (ctypes keeps the function it looked up)
+
+
 def die_with_parent(parent: int) -> None:
     """(In a forked child, on Linux) be killed when the thread that forked it ends (its
     process ``parent`` killed included), so nothing it started outlives it; a parent that died
