@@ -19,7 +19,7 @@ from distsgd.control.checkpoint.store import (
 )
 from distsgd.control.config import TrainConfig
 from distsgd.control.divergence import WINDOW, Diverged, DivergenceMonitor, LossSpiked
-from distsgd.control.rollback import LR_CUT, plan_rollback
+from distsgd.control.rollback import LR_CUT, plan_rollback, rollbacks_in
 
 
 def _feed(watch: DivergenceMonitor, losses: list[float]) -> None:
@@ -100,6 +100,29 @@ def test_the_plan_goes_back_to_the_newest_good_checkpoint_at_half_the_rate(tmp_p
     )
     assert second is not None and second.checkpoint is None and second.newer == tuple(saved)
     assert (second.lr_cut, second.number, second.record()["to_step"]) == (0.25, 2, 0)
+
+
+def test_a_resumed_run_counts_the_rollbacks_its_metrics_record(tmp_path: Path) -> None:
+    """A --resume continues the run's budget: the rollbacks are read back from metrics.jsonl
+    (the launcher's fault records), a line cut short by a crash passed over."""
+    saved = [_checkpoint(tmp_path, s) for s in (10, 20)]
+    first = plan_rollback(
+        why="w", good_until=25, furthest=40, checkpoints=saved, done=0, max_rollbacks=2, lr_cut=1
+    )
+    assert first is not None
+    lines = [
+        json.dumps({"task": "worker0", "event": "step", "loss": 1.0}),
+        json.dumps({"task": "launcher", "event": "fault", "action": "rollback", **first.record()}),
+        json.dumps({"task": "launcher", "event": "fault", "action": "restart", "rollback": 9}),
+        '{"task": "launcher", "event": "fault", "action": "rollback", "rollb',
+    ]
+    taken = rollbacks_in(lines)
+    assert taken == (first.record(),)
+    again = plan_rollback(
+        why="w", good_until=25, furthest=40, checkpoints=saved, done=len(taken),
+        max_rollbacks=2, lr_cut=first.lr_cut,
+    )  # fmt: skip
+    assert again is not None and again.number == 2 and again.lr_cut == LR_CUT**2
 
 
 @pytest.mark.parametrize(("good_until", "done"), [(25, 2), (None, 0)])

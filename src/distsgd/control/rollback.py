@@ -22,7 +22,8 @@ of ``result.json``'s ``rollbacks``. Torch-free: the launcher carries the plan ou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from distsgd.control.checkpoint.store import Checkpoint
@@ -61,6 +62,32 @@ class RollBack:
             "lr_cut": self.lr_cut,
             "lost_steps": self.lost_steps,
         }
+
+
+RECORD_FIELDS = ("rollback", "why", "to_step", "from_checkpoint", "lr_cut", "lost_steps")
+"""The fields of :meth:`RollBack.record`."""
+
+
+def rollbacks_in(lines: Iterable[str]) -> tuple[dict[str, object], ...]:
+    """The rollbacks a run took, from its ``metrics.jsonl`` lines (the launcher's ``fault``
+    records of action ``rollback``), as :meth:`RollBack.record` gave them: what a resumed run
+    counts against ``--max-rollbacks`` and lists in ``result.json``. Lines that are not JSON
+    objects (a line cut short by a crash) are passed over."""
+    found = []
+    for line in lines:
+        if '"rollback"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(record, dict)
+            and record.get("event") == "fault"
+            and record.get("action") == "rollback"
+        ):
+            found.append({k: record.get(k) for k in RECORD_FIELDS})
+    return tuple(found)
 
 
 def plan_rollback(

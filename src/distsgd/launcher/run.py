@@ -27,7 +27,7 @@ from distsgd import schemes
 from distsgd.cluster import Role, TaskId
 from distsgd.control.checkpoint.store import latest_checkpoint
 from distsgd.control.faults import Fault, clear_kill_marks, kill_due, kill_landed
-from distsgd.control.folder import CONFIG_FILE, RESULT_FILE
+from distsgd.control.folder import CONFIG_FILE, METRICS_FILE, RESULT_FILE
 from distsgd.control.outcome import RunOutcome, RunStatus
 from distsgd.control.recovery import (
     PEER_SETTLE,
@@ -36,6 +36,7 @@ from distsgd.control.recovery import (
     may_follow_a_peer,
     restart_all,
 )
+from distsgd.control.rollback import rollbacks_in
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.durability import disk_full, disk_full_line
 from distsgd.launcher.emulation import close_hosts, start_hosts
@@ -224,6 +225,16 @@ def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
     )
 
 
+def earlier_rollbacks(run_dir: Path) -> tuple[dict[str, object], ...]:
+    """The rollbacks ``run_dir``'s run took before (its ``metrics.jsonl``): a ``--resume``
+    keeps counting them, as it keeps their ``lr_cut``."""
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return ()
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        return rollbacks_in(lines)
+
+
 class LocalRun(Restarts):
     """One run of ``distsgd run``: its tasks, restarts and injected kills."""
 
@@ -276,6 +287,8 @@ class LocalRun(Restarts):
                 f"(step {checkpoint.step})"
             )
             self.events.log(step=checkpoint.step, event="resume", checkpoint=checkpoint.path.name)
+            # --max-rollbacks is the run's budget, not each call's (lr_cut is kept too)
+            self.rollbacks = earlier_rollbacks(self.run_dir)
         rule, factor = self.config.lr_rule
         # said first: what follows may take a minute on a loaded machine (torch's imports)
         self.console.note(
