@@ -26,7 +26,8 @@ tear a written body, and checksumming it cost more than the server's whole push 
 runs at 1.4 GB/s here). Nothing is fsynced. So the log covers a killed process (its writes stay
 in the page cache), not a machine that loses power or a disk that corrupts data.
 
-Recovery (:func:`recover`) loads the newest readable snapshot and replays the records of its
+Recovery (:func:`recover`, in :mod:`distsgd.ps.wal_recovery`; the records' format in
+:mod:`distsgd.ps.wal_format`) loads the newest readable snapshot and replays the records of its
 generation (and of the next one, when the server died before that one's snapshot was written)
 through :meth:`Shard.push` and :meth:`Shard.leave`, as the live server, up to the first record
 that is missing, torn, or of another generation. Past :func:`compact_bound` the server starts
@@ -50,21 +51,18 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
 import os
 import struct
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
-from enum import IntEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from distsgd.ps.membership import DEFAULT_EVICT_AFTER, Member
+from distsgd.ps.membership import DEFAULT_EVICT_AFTER
 from distsgd.ps.rules import PushMeta, RuleFactory
 from distsgd.ps.wal_files import (
     SLOTS,
@@ -72,19 +70,23 @@ from distsgd.ps.wal_files import (
     make_private_dir,
     next_generation,
 )
-from distsgd.ps.wal_files import SNAPSHOT as _SNAPSHOT_RE
-from distsgd.ps.wal_files import generations as _generations
-from distsgd.ps.wal_files import log_path as _log_path
 from distsgd.ps.wal_files import open_log as _open_log
 from distsgd.ps.wal_files import pwrite_all as _pwrite_all
 from distsgd.ps.wal_files import remove_before as _remove_before
 from distsgd.ps.wal_files import write_snapshot as _write_snapshot
+from distsgd.ps.wal_format import CRC_AT as _CRC_AT
+from distsgd.ps.wal_format import CRC_FROM as _CRC_FROM
+from distsgd.ps.wal_format import HEAD, MAGIC, Kind, WalError
 from distsgd.ps.wal_outage import LogDown, NotLogged, Outage, WalState
+from distsgd.ps.wal_recovery import Recovery, recover
 
 __all__ = [
+    "HEAD",
     "SLOTS",
+    "Kind",
     "LogDown",
     "NotLogged",
+    "Recovery",
     "WalError",
     "WalState",
     "WriteAheadLog",
@@ -100,14 +102,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"DWAL"
-HEAD = struct.Struct("<4sB3xIIqqqqqdq")
-"""magic, kind, body length, CRC32 (of the rest of the header and the body's small part),
-generation, version, worker, incarnation, base version, lr scale, push sequence (exactly once:
-replayed, it rebuilds the shard's applied sequences)."""
-_CRC_AT = 12
-_CRC_FROM = 16
-"""Offset of the header's fields after the CRC (covered by it)."""
 
 MIN_COMPACT_BYTES = 64 << 20
 """A log starts a new generation past max(this, :data:`COMPACT_FACTOR` x the shard's bytes)."""
@@ -117,22 +111,6 @@ LIVE_SNAPSHOT_BYTES = 64 << 20
 """A shard of at least this many bytes writes a new generation's snapshot from its live
 values, holding pushes meanwhile (pulls go on), instead of from a copy: no second copy of a
 large shard in memory, for a pause about as long as writing it to the page cache."""
-
-MAX_META_BYTES = 1 << 20
-"""Largest non-payload body (a MEMBERS record's JSON) a log may hold."""
-
-
-class Kind(IntEnum):
-    """What a record holds."""
-
-    PUSH = 1
-    LEAVE = 2
-    TICK = 3
-    MEMBERS = 4
-
-
-class WalError(ValueError):
-    """A write-ahead log folder that cannot be recovered; the message names it."""
 
 
 def compact_bound(shard_bytes: int) -> int:
@@ -479,164 +457,6 @@ class WriteAheadLog:
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
-
-
-# -------------------------------------------------------------------------------- recovery
-
-
-@dataclass(frozen=True, kw_only=True)
-class Recovery:
-    """A shard rebuilt from its folder: the snapshot's generation and version, the last
-    generation replayed, and the records replayed."""
-
-    shard: Shard
-    snapshot: int
-    generation: int
-    snapshot_version: int
-    records: int
-
-
-def recover(
-    folder: Path,
-    rule_factory: RuleFactory,
-    *,
-    max_workers: int = 0,
-    evict_after: float = DEFAULT_EVICT_AFTER,
-) -> Recovery | None:
-    """The shard as the dead server had it: the newest readable snapshot, then every record
-    logged after it. None if ``folder`` holds no snapshot; :class:`WalError` if none reads."""
-    from distsgd.ps.shard import Shard
-    from distsgd.ps.shard_file import CorruptCheckpoint
-
-    folder = Path(folder)
-    snapshots = _generations(folder, _SNAPSHOT_RE)
-    if not snapshots:
-        return None
-    for generation in reversed(snapshots):
-        path = folder / f"snapshot-{generation:08d}.npz"
-        try:
-            shard = Shard.from_bytes(
-                path.read_bytes(),
-                rule_factory,
-                name=str(path),
-                max_workers=max_workers,
-                evict_after=evict_after,
-            )
-            break
-        except (CorruptCheckpoint, OSError) as exc:
-            log.warning("write-ahead log: skipping %s: %s", path, exc)
-    else:
-        raise WalError(
-            f"{folder}: no readable snapshot; restore from a checkpoint, or remove the folder "
-            "to start over"
-        )
-    start, records, last = shard.version, 0, generation
-    for gen in range(generation, generation + SLOTS):  # the next one: its snapshot was not out
-        replayed = _replay(folder, gen, shard)
-        if not replayed:
-            break
-        records, last = records + replayed, gen
-    shard.restored_version = shard.version
-    log.info(
-        "shard %d recovered from %s: snapshot %d at version %d, %d records replayed, version %d",
-        shard.index,
-        folder,
-        generation,
-        start,
-        records,
-        shard.version,
-    )
-    return Recovery(
-        shard=shard, snapshot=generation, generation=last, snapshot_version=start, records=records
-    )
-
-
-def _replay(folder: Path, generation: int, shard: Shard) -> int:
-    """Apply the records of ``generation`` to ``shard``; how many there were."""
-    path = _log_path(folder, generation)
-    limit = MAX_META_BYTES + 8 + sum(4 + v.nbytes for v in shard.values.values())
-    count = 0
-    try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below
-    except FileNotFoundError:
-        return 0
-    with f:
-        while True:
-            head = f.read(HEAD.size)
-            if len(head) < HEAD.size:
-                break
-            magic, kind, length, crc, gen, *fields = HEAD.unpack(head)
-            if magic != MAGIC or gen != generation or kind not in Kind._value2member_map_:
-                break
-            body = f.read(length) if length <= limit else b""
-            if len(body) < length or (len(body) < 4 and kind == Kind.PUSH):
-                break
-            checked = 4 + 4 * struct.unpack_from("<I", body)[0] if kind == Kind.PUSH else length
-            if checked > length or zlib.crc32(body[:checked], zlib.crc32(head[_CRC_FROM:])) != crc:
-                break
-            try:
-                _apply(shard, Kind(kind), body, fields)
-            except (ValueError, KeyError, IndexError, TypeError) as exc:
-                log.warning("write-ahead log %s: record %d unreadable (%s)", path, count, exc)
-                break
-            count += 1
-    return count
-
-
-def _apply(shard: Shard, kind: Kind, body: bytes, fields: list[Any]) -> None:
-    version, worker, incarnation, base_version, lr_scale, sequence = fields
-    if kind is Kind.PUSH:
-        if shard.rule.locked and version != shard.version:
-            log.warning(
-                "shard %d: a logged push saw version %d, the replay is at %d",
-                shard.index,
-                version,
-                shard.version,
-            )
-        meta = PushMeta(
-            worker=worker,
-            incarnation=incarnation,
-            base_version=base_version,
-            lr_scale=lr_scale,
-            sequence=sequence,
-        )
-        shard.push(_payload(shard, body), meta)
-    elif kind is Kind.LEAVE:
-        shard.leave(struct.unpack("<q", body)[0])
-    elif kind is Kind.TICK:
-        with shard.cond:
-            shard.rule.tick(shard, math.inf)
-    else:
-        _apply_members(shard, json.loads(body))
-
-
-def _payload(shard: Shard, body: bytes) -> dict[str, np.ndarray]:
-    (count,) = struct.unpack_from("<I", body)
-    keys = list(shard.values)
-    index = np.frombuffer(body, dtype="<u4", count=count, offset=4)
-    offset = 4 + 4 * count
-    payload: dict[str, np.ndarray] = {}
-    for i in index:
-        have = shard.values[keys[int(i)]]
-        payload[keys[int(i)]] = np.frombuffer(
-            body, dtype=have.dtype, count=have.size, offset=offset
-        ).reshape(have.shape)
-        offset += have.nbytes
-    if offset != len(body):
-        raise ValueError(f"a push record of {len(body)} bytes holds {offset}")
-    return payload
-
-
-def _apply_members(shard: Shard, state: dict[str, Any]) -> None:
-    with shard.cond:
-        m = shard.membership
-        now = m.clock()
-        m.members = {int(w): Member(int(inc), now) for w, inc in state["members"]}
-        m.left = {int(w) for w in state["left"]}
-        m.epoch = int(state["epoch"])
-        shard.finished = {int(w) for w in state["finished"]}
-        if state["hook"]:
-            shard.rule.on_membership(shard, m.live)
 
 
 def begin(folder: Path, shard: Shard, after: int = -1) -> WriteAheadLog:
