@@ -265,3 +265,20 @@ def test_a_script_run_alone_writes_a_run_folder_and_shows_progress(tmp_path: Pat
         timeout=120,
     )
     assert off.returncode == 0 and len(list(runs.iterdir())) == 1
+
+
+@pytest.mark.parametrize(("width", "released"), [(64, False), (3000, True)])
+def test_gradients_are_given_back_only_where_the_model_is_large(width: int, released: bool) -> None:
+    """release_grads frees the gradients of a model of RELEASE_BYTES or more (36 MB here); a
+    small one keeps them: the heap's trim would cost more than its memory is worth."""
+    from distsgd.runtime.context import RELEASE_BYTES, WorkerContext
+
+    model = torch.nn.Linear(width, width)
+    ctx = WorkerContext(
+        model=model, config=TrainConfig(steps=1), rank=0, num_workers=1,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    assert (ctx.model_bytes >= RELEASE_BYTES) is released
+    model(torch.randn(2, width)).sum().backward()
+    ctx.release_grads()
+    assert all((p.grad is None) is released for p in model.parameters())
