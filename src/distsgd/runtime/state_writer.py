@@ -56,6 +56,10 @@ PATIENCE_BYTES_PER_SECOND = 10e6
 """The slowest disk a writer is waited for: a 1.2 GB state may take 120 s more than that."""
 
 
+ABANDON_WAIT_SECONDS = 5.0
+"""How long :meth:`BackgroundWrite.abandon` waits for the killed writer to be gone."""
+
+
 def patience(state: Any) -> float:
     """Seconds after which the writer of ``state`` counts as hung: :data:`PATIENCE_SECONDS`
     plus its tensors' and arrays' bytes at :data:`PATIENCE_BYTES_PER_SECOND`."""
@@ -158,7 +162,8 @@ class BackgroundWrite:
 
     def abandon(self) -> None:
         """Kill a writer that has hung (this process forked it: by its pidfd, or by its PID
-        while it is not reaped) and wait for ``on_done``; its outcome is :attr:`WriteOutcome.HUNG`.
+        while it is not reaped) and wait a little for ``on_done``; its outcome is
+        :attr:`WriteOutcome.HUNG`.
         A child forked from a process with other threads can wait forever on a lock one of them
         held at the fork; the loop must not wait with it."""
         self.abandoned = True
@@ -167,7 +172,9 @@ class BackgroundWrite:
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
             elif self.exit_code is None:
                 os.kill(self.pid, signal.SIGKILL)
-        self._thread.join()
+        # A child in an uninterruptible wait (an fsync behind other writeback) dies only when
+        # it ends: the loop goes on meanwhile, and on_done counts the write when it comes.
+        self._thread.join(ABANDON_WAIT_SECONDS)
 
 
 def _pidfd(pid: int) -> int:
