@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -152,7 +154,7 @@ def test_a_torn_or_corrupt_last_record_is_dropped(tmp_path: Path, damage: str) -
         if i < 6:
             _push(reference, i, i % 3)
     path = _log(tmp_path)
-    size = path.stat().st_size
+    size = log.size  # where the records end (the file is allocated past them)
     record = wal.HEAD.size + 4 + 4 * 3 + (20 + 4) * 4 + 3 * 8
     last = size - record
     data = bytearray(path.read_bytes())
@@ -176,6 +178,7 @@ def test_a_torn_or_corrupt_last_record_is_dropped(tmp_path: Path, damage: str) -
 def test_compaction_starts_a_new_generation_and_recovery_stays_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, live_snapshot: bool
 ) -> None:
+    monkeypatch.setattr(wal.WriteAheadLog, "_compact_soon", lambda self: None)  # by hand here
     if live_snapshot:  # every shard is a large one: snapshots from the live values
         monkeypatch.setattr(wal, "LIVE_SNAPSHOT_BYTES", 0)
     for scheme in ("hogwild", "sync"):
@@ -351,3 +354,49 @@ def test_scalar_and_empty_pieces(tmp_path: Path) -> None:
     _push(live, 5, 0)
     live.push({"v": np.full(3, 0.5)}, PushMeta(worker=0, incarnation=7, base_version=4))
     _assert_same(live, _recover(tmp_path, "hogwild"))
+
+
+def test_a_log_past_its_bound_starts_the_next_generation_by_itself(tmp_path: Path) -> None:
+    """No ticker here: the push that takes the log past its bound wakes the log's compactor,
+    which starts the next generation off the pushes' path; closing the log ends it."""
+    live = _shard("hogwild")
+    log = wal.WriteAheadLog.start(tmp_path, live)
+    _push(live, 1, 0)
+    log.bound = log.size + 1  # the next push passes it
+    _push(live, 2, 1)
+    deadline = time.monotonic() + 10
+    while log.generation == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert log.generation == 1
+    while not (tmp_path / "snapshot-00000001.npz").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _push(live, 3, 2)
+    compactor = log._compactor
+    log.close()
+    assert compactor is not None and not compactor.is_alive()
+    _assert_same(live, _recover(tmp_path, "hogwild"))
+
+
+def test_a_log_file_is_allocated_ahead_of_its_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records are written into allocated room (``posix_fallocate`` ahead of them, up to the
+    bound); a file system that refuses leaves the writes to themselves."""
+    live = _shard("hogwild")
+    log = wal.WriteAheadLog.start(tmp_path / "a", live)
+    _push(live, 1, 0)
+    file = _log(tmp_path / "a").stat()
+    assert min(log.bound, wal.RESERVE_BYTES) < file.st_size <= log.size + wal.RESERVE_BYTES
+    assert file.st_blocks * 512 >= file.st_size
+
+    def refuse(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    other = _shard("hogwild")
+    log = wal.WriteAheadLog.start(tmp_path / "b", other)
+    _push(other, 1, 0)
+    _push(live, 2, 0)
+    _push(other, 2, 0)
+    assert not log.broken and _log(tmp_path / "b").stat().st_size == log.size
+    _assert_same(other, _recover(tmp_path / "b", "hogwild"))

@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import struct
+import sys
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -107,6 +108,9 @@ MIN_COMPACT_BYTES = 64 << 20
 """A log starts a new generation past max(this, :data:`COMPACT_FACTOR` x the shard's bytes)."""
 COMPACT_FACTOR = 4
 
+RESERVE_BYTES = 16 << 20
+"""How far past a record a log file is allocated ahead of its writes (:meth:`_reserve`)."""
+
 LIVE_SNAPSHOT_BYTES = 64 << 20
 """A shard of at least this many bytes writes a new generation's snapshot from its live
 values, holding pushes meanwhile (pulls go on), instead of from a copy: no second copy of a
@@ -143,17 +147,29 @@ def _members_body(shard: Shard, hook: bool) -> bytes:
 class WriteAheadLog:
     """The log of one shard; create it with :meth:`start`. Thread-safe."""
 
-    def __init__(self, folder: Path, generation: int, fd: int, keys: list[str], bound: int) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        generation: int,
+        fd: int,
+        keys: list[str],
+        bound: int,
+        shard: Shard | None = None,
+    ) -> None:
         self.folder = folder
         self.generation = generation
         self.bound = bound
         self._fd = fd
         self._offset = 0
+        self._reserved = _file_size(fd)
         self._lock = threading.Lock()
         self._head = bytearray(HEAD.size)
         self._head_view = memoryview(self._head)
         self._set_keys(keys)
         self._compacting = threading.Lock()
+        self._shard = shard
+        self._due = threading.Event()
+        self._compactor: threading.Thread | None = None
         self._closed = False
         self.records = 0
         self.outage = Outage(folder)
@@ -193,7 +209,7 @@ class WriteAheadLog:
         fd = _open_log(folder, generation, truncate=fresh)
         if fresh:
             _open_log(folder, generation + 1, truncate=True, keep=False)
-        wal = cls(folder, generation, fd, list(shard.values), compact_bound(nbytes))
+        wal = cls(folder, generation, fd, list(shard.values), compact_bound(nbytes), shard)
         with shard.cond:
             wal._write(Kind.MEMBERS, shard.version, [_members_body(shard, False)])
         _remove_before(folder, generation)
@@ -206,6 +222,10 @@ class WriteAheadLog:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+            compactor = self._compactor
+        self._due.set()  # the compactor ends
+        if compactor is not None and compactor is not threading.current_thread():
+            compactor.join(timeout=5.0)
         self.outage.stop()  # pushes waiting for the log give up (NotLogged)
 
     # -- appending ------------------------------------------------------------------------------
@@ -271,10 +291,56 @@ class WriteAheadLog:
         struct.pack_into("<I", self._head, _CRC_AT, crc)
         if self._fd < 0:
             raise OSError(errno.EBADF, "the log file is not open")
+        self._reserve(self._offset + HEAD.size + length)
         self.pwrite(self._fd, parts, self._offset + HEAD.size)
         self.pwrite(self._fd, [self._head_view], self._offset)  # the record exists now
         self._offset += HEAD.size + length
         self.records += 1
+        if kind is Kind.PUSH and self._offset >= self.bound and self._shard is not None:
+            self._compact_soon()
+
+    def _compact_soon(self) -> None:
+        """Under ``_lock``, the log past its bound: wake the compactor (started the first time),
+        which starts the next generation off the pushes' path. A log compacted only by the
+        server's ticker (every 0.5 s) grew to everything pushed in between: at 2.7 MB pushes
+        on one host, 300 MB files, each page of them new and several times slower to write
+        than a page the file had before."""
+        if self._compactor is None:
+            self._compactor = threading.Thread(
+                target=self._compact_when_due, name=f"wal-{self.folder.name}", daemon=True
+            )
+            self._compactor.start()
+        self._due.set()
+
+    def _compact_when_due(self) -> None:
+        shard = self._shard
+        assert shard is not None
+        while True:
+            self._due.wait()
+            self._due.clear()
+            if self._closed:
+                return
+            try:
+                self.maybe_compact(shard)
+            except Exception:  # a bug; the ticker compacts too (every 0.5 s)
+                log.exception("write-ahead log %s: compacting failed", self.folder)
+
+    def _reserve(self, end: int) -> None:
+        """Under ``_lock``: make the log file at least ``end`` bytes long (and
+        :data:`RESERVE_BYTES` more) with ``posix_fallocate`` before a record is written past its
+        end. On the project's machine (ext4) a page written past a file's end cost 1.4 to 10
+        times a page rewritten, and an allocated one 1.4 times (2.7 MB: 0.7-3.7 ms, 0.36 ms,
+        0.51 ms). A file system that refuses (full, or unable) is left to the write itself."""
+        if end <= self._reserved:
+            return
+        want = max(end, min(end + RESERVE_BYTES, self.bound))
+        try:
+            os.posix_fallocate(self._fd, self._reserved, want - self._reserved)
+        except OSError as exc:
+            log.debug("write-ahead log %s: no room reserved (%s)", self.folder, exc)
+            self._reserved = sys.maxsize  # this file: no further tries
+            return
+        self._reserved = want
 
     def revive(self, shard: Shard) -> bool:
         """A down log tries to come back: under the locks, the shard's snapshot as a new
@@ -319,6 +385,7 @@ class WriteAheadLog:
         record first; True if that record is written and the log is up."""
         with self._lock:
             old, self._fd, self._offset = self._fd, fd, 0
+            self._reserved = _file_size(fd)
             self.generation = generation
             self._set_keys(list(shard.values))
             if old >= 0:
@@ -435,6 +502,7 @@ class WriteAheadLog:
             old, closed = self._fd, self._closed or self.outage.down
             if not closed:
                 self._fd, self._offset, self.generation = fd, 0, generation
+                self._reserved = _file_size(fd)
                 self._set_keys(list(shard.values))  # pieces may have moved
         if closed:
             os.close(fd)
@@ -454,6 +522,10 @@ class WriteAheadLog:
         return True
 
 
+def _file_size(fd: int) -> int:
+    return os.fstat(fd).st_size if fd >= 0 else 0
+
+
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
@@ -471,7 +543,9 @@ def begin(folder: Path, shard: Shard, after: int = -1) -> WriteAheadLog:
         return WriteAheadLog.start(folder, shard, generation)
     except OSError as exc:
         nbytes = sum(v.nbytes for v in shard.values.values())
-        wal = WriteAheadLog(folder, generation - 1, -1, list(shard.values), compact_bound(nbytes))
+        wal = WriteAheadLog(
+            folder, generation - 1, -1, list(shard.values), compact_bound(nbytes), shard
+        )
         with wal._lock:
             wal.outage.began(exc)
         shard.wal = wal
