@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,7 @@ def runs(args: argparse.Namespace) -> dict[str, Any]:
                     subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
                     rate = samples_per_second(run_dir)
                     trained = json.loads((run_dir / "result.json").read_text())["seconds"]
+                    shutil.rmtree(run_dir)  # its log's dirty pages do not weigh on the next run
                     rates.setdefault(name, {"on": [], "off": []})[flag].append(rate)
                     seconds.setdefault(name, {"on": [], "off": []})[flag].append(trained)
                     print(
