@@ -1,4 +1,4 @@
-"""The local Ray instance's folder (launcher/ray_tasks.py) leaves nothing behind when a start
+"""The local Ray instance's folder (launcher/engines/ray.py) leaves nothing behind when a start
 fails or is interrupted: Ctrl-C while Ray is imported or its instance starts, or an instance
 that does not come up. (tests/test_ray.py checks a whole run's folder and another user.)"""
 
@@ -12,8 +12,8 @@ import psutil
 import pytest
 from conftest import wait_for
 
-from distsgd.launcher import ray_tasks
-from distsgd.launcher.ray_tasks import LOOPBACK_ENV, LocalRay, RaySupervisor
+from distsgd.launcher.engines import ray as ray_tasks
+from distsgd.launcher.engines.ray import LOOPBACK_ENV, LocalRay, RaySupervisor
 
 pytest.importorskip("ray")
 

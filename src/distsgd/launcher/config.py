@@ -16,6 +16,7 @@ from distsgd.control.faults import Fault
 from distsgd.control.folder import RESULT_FILE, new_run_folder, runs_root
 from distsgd.control.rollback import MAX_ROLLBACKS
 from distsgd.control.spec import RunSpec, WorkerBounds, check_worker_bounds
+from distsgd.launcher.engines import engine_for
 from distsgd.transport.security import TlsConfig, check_certificate_names
 
 DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
@@ -269,10 +270,11 @@ class LaunchConfig(WorkerBounds):
             if self.links or self.placement != Placement.SPREAD.value:
                 raise ValueError("--link and --placement shape emulated hosts; add --hosts N")
             return
-        if self.ray is not None:
+        engine = engine_for(self)
+        if engine.places_tasks:
             raise ValueError(
-                "--hosts places local processes in network namespaces, Ray places its actors "
-                "itself; drop --hosts or --ray"
+                "--hosts places local processes in network namespaces, "
+                f"{engine.name} places its tasks itself; drop --hosts or {engine.flag}"
             )
         tasks = len(self.tasks)
         if self.hosts > tasks:

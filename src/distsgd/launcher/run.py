@@ -40,6 +40,7 @@ from distsgd.control.rollback import rollbacks_in
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.durability import disk_full, disk_full_line
 from distsgd.launcher.emulation import close_hosts, start_hosts
+from distsgd.launcher.engines import engine_for
 from distsgd.launcher.errors import Interrupted, RunDiverged, RunFailed
 from distsgd.launcher.link_faults import LinkFaults
 from distsgd.launcher.link_sampler import LinkSampler
@@ -47,7 +48,7 @@ from distsgd.launcher.netns import EmulatedHosts
 from distsgd.launcher.progress import Console
 from distsgd.launcher.restart import Restarts
 from distsgd.launcher.scale import LAUNCHER_FILE, read_scale_request
-from distsgd.launcher.supervisor import Supervisor, Tasks
+from distsgd.launcher.supervisor import Tasks
 from distsgd.launcher.tasks import write_tasks as _write_tasks
 from distsgd.launcher.waits import Reminder
 from distsgd.transport import shm
@@ -58,7 +59,6 @@ log = logging.getLogger(__name__)
 
 LAUNCHER_LOG = "launcher.log"
 """What the launcher said (its notes, progress, results and errors), in the run folder."""
-FORK_SERVER_LOG = "fork-server.log"
 """The fork server's own output (what its imports print), in the run folder."""
 POLL_SECONDS = 0.25
 """How often the launcher reads the tasks' progress and exit codes."""
@@ -117,7 +117,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
         if keep:
             console.close()
         raise
-    supervisor = _supervisor(config, run_dir, console)
+    supervisor = engine_for(config).start(config, run_dir, console)
     local = LocalRun(config, console, run_dir, supervisor, stop, hosts=hosts)
     previous: dict[signal.Signals, Any] = {}
     caught: list[int] = []  # the signals that stopped the run, first first
@@ -197,32 +197,6 @@ def _read_result(path: Path) -> dict[str, Any] | None:
         return dict(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-
-
-def _supervisor(config: LaunchConfig, run_dir: Path, console: Console) -> Tasks:
-    """Local processes, or (``config.ray``) Ray actors, one bundle of resources per task."""
-    if config.ray is None:
-        server_log = run_dir / FORK_SERVER_LOG if config.forks_workers else None
-        return Supervisor(
-            log_dir=run_dir / "logs",
-            echo=console.line,
-            note=console.note,
-            fork_server_log=server_log,
-            preload_optimizer=config.preloads_optimizer,
-        )
-    from distsgd.launcher.ray_tasks import RaySupervisor
-
-    bundles = {f"ps{i}": {"CPU": 1.0} for i in range(config.num_ps)}
-    worker: dict[str, float] = {"CPU": float(config.threads_per_worker)}
-    if config.device.startswith("cuda"):  # auto: a GPU only where Ray gives one anyway
-        worker["GPU"] = 1.0
-    # an elastic run reserves its largest size: scaling up then needs no new reservation
-    bundles.update({f"worker{i}": dict(worker) for i in range(config.highest_workers)})
-    where = config.ray or "a local Ray instance (127.0.0.1)"
-    console.note(f"[distsgd] tasks as Ray actors on {where}")
-    return RaySupervisor(
-        log_dir=run_dir / "logs", echo=console.line, address=config.ray, bundles=bundles
-    )
 
 
 def earlier_rollbacks(run_dir: Path) -> tuple[dict[str, object], ...]:

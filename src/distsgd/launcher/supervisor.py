@@ -65,7 +65,7 @@ class TaskHandle(Protocol):
 
 class Tasks(Protocol):
     """Starts, watches and stops the tasks of one run: :class:`Supervisor` (local processes)
-    or :class:`~distsgd.launcher.ray_tasks.RaySupervisor` (Ray actors)."""
+    or :class:`~distsgd.launcher.engines.ray.RaySupervisor` (Ray actors)."""
 
     @property
     def tasks(self) -> Mapping[str, TaskHandle]: ...

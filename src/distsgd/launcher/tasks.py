@@ -27,6 +27,7 @@ from distsgd.control.task import ENV_VAR
 from distsgd.launcher.argv import server_argv, worker_argv, worker_task
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.durability import DurabilityWatch, disk_full
+from distsgd.launcher.engines import engine_for
 from distsgd.launcher.errors import RunFailed
 from distsgd.launcher.keras_env import keras_environment
 from distsgd.launcher.lifeline import PARENT_ENV
@@ -164,9 +165,8 @@ class LocalTasks:
             "MKL_NUM_THREADS": "1",
             "CUDA_VISIBLE_DEVICES": "",  # parameter servers stay on CPU (and import no torch)
         }
-        self.gpus = (
-            worker_gpus(config.device, os.environ) if config.ray is None else []
-        )  # under Ray, Ray hands out the GPUs it reserved
+        hands_out = engine_for(config).assigns_devices  # Ray: the GPUs its bundles reserved
+        self.gpus = [] if hands_out else worker_gpus(config.device, os.environ)
         self.spec = self.unbound_spec()
         self.active: set[int] = set(range(config.workers))
         """The worker indexes meant to run now (``distsgd scale`` changes them)."""
@@ -298,9 +298,8 @@ class LocalTasks:
         if self.gpus:  # each worker its own GPU (in turn, when there are more workers)
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[index % len(self.gpus)]
         # Keras 3 scripts: KERAS_BACKEND=torch, KERAS_TORCH_DEVICE where it trains (unless set)
-        env.update(
-            keras_environment(c.device, gpu=bool(self.gpus) if c.ray is None else None, environ=env)
-        )
+        gpu = None if engine_for(c).assigns_devices else bool(self.gpus)  # None: Ray's to say
+        env.update(keras_environment(c.device, gpu=gpu, environ=env))
         return self._start(f"worker{index}", worker_argv(c), env)
 
     def _new_rendezvous(self) -> None:

@@ -34,11 +34,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from distsgd.launcher.engines import Engine
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.reaper import end_group, remove
 from distsgd.util import open_private, private_dir
+
+if TYPE_CHECKING:
+    from distsgd.launcher.config import LaunchConfig
+    from distsgd.launcher.progress import Console
 
 log = logging.getLogger(__name__)
 
@@ -407,3 +412,21 @@ class RaySupervisor:
             self.ray.shutdown()
         if self.local is not None:
             self.local.close()
+
+
+def _start(config: LaunchConfig, run_dir: Path, console: Console) -> RaySupervisor:
+    """One bundle of resources per task, reserved for the run's largest size (an elastic run
+    that scales up then needs no new reservation)."""
+    bundles = {f"ps{i}": {"CPU": 1.0} for i in range(config.num_ps)}
+    worker: dict[str, float] = {"CPU": float(config.threads_per_worker)}
+    if config.device.startswith("cuda"):  # auto: a GPU only where Ray gives one anyway
+        worker["GPU"] = 1.0
+    bundles.update({f"worker{i}": dict(worker) for i in range(config.highest_workers)})
+    where = config.ray or "a local Ray instance (127.0.0.1)"
+    console.note(f"[distsgd] tasks as Ray actors on {where}")
+    return RaySupervisor(
+        log_dir=run_dir / "logs", echo=console.line, address=config.ray or "", bundles=bundles
+    )
+
+
+ENGINE = Engine(name="Ray", flag="--ray", places_tasks=True, assigns_devices=True, start=_start)
