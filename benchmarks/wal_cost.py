@@ -16,7 +16,8 @@ Three measurements, each side by side with the log off:
 * ``recovery``: a folder whose log is as long as it gets before a new generation starts
   (:func:`distsgd.ps.wal.compact_bound`), rebuilt by :func:`distsgd.ps.wal.recover`: seconds.
 
-Prints a table and writes ``wal_cost.json``::
+Prints a table and writes ``--out`` (default ``benchmarks/results/wal_cost.json``, which git
+ignores)::
 
     python benchmarks/wal_cost.py [--rounds 2] [--epochs 10] [--steps 300] [--skip-runs]
 """
@@ -206,11 +207,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10, help="the demo's epochs")
     parser.add_argument("--steps", type=int, default=300, help="the MLP run's steps per worker")
     parser.add_argument("--skip-runs", action="store_true", help="in-process figures only")
-    parser.add_argument("--out", type=Path, default=Path("wal_cost.json"))
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "wal_cost.json")
     args = parser.parse_args()
     report: dict[str, Any] = {"pushes": pushes(args), "recovery": recovery()}
     if not args.skip_runs:
         report["runs"] = runs(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for name, row in report.get("runs", {}).items():
         on, off = statistics.median(row["on"]), statistics.median(row["off"])

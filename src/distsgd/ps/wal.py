@@ -33,7 +33,10 @@ through :meth:`Shard.push` and :meth:`Shard.leave`, as the live server, up to th
 that is missing, torn, or of another generation. Past :func:`compact_bound` the server starts
 the next generation (:meth:`WriteAheadLog.compact`): the state copied under the locks (a large
 shard's written there, :data:`LIVE_SNAPSHOT_BYTES`) and the other log file taken at once, the
-snapshot written after, and the older snapshot removed when it is in place.
+snapshot written after, and the older snapshot removed when it is in place. The push that takes
+the log past the bound wakes the log's compactor thread, which does this at once (the server's
+ticker, every 0.5 s, is the fallback); a log file is allocated ahead of its records
+(``posix_fallocate``, :data:`RESERVE_BYTES` at a time up to the bound).
 
 A write that fails (a full disk: ENOSPC) takes the log *down*, never off
 (:mod:`distsgd.ps.wal_outage`): the files stay as they were (a consistent prefix of what the
@@ -326,11 +329,11 @@ class WriteAheadLog:
                 log.exception("write-ahead log %s: compacting failed", self.folder)
 
     def _reserve(self, end: int) -> None:
-        """Under ``_lock``: make the log file at least ``end`` bytes long (and
-        :data:`RESERVE_BYTES` more) with ``posix_fallocate`` before a record is written past its
-        end. On the project's machine (ext4) a page written past a file's end cost 1.4 to 10
-        times a page rewritten, and an allocated one 1.4 times (2.7 MB: 0.7-3.7 ms, 0.36 ms,
-        0.51 ms). A file system that refuses (full, or unable) is left to the write itself."""
+        """Under ``_lock``: allocate the log file up to ``end`` (and :data:`RESERVE_BYTES` more,
+        short of the bound) with ``posix_fallocate`` before a record is written past its end.
+        On the project's machine (ext4) a page written past a file's end cost 1.4 to 10 times a
+        page rewritten, and an allocated one 1.4 times (2.7 MB: 0.7-3.7 ms, 0.36 ms, 0.51 ms).
+        A file system that refuses (full, or unable) is left to the write itself."""
         if end <= self._reserved:
             return
         want = max(end, min(end + RESERVE_BYTES, self.bound))
