@@ -7,7 +7,8 @@ workers from the first to the last metrics line, start-up excluded) relative to 
 off, which is as noisy as the machine; and the share of each worker's training time spent in
 checkpoints, which each worker measures itself (``checkpoint_seconds`` of its
 ``finished_steps`` event; the largest share over the workers, as a synchronous step waits for
-the slowest). Prints a table and writes ``checkpoint_cost.json``.
+the slowest). Prints a table and writes ``--out`` (default
+``benchmarks/results/checkpoint_cost.json``, which git ignores).
 
     python benchmarks/checkpoint_cost.py [--epochs 90] [--rounds 3] [--scheme sync]
 
@@ -140,7 +141,11 @@ def main() -> None:
     parser.add_argument("--scheme", default="")
     parser.add_argument("--workers", type=int, default=2, help="(demo)")
     parser.add_argument("--variants", default="", help=f"comma-separated of {list(VARIANTS)}")
-    parser.add_argument("--out", type=Path, default=Path("checkpoint_cost.json"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results" / "checkpoint_cost.json",
+    )
     args = parser.parse_args()
     args.scheme = args.scheme or ("sync" if args.model == "demo" else "hogwild")
     if args.model == "gpt" and args.scheme not in SCHEMES:
@@ -192,6 +197,7 @@ def main() -> None:
         for name, r in rates.items()
     }
     summary = {"command": sys.argv, "scheme": args.scheme, **report}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"{'variant':10s} {'samples/s':>10s} {'vs off':>8s} {'time in ckpt':>13s}  checkpoints")
     for name, row in report.items():
