@@ -446,6 +446,22 @@ class Shard:
         np.savez(f, **arrays)  # type: ignore[arg-type]
 
     @classmethod
+    def from_file(
+        cls,
+        path: Path,
+        rule_factory: RuleFactory,
+        *,
+        max_workers: int = 0,
+        evict_after: float = DEFAULT_EVICT_AFTER,
+    ) -> Shard:
+        """:meth:`from_bytes` of the shard file at ``path`` (named by it in errors); OSError if
+        it cannot be read."""
+        data = path.read_bytes()
+        return cls.from_bytes(
+            data, rule_factory, name=str(path), max_workers=max_workers, evict_after=evict_after
+        )
+
+    @classmethod
     def from_bytes(
         cls,
         data: bytes,
@@ -519,12 +535,8 @@ def restore_file(
     :class:`CorruptCheckpoint` naming it, or, with a ``fallback`` (the write-ahead log holds
     state), None after one ERROR line that names the file and the damage."""
     try:
-        shard = Shard.from_bytes(
-            path.read_bytes(),
-            rule_factory,
-            name=str(path),
-            max_workers=max_workers,
-            evict_after=evict_after,
+        shard = Shard.from_file(
+            path, rule_factory, max_workers=max_workers, evict_after=evict_after
         )
         if shard.index != shard_index:
             raise CorruptCheckpoint(f"{path} holds shard {shard.index}, not shard {shard_index}")

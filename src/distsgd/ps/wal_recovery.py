@@ -61,12 +61,8 @@ def recover(
     for generation in reversed(snapshots):
         path = folder / f"snapshot-{generation:08d}.npz"
         try:
-            shard = Shard.from_bytes(
-                path.read_bytes(),
-                rule_factory,
-                name=str(path),
-                max_workers=max_workers,
-                evict_after=evict_after,
+            shard = Shard.from_file(
+                path, rule_factory, max_workers=max_workers, evict_after=evict_after
             )
             break
         except (CorruptCheckpoint, OSError) as exc:
