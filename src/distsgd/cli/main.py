@@ -149,6 +149,48 @@ def _task_index(arg: int | None, tf_task: Any, job: str) -> int:
     raise ValueError(f"no {job} task index; pass --task N (or set TF_CONFIG's task)")
 
 
+def _replicate(
+    args: argparse.Namespace, wal_dir: Path | None, index: int, secret: str | None
+) -> None:
+    """``--replica``: the shard's log is mirrored there (needs the log and the run secret)."""
+    from distsgd.ps import wal
+    from distsgd.ps.replica import ReplicaLink
+
+    if wal_dir is None or secret is None:
+        raise ValueError(
+            "--replica needs the write-ahead log (--wal-dir) and the run secret "
+            "(DISTSGD_SECRET or DISTSGD_SECRET_FILE)"
+        )
+    link = ReplicaLink(args.replica, run_id=args.run_id, shard=index, secret=secret)
+    wal.replicate(wal_dir, link)
+
+
+def _cmd_replica(args: argparse.Namespace) -> int:
+    """``distsgd server --job replica``: keep ps --task's log in --wal-dir until stopped."""
+    from distsgd.launcher.bootstrap import setup_logging
+    from distsgd.launcher.lifeline import tie_to_parent
+    from distsgd.ps.replica_server import serve_replica
+    from distsgd.transport.security import load_secret
+
+    secret = load_secret()
+    if args.task is None or args.wal_dir is None or not args.address or secret is None:
+        raise ValueError(
+            "--job replica needs --task (the ps it keeps), --wal-dir, --address HOST:PORT and "
+            "the run secret (DISTSGD_SECRET or DISTSGD_SECRET_FILE)"
+        )
+    tie_to_parent()
+    setup_logging()
+    serve_replica(
+        args.wal_dir,
+        address=args.address,
+        shard=args.task,
+        run_id=args.run_id,
+        secret=secret,
+        address_file=args.address_file,
+    )
+    return 0
+
+
 def _cmd_server(args: argparse.Namespace) -> int:
     from distsgd.cluster.kube import alias_address, host_aliases
     from distsgd.launcher.bootstrap import setup_logging
@@ -161,6 +203,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
     spec, tf_task = resolve_cluster(
         cluster_file=args.cluster, ps_hosts=args.ps_hosts, worker_hosts=args.worker_hosts
     )
+    if args.job == "replica":
+        return _cmd_replica(args)
     if args.job != Role.PS:
         raise ValueError(
             f"--job {args.job}: 'distsgd server' runs ps tasks; run workers with 'distsgd worker'"
@@ -189,6 +233,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
     tie_to_parent()
     setup_logging()
     address = alias_address(args.address or spec.address(task), host_aliases())
+    if args.replica:
+        _replicate(args, wal_dir, index, secret)
     serve(
         address=address,
         shard_index=index,

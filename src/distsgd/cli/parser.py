@@ -342,7 +342,15 @@ def _add_demo(sub: Any) -> None:
 
 def _add_server(sub: Any) -> None:
     server = sub.add_parser("server", help="run one parameter-server task")
-    server.add_argument("--job", "--job_name", dest="job", default="ps", help="must be ps")
+    server.add_argument(
+        "--job",
+        "--job_name",
+        dest="job",
+        default="ps",
+        choices=("ps", "replica"),
+        help="ps (default), or replica: keep the write-ahead log of ps --task on this host "
+        "(in --wal-dir), for a server started with --replica",
+    )
     server.add_argument(
         "--task", "--task_index", dest="task", type=int, default=None, help="ps task index"
     )
@@ -374,6 +382,16 @@ def _add_server(sub: Any) -> None:
         type=Path,
         help="the write-ahead log's folder (default CHECKPOINT_DIR/wal/psN); a server started "
         "on a folder that holds a shard serves it",
+    )
+    server.add_argument(
+        "--replica",
+        metavar="HOST:PORT",
+        help="mirror the write-ahead log to the replica there (distsgd server --job replica on "
+        "another host): a push is acknowledged once both hold it, and a server started on an "
+        "empty --wal-dir fetches the replica's copy first",
+    )
+    server.add_argument(
+        "--run-id", default="", help="the run's id, which a replica and its server must share"
     )
     server.add_argument(
         "--evict-after",

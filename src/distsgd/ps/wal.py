@@ -58,6 +58,7 @@ import os
 import struct
 import sys
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
@@ -83,6 +84,9 @@ from distsgd.ps.wal_format import CRC_FROM as _CRC_FROM
 from distsgd.ps.wal_format import HEAD, MAGIC, Kind, WalError
 from distsgd.ps.wal_outage import LogDown, NotLogged, Outage, WalState
 from distsgd.ps.wal_recovery import Recovery, recover
+
+if TYPE_CHECKING:
+    from distsgd.ps.replica import ReplicaLink
 
 __all__ = [
     "HEAD",
@@ -181,6 +185,8 @@ class WriteAheadLog:
         """How records are written (``pwrite(fd, views, offset)``); tests inject failures."""
         self.write_snapshot = _write_snapshot
         """How snapshots are written (``write_snapshot(path, data)``); tests inject failures."""
+        self.replica: ReplicaLink | None = _REPLICAS.get(Path(folder).resolve())
+        """Where every file this log writes is written too (:mod:`distsgd.ps.replica`)."""
 
     @property
     def broken(self) -> bool:
@@ -207,7 +213,11 @@ class WriteAheadLog:
         make_private_dir(folder)
         fresh = not has_state(folder)
         _, arrays, header = shard.state_copy(copy=False)  # not serving yet
-        _write_snapshot(folder / f"snapshot-{generation:08d}.npz", _packer(arrays, header))
+        snapshot = folder / f"snapshot-{generation:08d}.npz"
+        _write_snapshot(snapshot, _packer(arrays, header))
+        replica = _REPLICAS.get(folder.resolve())
+        if replica is not None:  # an OSError: the log starts down (begin), re-seeded later
+            replica.put_snapshot(snapshot, generation, fresh=fresh)
         nbytes = sum(v.nbytes for v in shard.values.values())
         fd = _open_log(folder, generation, truncate=fresh)
         if fresh:
@@ -226,6 +236,8 @@ class WriteAheadLog:
                 os.close(self._fd)
                 self._fd = -1
             compactor = self._compactor
+            if self.replica is not None:
+                self.replica.close()
         self._due.set()  # the compactor ends
         if compactor is not None and compactor is not threading.current_thread():
             compactor.join(timeout=5.0)
@@ -294,9 +306,19 @@ class WriteAheadLog:
         struct.pack_into("<I", self._head, _CRC_AT, crc)
         if self._fd < 0:
             raise OSError(errno.EBADF, "the log file is not open")
-        self._reserve(self._offset + HEAD.size + length)
-        self.pwrite(self._fd, parts, self._offset + HEAD.size)
-        self.pwrite(self._fd, [self._head_view], self._offset)  # the record exists now
+        replica = self.replica
+        if replica is not None:  # sent first, answered last: it writes while this file is
+            replica.send_record(self.generation, self._offset, self._head_view, parts)
+        try:
+            self._reserve(self._offset + HEAD.size + length)
+            self.pwrite(self._fd, parts, self._offset + HEAD.size)
+            self.pwrite(self._fd, [self._head_view], self._offset)  # the record exists now
+        except OSError:
+            if replica is not None:
+                replica.close()  # its answer is not read: the connection starts over
+            raise
+        if replica is not None:
+            replica.wait()  # a push is acknowledged only once both hold its record
         self._offset += HEAD.size + length
         self.records += 1
         if kind is Kind.PUSH and self._offset >= self.bound and self._shard is not None:
@@ -360,9 +382,11 @@ class WriteAheadLog:
                 version, arrays, header = shard.state_copy(copy=False)  # written under the locks
                 members = [_members_body(shard, False)]
                 try:
-                    self.write_snapshot(
-                        self.folder / f"snapshot-{generation:08d}.npz", _packer(arrays, header)
-                    )
+                    path = self.folder / f"snapshot-{generation:08d}.npz"
+                    self.write_snapshot(path, _packer(arrays, header))
+                    if self.replica is not None:  # re-seeds one that came back
+                        with self._lock:
+                            self.replica.put_snapshot(path, generation)
                     fd = _open_log(self.folder, generation)
                 except OSError as exc:
                     with self._lock:
@@ -518,6 +542,9 @@ class WriteAheadLog:
         older snapshot and both logs still hold the state."""
         try:
             self.write_snapshot(path, _packer(arrays, header))
+            if self.replica is not None:  # under the log's lock: one request at a time
+                with self._lock:
+                    self.replica.put_snapshot(path, int(path.stem.split("-")[1]))
         except OSError as exc:
             with self._lock:
                 self.outage.began(exc)
@@ -532,6 +559,42 @@ def _file_size(fd: int) -> int:
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
+
+
+_REPLICAS: dict[Path, ReplicaLink] = {}
+FETCH_SECONDS = 60.0
+"""How long a server on an empty folder tries to reach its replica (which may be coming back
+itself) before it gives up."""
+
+
+def _fetch(replica: ReplicaLink, folder: Path, shard_index: int) -> None:
+    """Fill ``folder`` from ``replica``, trying again while it cannot be reached."""
+    deadline = time.monotonic() + FETCH_SECONDS
+    while True:
+        try:
+            fetched = replica.fetch(folder)
+            break
+        except ConnectionError as exc:
+            if getattr(exc, "code", 14) != 14 or time.monotonic() > deadline:
+                raise WalError(
+                    f"shard {shard_index}: its log folder {folder} is empty and its replica "
+                    f"cannot give its copy ({exc}); restart the replica, or start from a "
+                    "checkpoint (--restore)"
+                ) from None
+            time.sleep(0.5)
+    log.warning(
+        "shard %d: %d file(s) fetched from replica %s", shard_index, fetched, replica.address
+    )
+
+
+def replicate(folder: Path, replica: ReplicaLink | None) -> None:
+    """Mirror the log in ``folder`` to ``replica`` (None: no longer) from its next start on:
+    a server that has one calls this before it serves (``distsgd server --replica``)."""
+    key = Path(folder).resolve()
+    if replica is None:
+        _REPLICAS.pop(key, None)
+    else:
+        _REPLICAS[key] = replica
 
 
 def begin(folder: Path, shard: Shard, after: int = -1) -> WriteAheadLog:
@@ -567,7 +630,12 @@ def resume(
     """The shard a starting server serves: the one recovered from ``folder`` or ``restored``
     (a checkpoint), whichever is newer (the log on a tie), logging from then on; None when
     there is neither (the run registers it). :class:`WalError` if the folder holds state that
-    cannot be read and there is no checkpoint."""
+    cannot be read and there is no checkpoint. A folder without state whose log has a replica
+    (:func:`replicate`) is first filled from the replica's files: a server whose host and disk
+    were lost comes back where it was."""
+    replica = _REPLICAS.get(Path(folder).resolve())
+    if replica is not None and not has_state(folder):
+        _fetch(replica, Path(folder), shard_index)
     try:
         recovery = recover(folder, rule_factory, max_workers=max_workers, evict_after=evict_after)
     except WalError as exc:

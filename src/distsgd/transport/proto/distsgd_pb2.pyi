@@ -36,6 +36,22 @@ class ChannelFrame(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHANNEL_FRAME_PULL: _ClassVar[ChannelFrame]
     CHANNEL_FRAME_PUSH: _ClassVar[ChannelFrame]
     CHANNEL_FRAME_ERROR: _ClassVar[ChannelFrame]
+
+class ReplicaFrame(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_FRAME_UNSPECIFIED: _ClassVar[ReplicaFrame]
+    REPLICA_FRAME_HELLO: _ClassVar[ReplicaFrame]
+    REPLICA_FRAME_FILE: _ClassVar[ReplicaFrame]
+    REPLICA_FRAME_WRITE: _ClassVar[ReplicaFrame]
+    REPLICA_FRAME_FETCH: _ClassVar[ReplicaFrame]
+    REPLICA_FRAME_ACK: _ClassVar[ReplicaFrame]
+    REPLICA_FRAME_ERROR: _ClassVar[ReplicaFrame]
+
+class ReplicaFileKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_FILE_KIND_UNSPECIFIED: _ClassVar[ReplicaFileKind]
+    REPLICA_FILE_KIND_SNAPSHOT: _ClassVar[ReplicaFileKind]
+    REPLICA_FILE_KIND_LOG: _ClassVar[ReplicaFileKind]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION: ProtocolVersion
 TENSOR_ENCODING_RAW: TensorEncoding
@@ -54,6 +70,16 @@ CHANNEL_FRAME_UNSPECIFIED: ChannelFrame
 CHANNEL_FRAME_PULL: ChannelFrame
 CHANNEL_FRAME_PUSH: ChannelFrame
 CHANNEL_FRAME_ERROR: ChannelFrame
+REPLICA_FRAME_UNSPECIFIED: ReplicaFrame
+REPLICA_FRAME_HELLO: ReplicaFrame
+REPLICA_FRAME_FILE: ReplicaFrame
+REPLICA_FRAME_WRITE: ReplicaFrame
+REPLICA_FRAME_FETCH: ReplicaFrame
+REPLICA_FRAME_ACK: ReplicaFrame
+REPLICA_FRAME_ERROR: ReplicaFrame
+REPLICA_FILE_KIND_UNSPECIFIED: ReplicaFileKind
+REPLICA_FILE_KIND_SNAPSHOT: ReplicaFileKind
+REPLICA_FILE_KIND_LOG: ReplicaFileKind
 
 class RequestHeader(_message.Message):
     __slots__ = ("protocol_version", "run_id", "worker", "incarnation")
@@ -544,6 +570,56 @@ class ChannelError(_message.Message):
     message: str
     refusal: str
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., refusal: _Optional[str] = ...) -> None: ...
+
+class ReplicaHello(_message.Message):
+    __slots__ = ("protocol_version", "run_id", "shard", "proof")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    run_id: str
+    shard: int
+    proof: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., shard: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
+class ReplicaFile(_message.Message):
+    __slots__ = ("kind", "generation", "slot", "length", "fresh")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FRESH_FIELD_NUMBER: _ClassVar[int]
+    kind: ReplicaFileKind
+    generation: int
+    slot: int
+    length: int
+    fresh: bool
+    def __init__(self, kind: _Optional[_Union[ReplicaFileKind, str]] = ..., generation: _Optional[int] = ..., slot: _Optional[int] = ..., length: _Optional[int] = ..., fresh: _Optional[bool] = ...) -> None: ...
+
+class ReplicaWrite(_message.Message):
+    __slots__ = ("generation", "offset", "length", "head")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    offset: int
+    length: int
+    head: int
+    def __init__(self, generation: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., head: _Optional[int] = ...) -> None: ...
+
+class ReplicaFetch(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaAck(_message.Message):
+    __slots__ = ("generation", "bytes")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    bytes: int
+    def __init__(self, generation: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("header",)

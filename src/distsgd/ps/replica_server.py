@@ -1,0 +1,260 @@
+"""The replica's end of a log replica (:mod:`distsgd.ps.replica`): one shard's log files kept
+in a folder on this host, written as the server's own are; ``distsgd server --job replica``.
+
+One connection is served at a time: a new one (the server restarted, or reconnected after a
+failure) ends the one before it. Every request is checked before a byte of it is written
+(the limits are in the .proto's "Log replica"); a request that fails a check is answered
+``REPLICA_FRAME_ERROR`` and the connection closed. Torch-free: bytes, sockets and files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from distsgd.ps.replica import (
+    CHALLENGE_BYTES,
+    IO_SECONDS,
+    MAX_END,
+    MAX_GENERATION,
+    memoryview_of,
+    newest_files,
+    proof,
+    receive_file,
+    send_views,
+    split_address,
+    stream_to,
+)
+from distsgd.ps.wal_files import log_path, make_private_dir, remove_before
+from distsgd.transport import bulk
+from distsgd.transport.proto import distsgd_pb2 as pb
+from distsgd.util import write_atomic
+from distsgd.util.signals import setter
+
+log = logging.getLogger(__name__)
+
+UNAUTHENTICATED, FAILED_PRECONDITION, INVALID_ARGUMENT = 16, 9, 3
+
+
+class Refused(ValueError):
+    """A request the replica will not serve: its code and one-line message."""
+
+    def __init__(self, message: str, code: int = INVALID_ARGUMENT) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ReplicaStore:
+    """The files of one shard's replicated log, and the log file being written."""
+
+    def __init__(self, folder: Path) -> None:
+        make_private_dir(folder)
+        self.folder = folder
+        self.generation: int | None = None
+        """The generation whose log file is open (None: none yet on this connection)."""
+        self._fd = -1
+        self.records = 0
+
+    def snapshot(self, sock: socket.socket, header: pb.ReplicaFile, deadline: float) -> int:
+        """A generation's snapshot from the server: written, older ones removed."""
+        if header.kind != pb.REPLICA_FILE_KIND_SNAPSHOT:
+            raise Refused("a server sends snapshots; log files travel only in a fetch's answer")
+        receive_file(sock, header, self.folder, deadline, fetched=False)
+        if header.fresh:
+            for slot in range(2):
+                with contextlib.suppress(FileNotFoundError):
+                    os.truncate(log_path(self.folder, slot), 0)
+        remove_before(self.folder, header.generation)
+        return int(header.length)
+
+    def _open(self, generation: int) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
+        self._fd = os.open(log_path(self.folder, generation), flags, 0o600)
+        self.generation = generation
+
+    def write(self, sock: socket.socket, write: pb.ReplicaWrite, deadline: float) -> int:
+        """One record: its body at ``offset + head``, then its header at ``offset``."""
+        if write.generation >= MAX_GENERATION or write.offset + write.length >= MAX_END:
+            raise Refused("a record's generation or end is past the limits")
+        if write.head > write.length or write.head == 0:
+            raise Refused(f"a record's head of {write.head} bytes does not fit {write.length}")
+        if write.generation != self.generation:
+            self._open(int(write.generation))
+        head = np.empty(write.head, np.uint8)
+        bulk.recv_into(sock, head, deadline=deadline)
+        stream_to(sock, self._fd, write.offset + write.head, write.length - write.head, deadline)
+        os.pwrite(self._fd, head.tobytes(), write.offset)
+        self.records += 1
+        return int(write.length)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.generation = None
+
+
+class ReplicaServer:
+    """Keeps shard ``shard``'s log for the run ``run_id`` in ``folder``, listening on
+    ``host:port`` (port 0: any; :attr:`address` is the bound one)."""
+
+    def __init__(
+        self, folder: Path, *, host: str, port: int, run_id: str, shard: int, secret: str
+    ) -> None:
+        self.store = ReplicaStore(Path(folder))
+        self.run_id, self.shard, self._secret = run_id, shard, secret
+        self._listener = socket.create_server((host, port), reuse_port=False)
+        self._listener.settimeout(0.2)
+        bound = self._listener.getsockname()
+        self.address = f"{host}:{bound[1]}"
+        self._stop = threading.Event()
+        self._current: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._serving = threading.Lock()
+        self.refused = 0
+        self._thread = threading.Thread(target=self._accept, name="replica-accept", daemon=True)
+
+    def start(self) -> ReplicaServer:
+        self._thread.start()
+        return self
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, peer = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self._lock:  # a new connection ends the one before it
+                if self._current is not None:
+                    with contextlib.suppress(OSError):
+                        self._current.shutdown(socket.SHUT_RDWR)
+                self._current = sock
+            threading.Thread(
+                target=self._serve, args=(sock, peer), name="replica-conn", daemon=True
+            ).start()
+
+    def _serve(self, sock: socket.socket, peer: object) -> None:
+        with self._serving, contextlib.closing(sock):  # one at a time; the one before ends
+            try:
+                self._hello(sock)
+                while not self._stop.is_set():
+                    self._one(sock)
+            except Refused as exc:
+                self.refused += 1
+                log.warning("replica of shard %d: refused %s: %s", self.shard, peer, exc)
+                error = pb.ChannelError(code=exc.code, message=str(exc))
+                with contextlib.suppress(OSError):
+                    bulk.send_frame(sock, pb.REPLICA_FRAME_ERROR, error.SerializeToString(), 1.0)
+            except (OSError, ValueError) as exc:  # the server went, or a malformed frame
+                log.info("replica of shard %d: connection from %s ended: %s", self.shard, peer, exc)
+            finally:
+                self.store.close()
+
+    def _hello(self, sock: socket.socket) -> None:
+        challenge = secrets.token_bytes(CHALLENGE_BYTES)
+        sock.settimeout(IO_SECONDS)
+        sock.sendall(challenge)
+        kind, body = bulk.recv_frame(sock, deadline=time.monotonic() + IO_SECONDS)
+        if kind != pb.REPLICA_FRAME_HELLO:
+            raise Refused(f"a connection must begin with a hello, not a frame of kind {kind}")
+        hello = pb.ReplicaHello.FromString(body)
+        if not hmac.compare_digest(hello.proof, proof(self._secret, challenge)):
+            raise Refused("wrong run secret (the hello's proof)", UNAUTHENTICATED)
+        if hello.protocol_version != pb.PROTOCOL_VERSION:
+            raise Refused(
+                f"protocol version {hello.protocol_version}; this replica speaks "
+                f"{pb.PROTOCOL_VERSION}",
+                FAILED_PRECONDITION,
+            )
+        if hello.run_id != self.run_id or hello.shard != self.shard:
+            raise Refused(
+                f"this replica keeps shard {self.shard} of run {self.run_id}, not shard "
+                f"{hello.shard} of run {hello.run_id}",
+                FAILED_PRECONDITION,
+            )
+        self._ack(sock, 0)
+
+    def _ack(self, sock: socket.socket, nbytes: int) -> None:
+        ack = pb.ReplicaAck(generation=self.store.generation or 0, bytes=nbytes)
+        bulk.send_frame(sock, pb.REPLICA_FRAME_ACK, ack.SerializeToString(), IO_SECONDS)
+
+    def _one(self, sock: socket.socket) -> None:
+        """Serve one request (its first byte may take as long as the server likes)."""
+        kind, body = bulk.recv_frame(sock, deadline=float("inf"), give_up=self._stop.is_set)
+        deadline = time.monotonic() + IO_SECONDS
+        try:
+            if kind == pb.REPLICA_FRAME_WRITE:
+                written = self.store.write(sock, pb.ReplicaWrite.FromString(body), deadline)
+            elif kind == pb.REPLICA_FRAME_FILE:
+                written = self.store.snapshot(sock, pb.ReplicaFile.FromString(body), deadline)
+            elif kind == pb.REPLICA_FRAME_FETCH:
+                written = self._send_files(sock)
+            else:
+                raise Refused(f"a frame of kind {kind} is not a request")
+        except Refused:
+            raise
+        except ValueError as exc:  # a message whose bytes do not parse, or out of limits
+            raise Refused(str(exc)) from None
+        self._ack(sock, written)
+
+    def _send_files(self, sock: socket.socket) -> int:
+        files = newest_files(self.store.folder)
+        for header, path in files:
+            with open(path, "rb") as f, memoryview_of(f) as view:
+                header.length = view.nbytes
+                bulk.send_frame(sock, pb.REPLICA_FRAME_FILE, header.SerializeToString(), 5.0)
+                send_views(sock, [view], IO_SECONDS)
+        return len(files)
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            if self._current is not None:
+                with contextlib.suppress(OSError):
+                    self._current.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=2.0)
+
+
+def serve_replica(
+    folder: Path,
+    *,
+    address: str,
+    shard: int,
+    run_id: str,
+    secret: str,
+    address_file: Path | None = None,
+    stop: threading.Event | None = None,
+) -> None:
+    """Keep shard ``shard``'s log in ``folder``, listening on ``address`` (port 0: any; the
+    bound address goes to ``address_file``), until SIGINT/SIGTERM or ``stop``."""
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, setter(stop))
+    host, port = split_address(address)
+    server = ReplicaServer(
+        folder, host=host, port=port, run_id=run_id, shard=shard, secret=secret
+    ).start()
+    try:
+        log.info("replica of shard %d listening on %s (%s)", shard, server.address, folder)
+        if address_file is not None:
+            write_atomic(address_file, server.address + "\n")
+        stop.wait()
+    finally:
+        server.close()

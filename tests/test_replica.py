@@ -1,0 +1,167 @@
+"""A write-ahead log's replica (ps/replica.py): a server whose folder is gone comes back from
+the replica's copy, where it was; a replica refuses what it should; one that went away takes
+the log down until it answers again and is seeded anew."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distsgd.ps import wal, wal_outage
+from distsgd.ps.replica import ReplicaError, ReplicaLink
+from distsgd.ps.replica_server import ReplicaServer
+from distsgd.ps.rules import PushMeta
+from distsgd.ps.shard import Shard
+from distsgd.schemes import make_server_rule
+from distsgd.transport import bulk
+from distsgd.transport.proto import distsgd_pb2 as pb
+from tests.test_wal import _assert_same, _drive, _push, _shard
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = "s" * 40
+
+
+def _pair(tmp_path: Path, scheme: str = "hogwild", **link: object) -> tuple[ReplicaServer, Path]:
+    """A replica (folder ``replica``) on loopback, and the log folder mirrored to it."""
+    server = ReplicaServer(
+        tmp_path / "replica", host="127.0.0.1", port=0, run_id="r", shard=0, secret=SECRET
+    ).start()
+    folder = tmp_path / "log"
+    options = {"run_id": "r", "shard": 0, "secret": SECRET, **link}
+    wal.replicate(folder, ReplicaLink(server.address, **options))  # type: ignore[arg-type]
+    return server, folder
+
+
+@pytest.fixture(autouse=True)
+def _no_replicas_left(monkeypatch: pytest.MonkeyPatch) -> object:
+    monkeypatch.setattr(wal_outage, "PUSH_WAIT_SECONDS", 0.2)  # a push meeting a down log
+    yield
+    wal._REPLICAS.clear()
+
+
+def _resume(folder: Path) -> Shard:
+    shard = wal.resume(folder, None, make_server_rule, shard_index=0, max_workers=3)
+    assert shard is not None
+    return shard
+
+
+@pytest.mark.parametrize("scheme", ["hogwild", "sync"])
+def test_a_server_whose_folder_is_lost_comes_back_from_its_replica(
+    tmp_path: Path, scheme: str
+) -> None:
+    replica, folder = _pair(tmp_path, scheme)
+    try:
+        live = _shard(scheme)
+        wal.begin(folder, live)
+        _drive(live, 40)
+        live.wal.compact(live, wait=True)  # a generation's snapshot travels too
+        _drive(live, 7)
+        live.wal.close()
+        shutil.rmtree(folder)  # the host and its disk are gone
+        back = _resume(folder)  # fetched from the replica, then recovered
+        _assert_same(back, live)
+        assert replica.store.records > 40
+    finally:
+        replica.close()
+
+
+def test_a_replica_refuses_a_wrong_secret_and_writes_nothing(tmp_path: Path) -> None:
+    replica, folder = _pair(tmp_path, secret="x" * 40)
+    try:
+        live = _shard("hogwild")
+        wal.begin(folder, live)  # the snapshot is refused: the log starts down
+        assert live.wal.broken
+        assert replica.refused == 1
+        assert not any((tmp_path / "replica").glob("snapshot-*"))
+        with pytest.raises(wal.NotLogged):
+            _push(live, 1, 0)
+        live.wal.close()
+    finally:
+        replica.close()
+
+
+def test_a_replica_refuses_a_record_whose_head_does_not_fit(tmp_path: Path) -> None:
+    replica, folder = _pair(tmp_path)
+    try:
+        live = _shard("hogwild")
+        wal.begin(folder, live)
+        link = live.wal.replica
+        assert link is not None
+        bad = pb.ReplicaWrite(generation=0, offset=0, length=4, head=9)
+        with pytest.raises(ReplicaError, match="does not fit") as caught:
+            link._request(pb.REPLICA_FRAME_WRITE, bad.SerializeToString(), [memoryview(b"abcd")])
+            link.wait()
+        assert caught.value.code == 3  # INVALID_ARGUMENT
+        live.wal.close()
+    finally:
+        replica.close()
+
+
+def test_a_replica_that_went_away_takes_the_log_down_until_it_is_seeded_again(
+    tmp_path: Path,
+) -> None:
+    replica, folder = _pair(tmp_path)
+    port = int(replica.address.rsplit(":", 1)[1])
+    live = _shard("hogwild")
+    wal.begin(folder, live)
+    _drive(live, 5)
+    replica.close()  # its host is lost: its disk too
+    shutil.rmtree(tmp_path / "replica")
+    with pytest.raises(wal.NotLogged):
+        _push(live, 50, 0)
+    assert live.wal.broken
+    replica = ReplicaServer(
+        tmp_path / "replica", host="127.0.0.1", port=port, run_id="r", shard=0, secret=SECRET
+    ).start()
+    try:
+        assert live.wal.revive(live)  # a new generation's snapshot seeds it
+        _drive(live, 6)
+        live.wal.close()
+        shutil.rmtree(folder)
+        _assert_same(_resume(folder), live)
+    finally:
+        replica.close()
+
+
+def test_a_push_is_answered_only_once_the_replica_holds_it(tmp_path: Path) -> None:
+    """A replica that takes the record but never answers: the push is not acknowledged."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    folder = tmp_path / "log"
+    link = ReplicaLink(
+        f"127.0.0.1:{listener.getsockname()[1]}", run_id="r", shard=0, secret=SECRET, timeout=1.0
+    )
+    wal.replicate(folder, link)
+    live = _shard("hogwild")
+    import threading
+
+    def mute() -> None:  # a peer that challenges, then answers the hello and the snapshot only
+        sock, _ = listener.accept()
+        sock.sendall(b"c" * 32)
+        for _ in range(2):
+            kind, body = bulk.recv_frame(sock, deadline=1e18)
+            if kind == pb.REPLICA_FRAME_FILE:
+                bulk.recv_into(
+                    sock, np.empty(pb.ReplicaFile.FromString(body).length, np.uint8), deadline=1e18
+                )
+            bulk.send_frame(sock, pb.REPLICA_FRAME_ACK, b"", 1.0)
+        threading.Event().wait(3.0)
+        sock.close()
+
+    peer = threading.Thread(target=mute, daemon=True)
+    peer.start()
+    wal.begin(folder, live)
+    before = live.version
+    with pytest.raises(wal.NotLogged, match="replica"):
+        live.push(
+            {k: np.ones_like(v) for k, v in live.values.items()},
+            PushMeta(worker=0, incarnation=1, base_version=before),
+        )
+    assert live.version == before  # not applied
+    live.wal.close()
+    listener.close()
+    peer.join(5.0)
