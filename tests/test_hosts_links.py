@@ -65,6 +65,8 @@ def test_the_sampler_writes_a_line_per_sample_and_stops(tmp_path: Path) -> None:
 
 def _demo(run_dir: Path, link: str) -> dict[str, Any]:
     args = ["--scheme", "sync", "--workers", "2", "--ps", "1", "--hosts", "2", "--epochs", "3"]
+    # --wal local: the server's log replica would share its host's link with the pulls
+    args += ["--wal", "local"]
     argv = distsgd_cmd("demo", *args, "--link", link, "--quiet", "--run-dir", str(run_dir))
     done = loadclock.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -38,6 +38,8 @@ BLOBS = str(SCRIPTS / "blobs.py")
         ("slow:worker:1@step=0=1.5gbit", "slow", "worker", 1, 0, 0.0, 1_500_000_000),
         (" slow:worker:1@step=3=500kbit ", "slow", "worker", 1, 3, 0.0, 500_000),
         ("kill:ps:0@step=5", "kill", "ps", 0, 5, 0.0, None),
+        ("lose-host:ps:0@step=40", "lose-host", "ps", 0, 40, 0.0, None),
+        ("lose-host:worker:1@step=7", "lose-host", "worker", 1, 7, 0.0, None),
         ("delay:worker:2=200ms", "delay", "worker", 2, None, 0.2, None),
     ],
 )
@@ -49,6 +51,7 @@ def test_specs_parse(
         kind=kind, job=job, index=index, step=step, seconds=seconds, rate_bits=rate
     )
     assert fault.network == (kind in ("partition", "slow"))
+    assert fault.kills == (kind in ("kill", "lose-host"))
     assert fault.task == f"{job}{index}"
 
 
@@ -67,6 +70,9 @@ def test_specs_parse(
         ("slow:ps:0@step=40=10bit", "of at least 1kbit"),
         ("slow:ps:0@step=40=10mbit,for=0s", "for= must be above 0s"),
         ("kill:worker:1@step=4,for=1s", "kill needs @step=N only"),
+        ("lose-host:ps:0", "lose-host needs @step=N only"),
+        ("lose-host:ps:0@step=4=1mbit", "lose-host needs @step=N only"),
+        ("lose-hosts:ps:0@step=4", "lose-host:ps:0@step=40"),
         ("delay:ps:0=1s", "only workers can be delayed"),
         ("delay:worker:1=5", "bad duration '5'"),
         ("cut:worker:1@step=4,for=1s", "use kill:worker:1@step=50"),
@@ -88,6 +94,8 @@ def test_bad_specs_say_the_fix_in_one_line(text: str, needle: str) -> None:
         "slow:ps:0@step=10=10mbit",
         "slow:worker:1@step=10=10mbit",
         "partition:ps:0@step=10,for=2s",
+        "lose-host:ps:0@step=10",
+        "lose-host:worker:1@step=10",
     ],
 )
 def test_link_faults_need_hosts(fault: str) -> None:

@@ -47,7 +47,8 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
         "min_workers": args.min_workers,
         "max_workers": args.max_workers,
         "evict_after": args.evict_after,
-        "wal": args.wal == "on",
+        "wal": args.wal != "off",
+        "replicate": args.wal == "on",
         "fork_server": args.fork_server == "on",
         "hosts": args.hosts,
         "links": tuple(args.link),
@@ -200,11 +201,11 @@ def _cmd_server(args: argparse.Namespace) -> int:
     from distsgd.ps.rules import check_max_workers
     from distsgd.transport.security import load_secret
 
+    if args.job == "replica":  # needs no cluster: it serves its server alone
+        return _cmd_replica(args)
     spec, tf_task = resolve_cluster(
         cluster_file=args.cluster, ps_hosts=args.ps_hosts, worker_hosts=args.worker_hosts
     )
-    if args.job == "replica":
-        return _cmd_replica(args)
     if args.job != Role.PS:
         raise ValueError(
             f"--job {args.job}: 'distsgd server' runs ps tasks; run workers with 'distsgd worker'"

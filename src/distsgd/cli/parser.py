@@ -113,10 +113,12 @@ def _add_fault_tolerance_flags(parser: argparse.ArgumentParser, *, compare: bool
     if not compare:
         ft.add_argument(
             "--wal",
-            choices=("on", "off"),
+            choices=("on", "local", "off"),
             default="on",
             help="each parameter server logs every update before applying it, so that a killed "
-            "one comes back without losing any (default on; see docs/fault-tolerance.md)",
+            "one comes back without losing any; under --hosts the log is also kept by a replica "
+            "on another host, so that a lost host loses none (default on; local: no replica; "
+            "see docs/fault-tolerance.md)",
         )
     if not compare:
         ft.add_argument(

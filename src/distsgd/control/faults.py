@@ -12,6 +12,9 @@ Spec forms::
     slow:ps:0@step=40=10mbit            from global step 40, ps 0's host's link is shaped to
                                         10mbit to the end of the run (--hosts only)
     slow:worker:1@step=40=10mbit,for=10s  the same for 10 s, then its own link again
+    lose-host:ps:0@step=40              at global step 40, ps 0's host is lost: every process
+                                        on it is killed and its disk wiped (--hosts only; the
+                                        tasks start again there, on an empty disk)
 
 Without ``--hosts`` a partition of a worker is simulated by the worker itself (its pushes are
 lost, its pulls wait); with it the launcher cuts the host's link, a real partition of every
@@ -34,13 +37,15 @@ from distsgd.util.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
-KINDS = ("kill", "delay", "partition", "slow")
+KINDS = ("kill", "delay", "partition", "slow", "lose-host")
 """The kinds of fault ``--inject-fault`` knows."""
+KILL_KINDS = ("kill", "lose-host")
+"""The kinds the launcher lands at a step by killing processes (workers hold still for them)."""
 NETWORK_KINDS = ("partition", "slow")
 """The kinds that act on a host's link under ``--hosts``."""
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s)$")
 _SPEC = re.compile(
-    r"^(?P<kind>[a-z]+):(?P<job>ps|worker):(?P<index>\d+)"
+    r"^(?P<kind>[a-z]+(?:-[a-z]+)?):(?P<job>ps|worker):(?P<index>\d+)"
     r"(?:@step=(?P<step>\d+))?"
     r"(?:\+(?P<plus>[^,=]*)|,for=(?P<for1>[^,=]*))?"
     r"(?:=(?P<value>[^,=]*))?"
@@ -48,7 +53,7 @@ _SPEC = re.compile(
 )
 _USAGE = (
     "use kill:worker:1@step=50, delay:worker:2=200ms, partition:worker:0@step=30,for=10s "
-    "or slow:ps:0@step=40=10mbit[,for=10s]"
+    "slow:ps:0@step=40=10mbit[,for=10s] or lose-host:ps:0@step=40"
 )
 
 
@@ -87,6 +92,11 @@ class Fault:
         return TaskId(job=Role(self.job), index=self.index)
 
     @property
+    def kills(self) -> bool:
+        """Whether the launcher lands it by killing (kill, lose-host) at its step."""
+        return self.kind in KILL_KINDS
+
+    @property
     def network(self) -> bool:
         """Whether it acts on a link (partition, slow) rather than on a process."""
         return self.kind in NETWORK_KINDS
@@ -119,8 +129,8 @@ def _check_shape(
 ) -> None:
     """Which parts each kind takes; ValueError naming the form where they do not fit."""
     bad = f"bad --inject-fault {text!r}"
-    if kind == "kill" and (not has_step or value is not None or length is not None):
-        raise ValueError(f"{bad}: kill needs @step=N only; {_USAGE}")
+    if kind in KILL_KINDS and (not has_step or value is not None or length is not None):
+        raise ValueError(f"{bad}: {kind} needs @step=N only; {_USAGE}")
     if kind == "delay" and (value is None or has_step or length is not None):
         raise ValueError(f"{bad}: delay needs =DURATION only; {_USAGE}")
     if kind == "delay" and text.split(":")[1] != Role.WORKER:
@@ -159,7 +169,7 @@ _KILL_POLL = 0.005
 def kill_marker(run_dir: str | Path, fault: Fault, kind: str) -> Path:
     """The file of a kill's step in the run folder: ``due`` (a worker reached the step and
     holds still; it holds the global step it saw) or ``landed`` (the launcher killed)."""
-    name = f"kill-{fault.job}{fault.index}-at-{fault.step or 0}.{kind}"
+    name = f"{fault.kind}-{fault.job}{fault.index}-at-{fault.step or 0}.{kind}"
     return Path(run_dir) / "faults" / name
 
 
@@ -192,8 +202,8 @@ class FaultInjector:
     reading of the metrics lines (every ``--log-every`` steps)."""
 
     def __init__(self, faults: Sequence[Fault], run_dir: str = "") -> None:
-        self.faults = [f for f in faults if f.kind != "kill"]
-        self.kills = [f for f in faults if f.kind == "kill"] if run_dir else []
+        self.faults = [f for f in faults if not f.kills]
+        self.kills = [f for f in faults if f.kills] if run_dir else []
         self.run_dir = run_dir
         self.partition_until = 0.0
         self._done: set[int] = set()

@@ -111,7 +111,7 @@ def _worker_fault(fault: Fault, index: int, hosts: int) -> bool:
     own without ``--hosts`` (simulated; under ``--hosts`` the launcher cuts its host's link),
     and every kill (the launcher's: each worker holds still at its step until it landed, see
     :class:`~distsgd.control.faults.FaultInjector`). Slow links are the launcher's."""
-    if fault.kind == "kill":
+    if fault.kills:
         return True
     if fault.task_id != TaskId(job=Role.WORKER, index=index):
         return False

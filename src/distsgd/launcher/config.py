@@ -84,6 +84,14 @@ class LaunchConfig(WorkerBounds):
             "(RUN_DIR/wal/psN): a killed one is restarted where it was, losing none"
         },
     )
+    replicate: bool = field(
+        default=True,
+        metadata={
+            "help": "with the log, on emulated hosts (hosts of 2 or more): each server's log is "
+            "also kept by a replica on the next host, and a push acknowledged once both hold "
+            "it: a server whose host and disk are lost comes back from the replica"
+        },
+    )
     max_restarts: int = field(
         default=DEFAULT_MAX_RESTARTS,
         metadata={
@@ -331,6 +339,11 @@ class LaunchConfig(WorkerBounds):
                 raise ValueError(
                     f"--inject-fault {spec_text}: a slow link or a partition of a server acts "
                     "on an emulated host's link; add --hosts N"
+                )
+            if fault.kind == "lose-host" and not self.hosts:
+                raise ValueError(
+                    f"--inject-fault {spec_text}: losing a host needs emulated hosts (each with "
+                    "its own disk); add --hosts N"
                 )
             if fault.index >= count:
                 most = " at most" if fault.job == Role.WORKER and self.elastic else ""

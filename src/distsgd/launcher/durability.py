@@ -83,16 +83,15 @@ class DurabilityWatch:
         if wal.down and wal.down_seconds >= self._give_up:
             raise RunFailed(
                 f"ps{index} could not write its write-ahead log in {wal.folder} for "
-                f"{wal.down_seconds:.0f}s ({wal.error}); no update it acknowledged is lost: free "
-                f"space on that disk, then resume with: distsgd run --resume {self._run_dir}",
+                f"{wal.down_seconds:.0f}s ({wal.error}); no update it acknowledged is lost: "
+                f"{_fix(wal)}, then resume with: distsgd run --resume {self._run_dir}",
                 reason=f"ps{index}: write-ahead log unwritable ({wal.error})",
             )
 
     def _lost(self, index: int, wal: pb.WalStatus, step: int) -> None:
         self._note(
             f"[distsgd] ps{index}: durability lost: its write-ahead log in {wal.folder} cannot "
-            f"be written ({wal.error}); its pushes wait, unapplied, until it can (free space "
-            "on that disk)"
+            f"be written ({wal.error}); its pushes wait, unapplied, until it can ({_fix(wal)})"
         )
         self._event(
             step=step,
@@ -160,3 +159,10 @@ def disk_full_line(run_dir: Path, exc: OSError, *, resumable: bool) -> str:
     return (
         f"the disk that holds {run_dir} is full ({exc.strerror}{where}): free space on it{resume}"
     )
+
+
+def _fix(wal: pb.WalStatus) -> str:
+    """What brings a down log back: its replica answering again, or room on its disk."""
+    if wal.replica:
+        return "its replica on another host must answer again; the launcher restarts it"
+    return "free space on that disk"

@@ -15,6 +15,7 @@ from typing import Any
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.link_sampler import WINDOW_S
 from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
+from distsgd.launcher.netns_disks import HostDisks
 from distsgd.launcher.netns_keeper import NetnsError
 from distsgd.util import write_atomic
 
@@ -32,7 +33,9 @@ def start_hosts(config: LaunchConfig, run_dir: Path) -> EmulatedHosts | None:
     Call from the thread that will close them (the keepers die with it)."""
     if not config.hosts:
         return None
-    hosts = EmulatedHosts(config.host_plan(), management=True)
+    # each host its own disk, seen by its tasks at RUN_DIR/wal (their logs, their replicas')
+    disks = HostDisks(root=run_dir / "disks", at=run_dir / "wal", keep=False)
+    hosts = EmulatedHosts(config.host_plan(), management=True, disks=disks)
     hosts.start()
     try:
         _write(run_dir, hosts, counters=None, faults=())

@@ -57,6 +57,12 @@ tasks' servers and the tasks reach the launcher (its rendezvous store). It is ma
 switch namespace with the ``P-m`` end moved out, so it dies with the switch keeper; its bytes
 are not in :meth:`EmulatedHosts.counters` (what a host exchanges with the launcher still
 crosses, and is counted on, that host's own link).
+
+Private disks (:mod:`distsgd.launcher.netns_disks`): by default the hosts share the machine's
+file system. With ``disks=HostDisks(root=R, at=A)`` each host keeper also holds a mount
+namespace in which the host's backing directory ``R/HOST`` (:meth:`EmulatedHosts.disk_of`) is
+bind-mounted at ``A`` and ``R`` is hidden; :meth:`EmulatedHosts.enter` enters it too, keeping
+the working directory. :meth:`EmulatedHosts.wipe` empties a lost host's disk.
 """
 
 from __future__ import annotations
@@ -76,7 +82,8 @@ from pathlib import Path
 from types import TracebackType
 
 from distsgd.cluster.hosts import HOST_NETWORK, Host, HostPlan, LinkSpec
-from distsgd.launcher import netns_keeper, netns_shaping
+from distsgd.launcher import netns_disks, netns_keeper, netns_shaping
+from distsgd.launcher.netns_disks import HostDisks
 from distsgd.launcher.netns_keeper import NetnsError
 from distsgd.launcher.netns_lock import HostsLock
 from distsgd.launcher.netns_shaping import MANAGEMENT_MINOR, tbf_sizes
@@ -84,6 +91,7 @@ from distsgd.launcher.netns_shaping import MANAGEMENT_MINOR, tbf_sizes
 __all__ = [
     "AppliedLink",
     "EmulatedHosts",
+    "HostDisks",
     "LinkBytes",
     "Privilege",
     "check_capable",
@@ -204,12 +212,20 @@ class EmulatedHosts:
     """
 
     def __init__(
-        self, plan: HostPlan, *, timeout_s: float = COMMAND_TIMEOUT_S, management: bool = False
+        self,
+        plan: HostPlan,
+        *,
+        timeout_s: float = COMMAND_TIMEOUT_S,
+        management: bool = False,
+        disks: HostDisks | None = None,
     ) -> None:
         self.plan = plan
         self.timeout_s = timeout_s
         self.management = management
         """Whether an unshaped link joins the creator's namespace to the switch (root only)."""
+        names = [host.name for host in plan.hosts]
+        self.disks = None if disks is None else netns_disks.DiskSet(disks, names)
+        """Each host's private disk; None: the hosts share the machine's file system."""
         self.prefix = f"ds{secrets.token_hex(3)}"
         """Every link's name begins with it (``ds`` and 6 hex digits)."""
         self.privilege: Privilege | None = None
@@ -276,7 +292,20 @@ class EmulatedHosts:
         name = self._host(host).name
         if name not in self.keepers:
             raise ValueError(f"{name} has no namespace; start the hosts (use `with`) first")
-        return self._ns(self.keepers[name], [])
+        argv = self._ns(self.keepers[name], [])
+        return argv if self.disks is None else netns_disks.enter_argv(argv, self.keepers[name])
+
+    def disk_of(self, host: Host | str | int) -> Path:
+        """``host``'s private disk as the creator sees it: its backing directory."""
+        if self.disks is None:
+            raise ValueError("these hosts have no private disks; give EmulatedHosts(disks=...)")
+        return self.disks.path(self._host(host).name)
+
+    def wipe(self, host: Host | str | int) -> None:
+        """``host`` lost its disk: everything in it removed (it stays, empty, where mounted)."""
+        self.disk_of(host)  # refused without disks
+        assert self.disks is not None
+        self.disks.wipe(self._host(host).name)
 
     # ---------------------------------------------------------------- life
 
@@ -305,6 +334,8 @@ class EmulatedHosts:
         if self.management:  # one at a time on a machine (launcher/netns_lock.py)
             self._lock.acquire()
         try:
+            if self.disks is not None:
+                self.disks.prepare()
             self._start_keepers()
             self._wire()
             if self.management:
@@ -344,8 +375,9 @@ class EmulatedHosts:
                 ) from e
         user_ns = f"/proc/{switch}/ns/user" if userns else None
         for host in self.plan.hosts:
+            mounts = () if self.disks is None else self.disks.mounts(host.name)
             self.keepers[host.name] = netns_keeper.fork_keeper(
-                user_ns=user_ns, new_user=False, timeout_s=self.timeout_s
+                user_ns=user_ns, new_user=False, timeout_s=self.timeout_s, mounts=mounts
             )
 
     def _run(self, where: str, tool: str, script: str) -> None:
@@ -411,7 +443,7 @@ class EmulatedHosts:
         docstring): made in the switch namespace, one end moved to ours, so it goes with the
         switch keeper."""
         port, mine = f"{self.prefix}-mp", self.management_link
-        if self._address_here(MANAGEMENT_ADDRESS):
+        if netns_keeper.address_here(MANAGEMENT_ADDRESS, self.timeout_s):
             raise ValueError(
                 f"{MANAGEMENT_ADDRESS} is already on a link of this machine (another run on "
                 "emulated hosts?); wait for it to end, one run on emulated hosts at a time"
@@ -446,24 +478,6 @@ class EmulatedHosts:
                 log.warning("the hosts are not named for `ip netns list`: %s", e)
                 return
             self.names[host.name] = name
-
-    def _address_here(self, address: str) -> bool:
-        """Whether an interface of the creator's namespace has ``address``."""
-        try:
-            done = subprocess.run(
-                ["ip", "-j", "addr", "show"],
-                capture_output=True,
-                text=True,
-                timeout=self.timeout_s,
-                check=True,
-            )
-        except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
-            raise NetnsError(f"could not list this namespace's addresses: {e}") from None
-        return any(
-            info.get("local") == address
-            for link in json.loads(done.stdout)
-            for info in link.get("addr_info", [])
-        )
 
     def _shape(self) -> tuple[AppliedLink, ...]:
         """``tbf`` on both ends of each shaped host's link: its eth0 (what the host sends) and
@@ -664,6 +678,7 @@ class EmulatedHosts:
         ]
         self.keepers = {}
         self._lock.release()
+        mounted = [] if self.disks is None else self.disks.release()
         if not check:
             return
         if stuck or named:
@@ -671,6 +686,8 @@ class EmulatedHosts:
                 f"namespace keepers did not end: {', '.join(stuck) or 'none'}; names left in "
                 f"/run/netns: {', '.join(named) or 'none'} (ip netns delete NAME)"
             )
+        if mounted:
+            raise NetnsError(f"the hosts' disks are mounted here: {', '.join(mounted)}")
         left = self.root_links()
         if left:
             raise NetnsError(f"links left behind: {', '.join(left)}; remove them with ip link del")

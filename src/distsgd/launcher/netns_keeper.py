@@ -1,7 +1,9 @@
 """The keepers of emulated hosts' network namespaces (:mod:`distsgd.launcher.netns`): a
 keeper is a process forked from the creator that unshares a network namespace (and, without
 root, a user namespace), asks for SIGKILL when the creating thread ends (``PR_SET_PDEATHSIG``)
-and execs ``sleep infinity`` under the name :data:`KEEPER_NAME`; with it the namespace goes."""
+and execs ``sleep infinity`` under the name :data:`KEEPER_NAME`; with it the namespace goes.
+Given :class:`Mount` s (a host's private disk, :mod:`distsgd.launcher.netns_disks`), it also
+unshares a mount namespace and makes those mounts in it before the exec."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import json
 import logging
 import os
 import re
@@ -25,7 +28,9 @@ from distsgd.util.libc import libc
 __all__ = [
     "KEEPER_NAME",
     "NAME_PREFIX",
+    "Mount",
     "NetnsError",
+    "address_here",
     "end_keeper",
     "fork_keeper",
     "name_namespace",
@@ -37,6 +42,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 PR_SET_PDEATHSIG = 1
 KEEPER_NAME = "distsgd-netns-keeper"
@@ -61,6 +67,17 @@ def _libc() -> ctypes.CDLL:
     return libc()
 
 
+@dataclass(frozen=True)
+class Mount:
+    """One ``mount(2)`` a keeper makes in its new mount namespace, before it execs."""
+
+    source: bytes | None
+    target: bytes
+    fstype: bytes | None
+    flags: int
+    data: bytes | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class _KeeperArgs:
     """What a keeper child needs, all prepared before the fork."""
@@ -75,6 +92,8 @@ class _KeeperArgs:
     """A user namespace to join first (``/proc/PID/ns/user``); None: stay in ours."""
     new_user: bool
     """Make a new user namespace along with the network namespace."""
+    mounts: tuple[Mount, ...] = ()
+    """Mounts to make in a new mount namespace (none: the keeper makes no mount namespace)."""
 
 
 def _keeper_child(report: int, args: _KeeperArgs) -> None:
@@ -92,9 +111,15 @@ def _keeper_child(report: int, args: _KeeperArgs) -> None:
             return
         os.close(fd)
     flags = CLONE_NEWNET | (CLONE_NEWUSER if new_user else 0)
+    flags |= CLONE_NEWNS if args.mounts else 0
     if libc.unshare(flags) != 0:
         os.write(report, f"unshare: {os.strerror(ctypes.get_errno())}".encode())
         return
+    for m in args.mounts:
+        if libc.mount(m.source, m.target, m.fstype, ctypes.c_ulong(m.flags), m.data) != 0:
+            why = os.strerror(ctypes.get_errno())
+            os.write(report, f"mount {m.target.decode(errors='replace')}: {why}".encode())
+            return
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != args.parent:  # the creator died before the line above
         return
@@ -123,16 +148,20 @@ def _read_report(fd: int, pid: int, timeout_s: float) -> str:
     return f"no answer within {timeout_s:g} s (pid {pid})"
 
 
-def fork_keeper(*, user_ns: str | None, new_user: bool, timeout_s: float) -> int:
-    """Fork a keeper; its PID once it holds its namespace, NetnsError if it could not."""
+def fork_keeper(
+    *, user_ns: str | None, new_user: bool, timeout_s: float, mounts: tuple[Mount, ...] = ()
+) -> int:
+    """Fork a keeper; its PID once it holds its namespace (and has made ``mounts`` in a mount
+    namespace of its own), NetnsError if it could not."""
     args = _KeeperArgs(
         libc=_libc(),
         sleep=shutil.which("sleep") or "/bin/sleep",
         parent=os.getpid(),
         user_ns=user_ns,
         new_user=new_user,
+        mounts=mounts,
     )
-    for name in ("unshare", "setns", "prctl"):  # resolve the symbols before the fork
+    for name in ("unshare", "setns", "prctl", "mount"):  # resolve the symbols before the fork
         getattr(args.libc, name)
     read, write = os.pipe()
     pid = os.fork()
@@ -153,7 +182,7 @@ def fork_keeper(*, user_ns: str | None, new_user: bool, timeout_s: float) -> int
     if not report:
         return pid
     end_keeper(pid, timeout_s)
-    if os.strerror(errno.EPERM) in report:  # not allowed here: the user's to fix
+    if os.strerror(errno.EPERM) in report and not report.startswith("mount "):  # the user's
         raise ValueError(
             f"emulated hosts: no network namespace may be made here ({report}); run as root "
             "with CAP_SYS_ADMIN, or allow unprivileged user namespaces"
@@ -213,6 +242,25 @@ def stale_names() -> list[str]:
         return []
     pattern = re.compile(rf"{re.escape(NAME_PREFIX)}host\d+")
     return sorted(p.name for p in NETNS_DIR.iterdir() if pattern.fullmatch(p.name))
+
+
+def address_here(address: str, timeout_s: float) -> bool:
+    """Whether an interface of the caller's network namespace has ``address``."""
+    try:
+        done = subprocess.run(
+            ["ip", "-j", "addr", "show"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=True,
+        )
+    except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
+        raise NetnsError(f"could not list this namespace's addresses: {e}") from None
+    return any(
+        info.get("local") == address
+        for link in json.loads(done.stdout)
+        for info in link.get("addr_info", [])
+    )
 
 
 def _ip_netns(args: list[str], timeout_s: float) -> None:

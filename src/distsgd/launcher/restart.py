@@ -67,7 +67,16 @@ class Restarts(LocalTasks):
         return self._disk().newest_shard(index)
 
     def has_wal(self, index: int) -> bool:
-        return self._disk().has_wal(index)
+        """Whether ps ``index`` can come back from its log: its replica's copy, or its own
+        folder (on its host's disk under ``--hosts``)."""
+        if self.replicas is not None and self.replicas.address(index) is not None:
+            return self.config.wal
+        host = self.host_of(f"ps{index}")
+        if host is None or self.hosts is None:
+            return self._disk().has_wal(index)
+        return self.config.wal and DiskStore(self.ckpt_root, self.hosts.disk_of(host)).has_wal(
+            index
+        )
 
     def topology(self) -> RunTopology:
         return RunTopology(

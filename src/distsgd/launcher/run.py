@@ -46,6 +46,7 @@ from distsgd.launcher.link_faults import LinkFaults
 from distsgd.launcher.link_sampler import LinkSampler
 from distsgd.launcher.netns import EmulatedHosts
 from distsgd.launcher.progress import Console
+from distsgd.launcher.replicas import is_replica
 from distsgd.launcher.restart import Restarts
 from distsgd.launcher.scale import LAUNCHER_FILE, read_scale_request
 from distsgd.launcher.supervisor import Tasks
@@ -154,7 +155,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
     finally:
         launcher_file.unlink(missing_ok=True)
         supervisor.close()
-        local.close_hosts()  # heal, count, take down
+        local.close_hosts()  # heal, count, take down (and their disks)
         shutil.rmtree(local.wal_root, ignore_errors=True)  # only a restart in this launch reads it
         # Segments are unlinked once a worker maps them; a server killed before that leaves a
         # name behind, which it recorded in its checkpoint folder before creating it.
@@ -228,7 +229,7 @@ class LocalRun(Restarts):
         self.scale_seen = 0
         """The ``seq`` of the last scale request handled."""
         self.faults = [Fault.parse(f) for f in config.faults]
-        self.kills_pending = [f for f in self.faults if f.kind == "kill"]
+        self.kills_pending = [f for f in self.faults if f.kills]
         clear_kill_marks(run_dir)  # a resumed run's kills are due again
         self.link_faults = LinkFaults(
             self.faults, hosts, events=self.events, note=console.note, run_dir=run_dir
@@ -288,6 +289,8 @@ class LocalRun(Restarts):
             self.progress.poll()
             self._poll_versions()
             self._inject_kills()
+            if self.replicas is not None:
+                self.replicas.restart_dead(self.progress.step)
             self.link_faults.poll(self.progress.step)
             if self.config.elastic:
                 self._poll_scale()
@@ -314,7 +317,9 @@ class LocalRun(Restarts):
         workers = [
             task
             for name, task in self.supervisor.tasks.items()
-            if TaskId.parse(name).job == Role.WORKER and task.poll() is None
+            if not is_replica(name)
+            and TaskId.parse(name).job == Role.WORKER
+            and task.poll() is None
         ]
         saves = config.checkpoint_every or config.checkpoint_seconds
         if self.collective or not workers or not saves:
@@ -359,8 +364,8 @@ class LocalRun(Restarts):
         failed: dict[str, int] = {}
         for task in list(self.supervisor.tasks.values()):
             code = task.poll()
-            if code is None or task.name in self.done:
-                continue
+            if code is None or task.name in self.done or is_replica(task.name):
+                continue  # a replica is started again by itself (launcher/replicas.py)
             if task.name in self.leaving:  # asked to leave: gone, whatever its code
                 del self.leaving[task.name]
                 self.done.add(task.name)
@@ -385,7 +390,7 @@ class LocalRun(Restarts):
                 break
             for task in list(self.supervisor.tasks.values()):
                 code = task.poll()
-                if code is not None and code != 0 and task.name not in self.done:
+                if code and task.name not in self.done and not is_replica(task.name):
                     failed.setdefault(task.name, code)
         return failed
 
@@ -406,6 +411,9 @@ class LocalRun(Restarts):
                 kill_landed(self.run_dir, fault)
 
     def _kill_now(self, fault: Fault, step: int) -> None:
+        if fault.kind == "lose-host":
+            self._lose_host(fault, step)
+            return
         task = self.supervisor.tasks.get(fault.task)
         if task is None or task.poll() is not None:
             return
@@ -417,6 +425,33 @@ class LocalRun(Restarts):
         )
         self.events.log(step=step, event="fault_injected", fault="kill", target=fault.task)
         task.kill()
+
+    def _lose_host(self, fault: Fault, step: int) -> None:
+        """``lose-host:``: SIGKILL every task on the target's host, then wipe its disk. The
+        versions of its servers are read first (what they had acknowledged at least)."""
+        assert self.hosts is not None  # the config refuses lose-host without --hosts
+        host = self.hosts.plan.host_of(fault.task_id)
+        victims = [t for t in self.supervisor.tasks.values() if self.host_of(t.name) is host]
+        victims = [t for t in victims if t.poll() is None]
+        for task in victims:
+            if task.name.startswith("ps"):
+                self._read_version(TaskId.parse(task.name).index)
+        names = ", ".join(t.name for t in victims) or "no task"
+        self.console.note(f"[distsgd] fault injected: {host.name} lost at step {step} ({names})")
+        self.events.log(
+            step=step,
+            event="fault_injected",
+            fault="lose-host",
+            target=fault.task,
+            host=host.name,
+            tasks=[t.name for t in victims],
+        )
+        for task in victims:
+            task.kill()
+        deadline = time.monotonic() + 10.0
+        while any(t.poll() is None for t in victims) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.wipe_disk(host)
 
     # -- elastic runs ---------------------------------------------------------------------------
     def _poll_scale(self) -> None:
@@ -549,6 +584,8 @@ class LocalRun(Restarts):
         durability = self.durability.summary()
         if durability is not None:
             result["durability"] = durability
+        if self.replicas is not None:
+            result["log_replicas"] = self.replicas.summary()
         if moved is not None:
             result["rebalance"] = moved
             self.console.final(
@@ -561,7 +598,14 @@ class LocalRun(Restarts):
                 f"[distsgd] rolled back {len(self.rollbacks)} time(s) after a divergence; "
                 f"every rate at {self.config.overrides.get('lr_cut', 1.0):g}x since"
             )
-        if split or self.progress.staleness or moved or durability or self.rollbacks:
+        if (
+            split
+            or self.progress.staleness
+            or moved
+            or durability
+            or self.rollbacks
+            or (self.replicas is not None)
+        ):
             write_atomic(result_path, json.dumps(result, indent=2) + "\n")
         if result.get("test_accuracy") is not None:
             self.console.final(f"test accuracy: {result['test_accuracy']:.4f}")

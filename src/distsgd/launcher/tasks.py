@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.cluster import ClusterSpec, Role, TaskId
+from distsgd.cluster.hosts import Host
 from distsgd.control.checkpoint.errors import IncompleteCheckpoint
 from distsgd.control.checkpoint.store import Checkpoint, latest_checkpoint
 from distsgd.control.errors import SetupErrorRecord
@@ -34,10 +36,11 @@ from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
 from distsgd.launcher.progress import Console, Progress
 from distsgd.launcher.rebalance import Rebalancer
+from distsgd.launcher.replicas import PREFIX as REPLICA_PREFIX
+from distsgd.launcher.replicas import Replicas, is_replica, replica_host
 from distsgd.launcher.shard_load import ShardLoadLog
 from distsgd.launcher.supervisor import TaskHandle, Tasks
 from distsgd.launcher.waits import said_while_slow
-from distsgd.ps import wal
 from distsgd.transport.security import (
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -45,6 +48,7 @@ from distsgd.transport.security import (
     write_secret_file,
 )
 from distsgd.util import write_atomic
+from distsgd.util.atomic import private_dir as make_private_dir
 from distsgd.util.proctitle import TITLE_ENV, task_title
 
 log = logging.getLogger(__name__)
@@ -103,6 +107,34 @@ def wait_for_address(task: TaskHandle, path: Path, timeout: float) -> str:
     raise RunFailed(f"{task.name} did not report its address within {timeout:.0f}s")
 
 
+def task_envs(secret_file: Path, threads: int) -> tuple[dict[str, str], dict[str, str]]:
+    """The environments of a run's workers and of its servers (and replicas)."""
+    env = dict(os.environ)
+    env.pop(ENV_VAR, None)
+    env.pop(SECRET_ENV, None)
+    env.update(
+        {
+            PARENT_ENV: str(os.getpid()),
+            "PYTHONUNBUFFERED": "1",
+            SECRET_FILE_ENV: str(secret_file.resolve()),
+        }
+    )
+    worker_env = {
+        **env,
+        "DISTSGD_THREADS": str(threads),
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+    }
+    ps_env = {
+        **env,
+        "DISTSGD_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",  # parameter servers stay on CPU (and import no torch)
+    }
+    return worker_env, ps_env
+
+
 class LocalTasks:
     """The tasks of one local run and how they are started."""
 
@@ -137,34 +169,12 @@ class LocalTasks:
         self._next_poll = 0.0
         self.checkpointing = bool(config.checkpoint_every or config.checkpoint_seconds)
         self.run_id = config.run_id or secrets.token_hex(8)
-        env = dict(os.environ)
-        env.pop(ENV_VAR, None)
-        env.pop(SECRET_ENV, None)
         secret_file = run_dir / "secret"
         if config.resume:  # kept on --resume: the restored shards know the run
             self.secret = load_secret({SECRET_FILE_ENV: str(secret_file)})
         else:
             self.secret = write_secret_file(secret_file)
-        env.update(
-            {
-                PARENT_ENV: str(os.getpid()),
-                "PYTHONUNBUFFERED": "1",
-                SECRET_FILE_ENV: str(secret_file.resolve()),
-            }
-        )
-        self.worker_env = {
-            **env,
-            "DISTSGD_THREADS": str(self.threads),
-            "OMP_NUM_THREADS": str(self.threads),
-            "MKL_NUM_THREADS": str(self.threads),
-        }
-        self.ps_env = {
-            **env,
-            "DISTSGD_THREADS": "1",
-            "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "",  # parameter servers stay on CPU (and import no torch)
-        }
+        self.worker_env, self.ps_env = task_envs(secret_file, self.threads)
         hands_out = engine_for(config).assigns_devices  # Ray: the GPUs its bundles reserved
         self.gpus = [] if hands_out else worker_gpus(config.device, os.environ)
         self.spec = self.unbound_spec()
@@ -188,6 +198,24 @@ class LocalTasks:
         """Each server's write-ahead log as the Info polls find it (launcher/durability.py)."""
         self.rebalancer = self._rebalancer(config, console)
         """``--rebalance auto``: moves pieces between servers (launcher/rebalance.py)."""
+        self.replicas = self._replicas(config, console)
+        """The servers' log replicas on other hosts (launcher/replicas.py; None: none)."""
+
+    def _replicas(self, config: LaunchConfig, console: Console) -> Replicas | None:
+        """Log replicas: with the log, on two or more emulated hosts, unless ``--wal local``."""
+        hosts = self.hosts
+        if hosts is None or len(hosts.plan.hosts) < 2 or not (config.wal and config.replicate):
+            return None
+        return Replicas(
+            plan=hosts.plan,
+            run_dir=self.run_dir,
+            run_id=self.run_id,
+            python=[sys.executable, "-m", "distsgd"],
+            start_task=lambda name, argv, host: self._start(name, argv, self.ps_env, host=host),
+            wait_address=lambda task, path: wait_for_address(task, path, 60.0),
+            note=console.note,
+            event=self.events.log,
+        )
 
     def _rebalancer(self, config: LaunchConfig, console: Console) -> Rebalancer | None:
         """``--rebalance auto``'s mover (None: off)."""
@@ -209,6 +237,29 @@ class LocalTasks:
         if self.hosts is None:
             return self.config.host
         return self.hosts.plan.host_of(task).address
+
+    def host_of(self, name: str) -> Host | None:
+        """The emulated host task ``name`` (a server, worker or log replica) runs on."""
+        if self.hosts is None:
+            return None
+        if is_replica(name):
+            return replica_host(self.hosts.plan, int(name[len(REPLICA_PREFIX) :]))
+        return self.hosts.plan.host_of(TaskId.parse(name))
+
+    def wipe_disk(self, host: Host) -> None:
+        """``host`` lost its disk: everything its tasks kept there is gone."""
+        assert self.hosts is not None
+        self.hosts.wipe(host)
+
+    def _clear_logs(self) -> None:
+        """Remove the logs of an earlier cluster (on each host's own disk under ``--hosts``:
+        the folder the hosts see as theirs stays, it is their disks' mount point)."""
+        self.seen_versions.clear()
+        if self.hosts is None:
+            shutil.rmtree(self.wal_root, ignore_errors=True)
+            return
+        for host in self.hosts.plan.hosts:
+            self.hosts.wipe(host)
 
     def unbound_spec(self) -> ClusterSpec:
         """Every task at its address with port 0 (each server picks its port when it starts)."""
@@ -265,13 +316,20 @@ class LocalTasks:
             wal_dir=self.wal_root / f"ps{index}",
             restore=restore,
         )
+        replica = None if self.replicas is None else self.replicas.address(index)
+        if replica is not None:
+            argv += ["--replica", replica, "--run-id", self.run_id]
         return self._start(f"ps{index}", argv, self.ps_env)
 
-    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> TaskHandle:
+    def _start(
+        self, name: str, argv: list[str], env: dict[str, str], *, host: Host | None = None
+    ) -> TaskHandle:
         self.started_at[name] = time.monotonic()
         env = {**env, TITLE_ENV: task_title(name, self.run_dir.name)}  # what ps and top show
         if self.hosts is not None:  # in its host's network namespace
-            argv = [*self.hosts.enter(self.hosts.plan.host_of(TaskId.parse(name))), *argv]
+            where = host or self.host_of(name)
+            assert where is not None
+            argv = [*self.hosts.enter(where), *argv]
         return self.supervisor.start(name, argv, env)
 
     def start_worker(
@@ -315,12 +373,14 @@ class LocalTasks:
         """Start every task. The workers start while the servers do (both take seconds to
         import); a worker reads each server's real address from its address file. They start
         from the checkpoint: logs of an earlier cluster are removed."""
-        shutil.rmtree(self.wal_root, ignore_errors=True)
-        self.seen_versions.clear()
+        self._clear_logs()
         if self.active:  # its imports go on beside the launcher's (the rendezvous store's)
             self.supervisor.prepare(self.worker_env)
         if self.config.wal and self.num_ps:
-            wal.make_private_dir(self.wal_root)
+            make_private_dir(self.wal_root)
+        if self.replicas is not None:  # before the servers, which are told their addresses
+            with said_while_slow(self.console.note, "the servers' log replicas to listen"):
+                self.replicas.start(self.num_ps)
         servers = []
         for i in range(self.num_ps):
             address = (

@@ -60,11 +60,15 @@ MAX_END = 1 << 40
 _IOV_MAX = 512
 
 
+UNAVAILABLE = 14
+"""The code of a replica that could not be reached (gRPC's UNAVAILABLE)."""
+
+
 class ReplicaError(ConnectionError):
     """The replica refused a request (its code and message), or could not be reached. An
     :class:`OSError`: the log takes it as a failed write (its outage)."""
 
-    def __init__(self, message: str, code: int = 14) -> None:
+    def __init__(self, message: str, code: int = UNAVAILABLE) -> None:
         super().__init__(message)
         self.code = code
         """The gRPC status code's number (UNAVAILABLE = 14 when unreachable)."""

@@ -160,7 +160,9 @@ class ReplicaServer:
                 with contextlib.suppress(OSError):
                     bulk.send_frame(sock, pb.REPLICA_FRAME_ERROR, error.SerializeToString(), 1.0)
             except (OSError, ValueError) as exc:  # the server went, or a malformed frame
-                log.info("replica of shard %d: connection from %s ended: %s", self.shard, peer, exc)
+                log.debug(
+                    "replica of shard %d: connection from %s ended: %s", self.shard, peer, exc
+                )
             finally:
                 self.store.close()
 

@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from distsgd.ps.membership import DEFAULT_EVICT_AFTER
+from distsgd.ps.replica import UNAVAILABLE, ReplicaError
 from distsgd.ps.rules import PushMeta, RuleFactory
 from distsgd.ps.wal_files import (
     SLOTS,
@@ -574,17 +575,16 @@ def _fetch(replica: ReplicaLink, folder: Path, shard_index: int) -> None:
         try:
             fetched = replica.fetch(folder)
             break
-        except ConnectionError as exc:
-            if getattr(exc, "code", 14) != 14 or time.monotonic() > deadline:
+        except ReplicaError as exc:
+            if exc.code != UNAVAILABLE or time.monotonic() > deadline:
                 raise WalError(
                     f"shard {shard_index}: its log folder {folder} is empty and its replica "
                     f"cannot give its copy ({exc}); restart the replica, or start from a "
                     "checkpoint (--restore)"
                 ) from None
             time.sleep(0.5)
-    log.warning(
-        "shard %d: %d file(s) fetched from replica %s", shard_index, fetched, replica.address
-    )
+    if fetched:
+        log.warning("shard %d: its log's %d file(s) fetched from %r", shard_index, fetched, replica)
 
 
 def replicate(folder: Path, replica: ReplicaLink | None) -> None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from distsgd.ps.replica import ReplicaError
+
 log = logging.getLogger("distsgd.ps.wal")
 
 T = TypeVar("T")
@@ -67,6 +69,7 @@ class WalState:
     error: str
     refused_pushes: int
     unlogged: int
+    replica: bool
 
 
 class Outage:
@@ -81,6 +84,8 @@ class Outage:
         self.seconds = 0.0
         """Seconds of the outages that ended."""
         self.error = ""
+        self.replica = False
+        """Whether the last failed write was the replica's (not this host's disk)."""
         self.refused_pushes = 0
         self.unlogged = 0
         """Changes other than pushes (members, leaves, timeouts) applied while down."""
@@ -97,6 +102,7 @@ class Outage:
     def began(self, exc: OSError) -> None:
         """A write failed (``exc``): an outage begins, unless one is on already."""
         self.error = exc.strerror or str(exc)
+        self.replica = isinstance(exc, ReplicaError)
         if self.since is not None:
             return
         self.since = time.monotonic()
@@ -105,9 +111,10 @@ class Outage:
         self._up.clear()
         log.error(
             "write-ahead log %s: cannot write (%s); pushes wait, unapplied, until it can be "
-            "written again (a new generation from a snapshot): free space on its disk",
+            "written again (a new generation from a snapshot): %s",
             self.folder,
             self.error,
+            "its replica is started again" if self.replica else "free space on its disk",
         )
 
     def ended(self) -> None:
@@ -157,4 +164,5 @@ class Outage:
             error=self.error,
             refused_pushes=self.refused_pushes,
             unlogged=self.unlogged,
+            replica=self.replica,
         )

@@ -352,7 +352,7 @@ class InfoResponse(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., registered: _Optional[bool] = ..., scheme: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_workers: _Optional[int] = ..., active_workers: _Optional[int] = ..., finished_workers: _Optional[int] = ..., shard_index: _Optional[int] = ..., pushes_accepted: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., server_incarnation: _Optional[int] = ..., restored_version: _Optional[int] = ..., nonfinite_rejected: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., work: _Optional[_Union[WorkStatus, _Mapping]] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ..., moved: _Optional[_Iterable[_Union[PieceOwner, _Mapping]]] = ..., applied_sequence: _Optional[int] = ..., wal: _Optional[_Union[WalStatus, _Mapping]] = ...) -> None: ...
 
 class WalStatus(_message.Message):
-    __slots__ = ("down", "outages", "down_seconds", "error", "folder", "generation", "refused_pushes", "unlogged")
+    __slots__ = ("down", "outages", "down_seconds", "error", "folder", "generation", "refused_pushes", "unlogged", "replica")
     DOWN_FIELD_NUMBER: _ClassVar[int]
     OUTAGES_FIELD_NUMBER: _ClassVar[int]
     DOWN_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +361,7 @@ class WalStatus(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REFUSED_PUSHES_FIELD_NUMBER: _ClassVar[int]
     UNLOGGED_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     down: bool
     outages: int
     down_seconds: float
@@ -369,7 +370,8 @@ class WalStatus(_message.Message):
     generation: int
     refused_pushes: int
     unlogged: int
-    def __init__(self, down: _Optional[bool] = ..., outages: _Optional[int] = ..., down_seconds: _Optional[float] = ..., error: _Optional[str] = ..., folder: _Optional[str] = ..., generation: _Optional[int] = ..., refused_pushes: _Optional[int] = ..., unlogged: _Optional[int] = ...) -> None: ...
+    replica: bool
+    def __init__(self, down: _Optional[bool] = ..., outages: _Optional[int] = ..., down_seconds: _Optional[float] = ..., error: _Optional[str] = ..., folder: _Optional[str] = ..., generation: _Optional[int] = ..., refused_pushes: _Optional[int] = ..., unlogged: _Optional[int] = ..., replica: _Optional[bool] = ...) -> None: ...
 
 class ShardLoad(_message.Message):
     __slots__ = ("pushes", "push_bytes", "pulls", "pull_bytes", "busy_seconds", "pieces")
