@@ -137,7 +137,7 @@ def test_the_fork_server_starts_before_the_launcher_loads_torch(
     local = LocalTasks.__new__(LocalTasks)  # only what start_cluster reads up to the store
     local.config = LaunchConfig(script=str(SCRIPTS / "blobs.py"), scheme="allreduce", workers=2)
     local.wal_root, local.seen_versions, local.num_ps = tmp_path / "wal", {}, 0
-    local.active, local.collective, local.hosts = {0, 1}, True, None
+    local.active, local.collective, local.hosts, local.replicas = {0, 1}, True, None, None
     local.supervisor, local.worker_env = Recorder(), {}  # type: ignore[assignment]
     local.console = Console(io.StringIO())
     with pytest.raises(Stop):
