@@ -346,6 +346,10 @@ def _dispatch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.command in ("server", "worker", "scale", "join"):
         command = {"server": _cmd_server, "worker": _cmd_worker, "scale": _cmd_scale}
         return command.get(args.command, _cmd_join)(args)
+    if args.command == "agent":
+        from distsgd.cli.agent import main as agent_main
+
+        return agent_main(args)
     if args.command == "inspect":
         from distsgd.cli.inspect import inspect
 

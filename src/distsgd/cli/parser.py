@@ -302,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_scale(sub)
     _add_join(sub)
+    _add_agent(sub)
     _add_tools(sub)
     from distsgd.cli import hosts, k8s, plan, simulate
 
@@ -447,6 +448,50 @@ def _add_worker(sub: Any) -> None:
     add_training_flags(worker)
     worker.add_argument("script")
     worker.add_argument("script_args", nargs=argparse.REMAINDER)
+
+
+def _add_agent(sub: Any) -> None:
+    agent = sub.add_parser(
+        "agent",
+        help="run this machine's tasks of a cluster started by hand, restarting any that dies",
+        description="One per machine: starts this machine's servers and workers (the command "
+        "lines of distsgd server and distsgd worker), restarts a task that dies in place, and "
+        "ends when the run is over. Everything after -- goes to each worker: "
+        "distsgd agent --tasks ps:0,worker:1 --cluster cluster.toml -- --scheme hogwild train.py",
+    )
+    agent.add_argument(
+        "--tasks", required=True, help="this machine's tasks, e.g. ps:0,worker:1 (servers first)"
+    )
+    agent.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("distsgd-agent"),
+        help="this machine's folder: task logs, the servers' write-ahead logs and shard files "
+        "(default ./distsgd-agent)",
+    )
+    agent.add_argument(
+        "--max-restarts", type=int, default=3, help="restarts of a task in a row (default 3)"
+    )
+    agent.add_argument(
+        "--healthy-seconds",
+        type=float,
+        default=60.0,
+        help="a task that ran this long has its restarts back (default 60)",
+    )
+    agent.add_argument(
+        "--evict-after",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="the servers evict a worker silent this long, e.g. a lost machine's (default 60)",
+    )
+    _add_cluster_flags(agent)
+    _add_tls_flags(agent)
+    agent.add_argument(
+        "worker_args",
+        nargs=argparse.REMAINDER,
+        help="-- then each worker's flags, its script and the script's arguments",
+    )
 
 
 def _add_scale(sub: Any) -> None:

@@ -214,7 +214,8 @@ def wait_all_finished(
     every_versions: int = 0,
     every_seconds: float = 0.0,
 ) -> None:
-    """(Chief, after its last step) wait until every worker has left the servers.
+    """(Chief, after its last step) wait until every worker has left the servers, or is no
+    longer a member of any (evicted: its machine was lost, say; the run then shrinks).
 
     Fails only when nothing moves for ``timeout`` seconds (no push, no leave): a slow worker is
     waited for as long as it makes progress. A server that restarted meanwhile has forgotten
@@ -238,6 +239,15 @@ def wait_all_finished(
             infos = ps.info()
             incarnations = [info.server_incarnation for info in infos]
         if all(info.finished_workers >= num_workers for info in infos):
+            return
+        if all(not info.members for info in infos):  # the others finished or were evicted
+            done = min(info.finished_workers for info in infos)
+            log.warning(
+                "%d of %d workers finished; the others were evicted (silent past the servers' "
+                "--evict-after: a lost machine's): the run ends without them",
+                done,
+                num_workers,
+            )
             return
         version = sum(info.version for info in infos)
         finished = sum(info.finished_workers for info in infos)
