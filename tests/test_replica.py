@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import shutil
 import socket
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from distsgd.ps import wal, wal_outage
-from distsgd.ps.replica import ReplicaError, ReplicaLink
+from distsgd.ps.replica import ReplicaError, ReplicaLink, replica_proof
 from distsgd.ps.replica_server import ReplicaServer
 from distsgd.ps.rules import PushMeta
 from distsgd.ps.shard import Shard
@@ -137,18 +138,21 @@ def test_a_push_is_answered_only_once_the_replica_holds_it(tmp_path: Path) -> No
     )
     wal.replicate(folder, link)
     live = _shard("hogwild")
-    import threading
+    seen: list[int] = []
 
-    def mute() -> None:  # a peer that challenges, then answers the hello and the snapshot only
+    def mute() -> None:  # a peer of the run that answers the hello and the snapshot only
         sock, _ = listener.accept()
         sock.sendall(b"c" * 32)
         for _ in range(2):
             kind, body = bulk.recv_frame(sock, deadline=1e18)
-            if kind == pb.REPLICA_FRAME_FILE:
-                bulk.recv_into(
-                    sock, np.empty(pb.ReplicaFile.FromString(body).length, np.uint8), deadline=1e18
-                )
-            bulk.send_frame(sock, pb.REPLICA_FRAME_ACK, b"", 1.0)
+            answer = pb.ReplicaAck()
+            if kind == pb.REPLICA_FRAME_HELLO:
+                answer.proof = replica_proof(SECRET, pb.ReplicaHello.FromString(body).challenge)
+            else:
+                size = pb.ReplicaFile.FromString(body).length
+                bulk.recv_into(sock, np.empty(size, np.uint8), deadline=1e18)
+            bulk.send_frame(sock, pb.REPLICA_FRAME_ACK, answer.SerializeToString(), 1.0)
+        seen.append(kind)
         threading.Event().wait(3.0)
         sock.close()
 
@@ -162,6 +166,32 @@ def test_a_push_is_answered_only_once_the_replica_holds_it(tmp_path: Path) -> No
             PushMeta(worker=0, incarnation=1, base_version=before),
         )
     assert live.version == before  # not applied
+    assert seen == [pb.REPLICA_FRAME_FILE]  # it took the snapshot: the log was up
     live.wal.close()
+    listener.close()
+    peer.join(5.0)
+
+
+def test_a_peer_that_cannot_show_the_secret_is_no_replica(tmp_path: Path) -> None:
+    """A listener at the replica's address that does not hold the run secret gets nothing
+    written and gives nothing to recover from: its answer to the server's challenge is wrong."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def impostor() -> None:
+        sock, _ = listener.accept()
+        sock.sendall(b"c" * 32)
+        bulk.recv_frame(sock, deadline=1e18)
+        forged = pb.ReplicaAck(proof=replica_proof("w" * 40, b"anything")).SerializeToString()
+        bulk.send_frame(sock, pb.REPLICA_FRAME_ACK, forged, 1.0)
+        sock.close()
+
+    peer = threading.Thread(target=impostor, daemon=True)
+    peer.start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    link = ReplicaLink(address, run_id="r", shard=0, secret=SECRET, timeout=2.0)
+    with pytest.raises(ReplicaError, match="no replica of this run") as caught:
+        link.fetch(tmp_path / "log")
+    assert caught.value.code == 16
+    assert not any((tmp_path / "log").glob("*"))
     listener.close()
     peer.join(5.0)

@@ -11,9 +11,9 @@ files first and recovers from them as from its own (:func:`fetch`); so a server 
 was lost comes back, on any host, where it was.
 
 The protocol ("Log replica" in ``transport/proto/distsgd.proto``) is frames on a plain TCP
-connection, the server's records following their messages as raw bytes; the replica checks a
-challenge answered with the run secret before it writes anything, and every field before it
-writes a byte. One replica keeps one shard's log (:class:`ReplicaServer`, ``distsgd server
+connection, the server's records following their messages as raw bytes; each side answers the
+other's challenge with the run secret (HMAC-SHA256) before anything is written or trusted, and
+the replica checks every field before it writes a byte. One replica keeps one shard's log (:class:`ReplicaServer`, ``distsgd server
 --job replica``); the server's end is :class:`ReplicaLink`, which the log calls.
 
 What a replica costs: a record crosses the network and the replica's disk while the server
@@ -32,6 +32,7 @@ import hmac
 import logging
 import mmap
 import os
+import secrets
 import socket
 import tempfile
 import threading
@@ -77,6 +78,12 @@ class ReplicaError(ConnectionError):
 def proof(secret: str, challenge: bytes) -> bytes:
     """What answers a replica's ``challenge``: HMAC-SHA256 under the run secret."""
     return hmac.new(secret.encode(), challenge, hashlib.sha256).digest()
+
+
+def replica_proof(secret: str, challenge: bytes) -> bytes:
+    """What a replica answers the server's ``challenge`` with (a different message, so that
+    neither side's proof can be replayed as the other's)."""
+    return proof(secret, b"replica" + challenge)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -141,14 +148,21 @@ class ReplicaLink:
             deadline = time.monotonic() + self.timeout
             challenge = np.empty(CHALLENGE_BYTES, np.uint8)
             bulk.recv_into(sock, challenge, deadline=deadline)
+            ours = secrets.token_bytes(CHALLENGE_BYTES)
             hello = pb.ReplicaHello(
                 protocol_version=pb.PROTOCOL_VERSION,
                 run_id=self.run_id,
                 shard=self.shard,
                 proof=proof(self.secret, challenge.tobytes()),
+                challenge=ours,
             )
             bulk.send_frame(sock, pb.REPLICA_FRAME_HELLO, hello.SerializeToString(), self.timeout)
-            _answer(sock, deadline)
+            answer = _answer(sock, deadline)
+            if not hmac.compare_digest(answer.proof, replica_proof(self.secret, ours)):
+                raise ReplicaError(
+                    f"{self.address} is no replica of this run (it cannot show the run secret)",
+                    code=16,
+                )
         except BaseException:
             sock.close()
             raise

@@ -31,6 +31,7 @@ from distsgd.ps.replica import (
     newest_files,
     proof,
     receive_file,
+    replica_proof,
     send_views,
     split_address,
     stream_to,
@@ -188,10 +189,12 @@ class ReplicaServer:
                 f"{hello.shard} of run {hello.run_id}",
                 FAILED_PRECONDITION,
             )
-        self._ack(sock, 0)
+        if len(hello.challenge) != CHALLENGE_BYTES:
+            raise Refused(f"a hello's challenge must be {CHALLENGE_BYTES} bytes")
+        self._ack(sock, 0, replica_proof(self._secret, hello.challenge))
 
-    def _ack(self, sock: socket.socket, nbytes: int) -> None:
-        ack = pb.ReplicaAck(generation=self.store.generation or 0, bytes=nbytes)
+    def _ack(self, sock: socket.socket, nbytes: int, answer: bytes = b"") -> None:
+        ack = pb.ReplicaAck(generation=self.store.generation or 0, written=nbytes, proof=answer)
         bulk.send_frame(sock, pb.REPLICA_FRAME_ACK, ack.SerializeToString(), IO_SECONDS)
 
     def _one(self, sock: socket.socket) -> None:

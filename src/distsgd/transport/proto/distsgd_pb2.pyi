@@ -574,16 +574,18 @@ class ChannelError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., refusal: _Optional[str] = ...) -> None: ...
 
 class ReplicaHello(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "shard", "proof")
+    __slots__ = ("protocol_version", "run_id", "shard", "proof", "challenge")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     shard: int
     proof: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., shard: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
+    challenge: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., shard: _Optional[int] = ..., proof: _Optional[bytes] = ..., challenge: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaFile(_message.Message):
     __slots__ = ("kind", "generation", "slot", "length", "fresh")
@@ -616,12 +618,14 @@ class ReplicaFetch(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaAck(_message.Message):
-    __slots__ = ("generation", "bytes")
+    __slots__ = ("generation", "written", "proof")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
-    BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     generation: int
-    bytes: int
-    def __init__(self, generation: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    written: int
+    proof: bytes
+    def __init__(self, generation: _Optional[int] = ..., written: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("header",)
