@@ -242,6 +242,7 @@ def test_a_sigkilled_launcher_leaves_no_host_task_or_link(tmp_path: Path) -> Non
         tasks = json.loads((run_dir / "tasks.json").read_text())
         record = json.loads((run_dir / HOSTS_FILE).read_text())
         assert f"{record['prefix']}-m" in _links_here()
+        assert {"replica0", "replica1"} <= set(tasks)  # the servers' log replicas, too
         namespaces = {os.stat(f"/proc/{pid}/ns/net").st_ino for pid in record["keepers"].values()}
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
@@ -254,6 +255,8 @@ def test_a_sigkilled_launcher_leaves_no_host_task_or_link(tmp_path: Path) -> Non
         assert not [pid for pid in pids if _alive(pid)]
         assert record["prefix"] not in _links_here()
         assert not _in_namespaces(namespaces), "a process is still in a namespace of the run"
+        mounts = Path("/proc/self/mountinfo").read_text()
+        assert str(run_dir) not in mounts  # the hosts' disks were theirs alone
     finally:
         if proc.poll() is None:
             proc.kill()
