@@ -14,30 +14,31 @@ import hmac
 import logging
 import os
 import secrets
+import select
 import signal
 import socket
 import threading
-import time
 from pathlib import Path
-
-import numpy as np
 
 from distsgd.ps.replica import (
     CHALLENGE_BYTES,
     IO_SECONDS,
     MAX_END,
     MAX_GENERATION,
+    blocking,
     memoryview_of,
     newest_files,
     proof,
     receive_file,
+    recv_exact,
+    recv_frame,
     replica_proof,
+    send_frame,
     send_views,
     split_address,
     stream_to,
 )
 from distsgd.ps.wal_files import log_path, make_private_dir, remove_before
-from distsgd.transport import bulk
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.util import write_atomic
 from distsgd.util.signals import setter
@@ -45,6 +46,8 @@ from distsgd.util.signals import setter
 log = logging.getLogger(__name__)
 
 UNAUTHENTICATED, FAILED_PRECONDITION, INVALID_ARGUMENT = 16, 9, 3
+MAX_HEAD = 4096
+"""The most bytes a record's header may take (a log's is 64)."""
 
 
 class Refused(ValueError):
@@ -66,11 +69,11 @@ class ReplicaStore:
         self._fd = -1
         self.records = 0
 
-    def snapshot(self, sock: socket.socket, header: pb.ReplicaFile, deadline: float) -> int:
+    def snapshot(self, sock: socket.socket, header: pb.ReplicaFile) -> int:
         """A generation's snapshot from the server: written, older ones removed."""
         if header.kind != pb.REPLICA_FILE_KIND_SNAPSHOT:
             raise Refused("a server sends snapshots; log files travel only in a fetch's answer")
-        receive_file(sock, header, self.folder, deadline, fetched=False)
+        receive_file(sock, header, self.folder, fetched=False)
         if header.fresh:
             for slot in range(2):
                 with contextlib.suppress(FileNotFoundError):
@@ -85,18 +88,18 @@ class ReplicaStore:
         self._fd = os.open(log_path(self.folder, generation), flags, 0o600)
         self.generation = generation
 
-    def write(self, sock: socket.socket, write: pb.ReplicaWrite, deadline: float) -> int:
+    def write(self, sock: socket.socket, write: pb.ReplicaWrite) -> int:
         """One record: its body at ``offset + head``, then its header at ``offset``."""
         if write.generation >= MAX_GENERATION or write.offset + write.length >= MAX_END:
             raise Refused("a record's generation or end is past the limits")
-        if write.head > write.length or write.head == 0:
+        if write.head > min(write.length, MAX_HEAD) or write.head == 0:
             raise Refused(f"a record's head of {write.head} bytes does not fit {write.length}")
         if write.generation != self.generation:
             self._open(int(write.generation))
-        head = np.empty(write.head, np.uint8)
-        bulk.recv_into(sock, head, deadline=deadline)
-        stream_to(sock, self._fd, write.offset + write.head, write.length - write.head, deadline)
-        os.pwrite(self._fd, head.tobytes(), write.offset)
+        head = bytearray(write.head)
+        recv_exact(sock, memoryview(head))
+        stream_to(sock, self._fd, write.offset + write.head, write.length - write.head)
+        os.pwrite(self._fd, head, write.offset)
         self.records += 1
         return int(write.length)
 
@@ -151,15 +154,16 @@ class ReplicaServer:
     def _serve(self, sock: socket.socket, peer: object) -> None:
         with self._serving, contextlib.closing(sock):  # one at a time; the one before ends
             try:
+                blocking(sock, IO_SECONDS)
                 self._hello(sock)
-                while not self._stop.is_set():
+                while self._wait_for_request(sock):
                     self._one(sock)
             except Refused as exc:
                 self.refused += 1
                 log.warning("replica of shard %d: refused %s: %s", self.shard, peer, exc)
                 error = pb.ChannelError(code=exc.code, message=str(exc))
                 with contextlib.suppress(OSError):
-                    bulk.send_frame(sock, pb.REPLICA_FRAME_ERROR, error.SerializeToString(), 1.0)
+                    send_frame(sock, pb.REPLICA_FRAME_ERROR, error.SerializeToString())
             except (OSError, ValueError) as exc:  # the server went, or a malformed frame
                 log.debug(
                     "replica of shard %d: connection from %s ended: %s", self.shard, peer, exc
@@ -167,11 +171,19 @@ class ReplicaServer:
             finally:
                 self.store.close()
 
+    def _wait_for_request(self, sock: socket.socket) -> bool:
+        """Wait (as long as the server likes) for the next request's first byte; False once
+        the replica stops."""
+        while not self._stop.is_set():
+            readable, _, _ = select.select([sock], [], [], 0.2)
+            if readable:
+                return True
+        return False
+
     def _hello(self, sock: socket.socket) -> None:
         challenge = secrets.token_bytes(CHALLENGE_BYTES)
-        sock.settimeout(IO_SECONDS)
         sock.sendall(challenge)
-        kind, body = bulk.recv_frame(sock, deadline=time.monotonic() + IO_SECONDS)
+        kind, body = recv_frame(sock)
         if kind != pb.REPLICA_FRAME_HELLO:
             raise Refused(f"a connection must begin with a hello, not a frame of kind {kind}")
         hello = pb.ReplicaHello.FromString(body)
@@ -195,17 +207,16 @@ class ReplicaServer:
 
     def _ack(self, sock: socket.socket, nbytes: int, answer: bytes = b"") -> None:
         ack = pb.ReplicaAck(generation=self.store.generation or 0, written=nbytes, proof=answer)
-        bulk.send_frame(sock, pb.REPLICA_FRAME_ACK, ack.SerializeToString(), IO_SECONDS)
+        send_frame(sock, pb.REPLICA_FRAME_ACK, ack.SerializeToString())
 
     def _one(self, sock: socket.socket) -> None:
-        """Serve one request (its first byte may take as long as the server likes)."""
-        kind, body = bulk.recv_frame(sock, deadline=float("inf"), give_up=self._stop.is_set)
-        deadline = time.monotonic() + IO_SECONDS
+        """Serve one request."""
+        kind, body = recv_frame(sock)
         try:
             if kind == pb.REPLICA_FRAME_WRITE:
-                written = self.store.write(sock, pb.ReplicaWrite.FromString(body), deadline)
+                written = self.store.write(sock, pb.ReplicaWrite.FromString(body))
             elif kind == pb.REPLICA_FRAME_FILE:
-                written = self.store.snapshot(sock, pb.ReplicaFile.FromString(body), deadline)
+                written = self.store.snapshot(sock, pb.ReplicaFile.FromString(body))
             elif kind == pb.REPLICA_FRAME_FETCH:
                 written = self._send_files(sock)
             else:
@@ -221,8 +232,8 @@ class ReplicaServer:
         for header, path in files:
             with open(path, "rb") as f, memoryview_of(f) as view:
                 header.length = view.nbytes
-                bulk.send_frame(sock, pb.REPLICA_FRAME_FILE, header.SerializeToString(), 5.0)
-                send_views(sock, [view], IO_SECONDS)
+                send_frame(sock, pb.REPLICA_FRAME_FILE, header.SerializeToString())
+                send_views(sock, [view])
         return len(files)
 
     def close(self) -> None:
