@@ -195,3 +195,29 @@ def test_a_peer_that_cannot_show_the_secret_is_no_replica(tmp_path: Path) -> Non
     assert not any((tmp_path / "log").glob("*"))
     listener.close()
     peer.join(5.0)
+
+
+def test_a_replica_without_its_task_folder_or_address_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from distsgd.cli.main import main
+
+    monkeypatch.setenv("DISTSGD_SECRET", SECRET)
+    assert main(["server", "--job", "replica", "--wal-dir", "x", "--address", "a:0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("distsgd: error: --job replica needs --task") and "\n" not in err
+    monkeypatch.delenv("DISTSGD_SECRET")
+    argv = [
+        "server",
+        "--task",
+        "0",
+        "--replica",
+        "127.0.0.1:1",
+        "--wal",
+        "off",
+        "--ps-hosts",
+        "a:1",
+    ]
+    assert main([*argv, "--worker-hosts", "a:2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--replica needs the write-ahead log" in err and "\n" not in err

@@ -231,11 +231,11 @@ def _cmd_server(args: argparse.Namespace) -> int:
         wal_dir = args.checkpoint_dir / "wal" / f"ps{index}"
     if args.wal == "off":
         wal_dir = None
+    if args.replica:
+        _replicate(args, wal_dir, index, secret)
     tie_to_parent()
     setup_logging()
     address = alias_address(args.address or spec.address(task), host_aliases())
-    if args.replica:
-        _replicate(args, wal_dir, index, secret)
     serve(
         address=address,
         shard_index=index,
