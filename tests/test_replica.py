@@ -221,3 +221,64 @@ def test_a_replica_without_its_task_folder_or_address_is_refused_in_one_line(
     assert main([*argv, "--worker-hosts", "a:2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--replica needs the write-ahead log" in err and "\n" not in err
+
+
+def test_a_fetch_cut_short_leaves_no_snapshot_to_recover_from(tmp_path: Path) -> None:
+    """A replica that dies after the snapshot, before the log files: the folder stays without
+    a snapshot, so the next start fetches again rather than recover without the log."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def dies_midway() -> None:
+        sock, _ = listener.accept()
+        sock.sendall(b"c" * 32)
+        _, body = bulk.recv_frame(sock, deadline=1e18)
+        ours = pb.ReplicaHello.FromString(body).challenge
+        ack = pb.ReplicaAck(proof=replica_proof(SECRET, ours)).SerializeToString()
+        bulk.send_frame(sock, pb.REPLICA_FRAME_ACK, ack, 1.0)
+        bulk.recv_frame(sock, deadline=1e18)  # the fetch
+        head = pb.ReplicaFile(kind=pb.REPLICA_FILE_KIND_SNAPSHOT, generation=0, length=4)
+        bulk.send_frame(sock, pb.REPLICA_FRAME_FILE, head.SerializeToString(), 1.0)
+        sock.sendall(b"snap")
+        sock.close()  # the log files never come
+
+    peer = threading.Thread(target=dies_midway, daemon=True)
+    peer.start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    link = ReplicaLink(address, run_id="r", shard=0, secret=SECRET, timeout=2.0)
+    with pytest.raises(ReplicaError):
+        link.fetch(tmp_path / "log")
+    assert not wal.has_state(tmp_path / "log")
+    assert list((tmp_path / "log").iterdir()) == []
+    listener.close()
+    peer.join(5.0)
+
+
+def test_a_stranger_connecting_does_not_end_the_servers_connection(tmp_path: Path) -> None:
+    replica, folder = _pair(tmp_path)
+    try:
+        live = _shard("hogwild")
+        wal.begin(folder, live)
+        _drive(live, 3)
+        host, port = replica.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as stranger:
+            stranger.sendall(b"\x01\xff\xff\xff\x00garbage")  # a hello that does not parse
+            _drive(live, 3)  # the server's pushes go on meanwhile
+        assert not live.wal.broken
+        live.wal.close()
+        shutil.rmtree(folder)
+        _assert_same(_resume(folder), live)
+    finally:
+        replica.close()
+
+
+def test_a_revival_the_replica_refuses_leaves_no_snapshot_behind(tmp_path: Path) -> None:
+    replica, folder = _pair(tmp_path)
+    live = _shard("hogwild")
+    wal.begin(folder, live)
+    replica.close()  # gone for good
+    with pytest.raises(wal.NotLogged):
+        _push(live, 1, 0)
+    for _ in range(3):
+        assert not live.wal.revive(live)
+    assert len(list(folder.glob("snapshot-*.npz"))) == 1  # the first generation's only
+    live.wal.close()

@@ -162,6 +162,11 @@ def _replicate(
             "--replica needs the write-ahead log (--wal-dir) and the run secret "
             "(DISTSGD_SECRET or DISTSGD_SECRET_FILE)"
         )
+    if args.tls_cert or args.tls_key or args.tls_ca:
+        raise ValueError(
+            "--replica: a log replica's connection is not encrypted; under mutual TLS keep the "
+            "log on the server's own disk (drop --replica)"
+        )
     link = ReplicaLink(args.replica, run_id=args.run_id, shard=index, secret=secret)
     wal.replicate(wal_dir, link)
 

@@ -7,8 +7,8 @@ restarts a task that dies, in place, as the restart planner decides for tasks re
 place (:func:`~distsgd.control.recovery.plan_restart` with ``in_place``: the planner the local
 launcher and the JobSet emulator drive too):
 
-* a server comes back from its write-ahead log in ``DIR/wal/psJ`` on this machine's disk
-  (and ``--replica`` where given), or from its newest shard file, at the same address;
+* a server comes back from its write-ahead log in ``DIR/wal/psJ`` on this machine's disk, or
+  from its newest shard file, at the same address;
 * a worker of a parameter-server scheme comes back with ``--resume-latest`` (its newest state
   under its ``--run-dir``, when it checkpoints) and continues where the servers say its pushes
   stopped; a worker of a collective scheme cannot rejoin its group alone: the run fails, as it
@@ -308,7 +308,9 @@ class Agent:
         workers = [t for t in self.config.tasks if t.job == Role.WORKER]
         if any(t.name not in self.done for t in workers):
             return False
-        servers = [t for t in self.config.tasks if t.job == Role.PS]
+        servers = [
+            t for t in self.config.tasks if t.job == Role.PS and t.name not in self.done
+        ]  # a server that ended by itself (stopped) has nothing more to say
         now = time.monotonic()
         if not servers or now < self._next_ask:
             return not servers
@@ -341,7 +343,13 @@ class RunEnd:
 
         reply = read_info(address, run_id="", secret=self.secret, tls=self.tls)
         now = time.monotonic()
-        if reply is None or not reply.registered or reply.members or not reply.finished_workers:
+        if (
+            reply is None
+            or not reply.registered
+            or reply.members
+            or not reply.finished_workers
+            or not reply.membership_epoch  # restored from a file: its members forgotten
+        ):
             self._seen.pop(address, None)
             return False
         counts = (int(reply.load.pulls), int(reply.load.pushes))

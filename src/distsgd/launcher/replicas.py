@@ -58,6 +58,8 @@ class Replicas:
     """The interpreter's argv (``[sys.executable, "-m", "distsgd"]``)."""
     start_task: StartTask
     wait_address: WaitAddress
+    disk_of: Callable[[Host], Path]
+    """Where a host's disk is, as the launcher sees it (what its tasks see at RUN_DIR/wal)."""
     note: Callable[[str], None]
     event: Callable[..., None]
 
@@ -98,6 +100,14 @@ class Replicas:
         for ps, task in started.items():
             if task is not None:
                 self.addresses[ps] = self.wait_address(task, self._address_file(ps))
+
+    def holds_state(self, ps: int) -> bool:
+        """Whether ps ``ps``'s replica holds a snapshot to recover from (on its host's disk,
+        as the launcher sees it): one started again empty holds none until it is seeded."""
+        host = replica_host(self.plan, ps)
+        if host is None or ps not in self.addresses:
+            return False
+        return any((self.disk_of(host) / f"{PREFIX}{ps}").glob("snapshot-*.npz"))
 
     def address(self, ps: int) -> str | None:
         """Where ps ``ps``'s server mirrors its log (None: no replica)."""

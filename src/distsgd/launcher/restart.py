@@ -69,7 +69,7 @@ class Restarts(LocalTasks):
     def has_wal(self, index: int) -> bool:
         """Whether ps ``index`` can come back from its log: its replica's copy, or its own
         folder (on its host's disk under ``--hosts``)."""
-        if self.replicas is not None and self.replicas.address(index) is not None:
+        if self.replicas is not None and self.replicas.holds_state(index):
             return self.config.wal
         host = self.host_of(f"ps{index}")
         if host is None or self.hosts is None:

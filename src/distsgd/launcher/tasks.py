@@ -206,6 +206,9 @@ class LocalTasks:
         hosts = self.hosts
         if hosts is None or len(hosts.plan.hosts) < 2 or not (config.wal and config.replicate):
             return None
+        if config.tls is not None:  # its connection is plaintext: not under mutual TLS
+            console.note("[distsgd] --tls: the servers' logs stay on their own hosts (no replica)")
+            return None
         return Replicas(
             plan=hosts.plan,
             run_dir=self.run_dir,
@@ -213,6 +216,7 @@ class LocalTasks:
             python=[sys.executable, "-m", "distsgd"],
             start_task=lambda name, argv, host: self._start(name, argv, self.ps_env, host=host),
             wait_address=lambda task, path: wait_for_address(task, path, 60.0),
+            disk_of=hosts.disk_of,
             note=console.note,
             event=self.events.log,
         )

@@ -34,15 +34,17 @@ import logging
 import mmap
 import os
 import secrets
+import shutil
 import socket
 import struct
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import numpy as np
+from google.protobuf.message import DecodeError, Message
 
 from distsgd.ps.wal_files import SNAPSHOT, generations, log_path, make_private_dir, remove_before
 from distsgd.transport import bulk
@@ -154,12 +156,23 @@ def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
             pending[0] = pending[0][sent:]
 
 
+M = TypeVar("M", bound=Message)
+
+
+def parse_message(kind: type[M], body: bytes) -> M:
+    """``body`` as a message of ``kind``; ValueError (not protobuf's own error) if it is not."""
+    try:
+        return kind.FromString(body)
+    except DecodeError:
+        raise ValueError(f"a malformed {kind.__name__} message") from None
+
+
 def _answer(sock: socket.socket) -> pb.ReplicaAck:
     kind, body = recv_frame(sock)
     if kind == pb.REPLICA_FRAME_ACK:
-        return pb.ReplicaAck.FromString(body)
+        return parse_message(pb.ReplicaAck, body)
     if kind == pb.REPLICA_FRAME_ERROR:
-        error = pb.ChannelError.FromString(body)
+        error = parse_message(pb.ChannelError, body)
         raise ReplicaError(f"the replica refused: {error.message}", error.code)
     raise ReplicaError(f"the replica answered a frame of kind {kind}")
 
@@ -210,6 +223,12 @@ class ReplicaLink:
                     f"{self.address} is no replica of this run (it cannot show the run secret)",
                     code=16,
                 )
+        except ReplicaError:
+            sock.close()
+            raise
+        except (OSError, ValueError) as exc:  # it closed, stalled, or answered nonsense
+            sock.close()
+            raise ReplicaError(f"replica {self.address}: {exc}") from None
         except BaseException:
             sock.close()
             raise
@@ -275,27 +294,35 @@ class ReplicaLink:
 
     def fetch(self, folder: Path) -> int:
         """Fill empty log ``folder`` with the replica's files (its newest snapshot and both log
-        files); how many it sent (0: it holds nothing). ReplicaError if it cannot be reached."""
+        files); how many it sent (0: it holds nothing). ReplicaError if it cannot be reached.
+        The files land in a temporary folder first and are moved in once the replica's answer
+        says all came, the snapshot last: a fetch cut short leaves no snapshot (a recovery from
+        a snapshot without its log would lose what the log held), so the next start fetches
+        again."""
+        make_private_dir(folder)
+        staging = Path(tempfile.mkdtemp(dir=folder, prefix=".fetch-"))
         try:
             sock = self._connect()
             send_frame(sock, pb.REPLICA_FRAME_FETCH, b"")
-            make_private_dir(folder)
-            count = 0
+            got: list[Path] = []
             while True:
                 kind, body = recv_frame(sock)
                 if kind == pb.REPLICA_FRAME_ACK:
-                    return count
+                    break
                 if kind != pb.REPLICA_FRAME_FILE:
                     raise ReplicaError(f"replica {self.address} answered a fetch with {kind}")
-                header = pb.ReplicaFile.FromString(body)
-                receive_file(sock, header, folder, fetched=True)
-                count += 1
+                header = parse_message(pb.ReplicaFile, body)
+                got.append(receive_file(sock, header, staging, fetched=True))
+            for path in sorted(got, key=lambda p: p.name.startswith("snapshot")):
+                os.replace(path, folder / path.name)  # the logs, then the snapshot
+            return len(got)
         except (OSError, ValueError) as exc:
             if isinstance(exc, ReplicaError):
                 raise
             raise ReplicaError(f"replica {self.address}: fetch failed: {exc}") from None
         finally:
             self._failed()
+            shutil.rmtree(staging, ignore_errors=True)
 
     def close(self) -> None:
         self._failed()

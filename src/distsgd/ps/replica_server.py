@@ -28,6 +28,7 @@ from distsgd.ps.replica import (
     blocking,
     memoryview_of,
     newest_files,
+    parse_message,
     proof,
     receive_file,
     recv_exact,
@@ -142,22 +143,26 @@ class ReplicaServer:
                 continue
             except OSError:
                 return
-            with self._lock:  # a new connection ends the one before it
-                if self._current is not None:
-                    with contextlib.suppress(OSError):
-                        self._current.shutdown(socket.SHUT_RDWR)
-                self._current = sock
             threading.Thread(
                 target=self._serve, args=(sock, peer), name="replica-conn", daemon=True
             ).start()
 
     def _serve(self, sock: socket.socket, peer: object) -> None:
-        with self._serving, contextlib.closing(sock):  # one at a time; the one before ends
+        with contextlib.closing(sock):
             try:
                 blocking(sock, IO_SECONDS)
-                self._hello(sock)
-                while self._wait_for_request(sock):
-                    self._one(sock)
+                self._hello(sock)  # only a peer that showed the secret ends the one served now
+                with self._lock:
+                    if self._current is not None:
+                        with contextlib.suppress(OSError):
+                            self._current.shutdown(socket.SHUT_RDWR)
+                    self._current = sock
+                with self._serving:  # once the one before has let go of the files
+                    try:
+                        while self._wait_for_request(sock):
+                            self._one(sock)
+                    finally:
+                        self.store.close()
             except Refused as exc:
                 self.refused += 1
                 log.warning("replica of shard %d: refused %s: %s", self.shard, peer, exc)
@@ -168,8 +173,6 @@ class ReplicaServer:
                 log.debug(
                     "replica of shard %d: connection from %s ended: %s", self.shard, peer, exc
                 )
-            finally:
-                self.store.close()
 
     def _wait_for_request(self, sock: socket.socket) -> bool:
         """Wait (as long as the server likes) for the next request's first byte; False once
@@ -186,7 +189,7 @@ class ReplicaServer:
         kind, body = recv_frame(sock)
         if kind != pb.REPLICA_FRAME_HELLO:
             raise Refused(f"a connection must begin with a hello, not a frame of kind {kind}")
-        hello = pb.ReplicaHello.FromString(body)
+        hello = parse_message(pb.ReplicaHello, body)
         if not hmac.compare_digest(hello.proof, proof(self._secret, challenge)):
             raise Refused("wrong run secret (the hello's proof)", UNAUTHENTICATED)
         if hello.protocol_version != pb.PROTOCOL_VERSION:
@@ -214,9 +217,9 @@ class ReplicaServer:
         kind, body = recv_frame(sock)
         try:
             if kind == pb.REPLICA_FRAME_WRITE:
-                written = self.store.write(sock, pb.ReplicaWrite.FromString(body))
+                written = self.store.write(sock, parse_message(pb.ReplicaWrite, body))
             elif kind == pb.REPLICA_FRAME_FILE:
-                written = self.store.snapshot(sock, pb.ReplicaFile.FromString(body))
+                written = self.store.snapshot(sock, parse_message(pb.ReplicaFile, body))
             elif kind == pb.REPLICA_FRAME_FETCH:
                 written = self._send_files(sock)
             else:

@@ -216,13 +216,17 @@ class WriteAheadLog:
         _, arrays, header = shard.state_copy(copy=False)  # not serving yet
         snapshot = folder / f"snapshot-{generation:08d}.npz"
         _write_snapshot(snapshot, _packer(arrays, header))
-        replica = _REPLICAS.get(folder.resolve())
-        if replica is not None:  # an OSError: the log starts down (begin), re-seeded later
-            replica.put_snapshot(snapshot, generation, fresh=fresh)
         nbytes = sum(v.nbytes for v in shard.values.values())
         fd = _open_log(folder, generation, truncate=fresh)
         if fresh:
             _open_log(folder, generation + 1, truncate=True, keep=False)
+        replica = _REPLICAS.get(folder.resolve())
+        if replica is not None:  # an OSError: the log starts down (begin), re-seeded later
+            try:
+                replica.put_snapshot(snapshot, generation, fresh=fresh)
+            except OSError:
+                os.close(fd)
+                raise
         wal = cls(folder, generation, fd, list(shard.values), compact_bound(nbytes), shard)
         with shard.cond:
             wal._write(Kind.MEMBERS, shard.version, [_members_body(shard, False)])
@@ -390,6 +394,8 @@ class WriteAheadLog:
                             self.replica.put_snapshot(path, generation)
                     fd = _open_log(self.folder, generation)
                 except OSError as exc:
+                    if self.replica is not None:  # a try a second: no snapshot left per try
+                        path.unlink(missing_ok=True)
                     with self._lock:
                         self.outage.error = exc.strerror or str(exc)
                     return False

@@ -240,7 +240,9 @@ def wait_all_finished(
             incarnations = [info.server_incarnation for info in infos]
         if all(info.finished_workers >= num_workers for info in infos):
             return
-        if all(not info.members for info in infos):  # the others finished or were evicted
+        # the others finished or were evicted (a server that forgot its members, restored from
+        # a file, has epoch 0: it says nothing of evictions)
+        if all(not info.members and info.membership_epoch > 0 for info in infos):
             done = min(info.finished_workers for info in infos)
             log.warning(
                 "%d of %d workers finished; the others were evicted (silent past the servers' "
