@@ -34,7 +34,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import workload  # noqa: E402
-from wal_cost import _shard, models, push, samples_per_second  # noqa: E402
+from wal_cost import _shard, models, push, runs  # noqa: E402
 
 from distsgd.ps import wal  # noqa: E402
 from distsgd.ps.replica import ReplicaLink  # noqa: E402
@@ -123,33 +123,6 @@ def run_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     return {"demo CNN (0.16 MB)": demo, "MLP (2.7 MB)": mlp}
 
 
-def runs(args: argparse.Namespace) -> dict[str, Any]:
-    rates: dict[str, dict[str, list[float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            for case, (name, command) in enumerate(run_commands(args).items()):
-                for flag in ("on", "local"):
-                    run_dir = Path(tmp) / f"{case}-{round_}-{flag}"
-                    cmd = [
-                        sys.executable, "-m", "distsgd", *command[:1], "--wal", flag,
-                        "--checkpoint-every", "0", "--quiet", "--run-dir", str(run_dir),
-                        *command[1:],
-                    ]  # fmt: skip
-                    subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
-                    rate = samples_per_second(run_dir)
-                    shutil.rmtree(run_dir)
-                    rates.setdefault(name, {"on": [], "local": []})[flag].append(rate)
-                    print(f"round {round_ + 1} {name:20s} wal {flag:5s} {rate:8.0f} samples/s")
-    return {
-        name: {
-            "on": [round(r, 1) for r in r_["on"]],
-            "local": [round(r, 1) for r in r_["local"]],
-            "ratio": round(statistics.median(r_["on"]) / statistics.median(r_["local"]), 4),
-        }
-        for name, r_ in rates.items()
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=2)
@@ -161,7 +134,7 @@ def main() -> None:
     args = parser.parse_args()
     report: dict[str, Any] = {"link": args.link, "pushes": pushes(args)}
     if not args.skip_runs:
-        report["runs"] = runs(args)
+        report["runs"] = runs(args, run_commands(args), flags=("on", "local"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for name, row in report.get("runs", {}).items():

@@ -70,13 +70,20 @@ def run_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     return {"demo CNN (0.16 MB)": demo, "MLP (2.7 MB)": mlp}
 
 
-def runs(args: argparse.Namespace) -> dict[str, Any]:
+def runs(
+    args: argparse.Namespace,
+    commands: dict[str, list[str]] | None = None,
+    flags: tuple[str, str] = ("on", "off"),
+) -> dict[str, Any]:
+    """Whole runs of each command, ``--wal`` each of ``flags`` in turn, ``args.rounds`` times;
+    per command each flag's rates and the ratio of the first flag's median to the second's."""
+    a, b = flags
     rates: dict[str, dict[str, list[float]]] = {}
     seconds: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            for case, (name, command) in enumerate(run_commands(args).items()):
-                for flag in ("on", "off"):
+            for case, (name, command) in enumerate((commands or run_commands(args)).items()):
+                for flag in flags:
                     run_dir = Path(tmp) / f"{case}-{round_}-{flag}"
                     cmd = [
                         sys.executable, "-m", "distsgd", *command[:1], "--wal", flag,
@@ -88,8 +95,8 @@ def runs(args: argparse.Namespace) -> dict[str, Any]:
                     rate = samples_per_second(run_dir)
                     trained = json.loads((run_dir / "result.json").read_text())["seconds"]
                     shutil.rmtree(run_dir)  # its log's dirty pages do not weigh on the next run
-                    rates.setdefault(name, {"on": [], "off": []})[flag].append(rate)
-                    seconds.setdefault(name, {"on": [], "off": []})[flag].append(trained)
+                    rates.setdefault(name, {a: [], b: []})[flag].append(rate)
+                    seconds.setdefault(name, {a: [], b: []})[flag].append(trained)
                     print(
                         f"round {round_ + 1} {name:20s} wal {flag:3s} {rate:8.0f} samples/s, "
                         f"chief trained {trained:.1f} s, run {time.monotonic() - started:.0f} s",
@@ -97,13 +104,13 @@ def runs(args: argparse.Namespace) -> dict[str, Any]:
                     )
     return {
         name: {
-            "on": [round(r, 1) for r in r_["on"]],
-            "off": [round(r, 1) for r in r_["off"]],
-            "ratio": round(statistics.median(r_["on"]) / statistics.median(r_["off"]), 4),
-            "seconds_on": [round(t, 2) for t in seconds[name]["on"]],
-            "seconds_off": [round(t, 2) for t in seconds[name]["off"]],
+            a: [round(r, 1) for r in r_[a]],
+            b: [round(r, 1) for r in r_[b]],
+            "ratio": round(statistics.median(r_[a]) / statistics.median(r_[b]), 4),
+            f"seconds_{a}": [round(t, 2) for t in seconds[name][a]],
+            f"seconds_{b}": [round(t, 2) for t in seconds[name][b]],
             "seconds_ratio": round(
-                statistics.median(seconds[name]["on"]) / statistics.median(seconds[name]["off"]), 4
+                statistics.median(seconds[name][a]) / statistics.median(seconds[name][b]), 4
             ),
         }
         for name, r_ in rates.items()

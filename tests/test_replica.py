@@ -45,6 +45,13 @@ def _no_replicas_left(monkeypatch: pytest.MonkeyPatch) -> object:
     wal._REPLICAS.clear()
 
 
+def _lose_and_recover(folder: Path, live: Shard) -> None:
+    """The server's host and disk are lost: its shard comes back from the replica as it was."""
+    live.wal.close()
+    shutil.rmtree(folder)
+    _assert_same(_resume(folder), live)
+
+
 def _resume(folder: Path) -> Shard:
     shard = wal.resume(folder, None, make_server_rule, shard_index=0, max_workers=3)
     assert shard is not None
@@ -122,11 +129,20 @@ def test_a_replica_that_went_away_takes_the_log_down_until_it_is_seeded_again(
     try:
         assert live.wal.revive(live)  # a new generation's snapshot seeds it
         _drive(live, 6)
-        live.wal.close()
-        shutil.rmtree(folder)
-        _assert_same(_resume(folder), live)
+        _lose_and_recover(folder, live)
     finally:
         replica.close()
+
+
+def _answer_hello(listener: socket.socket) -> socket.socket:
+    """A peer of the run: the next connection, its challenge, and the hello answered."""
+    sock, _ = listener.accept()
+    sock.sendall(b"c" * 32)
+    _, body = bulk.recv_frame(sock, deadline=1e18)
+    ours = pb.ReplicaHello.FromString(body).challenge
+    ack = pb.ReplicaAck(proof=replica_proof(SECRET, ours)).SerializeToString()
+    bulk.send_frame(sock, pb.REPLICA_FRAME_ACK, ack, 1.0)
+    return sock
 
 
 def test_a_push_is_answered_only_once_the_replica_holds_it(tmp_path: Path) -> None:
@@ -141,17 +157,11 @@ def test_a_push_is_answered_only_once_the_replica_holds_it(tmp_path: Path) -> No
     seen: list[int] = []
 
     def mute() -> None:  # a peer of the run that answers the hello and the snapshot only
-        sock, _ = listener.accept()
-        sock.sendall(b"c" * 32)
-        for _ in range(2):
-            kind, body = bulk.recv_frame(sock, deadline=1e18)
-            answer = pb.ReplicaAck()
-            if kind == pb.REPLICA_FRAME_HELLO:
-                answer.proof = replica_proof(SECRET, pb.ReplicaHello.FromString(body).challenge)
-            else:
-                size = pb.ReplicaFile.FromString(body).length
-                bulk.recv_into(sock, np.empty(size, np.uint8), deadline=1e18)
-            bulk.send_frame(sock, pb.REPLICA_FRAME_ACK, answer.SerializeToString(), 1.0)
+        sock = _answer_hello(listener)
+        kind, body = bulk.recv_frame(sock, deadline=1e18)  # the snapshot
+        size = pb.ReplicaFile.FromString(body).length
+        bulk.recv_into(sock, np.empty(size, np.uint8), deadline=1e18)
+        bulk.send_frame(sock, pb.REPLICA_FRAME_ACK, b"", 1.0)
         seen.append(kind)
         threading.Event().wait(3.0)
         sock.close()
@@ -229,12 +239,7 @@ def test_a_fetch_cut_short_leaves_no_snapshot_to_recover_from(tmp_path: Path) ->
     listener = socket.create_server(("127.0.0.1", 0))
 
     def dies_midway() -> None:
-        sock, _ = listener.accept()
-        sock.sendall(b"c" * 32)
-        _, body = bulk.recv_frame(sock, deadline=1e18)
-        ours = pb.ReplicaHello.FromString(body).challenge
-        ack = pb.ReplicaAck(proof=replica_proof(SECRET, ours)).SerializeToString()
-        bulk.send_frame(sock, pb.REPLICA_FRAME_ACK, ack, 1.0)
+        sock = _answer_hello(listener)
         bulk.recv_frame(sock, deadline=1e18)  # the fetch
         head = pb.ReplicaFile(kind=pb.REPLICA_FILE_KIND_SNAPSHOT, generation=0, length=4)
         bulk.send_frame(sock, pb.REPLICA_FRAME_FILE, head.SerializeToString(), 1.0)
@@ -264,9 +269,7 @@ def test_a_stranger_connecting_does_not_end_the_servers_connection(tmp_path: Pat
             stranger.sendall(b"\x01\xff\xff\xff\x00garbage")  # a hello that does not parse
             _drive(live, 3)  # the server's pushes go on meanwhile
         assert not live.wal.broken
-        live.wal.close()
-        shutil.rmtree(folder)
-        _assert_same(_resume(folder), live)
+        _lose_and_recover(folder, live)
     finally:
         replica.close()
 
