@@ -19,7 +19,7 @@ from distsgd import api
 from distsgd.cluster import TaskId
 from distsgd.control.config import LrScaling, TrainConfig
 from distsgd.control.errors import AFTER_TRAINING_EXIT_CODE, SetupErrorRecord
-from distsgd.control.folder import RESULT_FILE
+from distsgd.control.folder import RESULT_FILE, LocalFiles
 from distsgd.control.metrics import MetricsWriter
 from distsgd.control.recovery import (
     Finished,
@@ -70,7 +70,7 @@ def test_nothing_is_restarted_once_the_result_is_recorded(task: str, code: int) 
 
 def test_the_record_says_it_was_after_training(tmp_path: Path) -> None:
     record = SetupErrorRecord(task=WORKER0, message="x.py failed", kind="after_training")
-    record.save(tmp_path)
+    record.save(LocalFiles(tmp_path))
     assert SetupErrorRecord.load(tmp_path, WORKER0) == record
     path = SetupErrorRecord.path(tmp_path, WORKER0)
     path.write_text(json.dumps({"task": "worker0", "message": "m", "kind": "later"}))
@@ -146,7 +146,7 @@ def _chief(run_dir: Path) -> Chief:
         config=config,
         given_config=config,
         lr_scaling=LrScaling.resolve(config, "none", 1),
-        run_dir=run_dir,
+        files=LocalFiles(run_dir),
         metrics=MetricsWriter(None, "worker0"),
     )
 
@@ -167,10 +167,14 @@ def test_a_restarted_chief_keeps_the_recorded_result(tmp_path: Path) -> None:
     )
     config = TrainConfig()
     save_result(
-        tmp_path, first, model=model, config=config, lr_scaling=LrScaling.resolve(config, "none", 1)
+        LocalFiles(tmp_path),
+        first,
+        model=model,
+        config=config,
+        lr_scaling=LrScaling.resolve(config, "none", 1),
     )
     written = (tmp_path / RESULT_FILE).read_text()
-    assert recorded_result(tmp_path) == first
+    assert recorded_result(LocalFiles(tmp_path)) == first
     again = dataclasses.replace(first, seconds=0.00025, bytes_sent=0, diverged=False)
     chief = _chief(tmp_path)
     chief.start(model, from_start=False)  # restarted: it continues at its last step
@@ -182,21 +186,21 @@ def test_a_restarted_chief_keeps_the_recorded_result(tmp_path: Path) -> None:
     chief.start(model, from_start=True)
     ctx, scheme = SimpleNamespace(model=model), SimpleNamespace(evaluate_on="replica")
     chief.finish(again, ctx=ctx, conn=None, scheme=scheme, on_evaluate=print)  # type: ignore[arg-type]
-    assert recorded_result(tmp_path) == again
+    assert recorded_result(LocalFiles(tmp_path)) == again
 
 
 def test_a_record_that_is_not_the_chiefs_reads_as_none(tmp_path: Path) -> None:
-    assert recorded_result(tmp_path) is None
+    assert recorded_result(LocalFiles(tmp_path)) is None
     (tmp_path / RESULT_FILE).write_text('{"scheme": "sync", "diverged": true}')
-    assert recorded_result(tmp_path) is None
+    assert recorded_result(LocalFiles(tmp_path)) is None
     (tmp_path / RESULT_FILE).write_text(
         '{"scheme": "sync", "worker": "0", "local_steps": 1, '
         '"global_step": 1, "seconds": 1, "samples": 1, '
         '"bytes_sent": 1}'
     )
-    assert recorded_result(tmp_path) is None
+    assert recorded_result(LocalFiles(tmp_path)) is None
     (tmp_path / RESULT_FILE).write_text("[")
-    assert recorded_result(tmp_path) is None
+    assert recorded_result(LocalFiles(tmp_path)) is None
 
 
 # -- a real run -------------------------------------------------------------------------------

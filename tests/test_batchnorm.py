@@ -166,7 +166,7 @@ def _chief(test_set: Any = None) -> Chief:
         config=config,
         given_config=config,
         lr_scaling=LrScaling.resolve(config, "none", 1),
-        run_dir=None,
+        files=None,
         metrics=MetricsWriter(None, "worker0"),
     )
 

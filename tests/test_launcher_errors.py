@@ -10,6 +10,7 @@ import pytest
 
 from distsgd.cluster import TaskId
 from distsgd.control.errors import SETUP_EXIT_CODE, SetupError, SetupErrorRecord
+from distsgd.control.folder import LocalFiles
 from distsgd.control.task import ENV_VAR, TaskEnv
 from distsgd.launcher.bootstrap import record_setup_error, run_script
 
@@ -28,7 +29,7 @@ def _env(run_dir: Path, index: int = 1) -> str:
 def test_a_record_round_trips_and_is_cleared(tmp_path: Path) -> None:
     assert SetupErrorRecord.load(tmp_path, WORKER1) is None
     record = SetupErrorRecord(task=WORKER1, message="no data; give train_data")
-    record.save(tmp_path)
+    record.save(LocalFiles(tmp_path))
     assert SetupErrorRecord.path(tmp_path, WORKER1).name == "worker1.setup-error.json"
     assert SetupErrorRecord.load(tmp_path, WORKER1) == record
     assert SetupErrorRecord.load(tmp_path, TaskId(job="worker", index=0)) is None

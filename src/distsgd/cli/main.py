@@ -8,7 +8,7 @@ import logging
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +197,20 @@ def _cmd_replica(args: argparse.Namespace) -> int:
     return 0
 
 
+def _announcer(control: str, task: str, secret: str | None) -> Callable[[str], None]:
+    """What tells the launcher's run control at ``control`` the address ``task`` bound."""
+    from distsgd.control.remote_files import RemoteFiles
+
+    def announce(bound: str) -> None:
+        files = RemoteFiles(control, secret=secret)
+        try:
+            files.put(f"{task}.address", (bound + "\n").encode())
+        finally:
+            files.close()
+
+    return announce
+
+
 def _cmd_server(args: argparse.Namespace) -> int:
     from distsgd.cluster.kube import alias_address, host_aliases
     from distsgd.launcher.bootstrap import setup_logging
@@ -253,6 +267,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
         max_workers=args.max_workers,
         evict_after=args.evict_after,
         wal_dir=wal_dir,
+        announce=None if not args.control else _announcer(args.control, f"ps{index}", secret),
     )
     from distsgd.launcher.bootstrap import exit_now
 

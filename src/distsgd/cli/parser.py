@@ -186,7 +186,9 @@ def _add_host_flags(parser: argparse.ArgumentParser) -> None:
         choices=("spread", "pack"),
         default="spread",
         help="spread: tasks dealt round-robin over the hosts, servers first (ps0->host0, "
-        "ps1->host1, worker0->host2, ...); pack: contiguous blocks; default spread",
+        "ps1->host1, worker0->host2, ...); pack: contiguous blocks; default spread. With "
+        "--ray, over the Ray cluster's nodes: spread puts each server on a node of its own "
+        "where there are enough and spreads the workers; pack puts every task on one node",
     )
 
 
@@ -362,6 +364,12 @@ def _add_server(sub: Any) -> None:
     )
     server.add_argument(
         "--address-file", type=Path, help="write the address really bound to this file"
+    )
+    server.add_argument(
+        "--control",
+        metavar="HOST:PORT",
+        help="report the address really bound to the launcher's run control there (what "
+        "distsgd run gives tasks that do not share its disk)",
     )
     server.add_argument(
         "--checkpoint-dir", type=Path, help="folder the Checkpoint call writes into"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from distsgd.cluster import TaskId
-from distsgd.util import write_atomic
+from distsgd.control.folder import RunFiles
 
 SETUP_EXIT_CODE = 87
 """Exit code of a worker task that refused its setup (:class:`SetupError`): the launcher does
@@ -67,12 +67,12 @@ class SetupErrorRecord:
         """Where ``task`` writes its record in ``run_dir``."""
         return Path(run_dir) / f"{task.name}.setup-error.json"
 
-    def save(self, run_dir: Path) -> None:
-        """Write the record into ``run_dir``, atomically."""
+    def save(self, files: RunFiles) -> None:
+        """Write the record into the run folder (``files``), atomically."""
         data: dict[str, object] = {"task": self.task.name, "message": self.message}
         if self.kind != "setup":
             data["kind"] = self.kind
-        write_atomic(self.path(run_dir, self.task), json.dumps(data) + "\n")
+        files.put(f"{self.task.name}.setup-error.json", (json.dumps(data) + "\n").encode())
 
     @classmethod
     def load(cls, run_dir: Path, task: TaskId) -> SetupErrorRecord | None:

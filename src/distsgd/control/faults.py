@@ -23,6 +23,7 @@ task on that host. A slow link and a partition of a server need ``--hosts``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shutil
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from distsgd.cluster import Role, TaskId
 from distsgd.cluster.hosts import parse_rate
+from distsgd.control.folder import LocalFiles, RunFiles
 from distsgd.util.atomic import write_atomic
 
 log = logging.getLogger(__name__)
@@ -164,13 +166,18 @@ KILL_PAUSE_SECONDS = 5.0
 """Longest a worker holds still at a kill's step for the launcher to land it (then it goes on:
 the launcher's own reading of the step still lands it, later)."""
 _KILL_POLL = 0.005
+_KILL_POLL_REMOTE = 0.05
+
+
+def mark_name(fault: Fault, kind: str) -> str:
+    """The name in the run folder of a kill's step: ``due`` (a worker reached the step and
+    holds still; it holds the global step it saw) or ``landed`` (the launcher killed)."""
+    return f"faults/{fault.kind}-{fault.job}{fault.index}-at-{fault.step or 0}.{kind}"
 
 
 def kill_marker(run_dir: str | Path, fault: Fault, kind: str) -> Path:
-    """The file of a kill's step in the run folder: ``due`` (a worker reached the step and
-    holds still; it holds the global step it saw) or ``landed`` (the launcher killed)."""
-    name = f"{fault.kind}-{fault.job}{fault.index}-at-{fault.step or 0}.{kind}"
-    return Path(run_dir) / "faults" / name
+    """The file of :func:`mark_name` in ``run_dir``."""
+    return Path(run_dir) / mark_name(fault, kind)
 
 
 def kill_due(run_dir: str | Path, fault: Fault) -> int | None:
@@ -201,10 +208,12 @@ class FaultInjector:
     the launcher has landed it, so that a kill lands at its step, not at the launcher's next
     reading of the metrics lines (every ``--log-every`` steps)."""
 
-    def __init__(self, faults: Sequence[Fault], run_dir: str = "") -> None:
+    def __init__(self, faults: Sequence[Fault], files: RunFiles | None = None) -> None:
+        """``files``: the run folder the launcher reads the kills' marks in (no kills
+        without one)."""
         self.faults = [f for f in faults if not f.kills]
-        self.kills = [f for f in faults if f.kills] if run_dir else []
-        self.run_dir = run_dir
+        self.kills = [f for f in faults if f.kills] if files is not None else []
+        self.files = files
         self.partition_until = 0.0
         self._done: set[int] = set()
 
@@ -231,20 +240,25 @@ class FaultInjector:
     def _hold_for(self, kill: Fault, global_step: int) -> None:
         """Say the kill's step is here (unless it landed already: a restarted target) and hold
         still until it landed, at most :data:`KILL_PAUSE_SECONDS`."""
-        landed = kill_marker(self.run_dir, kill, "landed")
-        if landed.exists():
-            return
-        due = kill_marker(self.run_dir, kill, "due")
+        assert self.files is not None  # kills are kept only with a run folder
+        files = self.files
+        landed, due = (mark_name(kill, kind) for kind in ("landed", "due"))
         try:
-            due.parent.mkdir(mode=0o700, exist_ok=True)
-            if not due.exists():
-                write_atomic(due, f"{global_step}\n")
-        except OSError as exc:  # a full disk: the launcher's reading of the step lands it
+            if files.get(landed) is not None:
+                return
+            if files.get(due) is None:
+                files.put(due, f"{global_step}\n".encode())
+        except (OSError, RuntimeError) as exc:  # a full disk, a launcher that does not answer:
+            # the launcher's reading of the step lands it
             log.warning("cannot mark the step of kill:%s: %s", kill.task, exc)
             return
         end = time.monotonic() + KILL_PAUSE_SECONDS
-        while not landed.exists() and time.monotonic() < end:
-            time.sleep(_KILL_POLL)
+        poll = _KILL_POLL if isinstance(files, LocalFiles) else _KILL_POLL_REMOTE
+        while time.monotonic() < end:
+            with contextlib.suppress(OSError, RuntimeError):
+                if files.get(landed) is not None:
+                    return
+            time.sleep(poll)
 
     @property
     def partitioned(self) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.control.board import BoardWriter, open_board
+from distsgd.control.folder import METRICS_FILE, RunFiles
 from distsgd.util import open_private
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,20 @@ class MetricsWriter:
     short is ended before the next one, so every later line parses)."""
 
     def __init__(
-        self, path: Path | None, task: str, *, clock: Callable[[], float] = time.time
+        self,
+        path: Path | None,
+        task: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        remote: RunFiles | None = None,
     ) -> None:
+        """``remote``: a task whose run folder is the launcher's over the network sends its
+        lines there (``path`` unused; the launcher writes their TensorBoard events)."""
         self.task = task
         self._clock = clock
+        self._remote = remote
+        if remote is not None:
+            path = None
         self._fd = None if path is None else open_private(path, os.O_WRONLY | os.O_APPEND)
         self._board: BoardWriter | None = None if path is None else open_board(path.parent, task)
         self.dropped = 0
@@ -50,11 +61,15 @@ class MetricsWriter:
         return self._board
 
     def log(self, **fields: Any) -> None:
-        if self._fd is None:
+        if self._fd is None and self._remote is None:
             return
         now = self._clock()
         record = {"time": round(now, 3), "task": self.task, **fields}
-        self._append((json.dumps(record) + "\n").encode())
+        line = (json.dumps(record) + "\n").encode()
+        if self._remote is not None:
+            self._remote.append(METRICS_FILE, line)  # buffered: sent by a thread of its own
+            return
+        self._append(line)
         board = self._board
         if board is not None:
             try:

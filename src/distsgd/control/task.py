@@ -18,6 +18,7 @@ from typing import Any
 
 from distsgd.cluster import ClusterSpec, Role, TaskId
 from distsgd.control.faults import Fault
+from distsgd.control.folder import RunFiles
 from distsgd.transport.security import TlsConfig
 
 ENV_VAR = "DISTSGD_TASK"
@@ -113,6 +114,15 @@ class TaskEnv:
         },
     )
 
+    control: str = field(
+        default="",
+        metadata={
+            "help": "host:port of the launcher's run control: the run folder's files (metrics, "
+            "result, the servers' addresses) go there over the network instead of on this "
+            "disk ('' = on this disk, in run_dir)"
+        },
+    )
+
     ps_link_delays: list[list[float]] = field(
         default_factory=list,
         metadata={
@@ -193,27 +203,41 @@ class TaskEnv:
     def task(self) -> TaskId:
         return TaskId(job=Role.WORKER, index=self.task_index)
 
-    def with_ps_addresses(self, timeout: float, poll: float = 0.02) -> TaskEnv:
-        """A copy whose ps addresses with port 0 are read from ``ps_address_files``, waiting up
-        to ``timeout`` seconds for the servers to write them; TimeoutError names the server."""
+    def with_ps_addresses(
+        self, timeout: float, poll: float = 0.02, files: RunFiles | None = None
+    ) -> TaskEnv:
+        """A copy whose ps addresses with port 0 are those the servers reported, waiting up
+        to ``timeout`` seconds for them: through the run control (``files``, when this task
+        has one), else in ``ps_address_files``; TimeoutError names the server."""
         ps = list(self.cluster.get("ps", []))
+        remote = files is not None and bool(self.control)
         pending = [
-            i for i, a in enumerate(ps) if a.endswith(":0") and i < len(self.ps_address_files)
+            i
+            for i, a in enumerate(ps)
+            if a.endswith(":0") and (remote or i < len(self.ps_address_files))
         ]
         if not pending:
             return self
         deadline = time.monotonic() + timeout
         for i in pending:
-            path = Path(self.ps_address_files[i])
-            while not path.is_file() or not path.read_text().strip():
+            where = "the run control" if remote else self.ps_address_files[i]
+            while not (text := self._reported(i, files if remote else None)):
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"ps{i} did not report its address in {path} within {timeout:.0f}s; "
+                        f"ps{i} did not report its address in {where} within {timeout:.0f}s; "
                         "see its log"
                     )
-                time.sleep(poll)
-            ps[i] = path.read_text().strip()
+                time.sleep(max(poll, 0.1) if remote else poll)
+            ps[i] = text
         return dataclasses.replace(self, cluster={**self.cluster, "ps": ps})
+
+    def _reported(self, index: int, files: RunFiles | None) -> str:
+        """ps ``index``'s reported address ("" = none yet)."""
+        if files is not None:
+            data = files.get(f"ps{index}.address")
+            return "" if data is None else data.decode(errors="replace").strip()
+        path = Path(self.ps_address_files[index])
+        return path.read_text().strip() if path.is_file() else ""
 
     def to_json(self) -> str:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -22,13 +22,23 @@ def server_argv(
     checkpoint_dir: Path,
     wal_dir: Path,
     restore: Path | None,
+    control: str = "",
+    spec: ClusterSpec | None = None,
 ) -> list[str]:
     """``distsgd server`` for ps ``index`` listening on ``address`` (port 0: any), writing the
-    address it bound to ``address_file``, starting from ``restore`` when given."""
-    argv = [
-        *(sys.executable, "-m", "distsgd", "server", "--job", "ps", "--task", str(index)),
-        *("--cluster", str(cluster_file), "--address", address),
-        *("--address-file", str(address_file), "--checkpoint-dir", str(checkpoint_dir)),
+    address it bound to ``address_file``, starting from ``restore`` when given. With a run
+    ``control`` (tasks that do not share the launcher's disk) it reports the address there
+    instead, and takes the cluster (``spec``) on its command line, not in a file."""
+    argv = [*(sys.executable, "-m", "distsgd", "server", "--job", "ps", "--task", str(index))]
+    if control:
+        assert spec is not None
+        argv += ["--ps-hosts", ",".join(spec.ps), "--worker-hosts", ",".join(spec.worker)]
+        argv += ["--address", address, "--control", control]
+    else:
+        argv += ["--cluster", str(cluster_file), "--address", address]
+        argv += ["--address-file", str(address_file)]
+    argv += [
+        *("--checkpoint-dir", str(checkpoint_dir)),
         *(["--wal-dir", str(wal_dir)] if config.wal else ["--wal", "off"]),
     ]
     if restore is not None:
@@ -62,6 +72,7 @@ def worker_task(
     continue_at: int = 0,
     reshard: bool = False,
     rollbacks_left: int = 0,
+    control: str = "",
 ) -> TaskEnv:
     """Worker ``index``'s task in a cluster of ``active`` workers started now; the launcher
     may still roll the run back ``rollbacks_left`` times."""
@@ -82,7 +93,8 @@ def worker_task(
         resume="" if resume is None else str(resume),
         continue_at=continue_at,
         tls=c.tls,
-        ps_address_files=[str(path) for path in ps_address_files],
+        ps_address_files=[] if control else [str(path) for path in ps_address_files],
+        control=control,
         ps_link_delays=_link_delays(config, index, spec.num_ps),
         faults=tuple(
             fault for fault in map(Fault.parse, c.faults) if _worker_fault(fault, index, c.hosts)

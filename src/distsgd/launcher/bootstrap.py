@@ -34,6 +34,7 @@ from distsgd.control.errors import (
     SetupErrorRecord,
     one_line,
 )
+from distsgd.control.remote_files import from_environ
 from distsgd.launcher.lifeline import limit_threads, tie_to_parent
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -162,10 +163,12 @@ def record_setup_error(
         return
     if env is None or not env.run_dir or env.standalone_run:
         return
+    files = from_environ(env.run_dir, env.control, environ)
+    assert files is not None  # a run folder, here or the launcher's
     try:
-        record = SetupErrorRecord(task=env.task, message=str(exc), kind=kind)
-        record.save(Path(env.run_dir))
-    except OSError as err:
+        SetupErrorRecord(task=env.task, message=str(exc), kind=kind).save(files)
+        files.close()
+    except (OSError, RuntimeError) as err:  # a full disk, a launcher that does not answer
         logging.getLogger(__name__).warning("could not record the setup error: %s", err)
 
 

@@ -177,7 +177,9 @@ class LaunchConfig(WorkerBounds):
         default=Placement.SPREAD.value,
         metadata={
             "help": "how tasks go on the emulated hosts: spread (round-robin, servers first) "
-            "or pack (contiguous blocks); cluster/hosts.py place()"
+            "or pack (contiguous blocks); cluster/hosts.py place(). With --ray, over the "
+            "cluster's nodes: spread (each server on a node of its own where there are enough, "
+            "the workers spread) or pack (every task on one node)"
         },
     )
 
@@ -272,11 +274,17 @@ class LaunchConfig(WorkerBounds):
 
     def _check_hosts(self) -> None:
         """--hosts, --link and --placement (the plan is made once, to check them)."""
+        if self.placement not in tuple(Placement):
+            raise ValueError(f"--placement must be spread or pack, got {self.placement!r}")
         if self.hosts < 0:
             raise ValueError(f"--hosts must be 0 (no emulated hosts) or more, got {self.hosts}")
         if not self.hosts:
-            if self.links or self.placement != Placement.SPREAD.value:
-                raise ValueError("--link and --placement shape emulated hosts; add --hosts N")
+            placed = engine_for(self).places_tasks  # Ray places its tasks by --placement
+            if self.links or (self.placement != Placement.SPREAD.value and not placed):
+                raise ValueError(
+                    "--link and --placement shape emulated hosts (--placement also Ray's, "
+                    "with --ray); add --hosts N"
+                )
             return
         engine = engine_for(self)
         if engine.places_tasks:

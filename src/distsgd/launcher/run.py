@@ -154,15 +154,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
         )
     finally:
         launcher_file.unlink(missing_ok=True)
-        supervisor.close()
-        local.close_hosts()  # heal, count, take down (and their disks)
-        shutil.rmtree(local.wal_root, ignore_errors=True)  # only a restart in this launch reads it
-        # Segments are unlinked once a worker maps them; a server killed before that leaves a
-        # name behind, which it recorded in its checkpoint folder before creating it.
-        records = local.ckpt_root.glob("ps*.segments")
-        shm.remove_leftovers(records, shm.run_prefix(local.run_id))
-        local.store = None
-        local.events.close()
+        local.tear_down()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _write_tasks(run_dir, supervisor)
@@ -240,6 +232,20 @@ class LocalRun(Restarts):
         self.saved_step: int | None = None
         """The step of the checkpoint the workers saved when the run was stopped (None:
         none; a resume goes back to the last periodic checkpoint)."""
+
+    def tear_down(self) -> None:
+        """Once the run ended, however: stop every task, then the run control and the
+        emulated hosts; remove what only this launch reads."""
+        self.supervisor.close()
+        self.close_control()
+        self.close_hosts()  # heal, count, take down (and their disks)
+        shutil.rmtree(self.wal_root, ignore_errors=True)  # only a restart in this launch reads it
+        # Segments are unlinked once a worker maps them; a server killed before that leaves a
+        # name behind, which it recorded in its checkpoint folder before creating it.
+        records = self.ckpt_root.glob("ps*.segments")
+        shm.remove_leftovers(records, shm.run_prefix(self.run_id))
+        self.store = None
+        self.events.close()
 
     def close_hosts(self) -> None:
         """Undo the network faults still in effect, stop sampling, record the bytes, and take

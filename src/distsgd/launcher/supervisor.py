@@ -70,6 +70,16 @@ class Tasks(Protocol):
     @property
     def tasks(self) -> Mapping[str, TaskHandle]: ...
 
+    @property
+    def control_host(self) -> str | None:
+        """The address of this machine that the tasks reach the launcher's run control at,
+        where they may not share its disk (None: they do; they write the run folder)."""
+
+    @property
+    def node_host(self) -> str | None:
+        """What the tasks' addresses say for their host where the engine puts each task's own
+        in its place (Ray: its node's); None: the launcher's ``--host``."""
+
     def start(self, name: str, argv: Sequence[str], env: Mapping[str, str]) -> TaskHandle: ...
 
     def stop(self, names: Sequence[str] | None = None, *, grace: float = 2.0) -> None: ...
@@ -145,6 +155,10 @@ class Supervisor:
         self.note = note
         """Where the launcher's own lines go (a long wait for the fork server is said there)."""
         self.tasks: dict[str, Task | ForkedTask] = {}
+        self.control_host: str | None = None
+        """Its tasks share this machine's disk: no run control (emulated hosts add one)."""
+        self.node_host: str | None = None
+        """Its tasks bind the launcher's ``--host`` (or their emulated host's)."""
         self.preload_optimizer = preload_optimizer
         """Whether the fork server imports what torch.optim needs before forking
         (``LaunchConfig.preloads_optimizer``)."""

@@ -28,6 +28,7 @@ from distsgd.control.rendezvous import host_store
 from distsgd.control.task import ENV_VAR
 from distsgd.launcher.argv import server_argv, worker_argv, worker_task
 from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.control import ControlServer
 from distsgd.launcher.durability import DurabilityWatch, disk_full
 from distsgd.launcher.engines import engine_for
 from distsgd.launcher.errors import RunFailed
@@ -200,6 +201,33 @@ class LocalTasks:
         """``--rebalance auto``: moves pieces between servers (launcher/rebalance.py)."""
         self.replicas = self._replicas(config, console)
         """The servers' log replicas on other hosts (launcher/replicas.py; None: none)."""
+        self.control = self._control(supervisor)
+        """The run control (launcher/control.py) of tasks that do not share this disk
+        (emulated hosts, Ray); None: they write the run folder themselves."""
+
+    def _control(self, supervisor: Tasks) -> ControlServer | None:
+        """A run control where the tasks run on other hosts: on the management address for
+        emulated hosts, on the engine's own address for an engine that places tasks."""
+        host = MANAGEMENT_ADDRESS if self.hosts is not None else supervisor.control_host
+        if host is None:
+            return None
+        control = ControlServer(self.run_dir, host=host, secret=self.secret)
+        self.console.note(
+            f"[distsgd] run control on {control.address}: the tasks send the run folder's "
+            "files here over the network"
+        )
+        return control
+
+    @property
+    def control_address(self) -> str:
+        """Where tasks reach the run control ("" = none: the run folder on this disk)."""
+        return "" if self.control is None else self.control.address
+
+    def close_control(self) -> None:
+        """Stop the run control (once the tasks are gone)."""
+        if self.control is not None:
+            self.control.close()
+            self.control = None
 
     def _replicas(self, config: LaunchConfig, console: Console) -> Replicas | None:
         """Log replicas: with the log, on two or more emulated hosts, unless ``--wal local``."""
@@ -239,7 +267,7 @@ class LocalTasks:
     def task_host(self, task: TaskId) -> str:
         """The address ``task`` binds: its emulated host's (``--hosts``), else ``--host``."""
         if self.hosts is None:
-            return self.config.host
+            return self.supervisor.node_host or self.config.host
         return self.hosts.plan.host_of(task).address
 
     def host_of(self, name: str) -> Host | None:
@@ -268,8 +296,8 @@ class LocalTasks:
     def unbound_spec(self) -> ClusterSpec:
         """Every task at its address with port 0 (each server picks its port when it starts)."""
         if self.hosts is None:
-            c = self.config
-            return ClusterSpec.local(num_workers=c.highest_workers, num_ps=self.num_ps, host=c.host)
+            c, host = self.config, self.supervisor.node_host or self.config.host
+            return ClusterSpec.local(num_workers=c.highest_workers, num_ps=self.num_ps, host=host)
         ps = [self.task_host(TaskId(job=Role.PS, index=i)) for i in range(self.num_ps)]
         workers = range(self.config.highest_workers)
         worker = [self.task_host(TaskId(job=Role.WORKER, index=i)) for i in workers]
@@ -319,6 +347,8 @@ class LocalTasks:
             checkpoint_dir=self.ckpt_root,
             wal_dir=self.wal_root / f"ps{index}",
             restore=restore,
+            control=self.control_address,
+            spec=self.unbound_spec(),
         )
         replica = None if self.replicas is None else self.replicas.address(index)
         if replica is not None:
@@ -353,6 +383,7 @@ class LocalTasks:
             continue_at=continue_at,
             reshard=reshard,
             rollbacks_left=self.rollbacks_left,
+            control=self.control_address,
         )
         self.done.discard(f"worker{index}")
         SetupErrorRecord.clear(self.run_dir, TaskId(job=Role.WORKER, index=index))
@@ -366,8 +397,11 @@ class LocalTasks:
 
     def _new_rendezvous(self) -> None:
         if self.collective and self.config.workers > 1:
-            # under --hosts the launcher is reached over the management link
-            host = self.config.host if self.hosts is None else MANAGEMENT_ADDRESS
+            # under --hosts the launcher is reached over the management link, on Ray at the
+            # driver's node address
+            host = self.supervisor.control_host or self.config.host
+            if self.hosts is not None:
+                host = MANAGEMENT_ADDRESS
             what = "torch to load: the launcher hosts the all-reduce rendezvous store"
             with said_while_slow(self.console.note, what):
                 self.store, port = host_store(host, timedelta(seconds=self.config.wait_timeout))

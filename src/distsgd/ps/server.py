@@ -15,6 +15,7 @@ import logging
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -174,8 +175,12 @@ def serve(
     max_workers: int = 0,
     evict_after: float = DEFAULT_EVICT_AFTER,
     wal_dir: Path | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set); shutdown always runs.
+
+    The bound address goes to ``address_file`` and to ``announce`` (the launcher's run
+    control) once the server listens.
 
     ``secret``, ``tls``, ``checkpoint_dir``, ``restore``, ``max_workers``, ``evict_after`` and
     ``wal_dir`` as for :func:`start_server`. A warning
@@ -212,6 +217,8 @@ def serve(
             log.warning("%s", warning)
         if address_file is not None:
             write_atomic(address_file, bound + "\n")
+        if announce is not None:
+            announce(bound)
         stop.wait()
         log.info("parameter server ps%d stopping", shard_index)
     finally:

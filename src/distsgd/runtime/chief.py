@@ -38,7 +38,7 @@ from distsgd.control.divergence import (
     stalled_verdict,
     unclear_verdict,
 )
-from distsgd.control.folder import FINAL_PARAMS_FILE, RESULT_FILE
+from distsgd.control.folder import FINAL_PARAMS_FILE, RESULT_FILE, RunFiles
 from distsgd.control.metrics import MetricsWriter
 from distsgd.ps.client import ParameterClient
 from distsgd.runtime.batchnorm import RecentInputs, recalibrate, running_stats_modules
@@ -49,7 +49,6 @@ from distsgd.runtime.evaluate import LossFn, MetricFns, evaluate
 from distsgd.runtime.modules import exchanged_parameters, load_eval_state
 from distsgd.runtime.result import TrainResult, recorded_result, result_fields
 from distsgd.runtime.scheme import WorkerScheme
-from distsgd.util import write_atomic, write_stream_atomic
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ class Chief:
         config: TrainConfig,
         given_config: TrainConfig,
         lr_scaling: LrScaling,
-        run_dir: Path | None,
+        files: RunFiles | None,
         metrics: MetricsWriter,
     ) -> None:
         self.test_set = test_set
@@ -78,7 +77,8 @@ class Chief:
         self.given_config = given_config
         """The config as the script and the command line gave it (``result.json``'s)."""
         self.lr_scaling = lr_scaling
-        self.run_dir = run_dir
+        self.files = files
+        """The run folder (on this disk or the launcher's); None: no result files."""
         self.metrics = metrics
         self.start_point: list[np.ndarray] | None = None
         """A sample of the parameters where training started (None: it resumed mid-run)."""
@@ -169,13 +169,13 @@ class Chief:
         evaluation (``on_evaluate`` its scores) and
         its verdict, and the run's result files. A chief restarted (or resumed) after it
         recorded the run's result keeps that record and returns it: training was over."""
-        if self.resumed and self.run_dir is not None and (self.run_dir / RESULT_FILE).exists():
+        if self.resumed and self.files is not None and self.files.get(RESULT_FILE) is not None:
             log.warning(
                 "the run's result was recorded before this restart (%s); it stands: not "
                 "evaluated or saved again",
-                self.run_dir / RESULT_FILE,
+                RESULT_FILE,
             )
-            return recorded_result(self.run_dir) or result
+            return recorded_result(self.files) or result
         pulled = conn.server_parameters() if scheme.evaluate_on == "server" else None
         if pulled is not None:
             ctx.load(pulled[1])
@@ -195,9 +195,9 @@ class Chief:
             self.log_scores(ctx, scores, final=True)
             log.info("test loss %.4f, accuracy %s", scores["loss"], scores.get("accuracy"))
             on_evaluate(scores)
-        if self.run_dir is not None:
+        if self.files is not None:
             save_result(
-                self.run_dir,
+                self.files,
                 result,
                 model=ctx.model,
                 config=self.given_config,
@@ -343,7 +343,7 @@ def final_verdict(
 
 
 def save_result(
-    run_dir: Path,
+    files: RunFiles,
     result: TrainResult,
     *,
     model: nn.Module,
@@ -351,16 +351,16 @@ def save_result(
     lr_scaling: LrScaling,
 ) -> None:
     """The run's final parameters and ``result.json`` (with the config as given and how its
-    rate was scaled) in ``run_dir``."""
+    rate was scaled) in the run folder (``files``: on this disk or the launcher's)."""
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     # streamed into the file: no serialized copy of the model in memory (two, with getvalue)
-    write_stream_atomic(run_dir / FINAL_PARAMS_FILE, lambda f: torch.save(state, f))
+    files.put_stream(FINAL_PARAMS_FILE, lambda f: torch.save(state, f))
     saved: dict[str, Any] = {
         **result_fields(result),
         "config": config.to_dict(),
         "lr_scaling": lr_scaling.to_dict(),
     }
-    write_atomic(run_dir / RESULT_FILE, json.dumps(saved, indent=2) + "\n")
+    files.put(RESULT_FILE, (json.dumps(saved, indent=2) + "\n").encode())
 
 
 def log_work(work: dict[str, Any], metrics: MetricsWriter, step: int, local_step: int) -> None:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from distsgd.control.folder import RESULT_FILE
+from distsgd.control.folder import RESULT_FILE, RunFiles
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,12 +61,13 @@ def result_fields(result: TrainResult) -> dict[str, Any]:
     return fields
 
 
-def recorded_result(run_dir: Path) -> TrainResult | None:
-    """The run's result as the chief recorded it in ``run_dir`` (``result.json``); None when
+def recorded_result(files: RunFiles) -> TrainResult | None:
+    """The run's result as the chief recorded it in the run folder (``result.json``); None when
     there is none, or its fields do not make a :class:`TrainResult` (the launcher's record of a
     run stopped on divergence, a damaged file)."""
     try:
-        data = json.loads((run_dir / RESULT_FILE).read_text())
+        text = files.get(RESULT_FILE)
+        data = None if text is None else json.loads(text)
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict):

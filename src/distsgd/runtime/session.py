@@ -40,8 +40,9 @@ from distsgd.control.config import LrScaling, TrainConfig, lr_factor
 from distsgd.control.divergence import Diverged, DivergenceMonitor
 from distsgd.control.errors import SetupError
 from distsgd.control.faults import FaultInjector
-from distsgd.control.folder import METRICS_FILE
+from distsgd.control.folder import METRICS_FILE, LocalFiles, RunFiles
 from distsgd.control.metrics import MetricsWriter
+from distsgd.control.remote_files import from_environ
 from distsgd.control.task import TaskEnv
 from distsgd.runtime.amp import ScaledGradients
 from distsgd.runtime.callbacks import Callback, StepInfo, check_user_values
@@ -126,9 +127,7 @@ class WorkerSession:
         self.dynamic = config.world_size == "dynamic"
         self.stop = stop if stop is not None or not self.dynamic else threading.Event()
         self.run_dir = Path(env.run_dir) if env.run_dir else None
-        self.metrics = MetricsWriter(
-            self.run_dir / METRICS_FILE if self.run_dir else None, self.name
-        )
+        self.files, self.metrics = _run_folder(env, self.name)
         self.module: nn.Module = model
         """What forward runs through: the model, or the scheme's wrapper of it (allreduce:
         ``DistributedDataParallel``), training the same parameters."""
@@ -157,7 +156,7 @@ class WorkerSession:
                 config=self.config,
                 given_config=config,
                 lr_scaling=self.lr_scaling,
-                run_dir=self.run_dir,
+                files=self.files,
                 metrics=self.metrics,
             )
             if self.chief
@@ -204,7 +203,7 @@ class WorkerSession:
             raise SetupError(str(exc)) from exc
 
     def _open(self) -> None:
-        env = self.env = self.env.with_ps_addresses(self.env.startup_timeout)
+        env = self.env = self.env.with_ps_addresses(self.env.startup_timeout, files=self.files)
         if self.dynamic and self.stop is not None:
             self._restores.append(stop_on_sigterm(self.stop))
         opened = open_worker(
@@ -217,6 +216,7 @@ class WorkerSession:
             stop=self.stop,
             metrics=self.metrics,
             lr_scaling=self.lr_scaling,
+            files=self.files,
         )
         self._conn, self._ctx, self._batches = opened.conn, opened.ctx, opened.batches
         self.steps, self.start_step, self.samples = opened.steps, opened.start_step, opened.samples
@@ -517,6 +517,17 @@ class WorkerSession:
         if self._chief is not None:
             self._chief.close()
         self.metrics.close()
+        if self.files is not None:
+            self.files.close()
+
+
+def _run_folder(env: TaskEnv, name: str) -> tuple[RunFiles | None, MetricsWriter]:
+    """The task's run folder (on this disk, or the launcher's over the network; None: none)
+    and its metrics lines' writer into it."""
+    files = from_environ(env.run_dir, env.control)
+    path = Path(env.run_dir) / METRICS_FILE if env.run_dir else None
+    remote = None if isinstance(files, LocalFiles) else files
+    return files, MetricsWriter(path, name, remote=remote)
 
 
 def applied(

@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 from distsgd.control.checkpoint.errors import CheckpointError
 from distsgd.control.config import LrScaling, TrainConfig
 from distsgd.control.faults import FaultInjector
+from distsgd.control.folder import RunFiles
 from distsgd.control.metrics import MetricsWriter
 from distsgd.control.task import TaskEnv
 from distsgd.runtime.checkpoint import Checkpointer, load_replica, load_worker_state
@@ -78,6 +79,7 @@ def open_worker(
     stop: threading.Event | None,
     metrics: MetricsWriter,
     lr_scaling: LrScaling,
+    files: RunFiles | None = None,
 ) -> Opened:
     """Put ``model`` on its device, check the settings, connect (the chief registers), join,
     resume (``env.resume``), start ``scheme`` and continue past the steps a restarted worker
@@ -128,7 +130,7 @@ def open_worker(
             log.info("%s", lr_scaling.describe())
         steps = describe_steps(opened.steps, config.batch_size, opened.batches)
         log.info("worker%d: scheme %s, %s", rank, env.scheme, steps)
-        opened.faults = ctx.faults = FaultInjector(env.faults, run_dir=env.run_dir)
+        opened.faults = ctx.faults = FaultInjector(env.faults, files=files)
         _start_scheme(opened, env, scheme, optimizer, metrics)
     except BaseException:
         conn.close()

@@ -52,6 +52,10 @@ LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 (it then binds its servers there) instead of the machine's network address."""
 RAY_TIMEOUT = 60.0
 """How long a call on an actor, or the placement group's reservation, may take (seconds)."""
+NODE_HOST = "ray-node.invalid"
+"""The host the launcher writes in a task's addresses (its command line, its ``DISTSGD_TASK``):
+the actor puts its node's address in its place, so a server binds there and a worker's
+collective data plane listens there (``.invalid`` is a name no resolver answers)."""
 RAY_LOG = "ray-start.log"
 """The local instance's ``ray start`` output, in the run's logs (its first line: its folder)."""
 
@@ -162,7 +166,10 @@ class TaskRunner:
         """Start the task (its own session, tied to this actor); (pid, node address)."""
         import ray
 
-        child_env = {**env, PARENT_ENV: str(os.getpid())}
+        node = str(ray.util.get_node_ip_address())
+        argv = [arg.replace(NODE_HOST, node) for arg in argv]
+        child_env = {k: v.replace(NODE_HOST, node) for k, v in env.items()}
+        child_env[PARENT_ENV] = str(os.getpid())
         if "CUDA_VISIBLE_DEVICES" in os.environ:  # the GPUs Ray gave this actor, if any
             child_env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
         self.process = subprocess.Popen(
@@ -175,7 +182,7 @@ class TaskRunner:
         )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
-        return self.process.pid, str(ray.util.get_node_ip_address())
+        return self.process.pid, node
 
     def _read(self) -> None:
         assert self.process is not None and self.process.stdout is not None
@@ -254,7 +261,12 @@ class RaySupervisor:
 
     ``address``: a running Ray cluster ("auto", "ray://...", "host:port"); "" starts a local
     instance on 127.0.0.1 with ``cpus`` CPUs. ``bundles``: task name -> its resources.
+    ``spread``: the servers each on a node of their own where the cluster has enough nodes,
+    the workers spread over the nodes (two placement groups); else every task on one node.
     """
+
+    node_host = NODE_HOST
+    """What the tasks' addresses say for their host: each task binds its node's address."""
 
     def __init__(
         self,
@@ -263,11 +275,14 @@ class RaySupervisor:
         echo: Callable[[str], None],
         address: str,
         bundles: Mapping[str, Mapping[str, float]],
+        spread: bool = True,
     ) -> None:
         self.log_dir = log_dir
         self.echo = echo
         self.tasks: dict[str, RayTask] = {}
-        self.index = {name: i for i, name in enumerate(bundles)}
+        self.groups: list[Any] = []
+        self.index: dict[str, tuple[Any, int]] = {}
+        """Each task's placement group and bundle in it."""
         self.local: LocalRay | None = None
         if importlib.util.find_spec("ray") is None:
             import_ray()  # raises the one-line error naming the extra
@@ -278,21 +293,43 @@ class RaySupervisor:
             if ray.is_initialized():
                 raise ValueError("--ray: Ray is already initialised in this process")
             ray.init(address=address, log_to_driver=False, configure_logging=False)
-            from ray.util.placement_group import placement_group
-
-            self.group = placement_group(
-                [dict(b) for b in bundles.values()], strategy="STRICT_PACK", name=""
-            )
-            if not self.group.wait(timeout_seconds=RAY_TIMEOUT):
-                raise ValueError(
-                    f"--ray: the cluster could not reserve {len(bundles)} tasks' resources on one "
-                    f"node within {RAY_TIMEOUT:.0f}s ({self._wanted(bundles)}); give the "
-                    "cluster more CPUs, or run fewer tasks (--workers, --ps)"
-                )
+            self.control_host: str | None = str(ray.util.get_node_ip_address())
+            """The driver's node address: tasks on any node reach its run control there."""
+            for names, strategy in self._plan(bundles, spread):
+                self._reserve({n: bundles[n] for n in names}, strategy)
             self._remote = ray.remote(TaskRunner)
         except BaseException:
             self.close()
             raise
+
+    def _plan(
+        self, bundles: Mapping[str, Mapping[str, float]], spread: bool
+    ) -> list[tuple[list[str], str]]:
+        """The placement groups to reserve: (task names, Ray's strategy) each."""
+        if not spread:
+            return [(list(bundles), "STRICT_PACK")]
+        servers = [n for n in bundles if n.startswith("ps")]
+        workers = [n for n in bundles if n not in servers]
+        nodes = sum(1 for node in self.ray.nodes() if node.get("Alive"))
+        own = "STRICT_SPREAD" if 2 <= len(servers) <= nodes else "SPREAD"
+        if len(servers) > nodes > 1:
+            log.warning("%d servers on %d nodes: some share a node", len(servers), nodes)
+        return [(names, s) for names, s in ((servers, own), (workers, "SPREAD")) if names]
+
+    def _reserve(self, bundles: Mapping[str, Mapping[str, float]], strategy: str) -> None:
+        """One placement group of ``bundles`` by ``strategy``, waited for."""
+        from ray.util.placement_group import placement_group
+
+        group = placement_group([dict(b) for b in bundles.values()], strategy=strategy, name="")
+        self.groups.append(group)
+        if not group.wait(timeout_seconds=RAY_TIMEOUT):
+            where = "on one node" if strategy == "STRICT_PACK" else "on the cluster"
+            raise ValueError(
+                f"--ray: the cluster could not reserve {len(bundles)} tasks' resources {where} "
+                f"within {RAY_TIMEOUT:.0f}s ({self._wanted(bundles)}); give the cluster more "
+                "CPUs, or run fewer tasks (--workers, --ps)"
+            )
+        self.index.update({name: (group, i) for i, name in enumerate(bundles)})
 
     def _start_local(self, bundles: Mapping[str, Mapping[str, float]]) -> str:
         """Start this run's local instance with the bundles' CPUs and GPUs; its address."""
@@ -322,10 +359,11 @@ class RaySupervisor:
         if old is not None:  # a restart: its bundle is free once the old actor is gone
             self._kill_actor(old)
         private_dir(self.log_dir)
+        group, bundle = self.index[name]
         strategy = PlacementGroupSchedulingStrategy(
-            placement_group=self.group, placement_group_bundle_index=self.index[name]
+            placement_group=group, placement_group_bundle_index=bundle
         )
-        resources = self.group.bundle_specs[self.index[name]]
+        resources = group.bundle_specs[bundle]
         actor = self._remote.options(
             name=None,
             num_cpus=resources.get("CPU", 0),
@@ -404,10 +442,11 @@ class RaySupervisor:
         with contextlib.suppress(Exception):
             if self.tasks:
                 self.stop()
-        with contextlib.suppress(Exception):
-            from ray.util.placement_group import remove_placement_group
+        for group in self.groups:
+            with contextlib.suppress(Exception):
+                from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self.group)
+                remove_placement_group(group)
         with contextlib.suppress(Exception):
             self.ray.shutdown()
         if self.local is not None:
@@ -425,7 +464,11 @@ def _start(config: LaunchConfig, run_dir: Path, console: Console) -> RaySupervis
     where = config.ray or "a local Ray instance (127.0.0.1)"
     console.note(f"[distsgd] tasks as Ray actors on {where}")
     return RaySupervisor(
-        log_dir=run_dir / "logs", echo=console.line, address=config.ray or "", bundles=bundles
+        log_dir=run_dir / "logs",
+        echo=console.line,
+        address=config.ray or "",
+        bundles=bundles,
+        spread=config.placement == "spread",
     )
 
 

@@ -52,6 +52,12 @@ class ReplicaFileKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REPLICA_FILE_KIND_UNSPECIFIED: _ClassVar[ReplicaFileKind]
     REPLICA_FILE_KIND_SNAPSHOT: _ClassVar[ReplicaFileKind]
     REPLICA_FILE_KIND_LOG: _ClassVar[ReplicaFileKind]
+
+class RunFileWrite(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUN_FILE_WRITE_UNSPECIFIED: _ClassVar[RunFileWrite]
+    RUN_FILE_WRITE_REPLACE: _ClassVar[RunFileWrite]
+    RUN_FILE_WRITE_APPEND: _ClassVar[RunFileWrite]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION: ProtocolVersion
 TENSOR_ENCODING_RAW: TensorEncoding
@@ -80,6 +86,9 @@ REPLICA_FRAME_ERROR: ReplicaFrame
 REPLICA_FILE_KIND_UNSPECIFIED: ReplicaFileKind
 REPLICA_FILE_KIND_SNAPSHOT: ReplicaFileKind
 REPLICA_FILE_KIND_LOG: ReplicaFileKind
+RUN_FILE_WRITE_UNSPECIFIED: RunFileWrite
+RUN_FILE_WRITE_REPLACE: RunFileWrite
+RUN_FILE_WRITE_APPEND: RunFileWrite
 
 class RequestHeader(_message.Message):
     __slots__ = ("protocol_version", "run_id", "worker", "incarnation")
@@ -626,6 +635,26 @@ class ReplicaAck(_message.Message):
     written: int
     proof: bytes
     def __init__(self, generation: _Optional[int] = ..., written: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
+class RunFileChunk(_message.Message):
+    __slots__ = ("header", "name", "write", "data", "found")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    name: str
+    write: RunFileWrite
+    data: bytes
+    found: bool
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., name: _Optional[str] = ..., write: _Optional[_Union[RunFileWrite, str]] = ..., data: _Optional[bytes] = ..., found: _Optional[bool] = ...) -> None: ...
+
+class RunFileDone(_message.Message):
+    __slots__ = ("written",)
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    written: int
+    def __init__(self, written: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("header",)

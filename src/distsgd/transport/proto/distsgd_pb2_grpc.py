@@ -697,3 +697,164 @@ class ParameterServer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RunControlStub:
+    """The launcher's run control (see "Run control" above).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PutFile = channel.stream_unary(
+                '/distsgd.v1.RunControl/PutFile',
+                request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileChunk.SerializeToString,
+                response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileDone.FromString,
+                _registered_method=True)
+        self.GetFile = channel.unary_stream(
+                '/distsgd.v1.RunControl/GetFile',
+                request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileChunk.SerializeToString,
+                response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileChunk.FromString,
+                _registered_method=True)
+        self.RemoveFile = channel.unary_unary(
+                '/distsgd.v1.RunControl/RemoveFile',
+                request_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileChunk.SerializeToString,
+                response_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileDone.FromString,
+                _registered_method=True)
+
+
+class RunControlServicer:
+    """The launcher's run control (see "Run control" above).
+    """
+
+    def PutFile(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetFile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveFile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RunControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PutFile': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutFile,
+                    request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileChunk.FromString,
+                    response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileDone.SerializeToString,
+            ),
+            'GetFile': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetFile,
+                    request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileChunk.FromString,
+                    response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileChunk.SerializeToString,
+            ),
+            'RemoveFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveFile,
+                    request_deserializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileChunk.FromString,
+                    response_serializer=distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileDone.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'distsgd.v1.RunControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('distsgd.v1.RunControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RunControl:
+    """The launcher's run control (see "Run control" above).
+    """
+
+    @staticmethod
+    def PutFile(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/distsgd.v1.RunControl/PutFile',
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileChunk.SerializeToString,
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileDone.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/distsgd.v1.RunControl/GetFile',
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileChunk.SerializeToString,
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/distsgd.v1.RunControl/RemoveFile',
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileChunk.SerializeToString,
+            distsgd_dot_transport_dot_proto_dot_distsgd__pb2.RunFileDone.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
