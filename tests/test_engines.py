@@ -104,3 +104,54 @@ def test_a_new_engine_is_one_module_and_one_registry_line(
     import recording_engine  # type: ignore[import-not-found]
 
     assert sorted(recording_engine.STARTED) == ["ps0", "worker0"]
+
+
+# -- Ray across nodes, decided without a cluster ----------------------------------------------
+class _FakeRay:
+    def __init__(self, alive: int) -> None:
+        self.alive = alive
+
+    def nodes(self) -> list[dict[str, object]]:
+        return [{"Alive": True}] * self.alive + [{"Alive": False}]
+
+
+def _plan(alive: int, bundles: list[str], spread: bool = True) -> list[tuple[list[str], str]]:
+    pytest.importorskip("ray")
+    from distsgd.launcher.engines.ray import RaySupervisor
+
+    supervisor = RaySupervisor.__new__(RaySupervisor)  # no Ray: only the plan is asked
+    supervisor.ray = _FakeRay(alive)
+    return supervisor._plan({name: {"CPU": 1.0} for name in bundles}, spread)
+
+
+def test_ray_spreads_the_servers_over_nodes_of_their_own_where_there_are_enough() -> None:
+    tasks = ["ps0", "ps1", "worker0", "worker1", "worker2", "worker3"]
+    assert _plan(3, tasks) == [(["ps0", "ps1"], "STRICT_SPREAD"), (tasks[2:], "SPREAD")]
+    assert _plan(1, tasks) == [(["ps0", "ps1"], "SPREAD"), (tasks[2:], "SPREAD")]  # one node
+    assert _plan(3, ["ps0", "worker0"]) == [(["ps0"], "SPREAD"), (["worker0"], "SPREAD")]
+    assert _plan(3, ["worker0", "worker1"]) == [(["worker0", "worker1"], "SPREAD")]  # allreduce
+    assert _plan(3, tasks, spread=False) == [(tasks, "STRICT_PACK")]  # --placement pack
+
+
+def test_a_ray_task_binds_its_nodes_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The actor puts its node's address in place of the launcher's placeholder, in the
+    command line and in the environment (the task's description)."""
+    ray = pytest.importorskip("ray")
+    from distsgd.launcher.engines.ray import NODE_HOST, TaskRunner
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "198.18.0.2")
+    runner = TaskRunner()
+    argv = [sys.executable, "-c", "import os, sys; print(sys.argv[1], os.environ['WHERE'])"]
+    pid, node = runner.start([*argv, f"{NODE_HOST}:0"], {"WHERE": f'{{"a": "{NODE_HOST}:0"}}'})
+    assert node == "198.18.0.2" and pid > 0
+    runner.process.wait(timeout=30)  # type: ignore[union-attr]
+    lines, code = runner.read(0)
+    assert code == 0 and lines == ['198.18.0.2:0 {"a": "198.18.0.2:0"}\n']
+
+
+def test_placement_is_checked_and_shapes_ray_too(tmp_path: Path) -> None:
+    assert _config(tmp_path, ray="", placement="pack").placement == "pack"
+    with pytest.raises(ValueError, match="--placement must be spread or pack"):
+        _config(tmp_path, ray="", placement="strict")
+    with pytest.raises(ValueError, match="add --hosts N"):
+        _config(tmp_path, placement="pack")  # local processes on one machine: nothing to place

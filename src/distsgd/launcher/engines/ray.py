@@ -13,8 +13,13 @@ Ray instance is shut down, which ends whatever is left of it.
 
 A local instance (no address) is ``ray start --head --block`` in a session of its own,
 listening on 127.0.0.1 only, with a :mod:`~distsgd.launcher.reaper` that ends its process group
-if the launcher is killed (Ray's agents outlive a killed driver). This step places every task on
-one node (``STRICT_PACK``): the tasks share the run folder, as the local launcher's do.
+if the launcher is killed (Ray's agents outlive a killed driver).
+
+Across nodes (``--placement spread``, the default): the servers' placement group is
+``STRICT_SPREAD`` where the cluster has a node for each, the workers' ``SPREAD``; every task's
+address names :data:`NODE_HOST`, which the actor replaces by its node's address, and the tasks
+send the run folder's files to the launcher's run control (``launcher/control.py``), so no node
+needs the driver's disk. ``--placement pack``: one ``STRICT_PACK`` group, every task on one node.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from distsgd.launcher.engines import Engine
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.reaper import end_group, remove
+from distsgd.transport.security import SECRET_ENV, SECRET_FILE_ENV, load_secret
 from distsgd.util import open_private, private_dir
 
 if TYPE_CHECKING:
@@ -162,14 +168,21 @@ class TaskRunner:
         self.lock = threading.Lock()
         self.reader: threading.Thread | None = None
 
-    def start(self, argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, str]:
-        """Start the task (its own session, tied to this actor); (pid, node address)."""
+    def start(
+        self, argv: Sequence[str], env: Mapping[str, str], secret: str | None = None
+    ) -> tuple[int, str]:
+        """Start the task (its own session, tied to this actor); (pid, node address). The run
+        ``secret`` goes into the task's environment: its file is on the launcher's machine,
+        which this node need not share."""
         import ray
 
         node = str(ray.util.get_node_ip_address())
         argv = [arg.replace(NODE_HOST, node) for arg in argv]
         child_env = {k: v.replace(NODE_HOST, node) for k, v in env.items()}
         child_env[PARENT_ENV] = str(os.getpid())
+        if secret is not None:
+            child_env.pop(SECRET_FILE_ENV, None)
+            child_env[SECRET_ENV] = secret
         if "CUDA_VISIBLE_DEVICES" in os.environ:  # the GPUs Ray gave this actor, if any
             child_env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
         self.process = subprocess.Popen(
@@ -371,7 +384,9 @@ class RaySupervisor:
             max_restarts=0,
             scheduling_strategy=strategy,
         ).remote()
-        pid, node = self.ray.get(actor.start.remote(list(argv), dict(env)), timeout=RAY_TIMEOUT)
+        secret = load_secret(env) if SECRET_FILE_ENV in env else None
+        started = actor.start.remote(list(argv), dict(env), secret)
+        pid, node = self.ray.get(started, timeout=RAY_TIMEOUT)
         task = RayTask(
             name=name, actor=actor, pid=pid, node=node, log_path=self.log_dir / f"{name}.log"
         )
