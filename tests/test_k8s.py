@@ -5,9 +5,11 @@
    line naming it.
 2. Render: the core objects (Secret, PersistentVolumeClaim, and each replicated job's Job
    template) validate against the Kubernetes schemas shipped with ``kubernetes-validate``; the
-   JobSet and Kubeflow Trainer objects are checked field by field for what distsgd sets.
-3. ``distsgd k8s local`` runs the rendered pods' exact command lines on this machine and
-   reaches the demo's accuracy, leaving no process behind.
+   JobSet and Kubeflow Trainer objects are checked field by field for what distsgd sets; no
+   volume is shared (no ``ReadWriteMany``) unless ``--shared-volume``.
+3. ``distsgd k8s local`` runs the rendered pods' exact command lines on this machine, each pod
+   with a folder of its own for its own storage, and reaches the demo's accuracy with the run
+   folder assembled in the control pod's claim, leaving no process behind.
 """
 
 from __future__ import annotations
@@ -202,6 +204,102 @@ def test_a_trusted_network_silences_only_the_plaintext_warning_of_a_server_with_
     assert bool(warned) == warns, [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "needle"),
+    [
+        (["--address", "127.0.0.1:0"], {"DISTSGD_SECRET": "s" * 32}, "needs --run-dir"),
+        (["--run-dir", "r"], {"DISTSGD_SECRET": "s" * 32}, "--address HOST:PORT"),
+        (["--run-dir", "r", "--address", "127.0.0.1:0"], {}, "set DISTSGD_SECRET_FILE"),
+        (
+            ["--run-dir", "r", "--address", "127.0.0.1:0", "--tls-cert", "c"],
+            {"DISTSGD_SECRET": "s" * 32},
+            "not encrypted; drop --tls-cert",
+        ),
+        (["--run-dir", "r", "--address", "nowhere"], {"DISTSGD_SECRET": "s" * 32}, "HOST:PORT"),
+    ],
+)
+def test_the_control_pods_program_refuses_in_one_line(
+    args: list[str],
+    env: dict[str, str],
+    needle: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``distsgd server --job control`` needs its folder, its address and the run secret."""
+    for name in ("DISTSGD_SECRET", "DISTSGD_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        assert main(["server", "--job", "control", *args]) == 2
+    (line,) = stderr.getvalue().strip().splitlines()
+    assert line.startswith("distsgd: error: ") and needle in line, line
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_parameter_server_refuses_the_run_controls_run_dir() -> None:
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = main(["server", "--run-dir", "r", "--ps-hosts", "a:1", "--worker-hosts", "b:1"])
+    assert code == 2
+    (line,) = stderr.getvalue().strip().splitlines()
+    assert "--run-dir is the run control's (--job control)" in line, line
+
+
+def test_the_control_pods_program_serves_the_run_folder_on_its_port(tmp_path: Path) -> None:
+    """The run control on a fixed port, the run secret required; the port is its own."""
+    import threading
+
+    from distsgd.control.remote_files import ControlError, RemoteFiles
+    from distsgd.launcher.control import ControlServer
+    from distsgd.launcher.k8s_control import serve_control
+    from distsgd.transport.security import new_secret
+
+    secret, stop = new_secret(), threading.Event()
+    port = _free_port()
+    run_dir = tmp_path / "run"
+    serving = threading.Thread(
+        target=serve_control,
+        args=(run_dir,),
+        kwargs={
+            "address": f"127.0.0.1:{port}",
+            "secret": secret,
+            "address_file": tmp_path / "address",
+            "stop": stop,
+        },
+    )
+    serving.start()
+    try:
+        assert wait_for(lambda: (tmp_path / "address").is_file(), 30)
+        assert (tmp_path / "address").read_text() == f"127.0.0.1:{port}\n"
+        files = RemoteFiles(f"127.0.0.1:{port}", secret=secret)
+        files.put("result.json", b'{"test_accuracy": 1.0}\n')
+        assert files.get("result.json") == b'{"test_accuracy": 1.0}\n'
+        files.close()
+        assert (run_dir / "result.json").read_bytes() == b'{"test_accuracy": 1.0}\n'
+        stranger = RemoteFiles(f"127.0.0.1:{port}", secret=new_secret(), timeout=5)
+        with pytest.raises(ControlError, match="UNAUTHENTICATED"):
+            stranger.put("result.json", b"{}\n")
+        stranger.close()
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            ControlServer(tmp_path / "other", host="127.0.0.1", port=port, secret=secret)
+    finally:
+        stop.set()
+        serving.join(10)
+    assert not serving.is_alive()
+    assert (run_dir / "result.json").read_bytes() == b'{"test_accuracy": 1.0}\n'
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _run_with_env(args: list[str], extra: dict[str, str]) -> Any:
     import subprocess
 
@@ -276,7 +374,7 @@ def test_core_objects_validate_against_the_kubernetes_schemas(rendered: Path) ->
         objects.append(
             {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"}, **rjob["template"]}
         )
-    assert len(objects) == 4
+    assert len(objects) == 5
     for obj in objects:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     # The check can fail: a misspelt field is refused.
@@ -296,10 +394,12 @@ def test_the_jobset(rendered: Path) -> None:
     assert spec["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["worker"]}
     assert spec["failurePolicy"] == {"maxRestarts": 5}
     rjobs = _rjobs(spec)
-    assert list(rjobs) == ["ps", "worker"]
+    assert list(rjobs) == ["control", "ps", "worker"]
+    # A chain of single dependencies (what JobSet documents as supported): control first.
+    assert "dependsOn" not in rjobs["control"] and "startupPolicy" not in spec
+    assert rjobs["ps"]["dependsOn"] == [{"name": "control", "status": "Ready"}]
     assert rjobs["worker"]["dependsOn"] == [{"name": "ps", "status": "Ready"}]
-    assert "dependsOn" not in rjobs["ps"] and "startupPolicy" not in spec
-    for name, count in (("ps", 2), ("worker", 3)):
+    for name, count in (("control", 1), ("ps", 2), ("worker", 3)):
         job = rjobs[name]["template"]["spec"]
         assert rjobs[name]["replicas"] == 1
         assert job["completionMode"] == "Indexed"
@@ -307,6 +407,10 @@ def test_the_jobset(rendered: Path) -> None:
         assert job["backoffLimit"] == 5
         assert job["template"]["spec"]["restartPolicy"] == "OnFailure"
         env = _env(_container(rjobs[name]))
+        assert env["DISTSGD_TRUSTED_NETWORK"] == "1"
+        if name == "control":  # no task of the cluster: no identity
+            assert not set(env) & {*JOBSET_LABELS, "DISTSGD_K8S_PS", "DISTSGD_K8S_WORKERS"}
+            continue
         assert env["DISTSGD_K8S_PS"] == "2" and env["DISTSGD_K8S_WORKERS"] == "3"
         assert env["DISTSGD_K8S_PORT"] == "3333" and env["DISTSGD_TRUSTED_NETWORK"] == "1"
         for var, label in JOBSET_LABELS.items():
@@ -315,13 +419,27 @@ def test_the_jobset(rendered: Path) -> None:
 
 
 def test_servers_listen_on_the_probed_port(rendered: Path) -> None:
-    ps = _container(_rjobs(_jobset(rendered)["spec"])["ps"])
-    assert ps["command"] == ["distsgd"]
-    args = ps["args"]
-    assert args[0] == "server" and "--task" not in args and "--cluster" not in args
-    assert args[args.index("--address") + 1] == "0.0.0.0:3333"
-    assert ps["readinessProbe"]["tcpSocket"]["port"] == 3333
-    assert ps["ports"][0]["containerPort"] == 3333
+    rjobs = _rjobs(_jobset(rendered)["spec"])
+    for name in ("control", "ps"):
+        server = _container(rjobs[name])
+        assert server["command"] == ["distsgd"]
+        args = server["args"]
+        assert args[0] == "server" and "--task" not in args and "--cluster" not in args
+        assert args[args.index("--address") + 1] == "0.0.0.0:3333"
+        assert server["readinessProbe"]["tcpSocket"]["port"] == 3333
+        assert server["ports"][0]["containerPort"] == 3333
+    assert _container(rjobs["control"])["args"][1:3] == ["--job", "control"]
+
+
+def test_every_server_and_worker_sends_the_run_folder_to_the_control_pod(rendered: Path) -> None:
+    """The control pod's stable name (JobSet's DNS) and port, in every task's command line;
+    the control itself is the one pod the claim is mounted in."""
+    rjobs = _rjobs(_jobset(rendered)["spec"])
+    control = "digits-control-0-0.digits:3333"
+    for name in ("ps", "worker"):
+        args = _container(rjobs[name])["args"]
+        assert args[args.index("--control") + 1] == control, args
+    assert "--control" not in _container(rjobs["control"])["args"]
 
 
 def test_workers_run_exactly_the_users_flags(rendered: Path) -> None:
@@ -343,12 +461,15 @@ def test_workers_run_exactly_the_users_flags(rendered: Path) -> None:
 def test_secret_and_volume_mounts(rendered: Path) -> None:
     (secret,) = _load(rendered / "secret.yaml")
     (claim,) = _load(rendered / "pvc.yaml")
-    run_dirs: set[str] = set()
+    run_dirs: dict[str, str] = {}
     value = secret["stringData"]["secret"]
     assert check_secret(value) == value and len(value) >= 32
     assert stat.S_IMODE((rendered / "secret.yaml").stat().st_mode) == 0o600
-    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    # The control pod alone writes the claim: no ReadWriteMany class needed, in no manifest.
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert claim["spec"]["storageClassName"] == "nfs"
+    for path in rendered.glob("*.yaml"):
+        assert "ReadWriteMany" not in path.read_text(), path
     for rjob in _jobset(rendered)["spec"]["replicatedJobs"]:
         pod = rjob["template"]["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
@@ -358,19 +479,42 @@ def test_secret_and_volume_mounts(rendered: Path) -> None:
         assert mounts["secret"]["readOnly"] is True
         env = _env(_container(rjob))
         assert env["DISTSGD_SECRET_FILE"] == mounts["secret"]["mountPath"] + "/secret"
-        claim_name = volumes["runs"]["persistentVolumeClaim"]["claimName"]
-        assert claim_name == claim["metadata"]["name"]
+        assert mounts["runs"]["mountPath"] == "/distsgd"
         args = _container(rjob)["args"]
+        if rjob["name"] == "control":
+            assert volumes["runs"] == {
+                "name": "runs",
+                "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]},
+            }
+            run_dirs["control"] = args[args.index("--run-dir") + 1]
+            continue
+        # A server's or worker's own storage: it outlives a container restart, not the pod.
+        assert volumes["runs"] == {"name": "runs", "emptyDir": {}}
         if rjob["name"] == "ps":
-            checkpoints = args[args.index("--checkpoint-dir") + 1]
+            run_dirs["ps"] = args[args.index("--checkpoint-dir") + 1].removesuffix("/checkpoints")
             assert "--restore-latest" in args  # a restarted server starts from its newest file
         else:
-            run_dirs.add(args[args.index("--run-dir") + 1])
+            run_dirs["worker"] = args[args.index("--run-dir") + 1]
             assert "--resume-latest" in args  # a restarted worker continues from its state
-    # One run folder on the volume, per render; the servers checkpoint into it.
-    (run_dir,) = run_dirs
-    assert run_dir.startswith(mounts["runs"]["mountPath"] + "/digits-")
-    assert checkpoints == f"{run_dir}/checkpoints"
+    # One run folder per render, on the claim; the same path on each pod's own storage holds
+    # that pod's checkpoints.
+    assert set(run_dirs.values()) == {run_dirs["control"]} and len(run_dirs) == 3
+    assert run_dirs["control"].startswith("/distsgd/digits-")
+
+
+def test_a_shared_volume_is_the_previous_layout(tmp_path: Path) -> None:
+    """--shared-volume: one ReadWriteMany claim mounted in every pod (checkpoints on it
+    survive a JobSet restart); still the control pod assembles the run folder."""
+    out = tmp_path / "shared"
+    _render(out, "--workers", "2", "--shared-volume", "--storage-class", "nfs")
+    (claim,) = _load(out / "pvc.yaml")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert "shared by every pod" in (out / "pvc.yaml").read_text()
+    rjobs = _jobset(out)["spec"]["replicatedJobs"]
+    assert [r["name"] for r in rjobs] == ["control", "ps", "worker"]
+    for rjob in rjobs:
+        volumes = {v["name"]: v for v in rjob["template"]["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["runs"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
 
 
 def test_the_kubeflow_trainer_runtime_wraps_the_same_jobset(rendered: Path) -> None:
@@ -414,7 +558,8 @@ def test_the_demo_and_a_collective_scheme(tmp_path: Path) -> None:
         "digits.npz"
     ).read_bytes()
     spec = _jobset(out)["spec"]
-    assert list(_rjobs(spec)) == ["worker"] and "dependsOn" not in _rjobs(spec)["worker"]
+    assert list(_rjobs(spec)) == ["control", "worker"]
+    assert _rjobs(spec)["worker"]["dependsOn"] == [{"name": "control", "status": "Ready"}]
     worker = _container(_rjobs(spec)["worker"])
     assert worker["args"][-1] == "digits.py"
     assert _env(worker)["DISTSGD_K8S_PS"] == "0"
@@ -432,6 +577,8 @@ def test_every_pod_finds_itself(rendered: Path) -> None:
     js = _jobset(rendered)
     name = js["metadata"]["name"]
     for rjob in js["spec"]["replicatedJobs"]:
+        if rjob["name"] == "control":  # no task of the cluster (distsgd server --job control)
+            continue
         for index in range(rjob["template"]["spec"]["completions"]):
             labels = {
                 "jobset.sigs.k8s.io/jobset-name": name,
@@ -505,20 +652,24 @@ def test_k8s_local_gives_each_pod_its_container_line_and_what_kubernetes_sets(
     rendered: Path, tmp_path: Path
 ) -> None:
     """Without starting anything: the command line is the container's (mount paths become
-    local folders, distsgd this Python's), and the environment makes each pod find itself at
-    its loopback alias, with the secret readable from the mounted file only."""
+    local folders: the claim one folder, each pod's own storage a folder of that pod; distsgd
+    this Python's), and the environment makes each pod find itself at its loopback alias, and
+    the control pod at its, with the secret readable from the mounted file only."""
     from distsgd.launcher.k8s_local import LocalCluster
     from distsgd.launcher.progress import Console
     from distsgd.transport.security import load_secret
 
-    cluster = LocalCluster(rendered, tmp_path / "local", Console(stream=io.StringIO()))
+    local = tmp_path / "local"
+    cluster = LocalCluster(rendered, local, Console(stream=io.StringIO()))
     try:
         assert [p.name for p in cluster.pods] == [
+            "digits-control-0-0",
             *(f"digits-ps-0-{i}" for i in range(2)),
             *(f"digits-worker-0-{i}" for i in range(3)),
         ]
         ports = {p.port for p in cluster.pods}
-        assert len(ports) == 5
+        assert len(ports) == 6
+        control = cluster.pods[0]
         (secret,) = _load(rendered / "secret.yaml")
         for pod in cluster.pods:
             mounts = cluster._mounts(pod)
@@ -527,31 +678,46 @@ def test_k8s_local_gives_each_pod_its_container_line_and_what_kubernetes_sets(
             assert argv[:3] == [sys.executable, "-m", "distsgd"]
             container_args = pod.container["args"]
             assert len(argv[3:]) == len(container_args)
-            for local, given in zip(argv[3:], container_args, strict=True):
+            own = local / "digits-runs" if pod is control else local / "pods" / pod.name / "runs"
+            for mapped, given in zip(argv[3:], container_args, strict=True):
                 if given.startswith("/distsgd/"):
-                    assert local == str(tmp_path / "local" / "digits-runs" / given[9:])
+                    assert mapped == str(own / given[9:])
                 else:
-                    assert local == given.replace("$$", "$")
+                    assert mapped == given.replace("$$", "$")
             assert cwd == rendered / "train"
             assert env["HOSTNAME"] == pod.name
             assert env["JOB_COMPLETION_INDEX"] == str(pod.index)
-            spec, task = resolve_cluster(environ=env)
-            assert task == TaskId(job=pod.job, index=pod.index)
-            assert spec.address(task) == f"127.0.0.1:{pod.port}"
             aliases = json.loads(env[HOST_ALIASES_ENV])
             assert alias_address("0.0.0.0:3333", aliases) == f"127.0.0.1:{pod.port}"
             path = Path(env["DISTSGD_SECRET_FILE"])
             assert stat.S_IMODE(path.stat().st_mode) == 0o400
             assert load_secret({"DISTSGD_SECRET_FILE": str(path)}) == secret["stringData"]["secret"]
+            if pod is control:
+                continue
+            spec, task = resolve_cluster(environ=env)
+            assert task == TaskId(job=pod.job, index=pod.index)
+            assert spec.address(task) == f"127.0.0.1:{pod.port}"
+            dialed = argv[argv.index("--control") + 1]
+            assert alias_address(dialed, aliases) == f"127.0.0.1:{control.port}"
+        # The outcome is read from the control pod's run folder, on the claim.
+        assert cluster.run_dir is not None and cluster.run_dir.parent == local / "digits-runs"
     finally:
         cluster.close()
     assert not cluster.private.exists()  # the secret's folder goes with the run
 
 
+def _written_files(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+
+
 @pytest.mark.slow
 def test_k8s_local_runs_the_demo_to_its_accuracy(tmp_path: Path) -> None:
+    """Each pod on its own storage: the run folder is assembled in the control pod's claim
+    from what the tasks send over the network, and no server or worker writes outside its
+    own folder (nor into the image's /app)."""
     out, local = tmp_path / "out", tmp_path / "local"
     _render(out, "--workers", "2", "--ps", "1", "--epochs", "10", "--checkpoint-every", "40")
+    image = _written_files(out / "train")
     # relative folders, as the docs give them: each pod runs in its image's own folder
     args = ["k8s", "local", "out", "--local-dir", "local"]
     done = run_distsgd(args, timeout=240, cwd=tmp_path)
@@ -561,21 +727,49 @@ def test_k8s_local_runs_the_demo_to_its_accuracy(tmp_path: Path) -> None:
     accuracy = float(last.split(":")[1])
     assert accuracy >= 0.95, accuracy
     pids = task_pids(local)
-    assert set(pids) == {"distsgd-ps-0-0", "distsgd-worker-0-0", "distsgd-worker-0-1"}
+    pods = {"distsgd-control-0-0", "distsgd-ps-0-0", "distsgd-worker-0-0", "distsgd-worker-0-1"}
+    assert set(pids) == pods
     assert alive(list(pids.values())) == []
-    # The workers started once the server was ready, and logged as their pods.
+    # The control was ready before the servers started, they before the workers, which
+    # logged as their pods.
     text = done.stdout
+    assert text.index("control is Ready; starting ps") < text.index("ps is Ready; starting worker")
     assert text.index("ps is Ready; starting worker") < text.index("[distsgd-worker-0-0]")
-    # The volume holds the run folder: results, and checkpoints of servers and workers.
-    (run,) = (local / "distsgd-runs").glob("distsgd-*")
+    # The claim holds the run folder, and only what the tasks sent the run control.
+    (run,) = (local / "distsgd-runs").iterdir()
+    assert run.name.startswith("distsgd-")
     assert json.loads((run / "result.json").read_text())["test_accuracy"] == pytest.approx(
         accuracy, abs=1e-4
     )
-    assert list((run / "checkpoints").glob("ckpt-*/ps0.npz"))
-    assert list((run / "checkpoints").glob("ckpt-*/MANIFEST.json"))
-    # The server had its secret (no warning) from the mounted Secret, and found its identity.
+    sent = _written_files(run)
+    assert {"result.json", "final_model.pt", "metrics.jsonl", "ps0.address"} <= sent, sent
+    assert {t for t in sent if not t.startswith("tensorboard/")} <= {
+        "result.json",
+        "final_model.pt",
+        "metrics.jsonl",
+        "ps0.address",
+    }, sent
+    tasks = {json.loads(line).get("task") for line in (run / "metrics.jsonl").open()}
+    assert {"worker0", "worker1"} <= tasks, tasks
+    # Each server and worker wrote into its own folder only: its checkpoints and log there.
+    assert {p.name for p in (local / "pods").iterdir()} == pods - {"distsgd-control-0-0"}
+    assert set(os.listdir(local)) == {"distsgd-runs", "pods", "logs", "tasks.json"}
+    for pod in ("distsgd-ps-0-0", "distsgd-worker-0-0", "distsgd-worker-0-1"):
+        own = local / "pods" / pod / "runs" / run.name
+        assert os.listdir(local / "pods" / pod / "runs") == [run.name]
+        assert os.listdir(own) == ["checkpoints"], (pod, os.listdir(own))
+    ps_files = _written_files(local / "pods" / "distsgd-ps-0-0" / "runs" / run.name)
+    assert any(f.startswith("checkpoints/wal/ps0/") for f in ps_files), ps_files
+    for index in (0, 1):
+        files = _written_files(local / "pods" / f"distsgd-worker-0-{index}" / "runs" / run.name)
+        assert files and all(f.startswith(f"checkpoints/workers/worker{index}-") for f in files)
+    assert _written_files(out / "train") == image
+    # The server had its secret (no warning) from the mounted Secret, and found its identity;
+    # so did the run control.
     ps_log = (local / "logs" / "distsgd-ps-0-0.log").read_text()
     assert "run secret required" in ps_log and "WARNING" not in ps_log, ps_log
+    control_log = (local / "logs" / "distsgd-control-0-0.log").read_text()
+    assert "run secret required" in control_log and "WARNING" not in control_log, control_log
 
 
 @pytest.mark.slow
@@ -589,8 +783,10 @@ def test_k8s_local_runs_a_collective_scheme_to_the_demo_accuracy(tmp_path: Path)
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("test accuracy: ") and float(last.split(":")[1]) >= 0.95, last
     pids = task_pids(local)
-    assert set(pids) == {"distsgd-worker-0-0", "distsgd-worker-0-1"}
+    assert set(pids) == {"distsgd-control-0-0", "distsgd-worker-0-0", "distsgd-worker-0-1"}
     assert alive(list(pids.values())) == []
+    (run,) = (local / "distsgd-runs").iterdir()  # the control pod's claim holds the result
+    assert (run / "result.json").is_file() and not (run / "checkpoints").exists()
 
 
 @pytest.mark.slow
@@ -598,7 +794,7 @@ def test_k8s_local_stops_every_pod_on_sigterm(spawn, tmp_path: Path) -> None:  #
     out, local = tmp_path / "out", tmp_path / "local"
     _render(out, "--workers", "2", "--ps", "1", "--epochs", "200")
     proc = spawn(["k8s", "local", str(out), "--local-dir", str(local), "--quiet"])
-    assert wait_for(lambda: (local / "tasks.json").exists() and len(task_pids(local)) == 3, 90)
+    assert wait_for(lambda: (local / "tasks.json").exists() and len(task_pids(local)) == 4, 90)
     pids = list(task_pids(local).values())
     assert all(psutil.pid_exists(pid) for pid in pids)
     proc.send_signal(signal.SIGTERM)
@@ -611,11 +807,12 @@ def test_k8s_local_stops_every_pod_on_sigterm(spawn, tmp_path: Path) -> None:  #
 @pytest.mark.slow
 def test_k8s_local_restarts_a_killed_worker_from_its_checkpoint(spawn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """restartPolicy OnFailure: the killed worker's container comes back in the same pod and
-    continues from its newest state on the volume (--resume-latest); the run completes."""
+    continues from its newest state on the pod's own storage (--resume-latest); the run
+    completes."""
     out, local = tmp_path / "out", tmp_path / "local"
     _render(out, "--workers", "2", "--ps", "1", "--epochs", "10", "--checkpoint-every", "10")
     proc = spawn(["k8s", "local", str(out), "--local-dir", str(local), "--quiet"])
-    states = "distsgd-runs/*/checkpoints/workers/worker1-*.pt"
+    states = "pods/distsgd-worker-0-1/runs/*/checkpoints/workers/worker1-*.pt"
     assert wait_for(lambda: list(local.glob(states)), 120), "no checkpoint of worker1"
     killed = task_pids(local)["distsgd-worker-0-1"]
     os.kill(killed, signal.SIGKILL)

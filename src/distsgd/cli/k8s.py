@@ -42,9 +42,10 @@ def add_command(sub: Any, add_launch_flags: AddFlags) -> None:
     k8s = sub.add_parser(
         "k8s",
         help="render Kubernetes manifests (JobSet, Kubeflow Trainer) for a run, or rehearse them",
-        description="Render the manifests of a distsgd run on Kubernetes (a JobSet with a ps and "
-        "a worker job, a Secret, a PersistentVolumeClaim, a Kubeflow Trainer runtime and "
-        "TrainJob, a Dockerfile), or run rendered manifests' pods on this machine.",
+        description="Render the manifests of a distsgd run on Kubernetes (a JobSet with a "
+        "control, a ps and a worker job, a Secret, a PersistentVolumeClaim for the run folder, "
+        "a Kubeflow Trainer runtime and TrainJob, a Dockerfile), or run rendered manifests' "
+        "pods on this machine.",
     )
     actions = k8s.add_subparsers(
         dest="k8s_command", required=True, metavar="ACTION", parser_class=_OutDirFirst
@@ -70,7 +71,15 @@ def add_command(sub: Any, add_launch_flags: AddFlags) -> None:
     where.add_argument("--ps-cpu", default="1", help="CPU request per ps (default 1)")
     where.add_argument("--ps-memory", default="512Mi", help="memory per ps (default 512Mi)")
     where.add_argument("--storage", default="1Gi", help="size of the run folder's volume")
-    where.add_argument("--storage-class", default=None, help="its StorageClass (ReadWriteMany)")
+    where.add_argument("--storage-class", default=None, help="its StorageClass")
+    where.add_argument(
+        "--shared-volume",
+        action="store_true",
+        help="mount the run folder's claim (ReadWriteMany) in every pod and keep the "
+        "checkpoints on it, so that they survive a restart of the whole JobSet (default: the "
+        "control pod alone mounts it, ReadWriteOnce; servers and workers checkpoint on their "
+        "pod's own storage)",
+    )
     where.add_argument("--force", action="store_true", help="overwrite a non-empty OUT_DIR")
     add_launch_flags(render)
     render.add_argument("script", nargs="?", help="training script (default: the bundled demo)")
@@ -85,13 +94,15 @@ def add_command(sub: Any, add_launch_flags: AddFlags) -> None:
         description="Run every pod of OUT_DIR/jobset.yaml (written by distsgd k8s render) as a "
         "local process: the container's "
         "command and args, the environment Kubernetes gives it, host names mapped to loopback "
-        "ports; servers first, workers once the servers are ready, done when the workers are.",
+        "ports, each pod's own storage a folder of its own; the run control first, then the "
+        "servers, the workers once the servers are ready, done when the workers are.",
     )
     local.add_argument(
         "--local-dir",
         type=Path,
         default=None,
-        help="folder for the volumes and logs (default OUT_DIR/local-<time>)",
+        help="folder for the volumes (the claim, each pod's own storage) and logs "
+        "(default OUT_DIR/local-<time>)",
     )
     local.add_argument("--quiet", action="store_true", help="hide the pods' log lines")
 
@@ -113,7 +124,7 @@ def _render(args: argparse.Namespace) -> int:
     unsupported = [
         flag
         for flag, given in (
-            ("--run-dir (the run folder is the volume)", args.run_dir is not None),
+            ("--run-dir (the run folder is on the claim)", args.run_dir is not None),
             ("--quiet", args.quiet),
             ("--inject-fault", bool(args.inject_fault)),
             ("--tls-cert/--tls-key/--tls-ca", args.tls_cert or args.tls_key or args.tls_ca),
@@ -167,6 +178,7 @@ def _render(args: argparse.Namespace) -> int:
         ps_memory=args.ps_memory,
         storage=args.storage,
         storage_class=args.storage_class,
+        shared_volume=args.shared_volume,
     )
     written = render(config, args.out_dir, force=args.force)
     print(f"distsgd: wrote {len(written)} files into {args.out_dir}:")

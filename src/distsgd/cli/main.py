@@ -167,8 +167,25 @@ def _replicate(
             "--replica: a log replica's connection is not encrypted; under mutual TLS keep the "
             "log on the server's own disk (drop --replica)"
         )
-    link = ReplicaLink(args.replica, run_id=args.run_id, shard=index, secret=secret)
+    resolve = None if not args.control else _resolver(args.control, f"replica{index}", secret)
+    link = ReplicaLink(
+        args.replica, run_id=args.run_id, shard=index, secret=secret, resolve=resolve
+    )
     wal.replicate(wal_dir, link)
+
+
+def _resolver(control: str, task: str, secret: str) -> Callable[[], str | None]:
+    """What reads the address ``task`` last reported to the run control at ``control`` (a
+    replica started again on another node reports a new one)."""
+    from distsgd.control.remote_files import RemoteFiles
+
+    files = RemoteFiles(control, secret=secret, timeout=5.0)
+
+    def resolve() -> str | None:
+        data = files.get(f"{task}.address")
+        return None if data is None else data.decode(errors="replace").strip()
+
+    return resolve
 
 
 def _cmd_replica(args: argparse.Namespace) -> int:
@@ -193,8 +210,50 @@ def _cmd_replica(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         secret=secret,
         address_file=args.address_file,
+        announce=None
+        if not args.control
+        else _announcer(args.control, f"replica{args.task}", secret),
     )
     return 0
+
+
+def _cmd_control(args: argparse.Namespace) -> int:
+    """``distsgd server --job control``: serve the run control for --run-dir until stopped."""
+    from distsgd.cluster.kube import alias_address, host_aliases
+    from distsgd.launcher.bootstrap import setup_logging
+    from distsgd.launcher.k8s_control import serve_control, split_host_port
+    from distsgd.launcher.lifeline import tie_to_parent
+    from distsgd.transport.security import load_secret
+
+    if args.run_dir is None or not args.address:
+        raise ValueError(
+            "--job control needs --run-dir (the run folder it assembles) and --address "
+            "HOST:PORT (where the tasks' --control reaches it)"
+        )
+    if args.tls_cert or args.tls_key or args.tls_ca:
+        raise ValueError(
+            "--job control: the run control's connections are not encrypted; drop "
+            "--tls-cert/--tls-key/--tls-ca and run it on a network meant for this run"
+        )
+    secret = load_secret()
+    if secret is None:
+        raise ValueError(
+            "--job control needs the run secret, which every task presents; set "
+            "DISTSGD_SECRET_FILE (or DISTSGD_SECRET)"
+        )
+    address = alias_address(args.address, host_aliases())
+    split_host_port(address)  # a bad address fails here, in one line
+    tie_to_parent()
+    setup_logging()
+    serve_control(args.run_dir, address=address, secret=secret, address_file=args.address_file)
+    return 0
+
+
+def _control_address(control: str | None) -> str:
+    """``--control HOST:PORT`` as this task dials it (``DISTSGD_HOST_ALIASES`` applied)."""
+    from distsgd.cluster.kube import alias_address, host_aliases
+
+    return alias_address(control, host_aliases()) if control else ""
 
 
 def _announcer(control: str, task: str, secret: str | None) -> Callable[[str], None]:
@@ -222,6 +281,13 @@ def _cmd_server(args: argparse.Namespace) -> int:
 
     if args.job == "replica":  # needs no cluster: it serves its server alone
         return _cmd_replica(args)
+    if args.job == "control":  # needs no cluster either: the tasks come to it
+        return _cmd_control(args)
+    if args.run_dir is not None:
+        raise ValueError(
+            "--run-dir is the run control's (--job control); give a parameter server "
+            "--checkpoint-dir"
+        )
     spec, tf_task = resolve_cluster(
         cluster_file=args.cluster, ps_hosts=args.ps_hosts, worker_hosts=args.worker_hosts
     )
@@ -267,7 +333,9 @@ def _cmd_server(args: argparse.Namespace) -> int:
         max_workers=args.max_workers,
         evict_after=args.evict_after,
         wal_dir=wal_dir,
-        announce=None if not args.control else _announcer(args.control, f"ps{index}", secret),
+        announce=None
+        if not args.control
+        else _announcer(_control_address(args.control), f"ps{index}", secret),
     )
     from distsgd.launcher.bootstrap import exit_now
 
@@ -314,6 +382,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         checkpoint_seconds=seconds,
         resume="" if resume is None else str(resume),
         tls=tls,
+        control=_control_address(args.control),
     )
     if args.run_dir:
         private_dir(Path(args.run_dir))

@@ -352,9 +352,11 @@ def _add_server(sub: Any) -> None:
         "--job_name",
         dest="job",
         default="ps",
-        choices=("ps", "replica"),
-        help="ps (default), or replica: keep the write-ahead log of ps --task on this host "
-        "(in --wal-dir), for a server started with --replica",
+        choices=("ps", "replica", "control"),
+        help="ps (default); replica: keep the write-ahead log of ps --task on this host "
+        "(in --wal-dir), for a server started with --replica; control: the run control, "
+        "assembling --run-dir from what the tasks given --control send (the control pod of "
+        "distsgd k8s render)",
     )
     server.add_argument(
         "--task", "--task_index", dest="task", type=int, default=None, help="ps task index"
@@ -373,6 +375,9 @@ def _add_server(sub: Any) -> None:
     )
     server.add_argument(
         "--checkpoint-dir", type=Path, help="folder the Checkpoint call writes into"
+    )
+    server.add_argument(
+        "--run-dir", type=Path, help="(--job control) the run folder it assembles for the tasks"
     )
     server.add_argument("--restore", type=Path, help="start from this shard checkpoint (psN.npz)")
     server.add_argument(
@@ -432,6 +437,14 @@ def _add_worker(sub: Any) -> None:
         help="worker index (0 = chief)",
     )
     worker.add_argument("--run-dir", type=Path, default=None, help="folder for metrics and results")
+    worker.add_argument(
+        "--control",
+        metavar="HOST:PORT",
+        default="",
+        help="send the run folder's files (metrics, result, final model) to the run control "
+        "there (distsgd server --job control) instead of writing them into --run-dir, which "
+        "then holds this worker's checkpoints only",
+    )
     worker.add_argument(
         "--rendezvous",
         default="",

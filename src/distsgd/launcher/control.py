@@ -216,10 +216,13 @@ class RunControl(pb_grpc.RunControlServicer):
 
 
 class ControlServer:
-    """``RunControl`` for ``run_dir`` on ``host`` (a free port), requiring ``secret``; its
-    address in :attr:`address` once made. :meth:`close` stops it (calls in flight get 1 s)."""
+    """``RunControl`` for ``run_dir`` on ``host`` (``port``, 0: a free one), requiring
+    ``secret``; its address in :attr:`address` once made. :meth:`close` stops it (calls in
+    flight get 1 s)."""
 
-    def __init__(self, run_dir: Path, *, host: str, secret: str | None, threads: int = 8) -> None:
+    def __init__(
+        self, run_dir: Path, *, host: str, secret: str | None, threads: int = 8, port: int = 0
+    ) -> None:
         self.service = RunControl(run_dir)
         interceptors: list[grpc.ServerInterceptor[Any, Any]] = (
             [SecretInterceptor(secret)] if secret else []
@@ -227,16 +230,20 @@ class ControlServer:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="control"),
             interceptors=interceptors,
+            options=[("grpc.so_reuseport", 0)],  # a given port is this server's alone
         )
         pb_grpc.add_RunControlServicer_to_server(self.service, self.server)
         try:
-            port = self.server.add_insecure_port(f"{host}:0")
+            bound = self.server.add_insecure_port(f"{host}:{port}")
         except RuntimeError:
-            port = 0
-        if port == 0:
-            raise OSError(f"the run control cannot listen on {host}; is it an address here?")
+            bound = 0
+        if bound == 0:
+            raise OSError(
+                f"the run control cannot listen on {host}:{port}; is {host} an address here "
+                "(and the port free)?"
+            )
         self.server.start()
-        self.address = f"{host}:{port}"
+        self.address = f"{host}:{bound}"
         """Where tasks reach it (``host:port``)."""
         log.debug("run control on %s for %s", self.address, run_dir)
 

@@ -2,19 +2,28 @@
 
 What :func:`render` writes into the output folder:
 
-* ``jobset.yaml``: a JobSet (``jobset.x-k8s.io/v1alpha2``) with the replicated jobs ``ps`` (one
-  Indexed Job of M pods, each ``distsgd server``) and ``worker`` (N pods, each ``distsgd worker
-  ... SCRIPT``). ``network.enableDNSHostnames`` gives every pod a stable name through the
-  headless Service JobSet creates; the ``successPolicy`` targets the ``worker`` job only, so
-  the JobSet completes when the workers have (JobSet then deletes the servers' Jobs); the
-  workers ``dependsOn`` the servers being Ready (a TCP readiness probe on the server port); a
-  failed container restarts in place (``restartPolicy: OnFailure``, ``backoffLimit``) and a
-  failed Job restarts the whole JobSet (``failurePolicy.maxRestarts``); a restarted server
-  or worker continues from its newest checkpoint (``--restore-latest``, ``--resume-latest``).
-  The run secret comes from a Secret mounted read-only; the run folder, with the checkpoints,
-  is ``<name>-<run id>`` on a PersistentVolumeClaim mounted in every pod.
+* ``jobset.yaml``: a JobSet (``jobset.x-k8s.io/v1alpha2``) with the replicated jobs ``control``
+  (one pod, ``distsgd server --job control``: the run control, which assembles the run folder
+  from what the tasks send it over the network), ``ps`` (one Indexed Job of M pods, each
+  ``distsgd server``) and ``worker`` (N pods, each ``distsgd worker ... SCRIPT``).
+  ``network.enableDNSHostnames`` gives every pod a stable name through the headless Service
+  JobSet creates; servers and workers reach the run control at its pod's name
+  (``--control``). The ``successPolicy`` targets the ``worker`` job only, so the JobSet
+  completes when the workers have (JobSet then deletes the control's and the servers' Jobs);
+  each job ``dependsOn`` the one before it being Ready (a TCP readiness probe on the port):
+  ``ps`` the control, ``worker`` the servers (the control when there are none). A failed
+  container restarts in place (``restartPolicy: OnFailure``, ``backoffLimit``) and a failed
+  Job restarts the whole JobSet (``failurePolicy.maxRestarts``).
+  Storage: the run folder ``<name>-<run id>`` is on a PersistentVolumeClaim that only the
+  control pod mounts; servers and workers keep their checkpoints and write-ahead logs on their
+  pod's own storage (an ``emptyDir`` at the same path, which outlives a container restart in
+  place), so a restarted server or worker continues from its newest state there
+  (``--restore-latest``, ``--resume-latest``). With :attr:`K8sConfig.shared_volume` the claim
+  is ``ReadWriteMany`` and mounted in every pod instead (checkpoints then survive a JobSet
+  restart). The run secret comes from a Secret mounted read-only.
 * ``secret.yaml``: that Secret, with a fresh run secret (:func:`distsgd.transport.new_secret`).
-* ``pvc.yaml``: the PersistentVolumeClaim (``ReadWriteMany``: every pod writes into it).
+* ``pvc.yaml``: the PersistentVolumeClaim (``ReadWriteOnce``: the control pod alone writes it;
+  ``ReadWriteMany`` with a shared volume).
 * ``trainer.yaml``: the same JobSet template as a Kubeflow Trainer ``TrainingRuntime``
   (``trainer.kubeflow.org/v1alpha1``) and a ``TrainJob`` that references it.
 * ``Dockerfile`` and ``.dockerignore``: the image (``python:3.11-slim``, torch for CPU, distsgd,
@@ -63,8 +72,15 @@ SCRIPT_DIR = "train"
 WHEELS_DIR = "wheels"
 
 VOLUME_MOUNT = "/distsgd"
-"""Where the PersistentVolumeClaim is mounted in every pod; the run folder is
-``/distsgd/<name>-<run id>`` on it (:attr:`K8sConfig.run_dir`)."""
+"""Where every pod mounts its volume ``runs``: the control pod the PersistentVolumeClaim (the
+run folder ``/distsgd/<name>-<run id>`` on it, :attr:`K8sConfig.run_dir`), a server or worker
+its own ``emptyDir`` (its checkpoints and log under the same path)."""
+VOLUME_NAME = "runs"
+CONTROL = "control"
+"""The replicated job of the run control (one pod)."""
+CONTROL_CPU = "250m"
+CONTROL_MEMORY = "256Mi"
+"""The control pod's requests: it writes files (and TensorBoard events) for the tasks."""
 SECRET_MOUNT = "/etc/distsgd/secret"
 SECRET_KEY = "secret"
 APP_DIR = "/app"
@@ -122,6 +138,13 @@ class K8sConfig:
     ps_memory: str = field(default="512Mi", metadata={"help": "memory request of a ps pod"})
     storage: str = field(default="1Gi", metadata={"help": "size of the run folder's volume"})
     storage_class: str | None = field(default=None, metadata={"help": "its StorageClass"})
+    shared_volume: bool = field(
+        default=False,
+        metadata={
+            "help": "one ReadWriteMany claim mounted in every pod, checkpoints on it (they then "
+            "survive a JobSet restart), instead of each pod's own storage"
+        },
+    )
     run_id: str = field(
         default_factory=lambda: secrets.token_hex(4),
         metadata={"help": "names the run folder on the volume (new for every render)"},
@@ -175,9 +198,15 @@ class K8sConfig:
 
     @property
     def run_dir(self) -> str:
-        """The run folder in every pod: on the volume, one per render (a re-applied render
-        resumes there from its checkpoints; a new render starts a new folder)."""
+        """The run folder, one per render: on the claim in the control pod; the same path on a
+        server's or worker's own volume holds its checkpoints (a new render starts a new
+        folder)."""
         return f"{VOLUME_MOUNT}/{self.name}-{self.run_id}"
+
+    @property
+    def control_address(self) -> str:
+        """Where the servers and workers reach the run control: its pod's stable name."""
+        return f"{kube.pod_hostname(self.name, CONTROL, 0)}.{self.name}:{self.port}"
 
     @property
     def secret_name(self) -> str:
@@ -222,13 +251,30 @@ def _value_flags(values: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def control_args(config: K8sConfig) -> list[str]:
+    """The ``distsgd`` arguments of the control pod: the run control for the run folder on
+    the claim, on every interface of the pod."""
+    return [
+        "server",
+        "--job",
+        CONTROL,
+        "--run-dir",
+        config.run_dir,
+        "--address",
+        f"0.0.0.0:{config.port}",
+    ]
+
+
 def server_args(config: K8sConfig) -> list[str]:
-    """The ``distsgd`` arguments of a ps pod: listen on every interface of the pod; a
-    restarted server starts from its newest shard file on the volume."""
+    """The ``distsgd`` arguments of a ps pod: listen on every interface of the pod, report to
+    the run control; a restarted server starts from its write-ahead log or newest shard file
+    on its volume."""
     return [
         "server",
         "--address",
         f"0.0.0.0:{config.port}",
+        "--control",
+        config.control_address,
         "--checkpoint-dir",
         f"{config.run_dir}/checkpoints",
         "--restore-latest",
@@ -236,9 +282,10 @@ def server_args(config: K8sConfig) -> list[str]:
 
 
 def worker_args(config: K8sConfig) -> list[str]:
-    """The ``distsgd`` arguments of a worker pod: the user's scheme and training flags; a
-    restarted worker continues from its newest state on the volume."""
-    args = ["worker", "--run-dir", config.run_dir]
+    """The ``distsgd`` arguments of a worker pod: the user's scheme and training flags; the
+    run folder's files go to the run control, checkpoints into ``--run-dir`` on its volume,
+    where a restarted worker continues from its newest state."""
+    args = ["worker", "--run-dir", config.run_dir, "--control", config.control_address]
     if config.checkpoint_every not in ("", "0", "0s"):
         args += ["--checkpoint-every", config.checkpoint_every]
     args.append("--resume-latest")
@@ -256,13 +303,18 @@ def _downward(name: str, label: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}}
 
 
-def _env(config: K8sConfig, *, threads: int) -> list[dict[str, Any]]:
-    """Every container's environment; ``JOB_COMPLETION_INDEX`` the Job controller adds."""
-    env = [_downward(var, label) for var, label in kube.JOBSET_LABELS.items()]
+def _env(config: K8sConfig, *, threads: int, identity: bool = True) -> list[dict[str, Any]]:
+    """A container's environment; ``JOB_COMPLETION_INDEX`` the Job controller adds. Without
+    ``identity`` (the control pod, which is no task of the cluster) no counts or labels."""
+    env: list[dict[str, Any]] = []
+    if identity:
+        env += [_downward(var, label) for var, label in kube.JOBSET_LABELS.items()]
+        env += [
+            {"name": kube.PS_COUNT_ENV, "value": str(config.ps)},
+            {"name": kube.WORKER_COUNT_ENV, "value": str(config.workers)},
+            {"name": kube.PORT_ENV, "value": str(config.port)},
+        ]
     env += [
-        {"name": kube.PS_COUNT_ENV, "value": str(config.ps)},
-        {"name": kube.WORKER_COUNT_ENV, "value": str(config.workers)},
-        {"name": kube.PORT_ENV, "value": str(config.port)},
         {"name": SECRET_FILE_ENV, "value": f"{SECRET_MOUNT}/{SECRET_KEY}"},
         # The pod network is the network this run is meant for: servers listen beyond
         # loopback without TLS, authenticated by the run secret (docs/kubernetes.md).
@@ -275,43 +327,60 @@ def _env(config: K8sConfig, *, threads: int) -> list[dict[str, Any]]:
     return env
 
 
-def _job_template(config: K8sConfig, role: str) -> dict[str, Any]:
-    """The ``batch/v1`` JobTemplateSpec of one replicated job (``ps`` or ``worker``)."""
-    is_ps = role == "ps"
-    count = config.ps if is_ps else config.workers
+def _container(config: K8sConfig, role: str) -> dict[str, Any]:
+    """The one container of a ``control``, ``ps`` or ``worker`` pod."""
+    if role == CONTROL:
+        args, env = control_args(config), _env(config, threads=1, identity=False)
+        requests = {"cpu": CONTROL_CPU, "memory": CONTROL_MEMORY}
+    elif role == "ps":
+        args, env = server_args(config), _env(config, threads=1)
+        requests = {"cpu": config.ps_cpu, "memory": config.ps_memory}
+    else:
+        args, env = worker_args(config), _env(config, threads=config.worker_threads)
+        requests = {"cpu": config.worker_cpu, "memory": config.worker_memory}
     container: dict[str, Any] = {
         "name": role,
         "image": config.image,
         "imagePullPolicy": "IfNotPresent",
         "workingDir": APP_DIR,
         "command": ["distsgd"],
-        "args": server_args(config) if is_ps else worker_args(config),
-        "env": _env(config, threads=1 if is_ps else config.worker_threads),
+        "args": args,
+        "env": env,
         "ports": [{"name": "distsgd", "containerPort": config.port, "protocol": "TCP"}],
-        "resources": {
-            "requests": {
-                "cpu": config.ps_cpu if is_ps else config.worker_cpu,
-                "memory": config.ps_memory if is_ps else config.worker_memory,
-            }
-        },
+        "resources": {"requests": requests},
         "volumeMounts": [
-            {"name": "runs", "mountPath": VOLUME_MOUNT},
+            {"name": VOLUME_NAME, "mountPath": VOLUME_MOUNT},
             {"name": "secret", "mountPath": SECRET_MOUNT, "readOnly": True},
         ],
     }
-    if is_ps:
+    if role != "worker":  # what the next job dependsOn: Ready once it listens
         container["readinessProbe"] = {
             "tcpSocket": {"port": config.port},
             "periodSeconds": 2,
             "failureThreshold": 3,
         }
+    return container
+
+
+def _volume(config: K8sConfig, role: str) -> dict[str, Any]:
+    """The volume ``runs``: the claim in the control pod (in every pod with a shared volume),
+    else the pod's own storage, which outlives a restart of its container, not the pod."""
+    if role == CONTROL or config.shared_volume:
+        return {"name": VOLUME_NAME, "persistentVolumeClaim": {"claimName": config.claim_name}}
+    return {"name": VOLUME_NAME, "emptyDir": {}}
+
+
+def _job_template(config: K8sConfig, role: str) -> dict[str, Any]:
+    """The ``batch/v1`` JobTemplateSpec of one replicated job (``control``, ``ps`` or
+    ``worker``)."""
+    count = {CONTROL: 1, "ps": config.ps}.get(role, config.workers)
     pod = {
         "metadata": {"labels": {**config.labels(), "distsgd.io/role": role}},
         "spec": {
             "restartPolicy": "OnFailure",
-            "containers": [container],
+            "containers": [_container(config, role)],
             "volumes": [
-                {"name": "runs", "persistentVolumeClaim": {"claimName": config.claim_name}},
+                _volume(config, role),
                 {
                     "name": "secret",
                     "secret": {"secretName": config.secret_name, "defaultMode": SECRET_MODE},
@@ -331,15 +400,23 @@ def _job_template(config: K8sConfig, role: str) -> dict[str, Any]:
 
 
 def jobset_spec(config: K8sConfig) -> dict[str, Any]:
-    """The JobSet's ``spec`` (also the Trainer runtime's template)."""
-    replicated: list[dict[str, Any]] = []
-    if config.ps:
-        replicated.append({"name": "ps", "replicas": 1, "template": _job_template(config, "ps")})
-    worker: dict[str, Any] = {"name": "worker", "replicas": 1}
-    if config.ps:
-        worker["dependsOn"] = [{"name": "ps", "status": "Ready"}]
-    worker["template"] = _job_template(config, "worker")
-    replicated.append(worker)
+    """The JobSet's ``spec`` (also the Trainer runtime's template): ``control``, then ``ps``
+    once the control is Ready, then ``worker`` once the servers are (the control, without
+    servers). One dependency each, as JobSet's ``dependsOn`` allows; the chain orders all."""
+    replicated: list[dict[str, Any]] = [
+        {"name": CONTROL, "replicas": 1, "template": _job_template(config, CONTROL)}
+    ]
+    roles = ["ps", "worker"] if config.ps else ["worker"]
+    for role in roles:
+        previous = replicated[-1]["name"]
+        replicated.append(
+            {
+                "name": role,
+                "replicas": 1,
+                "dependsOn": [{"name": previous, "status": "Ready"}],
+                "template": _job_template(config, role),
+            }
+        )
     return {
         "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
         "successPolicy": {"operator": "All", "targetReplicatedJobs": ["worker"]},
@@ -373,7 +450,7 @@ def secret(config: K8sConfig, value: str) -> dict[str, Any]:
 
 def pvc(config: K8sConfig) -> dict[str, Any]:
     spec: dict[str, Any] = {
-        "accessModes": ["ReadWriteMany"],
+        "accessModes": ["ReadWriteMany" if config.shared_volume else "ReadWriteOnce"],
         "resources": {"requests": {"storage": config.storage}},
     }
     if config.storage_class:
@@ -459,10 +536,11 @@ def manifests(config: K8sConfig, secret_value: str) -> dict[str, list[dict[str, 
 _WHAT = {
     JOBSET_FILE: "kubectl apply -f secret.yaml -f pvc.yaml -f jobset.yaml (needs JobSet)",
     SECRET_FILE: "The run secret: keep this file private (it is mode 0600), never commit it.",
-    PVC_FILE: "The run folder (metrics, results, checkpoints), shared by every pod.",
+    PVC_FILE: "The run folder (metrics, results, the final model), the control pod's volume.",
     TRAINER_FILE: "kubectl apply -f secret.yaml -f pvc.yaml -f trainer.yaml (instead of "
     "jobset.yaml; needs Kubeflow Trainer)",
 }
+_SHARED_PVC = "The run folder (metrics, results, checkpoints), shared by every pod."
 
 
 def render(config: K8sConfig, out_dir: Path, *, force: bool = False) -> list[Path]:
@@ -480,7 +558,8 @@ def render(config: K8sConfig, out_dir: Path, *, force: bool = False) -> list[Pat
     written: list[Path] = []
     for name, docs in manifests(config, new_secret()).items():
         path = out_dir / name
-        write_atomic(path, _dump(docs, _WHAT[name]))
+        what = _SHARED_PVC if name == PVC_FILE and config.shared_volume else _WHAT[name]
+        write_atomic(path, _dump(docs, what))
         written.append(path)
     write_atomic(out_dir / DOCKERFILE, dockerfile(config))
     write_atomic(out_dir / ".dockerignore", "# never send the secret to a build\n*.yaml\nlocal-*\n")

@@ -10,7 +10,9 @@ would get, which is
   container's ``valueFrom.fieldRef`` entries;
 * the container's ``env`` entries, with Kubernetes' ``$(VAR)`` expansion;
 * mounts as local folders: a Secret volume as a private temporary folder of its keys (with the
-  volume's ``defaultMode``), a PersistentVolumeClaim as one folder that every pod shares, the
+  volume's ``defaultMode``), a PersistentVolumeClaim as one folder (``<local dir>/<claim>``)
+  that every pod mounting it shares, an ``emptyDir`` (a pod's own storage) as a folder of that
+  pod alone (``<local dir>/pods/<pod>/<volume>``) that outlives its container's restarts, the
   image's working folder (``/app``) as the rendered ``train/`` folder.
 
 Two things stand in for the cluster network: every pod's host name (and its
@@ -26,7 +28,9 @@ connect to the pod's port). A pod that exits nonzero is restarted in place
 (the restart planner, :func:`distsgd.control.recovery.plan_restart`, decides, with each pod
 restarted in place).
 The run is complete when the ``successPolicy``'s jobs have completed; every other pod is then
-stopped by its PID, as JobSet deletes the other Jobs. Ctrl-C and SIGTERM stop every pod.
+stopped by its PID, as JobSet deletes the other Jobs. Ctrl-C and SIGTERM stop every pod. The
+run folder, and the outcome read from it, is the control pod's (``distsgd server --job
+control --run-dir``; a worker's ``--run-dir`` for manifests without a control job).
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ from distsgd.util.signals import setter
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 READY_TIMEOUT = 120.0
 """Seconds a pod may take to pass its readiness probe."""
+PODS_DIR = "pods"
+"""The folder (in the local folder) of each pod's own storage: ``pods/<pod>/<volume>``."""
 
 _CLEARED_ENV = (
     "DISTSGD_TASK",
@@ -305,12 +311,17 @@ class LocalCluster:
                 local.mkdir(parents=True, exist_ok=True)
             elif "secret" in volume:
                 local = self._secret_volume(pod, volume["secret"])
-            elif "emptyDir" in volume:
-                local = Path(tempfile.mkdtemp(prefix=f"{pod.name}-", dir=self.private))
+            elif "emptyDir" in volume:  # the pod's own: kept across its container's restarts
+                local = self.pod_dir(pod) / str(mount["name"])
+                local.mkdir(parents=True, exist_ok=True)
             else:
                 raise ValueError(f"pod {pod.name}: k8s local cannot mount volume {mount['name']!r}")
             mounts.append((str(mount["mountPath"]), local))
         return sorted(mounts, key=lambda m: -len(m[0]))
+
+    def pod_dir(self, pod: Pod) -> Path:
+        """The folder of ``pod``'s own storage (its ``emptyDir`` volumes)."""
+        return self.local_dir / PODS_DIR / pod.name
 
     def _secret_volume(self, pod: Pod, source: Mapping[str, Any]) -> Path:
         name = str(source["secretName"])
@@ -376,8 +387,10 @@ class LocalCluster:
         line = [_map_path(expand(a, defined), mounts) for a in command[1:] + args]
         working = str(container.get("workingDir", APP_DIR))
         cwd = self.out_dir / SCRIPT_DIR if working == APP_DIR else Path(_map_path(working, mounts))
-        if pod.job == Role.WORKER and "--run-dir" in line:
+        if "--run-dir" in line and line[:1] == ["server"]:  # the run control's: the run's
             self.run_dir = Path(line[line.index("--run-dir") + 1])
+        elif "--run-dir" in line and pod.job == Role.WORKER and self.run_dir is None:
+            self.run_dir = Path(line[line.index("--run-dir") + 1])  # no control job
         return [sys.executable, "-m", "distsgd", *line], cwd
 
     def start(self, pod: Pod) -> None:

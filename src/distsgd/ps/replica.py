@@ -39,7 +39,7 @@ import socket
 import struct
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -184,10 +184,21 @@ class ReplicaLink:
     log calls it under its lock."""
 
     def __init__(
-        self, address: str, *, run_id: str, shard: int, secret: str, timeout: float = IO_SECONDS
+        self,
+        address: str,
+        *,
+        run_id: str,
+        shard: int,
+        secret: str,
+        timeout: float = IO_SECONDS,
+        resolve: Callable[[], str | None] | None = None,
     ) -> None:
+        """``resolve``: asked before each connection for the replica's address now (a replica
+        started again elsewhere, its node lost, reports a new one); None or "" keeps the
+        last."""
         self.address = address
         self.host, self.port = split_address(address)
+        self.resolve = resolve
         self.run_id, self.shard, self.secret, self.timeout = run_id, shard, secret, timeout
         self._sock: socket.socket | None = None
         self._seeded = False
@@ -200,6 +211,7 @@ class ReplicaLink:
     def _connect(self) -> socket.socket:
         if self._sock is not None:
             return self._sock
+        self._resolve()
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         except OSError as exc:
@@ -234,6 +246,20 @@ class ReplicaLink:
             raise
         self._sock, self._seeded = sock, False
         return sock
+
+    def _resolve(self) -> None:
+        """Take the replica's address now from :attr:`resolve` (kept when it has none)."""
+        if self.resolve is None:
+            return
+        try:
+            address = self.resolve()
+        except Exception as exc:  # the launcher not answering: try the last address
+            log.debug("replica of shard %d: no address now (%s)", self.shard, exc)
+            return
+        if address and address != self.address:
+            log.warning("replica of shard %d moved: %s -> %s", self.shard, self.address, address)
+            self.address = address
+            self.host, self.port = split_address(address)
 
     def _failed(self) -> None:
         if self._sock is not None:

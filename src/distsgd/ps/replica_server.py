@@ -18,6 +18,7 @@ import select
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from distsgd.ps.replica import (
@@ -259,9 +260,11 @@ def serve_replica(
     secret: str,
     address_file: Path | None = None,
     stop: threading.Event | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> None:
     """Keep shard ``shard``'s log in ``folder``, listening on ``address`` (port 0: any; the
-    bound address goes to ``address_file``), until SIGINT/SIGTERM or ``stop``."""
+    bound address goes to ``address_file`` and to ``announce``, the launcher's run control),
+    until SIGINT/SIGTERM or ``stop``."""
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -274,6 +277,8 @@ def serve_replica(
         log.info("replica of shard %d listening on %s (%s)", shard, server.address, folder)
         if address_file is not None:
             write_atomic(address_file, server.address + "\n")
+        if announce is not None:
+            announce(server.address)
         stop.wait()
     finally:
         server.close()
