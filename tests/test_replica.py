@@ -285,3 +285,34 @@ def test_a_revival_the_replica_refuses_leaves_no_snapshot_behind(tmp_path: Path)
         assert not live.wal.revive(live)
     assert len(list(folder.glob("snapshot-*.npz"))) == 1  # the first generation's only
     live.wal.close()
+
+
+def test_a_server_finds_its_replica_where_the_run_control_says_it_moved(tmp_path: Path) -> None:
+    """A replica started again on another node reports a new address; the server's link asks
+    ``resolve`` before each connection, and mirrors to it there."""
+    server = ReplicaServer(
+        tmp_path / "replica", host="127.0.0.1", port=0, run_id="r", shard=0, secret=SECRET
+    ).start()
+    gone = socket.socket()
+    gone.bind(("127.0.0.1", 0))  # a port nobody listens on: where the replica was
+    old = f"127.0.0.1:{gone.getsockname()[1]}"
+    gone.close()
+    asked: list[str] = []
+
+    def resolve() -> str | None:
+        asked.append("?")
+        return server.address if len(asked) > 1 else None  # the first time: not known yet
+
+    try:
+        link = ReplicaLink(old, run_id="r", shard=0, secret=SECRET, resolve=resolve)
+        folder = tmp_path / "log"
+        wal.replicate(folder, link)
+        live = _shard("hogwild")
+        with pytest.raises(ReplicaError, match="unreachable"):
+            link._connect()  # still at the old address
+        wal.begin(folder, live)  # the log connects again, now at the new address
+        _drive(live, 5)
+        assert link.address == server.address and server.store.records >= 5
+        live.wal.close()
+    finally:
+        server.close()

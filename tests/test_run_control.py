@@ -220,3 +220,42 @@ def test_local_files_keep_the_same_rules(tmp_path: Path) -> None:
     assert files.get("ps3.address") == b"127.0.0.1:1\n"
     with pytest.raises(ValueError):
         files.put("../x", b"")
+
+
+def test_replicas_on_an_engines_nodes_report_to_the_run_control(tmp_path: Path) -> None:
+    """On Ray the engine places a replica (no emulated host) and it reports its address to
+    the run control; one that is up is taken to hold its server's snapshot."""
+    from distsgd.launcher.replicas import Replicas
+
+    started: list[tuple[str, list[str], object]] = []
+
+    class _Task:
+        name = "replica0"
+
+        def poll(self) -> int | None:
+            return None
+
+    def start(name: str, argv: list[str], host: object) -> _Task:
+        started.append((name, argv, host))
+        return _Task()
+
+    replicas = Replicas(
+        place=lambda ps: ("ray-node.invalid", None),
+        run_dir=tmp_path,
+        run_id="r",
+        python=["distsgd"],
+        start_task=start,  # type: ignore[arg-type]
+        wait_address=lambda task, path: "198.18.0.3:4000",
+        holds=None,
+        note=print,
+        event=lambda **_: None,
+        control="198.18.0.253:5000",
+    )
+    assert not replicas.holds_state(0)  # not started
+    replicas.start(1)
+    ((name, argv, host),) = started
+    assert (name, host) == ("replica0", None)
+    assert argv[argv.index("--address") + 1] == "ray-node.invalid:0"
+    assert argv[argv.index("--control") + 1] == "198.18.0.253:5000"
+    assert "--address-file" not in argv
+    assert replicas.address(0) == "198.18.0.3:4000" and replicas.holds_state(0)

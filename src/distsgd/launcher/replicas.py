@@ -1,17 +1,19 @@
-"""The replicas of the servers' write-ahead logs on emulated hosts (:mod:`distsgd.ps.replica`).
+"""The replicas of the servers' write-ahead logs on other machines (:mod:`distsgd.ps.replica`).
 
-Under ``--hosts`` (two or more) with the log on (``--wal on``, the default), the launcher
-starts, for each parameter server ``psI``, a task ``replicaI`` (``distsgd server --job
-replica``) on the next host in the plan's order, so that a server and its replica never share
-a host; ``psI`` is started with ``--replica`` at the replica's address. The replica keeps its
-files in ``RUN_DIR/wal/replicaI`` as its host sees it (a host's own disk where the hosts have
-private disks). A replica starts before its server, which needs its address.
+With the log on (``--wal on``, the default) and two or more machines (``--hosts``, or the nodes
+of a Ray cluster), the launcher starts, for each parameter server ``psI``, a task ``replicaI``
+(``distsgd server --job replica``) on another machine than its server's: on emulated hosts the
+next host in the plan's order; on Ray a node other than the one its server's bundle holds (the
+engine places it). ``psI`` is started with ``--replica`` at the replica's address. The replica
+keeps its files in ``RUN_DIR/wal/replicaI`` as its machine sees it (its own disk). A replica
+starts before its server, which needs its address.
 
-A replica that dies (its host lost, say) is started again at the same address on the same
-host, empty: its server's log goes down meanwhile (pushes wait) and the server's ticker seeds
-it again with a new generation's snapshot once it answers. Replicas are not in the restart
-planner's view (it plans servers and workers): they hold nothing a restart would need that
-their server does not also hold.
+A replica that dies (its host lost, say) is started again, empty: on an emulated host at the
+same address on the same host; on Ray on a node alive now, at a new address it reports to the
+run control, where its server looks it up before it connects again. Its server's log goes down
+meanwhile (pushes wait) and the server's ticker seeds it again with a new generation's snapshot
+once it answers. Replicas are not in the restart planner's view (it plans servers and workers):
+they hold nothing a restart would need that their server does not also hold.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from distsgd.launcher.supervisor import TaskHandle
 PREFIX = "replica"
 """Every replica task's name starts with it (``replica0``)."""
 
-StartTask = Callable[[str, list[str], Host], TaskHandle]
-"""How a task is started on a host: (name, argv, host) -> its handle."""
+StartTask = Callable[[str, list[str], Host | None], TaskHandle]
+"""How a task is started on a host: (name, argv, emulated host or None) -> its handle."""
+Place = Callable[[int], "tuple[str, Host | None] | None"]
+"""Where ps I's replica goes: (the host its address names, its emulated host or None where the
+engine places it), or None: no replica (one machine)."""
 WaitAddress = Callable[[TaskHandle, Path], str]
 """How the address a task reports is awaited: (task, its address file) -> the address."""
 
@@ -47,21 +52,34 @@ def replica_host(plan: HostPlan, ps: int) -> Host | None:
     return plan.hosts[(own.index + 1) % len(plan.hosts)]
 
 
+def on_hosts(plan: HostPlan) -> Place:
+    """:data:`Place` on emulated hosts: the host after the server's."""
+
+    def place(ps: int) -> tuple[str, Host | None] | None:
+        host = replica_host(plan, ps)
+        return None if host is None else (host.address, host)
+
+    return place
+
+
 @dataclass
 class Replicas:
-    """The log replicas of one run on emulated hosts, and how they are (re)started."""
+    """The log replicas of one run, and how they are (re)started."""
 
-    plan: HostPlan
+    place: Place
     run_dir: Path
     run_id: str
     python: list[str]
     """The interpreter's argv (``[sys.executable, "-m", "distsgd"]``)."""
     start_task: StartTask
     wait_address: WaitAddress
-    disk_of: Callable[[Host], Path]
-    """Where a host's disk is, as the launcher sees it (what its tasks see at RUN_DIR/wal)."""
+    holds: Callable[[int], bool] | None
+    """Whether ps I's replica holds a snapshot, as the launcher can see its disk (None: it
+    cannot; a replica that is up is taken to hold one: its server seeds it at once)."""
     note: Callable[[str], None]
     event: Callable[..., None]
+    control: str = ""
+    """The run control the replicas report their addresses to ("": address files)."""
 
     def __post_init__(self) -> None:
         self.addresses: dict[int, str] = {}
@@ -76,19 +94,23 @@ class Replicas:
         return self.run_dir / f"{PREFIX}{ps}.address"
 
     def _argv(self, ps: int, address: str) -> list[str]:
+        report = ("--control", self.control)
+        if not self.control:
+            report = ("--address-file", str(self._address_file(ps)))
         return [
             *self.python,
             *("server", "--job", "replica", "--task", str(ps), "--run-id", self.run_id),
-            *("--address", address, "--address-file", str(self._address_file(ps))),
-            *("--wal-dir", str(self.folder(ps))),
+            *("--address", address, *report, "--wal-dir", str(self.folder(ps))),
         ]
 
     def spawn(self, ps: int) -> TaskHandle | None:
-        """Start ps ``ps``'s replica (at its earlier address, if it had one); None on one host."""
-        host = replica_host(self.plan, ps)
-        if host is None:
+        """Start ps ``ps``'s replica (at its earlier address on an emulated host, if it had
+        one); None on one machine."""
+        where = self.place(ps)
+        if where is None:
             return None
-        address = self.addresses.get(ps, f"{host.address}:0")
+        bind, host = where
+        address = self.addresses.get(ps, f"{bind}:0") if host is not None else f"{bind}:0"
         self._address_file(ps).unlink(missing_ok=True)
         task = self.start_task(f"{PREFIX}{ps}", self._argv(ps, address), host)
         self.tasks[ps] = task
@@ -104,10 +126,12 @@ class Replicas:
     def holds_state(self, ps: int) -> bool:
         """Whether ps ``ps``'s replica holds a snapshot to recover from (on its host's disk,
         as the launcher sees it): one started again empty holds none until it is seeded."""
-        host = replica_host(self.plan, ps)
-        if host is None or ps not in self.addresses:
+        if ps not in self.addresses:
             return False
-        return any((self.disk_of(host) / f"{PREFIX}{ps}").glob("snapshot-*.npz"))
+        if self.holds is not None:
+            return self.holds(ps)
+        task = self.tasks.get(ps)
+        return task is not None and task.poll() is None
 
     def address(self, ps: int) -> str | None:
         """Where ps ``ps``'s server mirrors its log (None: no replica)."""
@@ -128,7 +152,7 @@ class Replicas:
             started = time.monotonic()
             new = self.spawn(ps)
             if new is not None:
-                self.wait_address(new, self._address_file(ps))
+                self.addresses[ps] = self.wait_address(new, self._address_file(ps))
                 self.event(
                     step=step,
                     event="replica_up",

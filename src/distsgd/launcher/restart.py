@@ -277,7 +277,9 @@ class Restarts(LocalTasks):
         index, shard = plan.task.index, plan.resume
         assert shard is None or isinstance(shard, ShardRef)
         seen = self.seen_versions.pop(index, None)  # the dead server's, read before it died
-        address = self.spec.address(self.spec.task(Role.PS, index))
+        address = before = self.spec.address(self.spec.task(Role.PS, index))
+        if self.supervisor.node_host is not None:  # it may land on another node: same port
+            address = f"{self.supervisor.node_host}:{address.rpartition(':')[2]}"
         try:
             self.start_ps(index, address=address, restore=None if shard is None else shard.path)
         except RunFailed as exc:  # e.g. its old port was taken meanwhile, or an unreadable log
@@ -303,6 +305,26 @@ class Restarts(LocalTasks):
         self.seen_versions[index] = restored
         self.restored_ps.add(index)
         self._tell_finished(index, sorted(TaskId.parse(name).index for name in self.done))
+        moved = self.spec.address(self.spec.task(Role.PS, index))
+        if moved != before:
+            self._moved(index, before, moved, step)
+
+    def _moved(self, index: int, before: str, now: str, step: int) -> None:
+        """ps ``index`` came back at another address (its node was lost): the workers know the
+        old one, so each is ended and restarted by the planner with the new one, continuing
+        at the step its pushes reached."""
+        workers = [
+            task
+            for name, task in self.supervisor.tasks.items()
+            if name.startswith("worker") and name not in self.done and task.poll() is None
+        ]
+        self.console.note(
+            f"[distsgd] ps{index} came back at {now} (was {before}): restarting "
+            f"{len(workers)} workers with its new address"
+        )
+        self.events.log(step=step, event="ps_moved", target=f"ps{index}", before=before, now=now)
+        for task in workers:
+            task.kill()
 
     def _restart_all(self, name: str, code: int, step: int, plan: RestartAll) -> None:
         checkpoint = plan.checkpoint

@@ -76,6 +76,10 @@ class Tasks(Protocol):
         where they may not share its disk (None: they do; they write the run folder)."""
 
     @property
+    def machines(self) -> int:
+        """How many machines the engine may put tasks on (1: this one)."""
+
+    @property
     def node_host(self) -> str | None:
         """What the tasks' addresses say for their host where the engine puts each task's own
         in its place (Ray: its node's); None: the launcher's ``--host``."""
@@ -159,6 +163,8 @@ class Supervisor:
         """Its tasks share this machine's disk: no run control (emulated hosts add one)."""
         self.node_host: str | None = None
         """Its tasks bind the launcher's ``--host`` (or their emulated host's)."""
+        self.machines = 1
+        """Its tasks run on this machine (emulated hosts are the launcher's to count)."""
         self.preload_optimizer = preload_optimizer
         """Whether the fork server imports what torch.optim needs before forking
         (``LaunchConfig.preloads_optimizer``)."""

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Mapping
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
 from distsgd.launcher.progress import Console, Progress
 from distsgd.launcher.rebalance import Rebalancer
 from distsgd.launcher.replicas import PREFIX as REPLICA_PREFIX
-from distsgd.launcher.replicas import Replicas, is_replica, replica_host
+from distsgd.launcher.replicas import Replicas, is_replica, on_hosts, replica_host
 from distsgd.launcher.shard_load import ShardLoadLog
 from distsgd.launcher.supervisor import TaskHandle, Tasks
 from distsgd.launcher.waits import said_while_slow
@@ -88,6 +89,14 @@ def write_tasks(run_dir: Path, supervisor: Tasks) -> None:
         if not disk_full(exc):
             raise
         log.warning("tasks.json not written: %s", exc.strerror)
+
+
+def _replica_holds(hosts: EmulatedHosts, ps: int) -> bool:
+    """Whether ps ``ps``'s replica holds a snapshot on its emulated host's disk."""
+    host = replica_host(hosts.plan, ps)
+    return host is not None and any(
+        (hosts.disk_of(host) / f"{REPLICA_PREFIX}{ps}").glob("snapshot-*.npz")
+    )
 
 
 def wait_for_address(task: TaskHandle, path: Path, timeout: float) -> str:
@@ -199,11 +208,11 @@ class LocalTasks:
         """Each server's write-ahead log as the Info polls find it (launcher/durability.py)."""
         self.rebalancer = self._rebalancer(config, console)
         """``--rebalance auto``: moves pieces between servers (launcher/rebalance.py)."""
-        self.replicas = self._replicas(config, console)
-        """The servers' log replicas on other hosts (launcher/replicas.py; None: none)."""
         self.control = self._control(supervisor)
         """The run control (launcher/control.py) of tasks that do not share this disk
         (emulated hosts, Ray); None: they write the run folder themselves."""
+        self.replicas = self._replicas(config, console)
+        """The servers' log replicas on other machines (launcher/replicas.py; None: none)."""
 
     def _control(self, supervisor: Tasks) -> ControlServer | None:
         """A run control where the tasks run on other hosts: on the management address for
@@ -230,23 +239,28 @@ class LocalTasks:
             self.control = None
 
     def _replicas(self, config: LaunchConfig, console: Console) -> Replicas | None:
-        """Log replicas: with the log, on two or more emulated hosts, unless ``--wal local``."""
-        hosts = self.hosts
-        if hosts is None or len(hosts.plan.hosts) < 2 or not (config.wal and config.replicate):
+        """Log replicas: with the log, on two or more machines (emulated hosts, or an
+        engine's: Ray's nodes), unless ``--wal local``."""
+        hosts, machines = self.hosts, self.supervisor.machines
+        if hosts is not None:
+            machines = len(hosts.plan.hosts)
+        if machines < 2 or not (config.wal and config.replicate and self.num_ps):
             return None
         if config.tls is not None:  # its connection is plaintext: not under mutual TLS
             console.note("[distsgd] --tls: the servers' logs stay on their own hosts (no replica)")
             return None
+        node = self.supervisor.node_host or self.config.host
         return Replicas(
-            plan=hosts.plan,
+            place=on_hosts(hosts.plan) if hosts is not None else lambda ps: (node, None),
             run_dir=self.run_dir,
             run_id=self.run_id,
             python=[sys.executable, "-m", "distsgd"],
             start_task=lambda name, argv, host: self._start(name, argv, self.ps_env, host=host),
             wait_address=lambda task, path: wait_for_address(task, path, 60.0),
-            disk_of=hosts.disk_of,
+            holds=None if hosts is None else partial(_replica_holds, hosts),
             note=console.note,
             event=self.events.log,
+            control=self.control_address,
         )
 
     def _rebalancer(self, config: LaunchConfig, console: Console) -> Rebalancer | None:

@@ -62,6 +62,9 @@ NODE_HOST = "ray-node.invalid"
 """The host the launcher writes in a task's addresses (its command line, its ``DISTSGD_TASK``):
 the actor puts its node's address in its place, so a server binds there and a worker's
 collective data plane listens there (``.invalid`` is a name no resolver answers)."""
+READ_WAIT = 1.0
+"""How long one read of a task's output waits on its node for a line (a long poll: fewer calls
+through Ray than polling on a timer)."""
 RAY_LOG = "ray-start.log"
 """The local instance's ``ray start`` output, in the run's logs (its first line: its folder)."""
 
@@ -165,7 +168,7 @@ class TaskRunner:
     def __init__(self) -> None:
         self.process: subprocess.Popen[bytes] | None = None
         self.lines: list[str] = []
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.reader: threading.Thread | None = None
 
     def start(
@@ -202,17 +205,26 @@ class TaskRunner:
         for raw in iter(self.process.stdout.readline, b""):
             with self.lock:
                 self.lines.append(raw.decode(errors="replace"))
+                self.lock.notify_all()
+        with self.lock:
+            self.lock.notify_all()  # the output ended: a waiting read answers now
 
-    def read(self, start: int) -> tuple[list[str], int | None]:
+    def read(self, start: int, wait: float = 0.0) -> tuple[list[str], int | None]:
         """The output lines from ``start`` on, and the exit code once the process exited and
-        every line was read (None while it runs)."""
+        every line was read (None while it runs). With no line yet, waits up to ``wait``
+        seconds for one (a long poll: the launcher asks again at once, not on a timer)."""
         assert self.process is not None
+        with self.lock:
+            self.lock.wait_for(lambda: len(self.lines) > start or not self._reading(), timeout=wait)
         code = self.process.poll()
         if code is not None and self.reader is not None:
             self.reader.join(timeout=2.0)
         with self.lock:
             lines = self.lines[start:]
         return lines, code
+
+    def _reading(self) -> bool:
+        return self.reader is not None and self.reader.is_alive()
 
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the task's process group (the group we created, by its PID)."""
@@ -308,12 +320,34 @@ class RaySupervisor:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
             self.control_host: str | None = str(ray.util.get_node_ip_address())
             """The driver's node address: tasks on any node reach its run control there."""
+            self.machines = len(self._alive())
+            """The cluster's nodes alive at the start (two or more: log replicas)."""
             for names, strategy in self._plan(bundles, spread):
                 self._reserve({n: bundles[n] for n in names}, strategy)
             self._remote = ray.remote(TaskRunner)
+            self._ready = {name: self._actor(name) for name in bundles}
+            """An actor per task, made now, all at once (Ray starts their processes while the
+            launcher does the rest): the tasks then start together, not one actor apart."""
         except BaseException:
             self.close()
             raise
+
+    def _alive(self) -> list[str]:
+        """The IDs of the cluster's nodes alive now, sorted."""
+        return sorted(str(n["NodeID"]) for n in self.ray.nodes() if n.get("Alive"))
+
+    def _away_from_server(self, name: str) -> Any:
+        """Where log replica ``name`` (``replicaI``) goes: the node after the one ``psI``'s
+        bundle is on now, among those alive (so the replicas of several servers spread)."""
+        from ray.util.placement_group import placement_group_table
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        group, bundle = self.index["ps" + name.removeprefix("replica")]
+        server = placement_group_table(group)["bundles_to_node_id"].get(bundle)
+        alive = self._alive()
+        after = alive.index(server) + 1 if server in alive else 0
+        others = [n for n in alive[after:] + alive[:after] if n != server] or alive
+        return NodeAffinitySchedulingStrategy(node_id=others[0], soft=False)
 
     def _plan(
         self, bundles: Mapping[str, Mapping[str, float]], spread: bool
@@ -366,27 +400,28 @@ class RaySupervisor:
         return ", ".join(f"{v:g} {k}" for k, v in totals.items())
 
     def start(self, name: str, argv: Sequence[str], env: Mapping[str, str]) -> RayTask:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+        """Start task ``name`` by a new actor in its bundle (a log replica: on a node away
+        from its server's). An actor that dies before it started the task (its node lost
+        meanwhile, the bundle not yet placed again) is replaced, until :data:`RAY_TIMEOUT`."""
         old = self.tasks.get(name)
         if old is not None:  # a restart: its bundle is free once the old actor is gone
             self._kill_actor(old)
         private_dir(self.log_dir)
-        group, bundle = self.index[name]
-        strategy = PlacementGroupSchedulingStrategy(
-            placement_group=group, placement_group_bundle_index=bundle
-        )
-        resources = group.bundle_specs[bundle]
-        actor = self._remote.options(
-            name=None,
-            num_cpus=resources.get("CPU", 0),
-            num_gpus=resources.get("GPU", 0),
-            max_restarts=0,
-            scheduling_strategy=strategy,
-        ).remote()
         secret = load_secret(env) if SECRET_FILE_ENV in env else None
-        started = actor.start.remote(list(argv), dict(env), secret)
-        pid, node = self.ray.get(started, timeout=RAY_TIMEOUT)
+        deadline = time.monotonic() + RAY_TIMEOUT
+        while True:
+            actor = self._ready.pop(name, None) or self._actor(name)
+            try:
+                started = actor.start.remote(list(argv), dict(env), secret)
+                pid, node = self.ray.get(started, timeout=RAY_TIMEOUT)
+                break
+            except self.ray.exceptions.ActorDiedError as exc:
+                with contextlib.suppress(Exception):
+                    self.ray.kill(actor, no_restart=True)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name}: no node could start it ({exc})") from None
+                log.info("%s: its actor died before it started (%s); again", name, exc)
+                time.sleep(1.0)
         task = RayTask(
             name=name, actor=actor, pid=pid, node=node, log_path=self.log_dir / f"{name}.log"
         )
@@ -397,6 +432,29 @@ class RaySupervisor:
         log.debug("started %s on %s as pid %d", name, node, pid)
         return task
 
+    def _actor(self, name: str) -> Any:
+        """A new actor for task ``name``, in its bundle or (a log replica) on a node away
+        from its server's."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy: Any
+        if name in self.index:
+            group, bundle = self.index[name]
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=bundle
+            )
+            resources = group.bundle_specs[bundle]
+        else:  # a log replica: no bundle of its own, on a node its server's is not on
+            strategy, resources = self._away_from_server(name), {}
+        return self._remote.options(
+            name=None,
+            num_cpus=resources.get("CPU", 0),
+            num_gpus=resources.get("GPU", 0),
+            max_restarts=0,
+            max_concurrency=4,  # a signal or stop is not queued behind a waiting read
+            scheduling_strategy=strategy,
+        ).remote()
+
     def _relay(self, task: RayTask) -> None:
         """Fetch the task's output into its log, the console and its tail, until it exits."""
         got = 0
@@ -404,7 +462,9 @@ class RaySupervisor:
         with os.fdopen(fd, "a", encoding="utf-8") as log_file:
             while not task.gone.is_set():
                 try:
-                    lines, code = self.ray.get(task.actor.read.remote(got), timeout=RAY_TIMEOUT)
+                    lines, code = self.ray.get(
+                        task.actor.read.remote(got, READ_WAIT), timeout=RAY_TIMEOUT
+                    )
                 except Exception as exc:  # the actor died (node lost, killed): the task with it
                     log.debug("%s: actor gone: %s", task.name, exc)
                     task.code = -int(signal.SIGKILL) if task.code is None else task.code
@@ -457,6 +517,9 @@ class RaySupervisor:
         with contextlib.suppress(Exception):
             if self.tasks:
                 self.stop()
+        for actor in getattr(self, "_ready", {}).values():  # made, never used
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor, no_restart=True)
         for group in self.groups:
             with contextlib.suppress(Exception):
                 from ray.util.placement_group import remove_placement_group
