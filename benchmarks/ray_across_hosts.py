@@ -132,8 +132,11 @@ def _lose_host(cluster: RayHosts, host: str, run_dir: Path) -> dict[str, Any]:
     return {"host": host, "address": address, "killed": len(killed), "wiped": sorted(wiped)}
 
 
-def lose_node(cluster: RayHosts, run_dir: Path, epochs: int, at_step: int = 40) -> dict:
-    """The Hogwild demo on Ray, the node of a server other than the head's lost mid-run."""
+def _driver_until(
+    cluster: RayHosts, run_dir: Path, epochs: int, at_step: int
+) -> subprocess.Popen[str]:
+    """The Hogwild demo on Ray, its driver on host0, returned once a worker passed
+    ``at_step`` (SystemExit after 300 s)."""
     argv = _demo("hogwild", run_dir, epochs, [f"--ray={cluster.address}"])
     driver = subprocess.Popen(
         cluster.exec_argv("host0", argv),
@@ -148,6 +151,12 @@ def lose_node(cluster: RayHosts, run_dir: Path, epochs: int, at_step: int = 40) 
             driver.kill()
             raise SystemExit(f"no worker reached step {at_step} in 300 s")
         time.sleep(0.1)
+    return driver
+
+
+def lose_node(cluster: RayHosts, run_dir: Path, epochs: int, at_step: int = 40) -> dict:
+    """The Hogwild demo on Ray, the node of a server other than the head's lost mid-run."""
+    driver = _driver_until(cluster, run_dir, epochs, at_step)
     servers = json.loads((run_dir / "cluster.json").read_text())["ps"]
     head = cluster.hosts["host0"]
     victim = next(a.rpartition(":")[0] for a in servers if not a.startswith(head + ":"))
@@ -182,21 +191,10 @@ def _left_of(run_dir: Path) -> list[str]:
 
 def kill_driver(cluster: RayHosts, run_dir: Path, epochs: int, at_step: int = 40) -> dict:
     """The Hogwild demo on Ray, its driver SIGKILLed mid-run: what is left, over time."""
-    argv = _demo("hogwild", run_dir, epochs, [f"--ray={cluster.address}"])
-    driver = subprocess.Popen(
-        cluster.exec_argv("host0", argv),
-        env=cluster.driver_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 300
-    while _worker_step(run_dir) < at_step and driver.poll() is None:
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    driver = _driver_until(cluster, run_dir, epochs, at_step)
     before = _left_of(run_dir)
     driver.kill()  # hosts exec execs nsenter, which execs the launcher: one PID
-    driver.wait()
+    driver.communicate()
     killed = time.monotonic()
     left = _left_of(run_dir)
     while left and time.monotonic() - killed < 30:
