@@ -21,7 +21,7 @@ Prints each run and writes ``--out`` (default ``benchmarks/results/ray_across_ho
 which git ignores)::
 
     python benchmarks/ray_across_hosts.py [--rounds 2] [--link 1gbit] [--epochs 30]
-    python benchmarks/ray_across_hosts.py --lose-node
+    python benchmarks/ray_across_hosts.py --lose-node [--scheme sync]
     python benchmarks/ray_across_hosts.py --kill-driver
 """
 
@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -133,11 +134,11 @@ def _lose_host(cluster: RayHosts, host: str, run_dir: Path) -> dict[str, Any]:
 
 
 def _driver_until(
-    cluster: RayHosts, run_dir: Path, epochs: int, at_step: int
+    cluster: RayHosts, run_dir: Path, epochs: int, at_step: int, scheme: str = "hogwild"
 ) -> subprocess.Popen[str]:
-    """The Hogwild demo on Ray, its driver on host0, returned once a worker passed
-    ``at_step`` (SystemExit after 300 s)."""
-    argv = _demo("hogwild", run_dir, epochs, [f"--ray={cluster.address}"])
+    """The demo on Ray, its driver on host0, returned once a worker passed ``at_step``
+    (SystemExit after 300 s)."""
+    argv = _demo(scheme, run_dir, epochs, [f"--ray={cluster.address}"])
     driver = subprocess.Popen(
         cluster.exec_argv("host0", argv),
         env=cluster.driver_env(),
@@ -154,9 +155,11 @@ def _driver_until(
     return driver
 
 
-def lose_node(cluster: RayHosts, run_dir: Path, epochs: int, at_step: int = 40) -> dict:
-    """The Hogwild demo on Ray, the node of a server other than the head's lost mid-run."""
-    driver = _driver_until(cluster, run_dir, epochs, at_step)
+def lose_node(
+    cluster: RayHosts, run_dir: Path, epochs: int, at_step: int = 40, scheme: str = "hogwild"
+) -> dict:
+    """The demo on Ray, the node of a server other than the head's lost mid-run."""
+    driver = _driver_until(cluster, run_dir, epochs, at_step, scheme)
     servers = json.loads((run_dir / "cluster.json").read_text())["ps"]
     head = cluster.hosts["host0"]
     victim = next(a.rpartition(":")[0] for a in servers if not a.startswith(head + ":"))
@@ -226,9 +229,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "ray_across_hosts.json")
     parser.add_argument("--lose-node", action="store_true", help="only the lost-node case")
     parser.add_argument("--kill-driver", action="store_true", help="only the killed driver")
+    parser.add_argument("--scheme", default="hogwild", help="--lose-node's scheme (ps ones)")
     args = parser.parse_args()
     if args.lose_node or args.kill_driver:
         case, name = (lose_node, "lose_node") if args.lose_node else (kill_driver, "kill_driver")
+        if args.lose_node:
+            case, name = partial(lose_node, scheme=args.scheme), f"lose_node_{args.scheme}"
         tmp = Path(tempfile.mkdtemp(prefix="ray-case-"))
         try:
             with ray_on_hosts(3, link=args.link, work=tmp / "c", cpus=args.cpus) as c:
@@ -241,8 +247,8 @@ def main() -> None:
         out.write_text(json.dumps(row, indent=2) + "\n")
         return
     report: dict[str, Any] = {"schemes": {}, "throughput": {"ray": [], "local": []}}
-    with tempfile.TemporaryDirectory(prefix="ray-across-") as tmp:
-        work = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="ray-across-") as folder:
+        work = Path(folder)
         for round_ in range(args.rounds):
             with ray_on_hosts(
                 3, link=args.link, work=work / f"cluster{round_}", cpus=args.cpus
