@@ -1,6 +1,8 @@
 """``distsgd run --ray`` across nodes (root; not part of CI, several minutes): a Ray cluster of
-one node per emulated host (``ray_hosts.py``: 3 hosts, 1 Gbit/s links, the head on host0) and
-the launcher as the Ray driver on host0.
+one node per emulated host (``ray_hosts.py``: 3 hosts, 1 Gbit/s links, the head on host0), each
+host with a private disk at the path of the run folders (what a task writes there only its own
+host sees), and the launcher as the Ray driver on host0: the run folder it assembles is on
+host0's disk.
 
 * ``schemes``: the demo under hogwild and sync (4 workers, 2 servers), allreduce and diloco
   (4 workers); each must exit 0 at 0.95 or more, with its two servers on different nodes (their
@@ -83,7 +85,7 @@ def on_ray(cluster: RayHosts, scheme: str, run_dir: Path, epochs: int) -> dict:
     started = time.monotonic()
     argv = _demo(scheme, run_dir, epochs, [f"--ray={cluster.address}"])
     done = cluster.run("host0", argv, timeout=1200)
-    return _outcome(done, run_dir, started)
+    return _outcome(done, cluster.seen(run_dir), started)
 
 
 def on_hosts(scheme: str, run_dir: Path, epochs: int, link: str) -> dict:
@@ -113,7 +115,8 @@ def _worker_step(run_dir: Path) -> int:
 
 def _lose_host(cluster: RayHosts, host: str, run_dir: Path) -> dict[str, Any]:
     """SIGKILL every process in ``host``'s network namespace but its keeper; remove what the
-    tasks there kept on their disk (their server's log, the replicas they held)."""
+    tasks there kept on their disk: all of its private disk where the hosts have them, else
+    their server's log and the replicas they held (their reported addresses in ``run_dir``)."""
     record = json.loads((cluster.hosts_dir / "hosts.json").read_text())
     keeper = next(h["keeper"] for h in record["hosts"] if h["name"] == host)
     inode = os.stat(f"/proc/{keeper}/ns/net").st_ino
@@ -124,13 +127,21 @@ def _lose_host(cluster: RayHosts, host: str, run_dir: Path) -> dict[str, Any]:
                 proc.kill()
                 killed.append(proc.pid)
     address = cluster.hosts[host]
+    shutil.rmtree(cluster.temp_dirs[host], ignore_errors=True)
+    lost = {"host": host, "address": address, "killed": len(killed)}
+    if cluster.disks is not None:
+        disk = cluster.disk_of(host)
+        lost["wiped"] = sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.is_file())
+        for entry in list(disk.iterdir()):
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        return lost
     wiped = []
     for reported in run_dir.glob("*.address"):
         if reported.read_text().strip().rpartition(":")[0] == address:
             wiped.append(reported.stem)
             shutil.rmtree(run_dir / "wal" / reported.stem, ignore_errors=True)
-    shutil.rmtree(cluster.temp_dirs[host], ignore_errors=True)
-    return {"host": host, "address": address, "killed": len(killed), "wiped": sorted(wiped)}
+    lost["wiped"] = sorted(wiped)
+    return lost
 
 
 def _driver_until(
@@ -147,7 +158,7 @@ def _driver_until(
         text=True,
     )
     deadline = time.monotonic() + 300
-    while _worker_step(run_dir) < at_step and driver.poll() is None:
+    while _worker_step(cluster.seen(run_dir)) < at_step and driver.poll() is None:
         if time.monotonic() > deadline:
             driver.kill()
             raise SystemExit(f"no worker reached step {at_step} in 300 s")
@@ -160,14 +171,16 @@ def lose_node(
 ) -> dict:
     """The demo on Ray, the node of a server other than the head's lost mid-run."""
     driver = _driver_until(cluster, run_dir, epochs, at_step, scheme)
-    servers = json.loads((run_dir / "cluster.json").read_text())["ps"]
+    files = cluster.seen(run_dir)
+    servers = json.loads((files / "cluster.json").read_text())["ps"]
     head = cluster.hosts["host0"]
     victim = next(a.rpartition(":")[0] for a in servers if not a.startswith(head + ":"))
     host = next(name for name, address in cluster.hosts.items() if address == victim)
-    lost = _lose_host(cluster, host, run_dir)
-    lost["at_step"] = _worker_step(run_dir)
+    step = _worker_step(files)
+    lost = _lose_host(cluster, host, files)
+    lost["at_step"] = step
     out, err = driver.communicate(timeout=1200)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (files / "metrics.jsonl").read_text().splitlines()]
     faults = [r for r in records if r.get("event") in ("fault", "ps_moved", "replica_restart")]
     lines = out.strip().splitlines()
     return {
@@ -204,7 +217,7 @@ def kill_driver(cluster: RayHosts, run_dir: Path, epochs: int, at_step: int = 40
         time.sleep(0.5)
         left = _left_of(run_dir)
     return {
-        "at_step": _worker_step(run_dir),
+        "at_step": _worker_step(cluster.seen(run_dir)),
         "running_before": len(before),
         "left": left,
         "seconds_to_none": None if left else round(time.monotonic() - killed, 1),
@@ -237,8 +250,9 @@ def main() -> None:
             case, name = partial(lose_node, scheme=args.scheme), f"lose_node_{args.scheme}"
         tmp = Path(tempfile.mkdtemp(prefix="ray-case-"))
         try:
-            with ray_on_hosts(3, link=args.link, work=tmp / "c", cpus=args.cpus) as c:
-                row = case(c, tmp / "run", args.epochs)
+            at = tmp / "at"  # each host's private disk
+            with ray_on_hosts(3, link=args.link, work=tmp / "c", cpus=args.cpus, disks=at) as c:
+                row = case(c, at / "run", args.epochs)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         print(json.dumps(row, indent=2))
@@ -250,11 +264,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ray-across-") as folder:
         work = Path(folder)
         for round_ in range(args.rounds):
+            at = work / f"at{round_}"  # each host's private disk
             with ray_on_hosts(
-                3, link=args.link, work=work / f"cluster{round_}", cpus=args.cpus
+                3, link=args.link, work=work / f"cluster{round_}", cpus=args.cpus, disks=at
             ) as c:
                 for scheme in SCHEMES if round_ == 0 else ("hogwild",):
-                    row = on_ray(c, scheme, work / f"ray-{scheme}-{round_}", args.epochs)
+                    row = on_ray(c, scheme, at / f"ray-{scheme}-{round_}", args.epochs)
                     _show(f"round {round_ + 1} ray {scheme}", row)
                     if round_ == 0:
                         report["schemes"][scheme] = row

@@ -94,6 +94,20 @@ class RayHosts:
     """After the way out: what was left (processes, namespaces); :func:`ray_on_hosts` raises
     if any."""
 
+    disks: Path | None = None
+    """Where each host sees its private disk (``hosts up --disks``; None: no private disks)."""
+
+    def disk_of(self, host: str) -> Path:
+        """``host``'s private disk as this process sees it (``hosts up --disks``)."""
+        return self.hosts_dir / "disks" / host
+
+    def seen(self, path: Path, host: str = "host0") -> Path:
+        """``path`` as ``host`` sees it, from this process: on its private disk where the path
+        is under :attr:`disks`, else the same path."""
+        if self.disks is None or not path.is_relative_to(self.disks):
+            return path
+        return self.disk_of(host) / path.relative_to(self.disks)
+
     def exec_argv(self, host: str, command: Sequence[str]) -> list[str]:
         """The argv that runs ``command`` inside emulated host ``host``."""
         return [*DISTSGD, "hosts", "exec", "--dir", str(self.hosts_dir), host, "--", *command]
@@ -147,10 +161,13 @@ def _tail(path: Path, lines: int = 8) -> str:
 class _Cluster:
     """The processes and files behind one :class:`RayHosts`; :meth:`close` ends them all."""
 
-    def __init__(self, *, count: int, link: str | None, work: Path, cpus: int) -> None:
+    def __init__(
+        self, *, count: int, link: str | None, work: Path, cpus: int, disks: Path | None = None
+    ) -> None:
         if not 1 <= count <= 252:
             raise ValueError(f"count must be 1 to 252, not {count}")
         self.count, self.link, self.work, self.cpus = count, link, work, cpus
+        self.disks = disks
         self.scratch: Path | None = None
         self.up: subprocess.Popen[bytes] | None = None
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
@@ -181,6 +198,7 @@ class _Cluster:
             },
             hosts=hosts,
             temp_dirs={name: self.scratch / f"n{i}" for i, name in enumerate(hosts)},
+            disks=None if self.disks is None else self.disks.resolve(),
         )
         self._start_node(view, "host0", ["--head", f"--port={HEAD_PORT}"])
         self._wait_for_head(view, deadline)
@@ -197,6 +215,7 @@ class _Cluster:
         state = folder / "hosts.json"
         argv = [*DISTSGD, "hosts", "up", str(self.count), "--dir", str(folder)]
         argv += [] if self.link is None else ["--link", self.link]
+        argv += [] if self.disks is None else ["--disks", str(self.disks)]
         lock_deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             with open(log, "wb") as out:
@@ -419,14 +438,17 @@ def ray_on_hosts(
     work: Path,
     cpus: int = 2,
     timeout: float = START_TIMEOUT_S,
+    disks: Path | None = None,
 ) -> Iterator[RayHosts]:
     """A Ray cluster with one node per emulated host (``count`` hosts, ``link`` their rate,
     None: unshaped; ``cpus`` per node); ``work`` keeps the hosts' folder and the ``ray
     start`` logs. Yields once a driver in host0 sees every node alive; on the way out ends
     everything and raises RuntimeError if a process or a namespace is left. Root only. Holds
-    the test suite's locks of runs on emulated hosts and on Ray meanwhile (:data:`SUITE_LOCKS`)."""
+    the test suite's locks of runs on emulated hosts and on Ray meanwhile (:data:`SUITE_LOCKS`).
+    ``disks``: each host sees a private disk there (``distsgd hosts up --disks``; a host's, as
+    this process sees it: :meth:`RayHosts.disk_of`)."""
     with _suite_locks():
-        cluster = _Cluster(count=count, link=link, work=work, cpus=cpus)
+        cluster = _Cluster(count=count, link=link, work=work, cpus=cpus, disks=disks)
         try:
             yield cluster.start(timeout)
         finally:

@@ -21,6 +21,7 @@ from distsgd.control.faults import (
     kill_due,
     kill_landed,
 )
+from distsgd.control.folder import LocalFiles
 from distsgd.ps import wal
 from distsgd.ps.client import ParameterClient
 from distsgd.ps.partition import PartitionPlan
@@ -152,7 +153,7 @@ def test_a_worker_holds_still_at_a_kills_step_until_it_landed(tmp_path: Path) ->
     """Issue 36, item 11, the worker's side: at the step of a kill it marks the step and waits
     for the launcher's mark that the kill landed (a restarted target does not wait again)."""
     kill = Fault.parse("kill:ps:0@step=6")
-    injector = FaultInjector([kill], run_dir=str(tmp_path))
+    injector = FaultInjector([kill], files=LocalFiles(tmp_path))
     injector.before_step(5)
     assert kill_due(tmp_path, kill) is None
     landed = threading.Timer(0.3, kill_landed, (tmp_path, kill))
@@ -162,7 +163,7 @@ def test_a_worker_holds_still_at_a_kills_step_until_it_landed(tmp_path: Path) ->
     landed.join()
     assert time.monotonic() - began >= 0.25  # it waited for the landing
     assert kill_due(tmp_path, kill) == 7
-    again = FaultInjector([kill], run_dir=str(tmp_path))  # restarted: landed already
+    again = FaultInjector([kill], files=LocalFiles(tmp_path))  # restarted: landed already
     began = time.monotonic()
     again.before_step(8)
     assert time.monotonic() - began < 1.0

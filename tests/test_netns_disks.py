@@ -211,3 +211,39 @@ def test_a_mount_that_fails_says_why_in_one_line_and_leaves_nothing(
     assert "\n" not in str(caught.value)
     assert len(started) == 1 and hosts.keepers == {}  # the switch's; host0's never ran
     assert all(_gone(pid) for pid in started)
+
+
+@needs_netns
+def test_hosts_up_with_disks_gives_each_host_its_own(tmp_path: Path) -> None:
+    """``distsgd hosts up --disks AT``: a command run by ``hosts exec`` in one host writes under
+    AT on that host's disk alone; when the hosts go down their disks go too, nothing mounted."""
+    import signal
+    import sys
+
+    from conftest import wait_for
+
+    folder, at = tmp_path / "hosts", tmp_path / "at"
+    distsgd = [sys.executable, "-m", "distsgd"]
+    up = subprocess.Popen(
+        [*distsgd, "hosts", "up", "2", "--dir", str(folder), "--disks", str(at)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert wait_for((folder / "hosts.json").exists, 20), up.stderr.read() if up.poll() else ""
+
+        def run(host: str, script: str) -> subprocess.CompletedProcess[str]:
+            argv = [*distsgd, "hosts", "exec", "--dir", str(folder), host, "--", "sh", "-c"]
+            return subprocess.run([*argv, script], capture_output=True, text=True, timeout=20)
+
+        assert run("host0", f"echo zero > {at}/f").returncode == 0
+        assert run("host1", f"test ! -e {at}/f && echo one > {at}/f").returncode == 0
+        assert run("host0", f"cat {at}/f").stdout == "zero\n"
+        assert (folder / "disks" / "host1" / "f").read_text() == "one\n"
+        assert list(at.iterdir()) == []  # this machine's AT: nothing of the hosts
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.communicate(timeout=30)
+    assert up.returncode == 0
+    assert not (folder / "disks").exists() and not mounted_under([at, folder])

@@ -123,6 +123,8 @@ def test_the_fork_server_starts_before_the_launcher_loads_torch(
     order: list[str] = []
 
     class Recorder:
+        control_host = node_host = None  # this machine's engine: the launcher's --host
+
         def prepare(self, env: Any) -> None:
             order.append("fork server")
 

@@ -44,6 +44,15 @@ def add_command(sub: Any) -> None:
         help="shape the hosts' links: RATE for every host (1gbit, 100mbit), hostI=RATE for one; "
         "repeatable; default unshaped",
     )
+    up.add_argument(
+        "--disks",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="give each host a private disk that its commands see at PATH (backed by "
+        "--dir/disks/HOST, removed when the hosts go down): what one host writes under PATH "
+        "another reaches only over the network; default none, the machine's file system",
+    )
     _dir_flag(up)
     run = actions.add_parser(
         "exec",
@@ -86,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
     for sig in previous:
         signal.signal(sig, lambda *_: stop.set())
     try:
-        keep_hosts(count=args.count, links=links, folder=args.dir, stop=stop)
+        keep_hosts(count=args.count, links=links, folder=args.dir, stop=stop, disks=args.disks)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

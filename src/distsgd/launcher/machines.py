@@ -19,6 +19,8 @@ from pathlib import Path
 
 from distsgd.cluster.hosts import Links, plan_machines
 from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
+from distsgd.launcher.netns_disks import HostDisks
+from distsgd.launcher.netns_disks import enter_argv as disk_enter_argv
 from distsgd.util import write_atomic
 
 __all__ = ["STATE_FILE", "enter_argv", "keep_hosts"]
@@ -30,11 +32,20 @@ STATE_FILE = "hosts.json"
 
 
 def keep_hosts(
-    *, count: int, links: Links, folder: Path, stop: threading.Event, announce: bool = True
+    *,
+    count: int,
+    links: Links,
+    folder: Path,
+    stop: threading.Event,
+    announce: bool = True,
+    disks: Path | None = None,
 ) -> None:
     """Make ``count`` emulated hosts, record them in ``folder``, keep them until ``stop`` is
-    set, then take them down and remove the record (also when interrupted)."""
-    hosts = EmulatedHosts(plan_machines(count=count, links=links), management=True)
+    set, then take them down and remove the record (also when interrupted). ``disks``: each
+    host sees a private disk there (backed by ``folder/disks/HOST``, removed at the end)."""
+    private = None if disks is None else HostDisks(root=folder / "disks", at=disks, keep=False)
+    plan = plan_machines(count=count, links=links)
+    hosts = EmulatedHosts(plan, management=True, disks=private)
     folder.mkdir(parents=True, exist_ok=True)
     state = folder / STATE_FILE
     hosts.start()
@@ -43,6 +54,7 @@ def keep_hosts(
             "pid": os.getpid(),
             "prefix": hosts.prefix,
             "this_machine": MANAGEMENT_ADDRESS,
+            "disks": None if private is None else str(private.at),
             "hosts": [
                 {
                     "name": host.name,
@@ -109,7 +121,10 @@ def enter_argv(folder: Path, host: str, command: Sequence[str]) -> list[str]:
             f"the hosts in {state} are gone (their keeper {keeper} no longer belongs to "
             f"`distsgd hosts up`, pid {owner}); start them again"
         )
-    return ["nsenter", f"--net=/proc/{keeper}/ns/net", "--", *command]
+    prefix = ["nsenter", f"--net=/proc/{keeper}/ns/net", "--"]
+    if record.get("disks"):  # its private disk: its mount namespace too
+        return [*disk_enter_argv(prefix, keeper), *command]
+    return [*prefix, *command]
 
 
 def _parent(pid: int) -> int | None:

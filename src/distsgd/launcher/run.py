@@ -88,15 +88,8 @@ def _divergence_line(exc: RunDiverged, spec: schemes.SchemeSpec) -> str:
     return f"{DIVERGED_PREFIX}{exc}; {spec.divergence_fix()}"
 
 
-def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
-    """Run ``config`` to the end; returns how it ended (its ``exit_code``: 0, 1 failed,
-    3 diverged, 130 interrupted by Ctrl-C, 143 by SIGTERM). A settings mistake found before the
-    start raises ValueError.
-
-    Without a ``console`` it makes its own, and keeps a copy of what it says (not the tasks'
-    lines, which have their own logs) in the run folder's ``launcher.log``."""
-    keep = console is None
-    console = console or Console(quiet=config.quiet)
+def _fresh_folder(config: LaunchConfig) -> Path:
+    """The run folder, made (0700); ValueError where a new run would reuse an earlier one's."""
     run_dir = config.resolved_run_dir()
     if not config.resume and (run_dir / CONFIG_FILE).exists():
         raise ValueError(
@@ -109,17 +102,48 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
             "give a new --run-dir (a fresh run makes its own secret)"
         )
     private_dir(run_dir)
+    return run_dir
+
+
+def _start(
+    config: LaunchConfig, console: Console, run_dir: Path, stop: threading.Event
+) -> LocalRun:
+    """The emulated hosts, the engine and the run's launcher (its run control among them);
+    what started goes again when the rest fails."""
+    hosts = start_hosts(config, run_dir)  # before any task; gone again if it fails
+    try:
+        supervisor = engine_for(config).start(config, run_dir, console)
+        try:
+            return LocalRun(config, console, run_dir, supervisor, stop, hosts=hosts)
+        except BaseException:
+            supervisor.close()
+            raise
+    except BaseException:
+        if hosts is not None:
+            hosts.close(check=False)
+        raise
+
+
+def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
+    """Run ``config`` to the end; returns how it ended (its ``exit_code``: 0, 1 failed,
+    3 diverged, 130 interrupted by Ctrl-C, 143 by SIGTERM). A settings mistake found before the
+    start raises ValueError.
+
+    Without a ``console`` it makes its own, and keeps a copy of what it says (not the tasks'
+    lines, which have their own logs) in the run folder's ``launcher.log``."""
+    keep = console is None
+    console = console or Console(quiet=config.quiet)
+    run_dir = _fresh_folder(config)
     if keep:
         console.keep(run_dir / LAUNCHER_LOG)
     stop = threading.Event()
     try:
-        hosts = start_hosts(config, run_dir)  # before any task; gone again if it fails
+        local = _start(config, console, run_dir, stop)
     except BaseException:
         if keep:
             console.close()
         raise
-    supervisor = engine_for(config).start(config, run_dir, console)
-    local = LocalRun(config, console, run_dir, supervisor, stop, hosts=hosts)
+    supervisor = local.supervisor
     previous: dict[signal.Signals, Any] = {}
     caught: list[int] = []  # the signals that stopped the run, first first
 

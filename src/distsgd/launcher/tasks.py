@@ -220,6 +220,18 @@ class LocalTasks:
         host = MANAGEMENT_ADDRESS if self.hosts is not None else supervisor.control_host
         if host is None:
             return None
+        if self.config.tls is not None:  # its connections are plaintext: not under mutual TLS
+            if self.hosts is None and supervisor.machines > 1 and self.config.placement == "spread":
+                raise ValueError(
+                    "--tls on a Ray cluster of several nodes: the run control that brings the "
+                    "tasks' files to the launcher is not encrypted yet; add --placement pack "
+                    "(every task on one node, the run folder on its disk) or drop --tls"
+                )
+            self.console.note(
+                "[distsgd] --tls: the tasks write the run folder on the disk they share with "
+                "the launcher (the run control is not encrypted yet)"
+            )
+            return None
         control = ControlServer(self.run_dir, host=host, secret=self.secret)
         self.console.note(
             f"[distsgd] run control on {control.address}: the tasks send the run folder's "
