@@ -449,3 +449,13 @@ def test_the_site_builds(tmp_path: Path) -> None:
         page = path.relative_to(ROOT / "docs").with_suffix("")
         page = page.parent if page.name in ("README", "index") else page
         assert (site / page / "index.html").is_file(), f"{path} is not on the site"
+
+
+def test_every_docs_page_is_in_the_sites_navigation() -> None:
+    """A page outside ``nav`` is one a reader of the site never finds (issue 39)."""
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8").split("\nnav:", 1)[1]
+    listed = set(re.findall(r":\s*([\w./-]+\.md)\s*$", nav, flags=re.MULTILINE))
+    docs = ROOT / "docs"
+    pages = {str(p.relative_to(docs)) for p in docs.rglob("*.md")}
+    assert sorted(pages - listed) == []
+    assert sorted(listed - pages - {"index.md"}) == []  # index.md: the README (site hook)
