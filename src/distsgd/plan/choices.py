@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from distsgd.plan.cost import Cluster, Part, Path, Prediction, Setting, Workload, predict
+from distsgd.ps import wire
 from distsgd.ps.compression import encoding_for, value_bytes
 from distsgd.ps.pull_encoding import pull_encoding_for
 
@@ -72,43 +73,27 @@ def pull_factor(pull_dtype: str = "float32") -> float:
     return value_bytes(pull_encoding_for(pull_dtype), "float32") / 4
 
 
-_PER_MB = 1e-3 / 2.7e6
-ENCODE_COST: dict[str, float] = {"float32": 0.0, "bf16": 0.3 * _PER_MB, "fp16": 0.4 * _PER_MB}
-"""Assumed CPU seconds per float32 byte to encode and decode a 16-bit piece (docs/compression.md:
-0.2 ms to encode, about 0.1 to decode 2.7 MB on the project's machine)."""
-INT8_COST = 0.8 * _PER_MB
-"""int8 with its error feedback (a residual added, the scale found, the rounding, the residual
-kept): about 0.8 ms per 2.7 MB, assumed."""
-LOWBIT_COST = 3.0 * INT8_COST
-"""int4 and int2 with error feedback (a scale per chunk of 128, the codes packed): measured
-2.9x to 3.0x int8's, encode plus decode of 2.7 MB (``python benchmarks/codec_cost.py``: 3.3
-to 3.5 ms against 1.1 ms, median of 7, A B A B, two runs); 16x before the codes were worked
-out in float32."""
-TOPK_COST = 1.5 * _PER_MB
-"""top-k with error feedback (a selection over the piece), assumed."""
-
-
 def push_encode(wire_dtype: str = "float32", topk: float = 0.0) -> float:
-    """CPU seconds per float32 byte to encode and decode a push."""
+    """CPU seconds per float32 byte to encode and decode a push (the wire vocabulary's
+    assumed or measured costs, :mod:`distsgd.ps.wire`)."""
     encoding_for(wire_dtype)  # the flag's one check
-    if topk:
-        return TOPK_COST
-    if wire_dtype in ("int4", "int2"):
-        return LOWBIT_COST
-    return INT8_COST if wire_dtype == "int8" else ENCODE_COST[wire_dtype]
+    return wire.TOPK_COST if topk else wire.named(wire_dtype).cost
 
 
 def pull_encode(pull_dtype: str = "float32") -> float:
     """CPU seconds per float32 byte to encode and decode a pull."""
     pull_encoding_for(pull_dtype)
-    return ENCODE_COST[pull_dtype]
+    return wire.named(pull_dtype).cost
 
 
-WIRES: tuple[tuple[str, str], ...] = (
-    ("float32", "float32"),
-    ("bf16", "float32"),
-    ("bf16", "bf16"),
-    ("int8", "bf16"),
+WIRES: tuple[tuple[str, str], ...] = tuple(
+    (push.name, pull.name)
+    for push, pull in (
+        (wire.FLOAT32, wire.FLOAT32),
+        (wire.BF16, wire.FLOAT32),
+        (wire.BF16, wire.BF16),
+        (wire.INT8, wire.BF16),
+    )
 )
 """(--wire-dtype, --pull-dtype) the recommendation tries, the lightest compression first."""
 
@@ -142,17 +127,17 @@ def recommend(
     wires = WIRES if cluster.link is not None else WIRES[:1]
     best: tuple[Prediction, str] | None = None
     for servers in _powers_of_two(limit):
-        for wire, pull in wires:
+        for push, pull in wires:
             candidate = replace(
                 setting,
-                push_factor=push_factor(wire),
+                push_factor=push_factor(push),
                 pull_factor=pull_factor(pull),
-                push_encode=push_encode(wire),
+                push_encode=push_encode(push),
                 pull_encode=pull_encode(pull),
             )
             shaped = replace(cluster, ps=servers)
             got = predict(candidate, workload, shaped, path_for(shaped))
-            flags = " ".join(f for f in (f"--ps {servers}", wire_flags(wire, pull)) if f)
+            flags = " ".join(f for f in (f"--ps {servers}", wire_flags(push, pull)) if f)
             if best is None or got.rate > best[0].rate * (1 + MARGIN):
                 best = (got, flags)
     assert best is not None

@@ -75,7 +75,6 @@ with one shift; int8 is one multiply and one rounding.
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import math
@@ -85,7 +84,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from distsgd.ps import quantize
+from distsgd.ps import quantize, wire
+from distsgd.ps.wire import Encoding
 
 log = logging.getLogger(__name__)
 
@@ -114,36 +114,14 @@ _U32 = np.uint32
 _U16 = np.uint16
 
 
-class Encoding(enum.IntEnum):
-    """How a piece's values travel; the numbers are the wire contract (proto ``TensorEncoding``)."""
-
-    RAW = 0
-    """The piece's own dtype (float16, float32 or float64), unchanged."""
-    FP16 = 1
-    """IEEE half precision."""
-    BF16 = 2
-    """The upper 16 bits of float32, rounded to nearest even, as uint16."""
-    INT8 = 3
-    """int8 ``q``; value ``q * scale``, ``scale = max|x| / 127``."""
-    INT4 = 4
-    """4-bit codes with a float32 scale per chunk of 128 (:mod:`distsgd.ps.quantize`)."""
-    INT2 = 5
-    """2-bit (ternary) codes with a float32 scale per chunk of 128."""
-
-
-LOW_BITS = {Encoding.INT4: 4, Encoding.INT2: 2}
+LOW_BITS = {e.encoding: e.bits for e in wire.TABLE if e.bits < 8}
+_BITS = {e.encoding: e.bits for e in wire.TABLE}
 """The encodings whose scales travel in the payload, a chunk at a time: bits per code."""
 
 
-ENCODINGS: dict[str, Encoding] = {
-    "float32": Encoding.RAW,
-    "fp16": Encoding.FP16,
-    "bf16": Encoding.BF16,
-    "int8": Encoding.INT8,
-    "int4": Encoding.INT4,
-    "int2": Encoding.INT2,
-}
-"""``TrainConfig.wire_dtype`` -> encoding; ``float32`` is uncompressed (each piece's own dtype)."""
+ENCODINGS: dict[str, Encoding] = wire.pushes()
+"""``TrainConfig.wire_dtype`` -> encoding; ``float32`` is uncompressed (each piece's own dtype);
+from the wire vocabulary (:mod:`distsgd.ps.wire`)."""
 
 WIRE_DTYPES = tuple(ENCODINGS)
 """What ``--wire-dtype`` (``TrainConfig.wire_dtype``) may be: the dtype pushed updates travel in."""
@@ -191,9 +169,8 @@ def value_bytes(encoding: Encoding, dtype: npt.DTypeLike) -> float:
     of a chunk's scale)."""
     if encoding is Encoding.RAW:
         return float(_float_dtype(dtype, "dtype").itemsize)
-    if encoding in LOW_BITS:
-        return LOW_BITS[encoding] / 8 + 4 / quantize.CHUNK
-    return 1.0 if encoding is Encoding.INT8 else 2.0
+    bits = _BITS[encoding] / 8
+    return bits + 4 / quantize.CHUNK if encoding in LOW_BITS else bits
 
 
 def wire_nbytes(encoding: Encoding, dtype: npt.DTypeLike, count: int, nnz: int) -> int:
@@ -545,7 +522,7 @@ def _to_fp16(x: np.ndarray, high: float, low: float) -> np.ndarray:
     if x.dtype == np.float16:
         return x.astype("<f2")  # a copy, like every other encoding's output
     peak = _finite_peak(x, high, low)
-    _refuse_overflow("fp16", peak, FP16_OVERFLOW, 65504.0, "--wire-dtype bf16 or float32")
+    _refuse_overflow(wire.FP16.name, peak, FP16_OVERFLOW, 65504.0, "--wire-dtype bf16 or float32")
     if x.dtype == np.float32 and math.isfinite(high) and math.isfinite(low):
         return _fp16_bits(x).view("<f2")
     return x.astype("<f2")  # float64 (rounded once, directly), or inf or NaN among the values
@@ -576,11 +553,11 @@ def _to_bf16(x: np.ndarray, high: float, low: float) -> np.ndarray:
     largest = 3.3895314e38  # bf16 0x7F7F
     if x.dtype != np.float32:
         peak = _finite_peak(x, high, low)
-        _refuse_overflow("bf16", peak, BF16_OVERFLOW, largest, "--wire-dtype float32")
+        _refuse_overflow(wire.BF16.name, peak, BF16_OVERFLOW, largest, "--wire-dtype float32")
         x = x.astype(np.float32)  # finite: float64 below BF16_OVERFLOW rounds to at most it
         high, low = _extremes(x)
     peak = _finite_peak(x, high, low)
-    _refuse_overflow("bf16", peak, BF16_OVERFLOW, largest, "--wire-dtype float32")
+    _refuse_overflow(wire.BF16.name, peak, BF16_OVERFLOW, largest, "--wire-dtype float32")
     bits = x.view(_U32)
     work = np.right_shift(bits, _U32(16))
     work &= _U32(1)

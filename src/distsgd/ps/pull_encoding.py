@@ -20,17 +20,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from distsgd.ps import compression
+from distsgd.ps import compression, wire
 from distsgd.ps.compression import Encoding
 from distsgd.transport.codec import WireError, nbytes_of, spec_of
 from distsgd.transport.proto import distsgd_pb2 as pb
 
-PULL_ENCODINGS: dict[str, Encoding] = {
-    "float32": Encoding.RAW,
-    "bf16": Encoding.BF16,
-    "fp16": Encoding.FP16,
-}
-"""``TrainConfig.pull_dtype`` -> encoding; ``float32`` is each piece's own dtype, unchanged."""
+PULL_ENCODINGS: dict[str, Encoding] = wire.pulls()
+"""``TrainConfig.pull_dtype`` -> encoding; ``float32`` is each piece's own dtype, unchanged;
+from the wire vocabulary (:mod:`distsgd.ps.wire`)."""
 
 PULL_DTYPES = tuple(PULL_ENCODINGS)
 """What ``--pull-dtype`` (``TrainConfig.pull_dtype``) may be."""

@@ -57,10 +57,10 @@ class UnsavableStateError(ValueError):
 _SCALARS = (type(None), bool, int, float, str)
 _ARRAY = "__ndarray__"  # {_ARRAY: tensor}: a numpy array in a file ("scalar": True: a numpy scalar)
 _ARRAY_DTYPES = frozenset(
-    np.dtype(name)
-    for name in (
-        *("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"),
-        *("float16", "float32", "float64", "complex64", "complex128"),
+    np.dtype(t)
+    for t in (
+        *(np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32),
+        *(np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128),
     )
 )
 _PLAIN = (

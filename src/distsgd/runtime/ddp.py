@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from distsgd.ps import wire
 from distsgd.runtime.collective import Collective
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,9 @@ POWERSGD_START = 10
 value of the example in PyTorch's ``powerSGD_hook`` docstring; torch requires at least 2 with
 error feedback (DDP rebuilds its buckets after the first step)."""
 
-HOOKS = {"float32": "allreduce", "fp16": "fp16_compress", "bf16": "bf16_compress"}
-"""``TrainConfig.wire_dtype`` -> the name of the ``default_hooks`` hook (``<name>_hook``)."""
+HOOKS = wire.hooks()
+"""``TrainConfig.wire_dtype`` -> the name of the ``default_hooks`` hook (``<name>_hook``), from
+the wire vocabulary (:mod:`distsgd.ps.wire`)."""
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from distsgd.control.config import TrainConfig
 from distsgd.plan.traffic import Traffic
+from distsgd.ps import wire
 from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.schemes.registry import SchemeSpec
@@ -78,7 +79,7 @@ class AllreduceWorker(WorkerScheme):
         if self.alone:  # nothing travels: a script run alone (python train.py) keeps its config
             return
         self.refuse_pull_dtype(config, "allreduce")
-        if config.wire_dtype in ("int8", "int4", "int2"):
+        if config.wire_dtype in wire.pushes() and config.wire_dtype not in wire.hooks():
             raise ValueError(
                 f"--wire-dtype {config.wire_dtype} under allreduce: integer codes are for "
                 "parameter-server schemes; use fp16, bf16 or --powersgd-rank"

@@ -26,7 +26,11 @@ no regrowth); a larger announced tensor grows as its bytes arrive, so announcing
 tensor costs the sender the bytes, not the receiver's memory."""
 
 ALLOWED_DTYPES = frozenset(
-    {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
+    np.dtype(t).name
+    for t in (
+        *(np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64),
+        *(np.uint8, np.bool_),
+    )
 )
 """Dtypes a tensor may have on the wire. There is no ``bfloat16``: numpy has none."""
 
