@@ -286,3 +286,106 @@ def test_a_refused_or_unreachable_server_is_an_error_not_a_bug(
     err = capsys.readouterr().err
     assert err.startswith("distsgd: error: Register on parameter server 127.0.0.1:9 failed")
     assert says in err and "a bug" not in err and err.count("\n") == 1
+
+
+# -- the surface of distsgd run: core flags in --help, every flag frozen ---------------------
+RUN_FLAGS = (
+    "--alpha",
+    "--backup-workers",
+    "--batch-size",
+    "--checkpoint-every",
+    "--delta",
+    "--device",
+    "--dylu",
+    "--dynamic-graph",
+    "--epochs",
+    "--eval-batch-size",
+    "--eval-every",
+    "--evict-after",
+    "--fork-server",
+    "--fragments",
+    "--help",
+    "--help-all",
+    "--help-scheme",
+    "--hosts",
+    "--inject-fault",
+    "--inner-lr",
+    "--inner-steps",
+    "--link",
+    "--loader-workers",
+    "--local-optimizer",
+    "--log-every",
+    "--lr",
+    "--lr-cut",
+    "--lr-rule",
+    "--lr-schedule",
+    "--max-restarts",
+    "--max-rollbacks",
+    "--max-workers",
+    "--merge",
+    "--min-workers",
+    "--momentum",
+    "--nesterov-period",
+    "--nonfinite",
+    "--outer-lr",
+    "--outer-momentum",
+    "--overlap",
+    "--overlap-steps",
+    "--param-placement",
+    "--period",
+    "--placement",
+    "--powersgd-rank",
+    "--powersgd-start",
+    "--ps",
+    "--pull-dtype",
+    "--quiet",
+    "--ray",
+    "--rebalance",
+    "--replicas-to-aggregate",
+    "--resume",
+    "--run-dir",
+    "--scheme",
+    "--seed",
+    "--server-lr",
+    "--shared-memory",
+    "--staleness",
+    "--step-timeout",
+    "--steps",
+    "--switch-step",
+    "--tau",
+    "--tensor-socket",
+    "--threads",
+    "--tls-ca",
+    "--tls-cert",
+    "--tls-key",
+    "--topk",
+    "--validation",
+    "--wal",
+    "--warmup",
+    "--weight-decay",
+    "--window",
+    "--wire-dtype",
+    "--worker-lrs",
+    "--workers",
+    "--world-size",
+)
+"""Every flag of ``distsgd run``: a flag added or removed changes this on purpose (issue 39)."""
+
+
+def test_run_help_shows_the_core_flags_and_help_all_every_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from distsgd.cli.main import main
+    from distsgd.cli.parser import RUN_CORE, build_parser
+
+    run = build_parser()._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+    every = sorted(s for a in run._actions for s in a.option_strings if s.startswith("--"))
+    assert tuple(every) == RUN_FLAGS
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    shown = set(re.findall(r"^  (-[-\w]+)", capsys.readouterr().out, flags=re.MULTILINE))
+    assert shown == {*RUN_CORE, "-h", "--help-all"} and len(shown) <= 15
+    with pytest.raises(SystemExit):
+        main(["run", "--help-all"])
+    text = capsys.readouterr().out
+    assert all(flag in text for flag in RUN_FLAGS if flag != "--help")

@@ -535,7 +535,7 @@ def test_help_of_a_shared_flag_names_each_schemes_default(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit):
-        main(["run", "--help"])
+        main(["run", "--help-all"])
     text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, even at hyphens
     for option, owners in _option_owners().items():
         if len(owners) > 1:

@@ -315,6 +315,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+RUN_CORE = (
+    *("--workers", "--ps", "--scheme", "--help-scheme", "--epochs", "--batch-size", "--lr"),
+    *("--run-dir", "--resume", "--checkpoint-every", "--inject-fault", "--hosts", "--ray"),
+)
+"""The flags ``distsgd run --help`` shows (with ``-h`` and ``--help-all``); ``--help-all``
+shows every one."""
+
+
+class _HelpAll(argparse.Action):
+    """``--help-all``: the help with every flag, then exit."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **_: Any) -> None:
+        super().__init__(
+            option_strings, dest, nargs=0, help="show every flag (--help shows the core ones)"
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        for action in parser._actions:
+            action.help = getattr(action, "full_help", action.help)
+        parser.epilog = None
+        parser.print_help()
+        parser.exit()
+
+
+def _core_only(parser: argparse.ArgumentParser, core: Sequence[str], prog: str) -> None:
+    """``--help`` shows the ``core`` flags only; ``--help-all`` every one."""
+    parser.add_argument("--help-all", action=_HelpAll)
+    shown = {*core, "-h", "--help", "--help-all"}
+    hidden = 0
+    for action in parser._actions:
+        if action.option_strings and not shown & set(action.option_strings):
+            action.full_help = action.help  # type: ignore[attr-defined]
+            action.help = argparse.SUPPRESS
+            hidden += 1
+    parser.epilog = f"{hidden} more flags (faults, elastic runs, emulated hosts, TLS, each "
+    parser.epilog += f"scheme's options, the training settings): {prog} --help-all"
+
+
 def _add_run(sub: Any) -> None:
     run = sub.add_parser("run", help="train a script on a local cluster of N workers and M ps")
     add_launch_flags(run)
@@ -328,6 +366,7 @@ def _add_run(sub: Any) -> None:
     )
     run.add_argument("script", nargs="?", help="training script that calls distsgd.train")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    _core_only(run, RUN_CORE, "distsgd run")
 
 
 def _add_demo(sub: Any) -> None:
