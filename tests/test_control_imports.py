@@ -43,6 +43,14 @@ def test_control_and_the_server_import_with_torch_blocked() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_the_run_settings_import_without_grpc() -> None:
+    """``control.config`` (what the launcher, the planner and every flag's check read) needs no
+    network: the packages below it export their names lazily (issue 39)."""
+    code = "import sys, distsgd.control.config\nassert 'grpc' not in sys.modules, 'grpc loaded'\n"
+    done = loadclock.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def _imported(path: Path) -> set[str]:
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
