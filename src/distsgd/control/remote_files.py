@@ -95,7 +95,8 @@ class RemoteFiles:
             raise ValueError(f"{name} is replaced, not appended to")
         with self._lock:
             self._pending.setdefault(name, []).append(bytes(data))
-        self._wake.set() if len(data) > CHUNK else None
+        if len(data) > CHUNK:  # a large one goes now, not at the next flush
+            self._wake.set()
 
     def put(self, name: str, data: bytes) -> None:
         self._put(name, iter([data]), len(data))
