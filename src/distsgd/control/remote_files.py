@@ -21,7 +21,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -114,25 +114,14 @@ class RemoteFiles:
         if size > entry.limit:
             raise ValueError(f"{name}: {size} bytes, over the {entry.limit} it may have")
         mode = pb.RUN_FILE_WRITE_APPEND if entry.append else pb.RUN_FILE_WRITE_REPLACE
-        chunks = list(blocks) if size <= CHUNK else None  # a retry must send them again
-
-        def messages() -> Iterator[pb.RunFileChunk]:
-            yield pb.RunFileChunk(header=self._header, name=name, write=mode)
-            for block in chunks if chunks is not None else blocks:
-                for start in range(0, len(block), CHUNK):
-                    yield pb.RunFileChunk(data=block[start : start + CHUNK])
-
-        def call(timeout: float) -> object:
-            return self._stub.PutFile(messages(), timeout=timeout, metadata=self._metadata)
-
         seconds = self.timeout + size / (8 << 20)
-        if chunks is None:  # a stream read once: no retry
+        if size > CHUNK:  # a stream read once: no retry
             try:
-                call(seconds)
+                self._sender_of(name, mode, blocks)(seconds)
             except grpc.RpcError as exc:
                 raise ControlError(self.address, f"put {name}", exc) from None
             return
-        self._call(f"put {name}", call, seconds)
+        self._call(f"put {name}", self._sender_of(name, mode, list(blocks)), seconds)
 
     def get(self, name: str) -> bytes | None:
         if not task_file(name).readable:
@@ -167,7 +156,8 @@ class RemoteFiles:
         for name, parts in pending.items():
             data = b"".join(parts)
             try:
-                self._call(f"append to {name}", self._sender_of(name, data), self.timeout)
+                append = self._sender_of(name, pb.RUN_FILE_WRITE_APPEND, [data])
+                self._call(f"append to {name}", append, self.timeout)
             except ControlError as exc:
                 self.dropped += len(data)
                 if not self._failing:
@@ -178,13 +168,17 @@ class RemoteFiles:
                 log.warning("run control answers again (%d bytes dropped)", self.dropped)
             self._failing = False
 
-    def _sender_of(self, name: str, data: bytes) -> Callable[[float], object]:
-        """The call that appends ``data`` to ``name`` (again on each retry)."""
+    def _sender_of(
+        self, name: str, mode: pb.RunFileWrite, blocks: Iterable[bytes]
+    ) -> Callable[[float], object]:
+        """The call that writes ``blocks`` to ``name`` (a list: again on each retry), each
+        block in chunks of at most :data:`CHUNK`."""
 
         def messages() -> Iterator[pb.RunFileChunk]:
-            yield pb.RunFileChunk(header=self._header, name=name, write=pb.RUN_FILE_WRITE_APPEND)
-            for start in range(0, len(data), CHUNK):
-                yield pb.RunFileChunk(data=data[start : start + CHUNK])
+            yield pb.RunFileChunk(header=self._header, name=name, write=mode)
+            for block in blocks:
+                for start in range(0, len(block), CHUNK):
+                    yield pb.RunFileChunk(data=block[start : start + CHUNK])
 
         return lambda timeout: self._stub.PutFile(
             messages(), timeout=timeout, metadata=self._metadata
