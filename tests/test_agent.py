@@ -136,13 +136,14 @@ def test_sigterm_stops_every_task_of_the_agent(tmp_path: Path) -> None:
 
 
 def test_the_readme_agent_commands_parse() -> None:
-    """The README's agent lines are real command lines (tests above run the agent itself)."""
+    """The guide's agent lines (docs/guide/many-machines.md, once the README's) are real command
+    lines (tests above run the agent itself)."""
     import re
     import shlex
 
     from distsgd.cli.parser import build_parser, parse_argv
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "many-machines.md").read_text()
     block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "distsgd agent" in b)
     lines = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
     assert len(lines) == 3

@@ -459,3 +459,17 @@ def test_every_docs_page_is_in_the_sites_navigation() -> None:
     pages = {str(p.relative_to(docs)) for p in docs.rglob("*.md")}
     assert sorted(pages - listed) == []
     assert sorted(listed - pages - {"index.md"}) == []  # index.md: the README (site hook)
+
+
+README_MAX_LINES = 150
+README_MAX_FLAGS = 15
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """README.md is one page (issue 39): at most 150 lines and 15 distinct ``--flags`` named
+    anywhere in it (prose, code and the test command alike); the rest lives in docs/."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = text.splitlines()
+    flags = sorted(set(re.findall(r"--[a-z][a-z0-9-]+", text)))
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines: move some to docs/"
+    assert len(flags) <= README_MAX_FLAGS, f"README.md names {len(flags)} flags: {flags}"

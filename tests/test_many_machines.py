@@ -25,8 +25,9 @@ ADDRESSES = ("198.18.0.1", "198.18.0.2", "198.18.0.3")
 
 
 def _readme_lines() -> list[str]:
-    """The README block that rehearses "Many machines" on emulated hosts, command by command."""
-    text = (ROOT / "README.md").read_text()
+    """The block that rehearses "Many machines" on emulated hosts, command by command (in
+    docs/guide/many-machines.md, once the README's)."""
+    text = (ROOT / "docs" / "guide" / "many-machines.md").read_text()
     block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "hosts up" in b)
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
 
