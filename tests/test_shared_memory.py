@@ -451,6 +451,6 @@ def test_a_tls_server_offers_no_tensor_socket_and_its_workers_use_the_stream(ser
         client.push({k: np.ones_like(v) for k, v in model.items()})
         version, values = client.pull()
         assert version == 1 and np.allclose(values["fc.bias"], model["fc.bias"] - 1)
-        assert client.tensor_socket_shards == 0 and service._bulk is None
+        assert client.tensor_socket_shards == 0 and service.shared._bulk is None
     finally:
         client.close()

@@ -635,7 +635,7 @@ def test_info_and_lease_work_cost_no_time_per_unit_with_millions_of_units() -> N
     import statistics
     import tracemalloc
 
-    from distsgd.ps.service import work_status
+    from distsgd.ps.member_plane import work_status
 
     tracemalloc.start()
     try:

@@ -1,6 +1,6 @@
-"""The RPCs that move pieces between shards (ExportPieces, ImportPieces, FinishMove) of
-:class:`~distsgd.ps.service.ParameterService`, which inherits them; the decisions and the
-locking are :mod:`distsgd.ps.moves`'."""
+"""The RPCs that move pieces between shards (ExportPieces, ImportPieces, FinishMove), to which
+:class:`~distsgd.ps.service.ParameterService` routes them; the decisions and the locking are
+:mod:`distsgd.ps.moves`'."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from distsgd.transport.proto import distsgd_pb2 as pb
 
 if TYPE_CHECKING:
     from distsgd.ps.shard import Shard
+    from distsgd.ps.shard_holder import ShardHolder
 
 log = logging.getLogger(__name__)
 
@@ -37,21 +38,22 @@ def moved_owners(shard: Shard, keys: Iterator[str] | list[str]) -> list[pb.Piece
 
 
 class MovePlane:
-    """Moving pieces: the three calls of the .proto's "Moving pieces"."""
+    """Moving pieces: the three calls of the .proto's "Moving pieces", on ``holder``'s shard.
+    A move that changes the shard's pieces retires ``segments``' attachments (their layout is
+    stale); an export streams in ``chunk_bytes`` chunks."""
 
-    shard_index: int
-    chunk_bytes: int
-    _segments: SegmentTable
+    def __init__(self, holder: ShardHolder, segments: SegmentTable, *, chunk_bytes: int) -> None:
+        self.holder = holder
+        self.segments = segments
+        self.chunk_bytes = chunk_bytes
 
-    if TYPE_CHECKING:
-
-        def _check(self, header: pb.RequestHeader, context: grpc.ServicerContext) -> None: ...
-
-        def _registered(self, context: grpc.ServicerContext) -> Shard: ...
+    @property
+    def shard_index(self) -> int:
+        return self.holder.index
 
     def _move_request(self, request: pb.MoveRequest, context: grpc.ServicerContext) -> Shard:
-        self._check(request.header, context)
-        shard = self._registered(context)
+        self.holder.check(request.header, context)
+        shard = self.holder.registered(context)
         if request.header.worker != -1:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, "only the launcher moves pieces")
         if any(not 0 < len(k) <= checks.MAX_KEY_CHARS for k in request.keys):
@@ -97,8 +99,8 @@ class MovePlane:
         self, request_iterator: Iterator[pb.ImportRequest], context: grpc.ServicerContext
     ) -> pb.MoveResponse:
         head = checks.first_header(request_iterator, context)
-        self._check(head.header, context)
-        shard = self._registered(context)
+        self.holder.check(head.header, context)
+        shard = self.holder.registered(context)
         if head.header.worker != -1 or head.from_shard == self.shard_index:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, "an import from the launcher only")
         checks.check_register_specs(head.tensors, context)
@@ -111,7 +113,7 @@ class MovePlane:
         except (moves.MoveRefused, ValueError) as exc:
             refusal = exc.refusal if isinstance(exc, moves.MoveRefused) else None
             self._refused(moves.MoveRefused(refusal, str(exc)), context)
-        self._segments.retire()  # the layout changed: workers attach again
+        self.segments.retire()  # the layout changed: workers attach again
         log.info(
             "shard %d: took %d piece(s) from shard %d", self.shard_index, taken, head.from_shard
         )
@@ -133,7 +135,7 @@ class MovePlane:
         except moves.MoveRefused as exc:
             self._refused(exc, context)
         if changed:
-            self._segments.retire()
+            self.segments.retire()
         log.info(
             "shard %d: move %s of %d piece(s) with shard %d %s",
             self.shard_index,

@@ -14,17 +14,19 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import grpc
 import numpy as np
 
 from distsgd.ps import channel, checks
 from distsgd.ps.compression import Encoding
+from distsgd.ps.data_plane import DataPlane, apply_push
 from distsgd.ps.pull_encoding import encode_pull
 from distsgd.ps.segments import Attached, Layout, SegmentTable
 from distsgd.ps.service_errors import abort, clip, guarded
 from distsgd.ps.shard import Shard
+from distsgd.ps.shard_holder import ShardHolder
 from distsgd.transport import bulk, shm
 from distsgd.transport.codec import (
     WireError,
@@ -46,49 +48,47 @@ RPC_BYTES_SECONDS = 120.0
 
 
 class SharedPlane:
-    """The shared-memory and tensor-socket RPCs of :class:`~distsgd.ps.service.ParameterService`,
-    which inherits them (and provides the state and checks declared here)."""
+    """The shared-memory and tensor-socket RPCs (Attach, PullShared, PushShared, and a data
+    channel's frames) on ``holder``'s shard, to which
+    :class:`~distsgd.ps.service.ParameterService` routes them. ``data`` lends its pull checks,
+    its wait for a version and its apply; ``segments`` holds the attachments; ``host``: where
+    tensor sockets are offered ("" = none), ``tls``: the server encrypts (no tensor sockets);
+    ``segment_record``: where each segment's name is recorded before it is created (None:
+    nowhere), so that the launcher removes exactly the names a killed server left
+    (``shm.remove_leftovers``)."""
 
-    shard_index: int
-    host: str
-    tls: bool
-    incarnation: int
-    segment_record: Path | None
-    _segments: SegmentTable
-    _bulk: bulk.Listener | None
-    _register_lock: threading.Lock
+    def __init__(
+        self,
+        holder: ShardHolder,
+        data: DataPlane,
+        segments: SegmentTable,
+        *,
+        host: str,
+        tls: bool,
+        segment_record: Path | None,
+    ) -> None:
+        self.holder = holder
+        self.data = data
+        self.segments = segments
+        self.host = host
+        self.tls = tls
+        self.segment_record = segment_record
+        self._bulk: bulk.Listener | None = None
+        self._bulk_lock = threading.Lock()
 
-    if TYPE_CHECKING:
+    @property
+    def shard_index(self) -> int:
+        return self.holder.index
 
-        @property
-        def closing(self) -> bool: ...
-
-        def _check(self, header: pb.RequestHeader, context: grpc.ServicerContext) -> None: ...
-
-        def _registered(self, context: grpc.ServicerContext) -> Shard: ...
-
-        def _unless_closing(self, context: grpc.ServicerContext) -> None: ...
-
-        def _check_pull(
-            self, request: pb.PullRequest, context: grpc.ServicerContext
-        ) -> tuple[Shard, float]: ...
-
-        def _await_version(
-            self, shard: Shard, wait: float, request: pb.PullRequest, context: grpc.ServicerContext
-        ) -> float: ...
-
-        def _apply_push(
-            self,
-            shard: Shard,
-            request: pb.PushHeader,
-            lr_scale: float,
-            payload: dict[str, np.ndarray],
-        ) -> pb.PushResponse: ...
+    def close(self) -> None:
+        """Close the tensor sockets' listener, if one was opened."""
+        if self._bulk is not None:
+            self._bulk.close()
 
     def _attached(
         self, segment_id: int, header: pb.RequestHeader, context: grpc.ServicerContext
     ) -> Attached:
-        entry = self._segments.get(segment_id, header.worker)
+        entry = self.segments.get(segment_id, header.worker)
         if entry is None or not entry.confirmed:
             abort(
                 context,
@@ -108,7 +108,7 @@ class SharedPlane:
         return entry
 
     def _listener(self) -> bulk.Listener:
-        with self._register_lock:
+        with self._bulk_lock:
             if self._bulk is None:
                 self._bulk = bulk.Listener(self.host, self._accept_channel)
             return self._bulk
@@ -122,7 +122,7 @@ class SharedPlane:
     def _accept_channel(
         self, segment_id: int, token: bytes, sock: socket.socket
     ) -> bulk.Serve | None:
-        entry = self._segments.bind_socket(segment_id, token, sock)
+        entry = self.segments.bind_socket(segment_id, token, sock)
         if entry is None:
             return None
 
@@ -141,17 +141,17 @@ class SharedPlane:
             channel.serve,
             sock,
             handle=handle,
-            closing=lambda: self.closing,
+            closing=lambda: self.holder.closing,
             seconds=RPC_BYTES_SECONDS,
-            on_close=lambda: self._segments.remove(entry),
+            on_close=lambda: self.segments.remove(entry),
             name=f"ps{self.shard_index} data channel of worker {entry.worker}",
         )
 
     @guarded
     def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
-        self._check(request.header, context)
-        shard = self._registered(context)
-        self._unless_closing(context)
+        self.holder.check(request.header, context)
+        shard = self.holder.registered(context)
+        self.holder.unless_closing(context)
         worker = request.header.worker
         if request.confirm:
             return self._confirm_attach(request, worker, context)
@@ -181,7 +181,7 @@ class SharedPlane:
                 Refusal.TOO_LARGE,
             )
         token = bulk.new_token() if self.offers_channels else b""
-        entry = self._segments.add(worker, segment, layout, token)
+        entry = self.segments.add(worker, segment, layout, token)
         return pb.AttachResponse(
             segment=entry.id,
             name=segment.name,
@@ -197,7 +197,7 @@ class SharedPlane:
         self, request: pb.AttachRequest, worker: int, context: grpc.ServicerContext
     ) -> pb.AttachResponse:
         """An Attach that confirms (the worker saw the nonce) or cancels its segment."""
-        entry = self._segments.get(request.confirm, worker)
+        entry = self.segments.get(request.confirm, worker)
         if entry is None or entry.segment is None:
             abort(
                 context,
@@ -207,9 +207,9 @@ class SharedPlane:
                 Refusal.NO_SEGMENT,
             )
         if request.cancel:
-            self._segments.remove(entry)
+            self.segments.remove(entry)
             return pb.AttachResponse(segment=entry.id, confirmed=False)
-        if not self._segments.confirm(entry, request.nonce):
+        if not self.segments.confirm(entry, request.nonce):
             abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -234,7 +234,7 @@ class SharedPlane:
             )
         listener = self._listener()
         token = bulk.new_token()
-        entry = self._segments.add(worker, None, layout, token)
+        entry = self.segments.add(worker, None, layout, token)
         return pb.AttachResponse(
             segment=entry.id,
             size=layout.size,
@@ -275,7 +275,7 @@ class SharedPlane:
         self, request: pb.PullRequest, context: grpc.ServicerContext, via: Attached | None
     ) -> tuple[pb.PullHeader, list[np.ndarray]]:
         """A PullShared: its answer, and (tensor socket) the values to send after it."""
-        shard, wait = self._check_pull(request, context)
+        shard, wait = self.data.check_pull(request, context)
         encoding = checks.pull_encoding(request.encoding, context)
         if request.keys:
             abort(
@@ -284,7 +284,7 @@ class SharedPlane:
                 "PullShared answers the whole shard; send a pull of some keys over the stream",
             )
         entry = self._own_entry(request.segment, request.header, context, via)
-        waited = self._await_version(shard, wait, request, context)
+        waited = self.data.await_version(shard, wait, request, context)
         arrays: list[np.ndarray] = []
         specs = list(entry.layout.specs)
         with entry.lock:
@@ -302,7 +302,7 @@ class SharedPlane:
         header = pb.PullHeader(
             version=version,
             tensors=specs,
-            server_incarnation=self.incarnation,
+            server_incarnation=self.holder.incarnation,
             waited_seconds=waited,
             in_segment=True,
         )
@@ -319,8 +319,8 @@ class SharedPlane:
     def _push_shared(
         self, request: pb.PushHeader, context: grpc.ServicerContext, via: Attached | None
     ) -> pb.PushResponse:
-        self._check(request.header, context)
-        shard = self._registered(context)
+        self.holder.check(request.header, context)
+        shard = self.holder.registered(context)
         entry = self._own_entry(request.segment, request.header, context, via)
         if entry.segment is None:
             return self._push_from_socket(shard, entry, request, context)
@@ -348,7 +348,7 @@ class SharedPlane:
             for spec in request.tensors
         ]
         total = sum(shm.align(size) for size in sizes)
-        with entry.lock, self._segments.scratch.take(total) as scratch:
+        with entry.lock, self.segments.scratch.take(total) as scratch:
             # The push area stays writable by the worker (and any process mapping the segment):
             # copy exactly the announced bytes into server-private memory first, so the bytes
             # checked (finite, decodable) are the bytes applied.
@@ -364,7 +364,7 @@ class SharedPlane:
                     else part.view(np.dtype(spec.dtype)).reshape(tuple(spec.shape))
                 )
             payload = checks.decode(request.tensors, payload, context)
-            return self._apply_push(shard, request, lr_scale, payload)
+            return apply_push(shard, request, lr_scale, payload)
 
     def _check_shared_push(
         self, shard: Shard, request: pb.PushHeader, context: grpc.ServicerContext
@@ -409,7 +409,7 @@ class SharedPlane:
             self._encoded_size(shard, spec, context) if is_encoded(spec) else nbytes_of(spec)
             for spec in request.tensors
         ]
-        with entry.lock, self._segments.scratch.take(sum(sizes)) as raw:
+        with entry.lock, self.segments.scratch.take(sum(sizes)) as raw:
             try:
                 bulk.recv_into(entry.sock, raw, deadline=time.monotonic() + RPC_BYTES_SECONDS)
             except bulk.SocketClosed as exc:
@@ -430,4 +430,4 @@ class SharedPlane:
                     else part.view(np.dtype(spec.dtype)).reshape(tuple(spec.shape))
                 )
             payload = checks.decode(request.tensors, payload, context)
-            return self._apply_push(shard, request, lr_scale, payload)
+            return apply_push(shard, request, lr_scale, payload)

@@ -1,0 +1,163 @@
+"""The data calls of the parameter-server service over gRPC streams: Pull (and its wait for a
+version, at most ``max_waiting_pulls`` at once) and Push. The shared-memory and tensor-socket
+calls (:mod:`distsgd.ps.shared_plane`) reuse its checks, its wait and its apply."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+
+from distsgd.ps import checks
+from distsgd.ps.checks import push_nbytes
+from distsgd.ps.move_plane import push_response
+from distsgd.ps.pull_encoding import encode_pull
+from distsgd.ps.rules import PushMeta
+from distsgd.ps.service_errors import abort, guarded
+from distsgd.ps.shard import Shard
+from distsgd.ps.shard_holder import ShardHolder
+from distsgd.transport.codec import iter_chunks
+from distsgd.transport.errors import Refusal
+from distsgd.transport.proto import distsgd_pb2 as pb
+
+
+class DataPlane:
+    """Pull and Push of ``holder``'s shard; a pull's answer streamed in ``chunk_bytes`` chunks.
+
+    At most ``max_waiting_pulls`` Pulls wait for a version at once (each holds a server thread);
+    one more is answered RESOURCE_EXHAUSTED (``Refusal.BUSY``, retried by clients), so waiting
+    pulls never take the threads that pushes, Info and Leave need."""
+
+    def __init__(self, holder: ShardHolder, *, chunk_bytes: int, max_waiting_pulls: int) -> None:
+        if max_waiting_pulls < 1:
+            raise ValueError(f"max_waiting_pulls must be at least 1, got {max_waiting_pulls}")
+        self.holder = holder
+        self.chunk_bytes = chunk_bytes
+        self.max_waiting_pulls = max_waiting_pulls
+        self._waiting = 0
+        self._waiting_lock = threading.Lock()
+
+    @property
+    def waiting_pulls(self) -> int:
+        """How many Pulls are waiting for a version now."""
+        return self._waiting
+
+    def _start_waiting(self) -> bool:
+        """Take one of the ``max_waiting_pulls`` places; False when all are taken."""
+        with self._waiting_lock:
+            if self._waiting >= self.max_waiting_pulls:
+                return False
+            self._waiting += 1
+            return True
+
+    def _stop_waiting(self) -> None:
+        with self._waiting_lock:
+            self._waiting -= 1
+
+    def check_pull(
+        self, request: pb.PullRequest, context: grpc.ServicerContext
+    ) -> tuple[Shard, float]:
+        """The checks of a pull, which change nothing: (shard, seconds it may wait)."""
+        self.holder.check(request.header, context)
+        shard = self.holder.registered(context)
+        wait = checks.wait_seconds(request.wait_seconds, context)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait = min(wait, remaining)
+        self.holder.unless_closing(context)
+        return shard, wait
+
+    def await_version(
+        self, shard: Shard, wait: float, request: pb.PullRequest, context: grpc.ServicerContext
+    ) -> float:
+        """A checked pull (:meth:`check_pull`) makes its worker a member, then waits for
+        ``min_version``: the seconds waited. A pull refused BUSY changes nothing."""
+        holder = self.holder
+        restarted = request.server_incarnation not in (0, holder.incarnation)
+        if restarted or shard.version >= request.min_version:
+            shard.see(request.header.worker, request.header.incarnation)
+            return 0.0
+        if not self._start_waiting():
+            abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"ps{holder.index} already holds {self.max_waiting_pulls} waiting pulls; "
+                "retry later, or start the server with more threads",
+                Refusal.BUSY,
+            )
+        began = time.monotonic()
+        try:
+            shard.see(request.header.worker, request.header.incarnation)
+            reached = shard.wait_for(request.min_version, wait)
+        finally:
+            self._stop_waiting()
+            waited = time.monotonic() - began
+        holder.unless_closing(context)
+        if not reached:
+            abort(
+                context,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"shard {holder.index} still at version {shard.version} after {wait:.1f}s "
+                f"waiting for version {request.min_version}",
+            )
+        return waited
+
+    @guarded
+    def Pull(
+        self, request: pb.PullRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.PullResponse]:
+        shard, wait = self.check_pull(request, context)
+        encoding = checks.pull_encoding(request.encoding, context)
+        keys = checks.pull_keys(request.keys, context)
+        waited = self.await_version(shard, wait, request, context)
+        # A locked rule's values are copied under its lock (one version); an unlocked rule's
+        # are streamed as they are, each chunk copied (or encoded) as it goes, as its readers
+        # expect.
+        version, values = shard.snapshot(keys) if shard.rule.locked else shard.live(keys)
+        specs, arrays = encode_pull(values, encoding)
+        shard.load.pulled({spec.key: a.nbytes for spec, a in zip(specs, arrays, strict=True)})
+        header = pb.PullHeader(
+            version=version,
+            tensors=specs,
+            server_incarnation=self.holder.incarnation,
+            waited_seconds=waited,
+        )
+        yield pb.PullResponse(header=header)
+        for chunk in iter_chunks(arrays, self.chunk_bytes):
+            yield pb.PullResponse(chunk=chunk)
+
+    @guarded
+    def Push(
+        self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext
+    ) -> pb.PushResponse:
+        head = checks.first_header(request_iterator, context)
+        self.holder.check(head.header, context)
+        shard = self.holder.registered(context)
+        lr_scale = checks.lr_scale(head.lr_scale, context)
+        checks.push_sequence(head.sequence, context)
+        checks.check_push_specs(shard, head.tensors, context)
+        payload = checks.assemble(head.tensors, request_iterator, context, push_nbytes)
+        payload = checks.decode(head.tensors, payload, context)
+        return apply_push(shard, head, lr_scale, payload)
+
+
+def apply_push(
+    shard: Shard, head: pb.PushHeader, lr_scale: float, payload: dict[str, np.ndarray]
+) -> pb.PushResponse:
+    """Apply a checked push's ``payload`` to ``shard``: its answer."""
+    meta = PushMeta(
+        lr_scale=lr_scale,
+        worker=head.header.worker,
+        incarnation=head.header.incarnation,
+        base_version=head.base_version,
+        sequence=head.sequence,
+    )
+    outcome, version = shard.push(payload, meta)
+    reply = push_response(
+        shard, outcome.accepted, version, outcome.reason, outcome.reject, list(payload)
+    )
+    reply.duplicate = outcome.duplicate
+    return reply
