@@ -23,10 +23,11 @@ from distsgd import schemes
 from distsgd.cli import main as cli_main
 from distsgd.cli.main import main
 from distsgd.compare import run as compare_module
+from distsgd.compare.config import BASELINE_LABEL, CompareConfig
 from distsgd.compare.entries import FOLDER_LIMIT, parse_entry, split_schemes
 from distsgd.compare.figure import band, legend_label, missing_figure_reason, write_figure
 from distsgd.compare.report import Context, markdown, write_json
-from distsgd.compare.run import CompareConfig, _calibrated
+from distsgd.compare.run import _calibrated
 from distsgd.compare.summary import (
     Curves,
     SchemeRun,
@@ -892,7 +893,7 @@ def test_the_baseline_runs_one_worker_over_the_same_samples() -> None:
         schemes=("hogwild",), script=BLOBS, workers=4, baseline=True, overrides={"steps": 30}
     )
     baseline = config.entries[-1]
-    assert baseline.label == compare_module.BASELINE_LABEL and baseline.scheme == "allreduce"
+    assert baseline.label == BASELINE_LABEL and baseline.scheme == "allreduce"
     run = config.launch_config(baseline, Path("."), 5)
     assert run.workers == 1 and run.overrides["steps"] == 120 and run.overrides["eval_every"] == 20
     assert config.launch_config(config.entries[0], Path("."), 5).overrides["steps"] == 30
@@ -1026,9 +1027,7 @@ def test_reports_show_mean_and_std_the_baseline_and_every_entrys_settings(tmp_pa
             for s in range(3)
         ],
         *[
-            _repeat_run(
-                compare_module.BASELINE_LABEL, s, 0.97, scheme="allreduce", baseline=True, workers=1
-            )
+            _repeat_run(BASELINE_LABEL, s, 0.97, scheme="allreduce", baseline=True, workers=1)
             for s in range(3)
         ],
     ]
@@ -1043,7 +1042,7 @@ def test_reports_show_mean_and_std_the_baseline_and_every_entrys_settings(tmp_pa
     runs = [with_target(r, 0.85) for r in runs]
     text = markdown(context, runs)
     rows = _rows(text)
-    assert list(rows) == ["hogwild", "downpour(server_lr=2)", compare_module.BASELINE_LABEL]
+    assert list(rows) == ["hogwild", "downpour(server_lr=2)", BASELINE_LABEL]
     header = next(line for line in text.splitlines() if line.startswith("| scheme"))
     assert "final accuracy (mean ± std)" in header and "settings (* = tuned)" in header
     assert "tuned on validation (0.2 of train)" in header
@@ -1056,7 +1055,7 @@ def test_reports_show_mean_and_std_the_baseline_and_every_entrys_settings(tmp_pa
     assert rows["downpour(server_lr=2)"][8] == (
         "lr=0.15, momentum=0, batch_size=32, server_lr=2, 4 workers"  # no default window
     )
-    assert rows[compare_module.BASELINE_LABEL][8].endswith("1 worker")
+    assert rows[BASELINE_LABEL][8].endswith("1 worker")
     assert "sample standard deviation over an entry's 3 runs" in text
     assert "the test set was never read while tuning" in text
     assert "1 worker (allreduce): the same script on one worker" in text
@@ -1138,4 +1137,4 @@ def test_a_tuned_repeated_comparison_with_a_baseline_without_processes(
     rows = _rows((out / "compare.md").read_text())
     assert rows["hogwild"][:2] == ["ok (2 runs)", "0.9500 ± 0.0000"]
     assert rows["hogwild"][9] == "**lr=0.15** (lr=0.05: 0.8000; lr=0.15: 0.9000; lr=0.3: 0.7500)"
-    assert compare_module.BASELINE_LABEL in rows
+    assert BASELINE_LABEL in rows

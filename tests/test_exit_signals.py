@@ -33,7 +33,8 @@ def test_compare_stopped_by_sigterm_exits_143(
     from conftest import SCRIPTS
 
     from distsgd.compare import run as compare_module
-    from distsgd.compare.run import CompareConfig, compare
+    from distsgd.compare.config import CompareConfig
+    from distsgd.compare.run import compare
     from distsgd.launcher.progress import Console
 
     def stopped(config: Any, console: Any) -> RunOutcome:  # SIGTERM reached the launch
@@ -51,9 +52,9 @@ def test_k8s_local_stopped_by_sigterm_exits_143(
 ) -> None:
     import threading
 
-    from distsgd.launcher import k8s_local
     from distsgd.launcher.errors import Interrupted
     from distsgd.launcher.progress import Console
+    from distsgd_emulate import k8s_local
 
     class Cluster:  # stands in for LocalCluster: SIGTERM reaches the process while it runs
         def __init__(self, out_dir: Path, local_dir: Path, console: Console) -> None:

@@ -99,7 +99,8 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
 
 def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from distsgd.compare.entries import split_schemes
-    from distsgd.compare.run import CompareConfig, compare
+    from distsgd.compare.config import CompareConfig
+    from distsgd.compare.run import compare
 
     steps, seconds = checkpoint_every(args.checkpoint_every)
     script = args.script or str(DEMO_SCRIPT)
