@@ -40,7 +40,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -165,9 +165,78 @@ def simulate(
     apart) instead of together."""
     if steps < 1:
         raise ValueError(f"simulate at least 1 step, got {steps}")
-    run = _Run(setting, workload, cluster, path, steps, stragglers or Stragglers(), seed)
-    run.together = run.together and not staggered
-    return run.play()
+    draws = _Draws(stragglers or Stragglers(), cluster.workers, workload.step.value, seed)
+    return _Run(setting, workload, cluster, path, steps, draws, staggered=staggered).play()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Costs:
+    """What one worker's actions take: seconds and bytes, from the setting, model and path."""
+
+    c: float
+    """A step's compute (before the stragglers' draws)."""
+    up: float
+    """Bytes of a push, and of a pull (``down``)."""
+    down: float
+    cpu_up: float
+    """A push's CPU (``cpu_down``: a pull's)."""
+    t_up: float
+    """A push's time over the path, the server's part included."""
+    cpu_down: float
+    apply_s: float
+    """A server's time to apply its piece of a push."""
+    ring_bytes: float
+    """Bytes a worker sends in a ring all-reduce, and its CPU (``ring_cpu``)."""
+    ring_cpu: float
+
+    @classmethod
+    def of(cls, setting: Setting, workload: Workload, path: Path, n: int, m: int) -> _Costs:
+        b = workload.param_bytes.value
+        up = b * setting.push_factor
+        down = b * setting.pull_factor if path.encoded_pulls else b
+        pull_encode = setting.pull_encode if path.encoded_pulls else 0.0
+        a = path.latency.value
+        ring_bytes = 2 * (n - 1) / n * up
+        return cls(
+            c=workload.step.value,
+            up=up,
+            down=down,
+            cpu_up=a + b * setting.push_encode + up / (path.push_cpu or path.push).value,
+            t_up=a + b * setting.push_encode + up / path.push.value,  # the server's too
+            cpu_down=a + b * pull_encode + down / path.pull.value,
+            apply_s=b / m * server_s_per_byte(path),
+            ring_bytes=ring_bytes,
+            ring_cpu=2 * (n - 1) * a + b * setting.push_encode + ring_bytes / path.push.value,
+        )
+
+
+@dataclass(kw_only=True)
+class _Group:
+    """Windowed exchanges across hosts: windows that end within a step of each other exchange
+    together, up to ``size`` workers."""
+
+    size: int
+    """As many workers as compute side by side (the cost model's)."""
+    members: list[tuple[float, int]] = field(default_factory=list)
+    """(when its window ended, worker) of each member so far."""
+    flush_at: float = math.inf
+    """When the group exchanges even if not full: a step after its first member."""
+
+
+class _Events:
+    """The actions to play, in time order (ties in the order they were scheduled)."""
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, int, str]] = []
+        self.seq = 0
+
+    def at(self, t: float, worker: int, action: str) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, worker, action))
+
+    def pop(self) -> tuple[float, int, str]:
+        t, _, worker, action = heapq.heappop(self.heap)
+        return t, worker, action
 
 
 class _Run:
@@ -178,69 +247,46 @@ class _Run:
         cluster: Cluster,
         path: Path,
         steps: int,
-        stragglers: Stragglers,
-        seed: int,
+        draws: _Draws,
+        *,
+        staggered: bool,
     ) -> None:
-        ex = setting.exchange
-        self.kind, self.period, self.overlap = ex.kind, ex.period, ex.overlap
-        self.n, self.m = cluster.workers, max(1, cluster.ps)
+        self.ex = ex = setting.exchange
+        self.n, self.m = n, m = cluster.workers, max(1, cluster.ps)
         self.steps = steps
-        b = workload.param_bytes.value
-        self.c = workload.step.value
-        self.up = b * setting.push_factor
-        self.down = b * setting.pull_factor if path.encoded_pulls else b
-        pull_encode = setting.pull_encode if path.encoded_pulls else 0.0
-        a = path.latency.value
-        self.cpu_up = a + b * setting.push_encode + self.up / (path.push_cpu or path.push).value
-        self.t_up = a + b * setting.push_encode + self.up / path.push.value  # the server's too
-        self.cpu_down = a + b * pull_encode + self.down / path.pull.value
-        self.apply_s = b / self.m * server_s_per_byte(path)
-        self.ring_bytes = 2 * (self.n - 1) / self.n * self.up
-        self.ring_cpu = (
-            2 * (self.n - 1) * a + b * setting.push_encode + self.ring_bytes / (path.push.value)
-        )
-        self.machine = _Machine(cluster, self.m)
-        self.draws = _Draws(stragglers, self.n, self.c, seed)
-        self.done = [0] * self.n
-        self.versions = np.zeros(self.m)
-        self.base: list[np.ndarray] = [np.zeros(self.m) for _ in range(self.n)]
+        self.cost = _Costs.of(setting, workload, path, n, m)
+        self.machine = _Machine(cluster, m)
+        self.draws = draws
+        self.done = [0] * n
+        self.versions = np.zeros(m)
+        self.base: list[np.ndarray] = [np.zeros(m) for _ in range(n)]
         self.stale: Counter[int] = Counter()
-        self.events: list[tuple[float, int, int, str]] = []
-        self.seq = 0
+        self.events = _Events()
         self.finished = 0.0
         self.pending: list[float] = []  # this round's push arrivals (sync) or arrivals (ring)
-        self.left = [self.period] * self.n  # steps left before this window's exchange
-        self.inflight = [False] * self.n  # overlap: an exchange of this worker travels
-        self.waiting: list[float | None] = [None] * self.n  # overlap: computed, waiting for it
-        cores = cluster.cores or self.n
-        self.group_size = max(1, min(self.n, math.floor(cores)))
-        """As many workers as compute side by side exchange together (the cost model's)."""
-        self.together = (
-            self.kind == "async"
-            and self.period > 1
-            and not self.overlap
-            and cluster.link is not None
-            and self.group_size > 1
-        )
+        self.left = [ex.period] * n  # steps left before this window's exchange
+        self.inflight = [False] * n  # overlap: an exchange of this worker travels
+        self.waiting: list[float | None] = [None] * n  # overlap: computed, waiting for it
+        size = max(1, min(n, math.floor(cluster.cores or n)))
+        windowed = ex.kind == "async" and ex.period > 1 and not ex.overlap
+        together = windowed and cluster.link is not None and size > 1 and not staggered
+        self.group = _Group(size=size) if together else None
         """Windowed exchanges across hosts: windows that end together exchange together."""
         self.in_turn = cluster.link is not None and cluster.turns >= 0.5
         """A synchronous round's pulls served in turn, not shared (``Cluster.turns``)."""
-        self.group: list[tuple[float, int]] = []
-        self.flush_at = math.inf
 
     def at(self, t: float, worker: int, action: str) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (t, self.seq, worker, action))
+        self.events.at(t, worker, action)
 
     def play(self) -> SimResult:
-        first = "compute" if self.kind == "collective" else "pull"
-        if self.together:  # every worker's first pull at once: they share the links too
-            pulled = self.machine.wire_together(0.0, self.down / self.m, self.n)
+        first, start = "compute" if self.ex.kind == "collective" else "pull", 0.0
+        if self.group is not None:  # every worker's first pull at once: they share the links
+            start = self.machine.wire_together(0.0, self.cost.down / self.m, self.n)
             first = "compute"
         for w in range(self.n):
-            self.at(pulled if self.together else 0.0, w, first)
-        while self.events:
-            t, _, w, action = heapq.heappop(self.events)
+            self.at(start, w, first)
+        while self.events.heap:
+            t, w, action = self.events.pop()
             getattr(self, "_" + action)(t, w)
         seconds = max(self.finished, 1e-12)
         total = sum(self.done)
@@ -251,19 +297,19 @@ class _Run:
             seconds=seconds,
             worker_steps=total,
             server_busy=tuple(float(x) for x in m.server_busy / seconds)
-            if self.kind != "collective"
+            if self.ex.kind != "collective"
             else (),
-            link_busy=tuple(float(x) for x in links) if self.kind != "collective" else (),
+            link_busy=tuple(float(x) for x in links) if self.ex.kind != "collective" else (),
             staleness=dict(sorted(self.stale.items())),
         )
 
     # ---------------------------------------------------------------- parameter servers
 
     def _pull(self, t: float, w: int) -> None:
-        arrived = self.machine.wire(t, self.down / self.m, w, outbound=True)
-        ready = max(float(np.max(arrived)), self.machine.cpu(t, self.cpu_down))
+        arrived = self.machine.wire(t, self.cost.down / self.m, w, outbound=True)
+        ready = max(float(np.max(arrived)), self.machine.cpu(t, self.cost.cpu_down))
         self.base[w] = self.versions.copy()
-        if not self.overlap or self.done[w] == 0:
+        if not self.ex.overlap or self.done[w] == 0:
             self.at(ready, w, "compute")
             return
         self.at(ready, w, "fetched")
@@ -285,19 +331,20 @@ class _Run:
         if self.left[w] > 0 and self.done[w] < self.steps:
             self.at(end, w, "compute")
             return
-        self.left[w] = self.period
-        self.at(end, w, "ring" if self.kind == "collective" else "computed")
+        self.left[w] = self.ex.period
+        self.at(end, w, "ring" if self.ex.kind == "collective" else "computed")
 
     def _computed(self, t: float, w: int) -> None:
-        if self.together:  # windows that end within a step of each other exchange together
-            self.group.append((t, w))
-            if len(self.group) == self.group_size:  # as many as compute side by side
+        group = self.group
+        if group is not None:  # windows that end within a step of each other exchange together
+            group.members.append((t, w))
+            if len(group.members) == group.size:  # as many as compute side by side
                 self._together(t, w)
-            elif len(self.group) == 1:
-                self.flush_at = t + self.c
-                self.at(self.flush_at, w, "together")
+            elif len(group.members) == 1:
+                group.flush_at = t + self.cost.c
+                self.at(group.flush_at, w, "together")
             return
-        if not self.overlap:
+        if not self.ex.overlap:
             self._push(t, w)
         elif self.inflight[w]:  # wait for the exchange before this one
             self.waiting[w] = t
@@ -312,10 +359,10 @@ class _Run:
             self.at(t, w, "compute")
 
     def _push(self, t: float, w: int) -> None:
-        arrived = self.machine.wire(t, self.up / self.m, w, outbound=False)
-        sent = max(self.machine.cpu(t, self.cpu_up), t + self.t_up)
-        applied = self.machine.apply(np.maximum(arrived, sent), self.apply_s)
-        if self.kind == "sync":  # each push applied (summed) as it comes; the last closes
+        arrived = self.machine.wire(t, self.cost.up / self.m, w, outbound=False)
+        sent = max(self.machine.cpu(t, self.cost.cpu_up), t + self.cost.t_up)
+        applied = self.machine.apply(np.maximum(arrived, sent), self.cost.apply_s)
+        if self.ex.kind == "sync":  # each push applied (summed) as it comes; the last closes
             self.pending.append(float(np.max(applied)))
             if len(self.pending) == self.n:
                 self._close_round()
@@ -329,23 +376,23 @@ class _Run:
         """The windows that ended since the first of the group: their pushes share the
         servers' links, then their pulls (the cost model's assumption, measured on DOWNPOUR
         across hosts: each exchange took twice as long as one alone)."""
-        if not self.group or (t < self.flush_at and len(self.group) < self.group_size):
+        g = self.group
+        if g is None or not g.members or (t < g.flush_at and len(g.members) < g.size):
             return  # flushed already (the group filled up), or a stale timer
-        group, self.group = self.group, []
-        self.flush_at = math.inf
+        group, g.members, g.flush_at = g.members, [], math.inf
         start = min(at for at, _ in group)
         k = len(group)
-        pushed = self.machine.wire_together(start, self.up / self.m, k, outbound=False)
+        pushed = self.machine.wire_together(start, self.cost.up / self.m, k, outbound=False)
         for at, w in group:
-            sent = max(self.machine.cpu(at, self.cpu_up), pushed)
-            applied = self.machine.apply(np.full(self.m, sent), self.apply_s)
+            sent = max(self.machine.cpu(at, self.cost.cpu_up), pushed)
+            applied = self.machine.apply(np.full(self.m, sent), self.cost.apply_s)
             for gap in self.versions - self.base[w]:
                 self.stale[int(gap)] += 1
             self.versions += 1
             pushed = max(pushed, float(np.max(applied)))
-        pulled = self.machine.wire_together(pushed, self.down / self.m, k)
+        pulled = self.machine.wire_together(pushed, self.cost.down / self.m, k)
         for _at, w in group:
-            ready = max(pulled, self.machine.cpu(pushed, self.cpu_down))
+            ready = max(pulled, self.machine.cpu(pushed, self.cost.cpu_down))
             self.base[w] = self.versions.copy()
             self.finished = max(self.finished, ready)
             if self.done[w] < self.steps:
@@ -362,14 +409,14 @@ class _Run:
                 self.base[w] = self.versions.copy()
                 self._pull(end, w)
             return
-        pulled = self.machine.wire_together(end, self.down / self.m, len(left))
+        pulled = self.machine.wire_together(end, self.cost.down / self.m, len(left))
         for w in left:  # every worker's pull of the new round, asked as it closes
             self.base[w] = self.versions.copy()
-            self.at(max(pulled, self.machine.cpu(end, self.cpu_down)), w, "compute")
+            self.at(max(pulled, self.machine.cpu(end, self.cost.cpu_down)), w, "compute")
 
     def _next(self, w: int, exchanged: float) -> None:
         self.finished = max(self.finished, exchanged)
-        if self.overlap:
+        if self.ex.overlap:
             self.at(exchanged, w, "pull")  # the exchange's pull, then "fetched"
         elif self.done[w] < self.steps:
             self.at(exchanged, w, "pull")
@@ -382,8 +429,10 @@ class _Run:
             return
         start, self.pending = max(self.pending), []
         link = self.machine.link
-        wire = self.ring_bytes / link if link is not None else 0.0
-        ends = [max(start + wire, self.machine.cpu(start, self.ring_cpu)) for _ in range(self.n)]
+        wire = self.cost.ring_bytes / link if link is not None else 0.0
+        ends = [
+            max(start + wire, self.machine.cpu(start, self.cost.ring_cpu)) for _ in range(self.n)
+        ]
         end = max(ends)
         self.finished = max(self.finished, end)
         for v in range(self.n):
