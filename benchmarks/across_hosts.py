@@ -6,7 +6,7 @@
 Root only (network namespaces; docs/performance.md, section "Across hosts"). The workload is
 ``benchmarks/run.py``'s (the MLP 784-512-512-10 of ``workload.py``, one thread per process).
 For each link speed, every task runs on an emulated host of its own, each host's link shaped to
-that speed (``distsgd.launcher.netns``):
+that speed (``distsgd_emulate.netns``):
 
 - block ``ps``: Hogwild, sync and DOWNPOUR (window 10), 2 workers + 1 ps (``distsgd run
   --hosts 3 --link RATE``: ps0 on host0, the workers on host1 and host2), against TensorFlow's
@@ -304,7 +304,7 @@ class Runner:
     @contextlib.contextmanager
     def _hosts(self, count: int, link: str) -> Iterator[Any]:
         from distsgd.cluster.hosts import parse_links, plan_machines
-        from distsgd.launcher.netns import EmulatedHosts
+        from distsgd_emulate.netns import EmulatedHosts
 
         plan_ = plan_machines(count=count, links=parse_links([link]))
         with EmulatedHosts(plan_, management=True) as hosts:
@@ -371,7 +371,7 @@ class Runner:
 
 BUSY = ("is already on a link", "network is in use by")
 """How distsgd says that another run on emulated hosts holds the launcher's address (the
-address itself, or the lock of the hosts' network, launcher/netns_lock.py)."""
+address itself, or the lock of the hosts' network, distsgd_emulate/netns_lock.py)."""
 BUSY_WAIT_S, BUSY_TRIES = 5.0, 120
 
 

@@ -1,6 +1,6 @@
 """``distsgd agent`` on 3 emulated machines (root; not part of CI, about a minute): one agent per
-host through ``distsgd hosts exec``, the Hogwild demo (ps0 on host0, worker0 on host1, worker1 on
-host2); worker1 is SIGKILLed (its agent restarts it), then host2 is lost (its agent and its
+host through ``distsgd-emulate hosts exec``, the Hogwild demo (ps0 on host0, worker0 on host1,
+worker1 on host2); worker1 is SIGKILLed (its agent restarts it), then host2 is lost (its agent and its
 tasks SIGKILLed). The run must end on its own: every remaining agent exits 0, the chief writes
 its result without worker1, and no process of the run is left. Prints what happened::
 
@@ -24,6 +24,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "src" / "distsgd" / "demo" / "digits.py"
 DISTSGD = [sys.executable, "-m", "distsgd"]
+EMULATE = [sys.executable, "-m", "distsgd_emulate"]
+"""``distsgd-emulate``: the emulated hosts' command."""
 
 
 def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -57,7 +59,7 @@ def main() -> None:
         '[cluster]\nps = ["198.18.0.1:2222"]\nworker = ["198.18.0.2:2222", "198.18.0.3:2222"]\n'
     )
     up = subprocess.Popen(
-        [*DISTSGD, "hosts", "up", "3", "--link", args.link, "--dir", str(work / "hosts")],
+        [*EMULATE, "hosts", "up", "3", "--link", args.link, "--dir", str(work / "hosts")],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     agents: dict[str, subprocess.Popen[bytes]] = {}
@@ -72,7 +74,7 @@ def main() -> None:
         started = time.monotonic()
         for host, rest in plan.items():
             argv = [
-                *DISTSGD, "hosts", "exec", host, "--dir", str(work / "hosts"), "--", *DISTSGD,
+                *EMULATE, "hosts", "exec", host, "--dir", str(work / "hosts"), "--", *DISTSGD,
                 "agent", "--dir", str(work / f"agent-{host}"), "--cluster",
                 str(work / "cluster.toml"), *rest,
             ]  # fmt: skip

@@ -1,6 +1,6 @@
 """A real multi-node Ray cluster on emulated hosts (root; not part of CI, about a minute): one Ray
-node per host of ``distsgd hosts up``, so that ``distsgd run --ray=ADDR`` can be tried across
-nodes. The head is ``ray start --head --block`` inside host0 (198.18.0.1, GCS on port 6379 of
+node per host of ``distsgd-emulate hosts up``, so that ``distsgd run --ray=ADDR`` can be tried
+across nodes. The head is ``ray start --head --block`` inside host0 (198.18.0.1, GCS on port 6379 of
 host0's own port space), every other host runs ``ray start --address=HEAD --block`` with its own
 node address; each node has its own ``--temp-dir`` under one scratch folder (``/tmp/rayhosts-*``,
 0700) and the cluster uses Ray's token authentication with a fresh token.
@@ -49,6 +49,8 @@ from pathlib import Path
 import psutil
 
 DISTSGD = [sys.executable, "-m", "distsgd"]
+EMULATE = [sys.executable, "-m", "distsgd_emulate"]
+"""``distsgd-emulate``: the emulated hosts' command."""
 RAY_START = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block"]
 HEAD_PORT = 6379
 """The GCS port of the head, in host0's own port space (each host has its own)."""
@@ -79,7 +81,7 @@ class RayHosts:
     address: str
     """The head's GCS, ``ip:port`` (198.18.0.1:6379): ``ray.init(address=...)``, ``--ray=``."""
     hosts_dir: Path
-    """The ``--dir`` of the emulated hosts (``distsgd hosts exec --dir``)."""
+    """The ``--dir`` of the emulated hosts (``distsgd-emulate hosts exec --dir``)."""
     env: dict[str, str]
     """What a driver needs in its environment besides :data:`os.environ` (the token)."""
     hosts: dict[str, str]
@@ -110,7 +112,7 @@ class RayHosts:
 
     def exec_argv(self, host: str, command: Sequence[str]) -> list[str]:
         """The argv that runs ``command`` inside emulated host ``host``."""
-        return [*DISTSGD, "hosts", "exec", "--dir", str(self.hosts_dir), host, "--", *command]
+        return [*EMULATE, "hosts", "exec", "--dir", str(self.hosts_dir), host, "--", *command]
 
     def driver_env(self) -> dict[str, str]:
         """This process's environment with :attr:`env`: for a driver of the cluster."""
@@ -208,12 +210,12 @@ class _Cluster:
         return view
 
     def _start_hosts(self, timeout: float) -> dict[str, str]:
-        """``distsgd hosts up`` (``timeout`` seconds for one try), again while another set
+        """``distsgd-emulate hosts up`` (``timeout`` seconds for one try), again while another set
         holds this machine's hosts (it refuses then); the hosts' names and addresses once
         ``hosts.json`` is there."""
         folder, log = self.work / "hosts", self.work / "hosts-up.log"
         state = folder / "hosts.json"
-        argv = [*DISTSGD, "hosts", "up", str(self.count), "--dir", str(folder)]
+        argv = [*EMULATE, "hosts", "up", str(self.count), "--dir", str(folder)]
         argv += [] if self.link is None else ["--link", self.link]
         argv += [] if self.disks is None else ["--disks", str(self.disks)]
         lock_deadline = time.monotonic() + LOCK_WAIT_S
@@ -235,7 +237,7 @@ class _Cluster:
             said = log.read_text(errors="replace")
             busy = "is in use by" in said or "wait for it to end" in said
             if not busy or time.monotonic() > lock_deadline:
-                raise RuntimeError(f"`distsgd hosts up` failed; {_tail(log)}")
+                raise RuntimeError(f"`distsgd-emulate hosts up` failed; {_tail(log)}")
             time.sleep(2.0)  # another set of emulated hosts is up: wait for it to go
         record = json.loads(state.read_text())
         for host in record["hosts"]:
@@ -445,8 +447,8 @@ def ray_on_hosts(
     start`` logs. Yields once a driver in host0 sees every node alive; on the way out ends
     everything and raises RuntimeError if a process or a namespace is left. Root only. Holds
     the test suite's locks of runs on emulated hosts and on Ray meanwhile (:data:`SUITE_LOCKS`).
-    ``disks``: each host sees a private disk there (``distsgd hosts up --disks``; a host's, as
-    this process sees it: :meth:`RayHosts.disk_of`)."""
+    ``disks``: each host sees a private disk there (``distsgd-emulate hosts up --disks``; a
+    host's, as this process sees it: :meth:`RayHosts.disk_of`)."""
     with _suite_locks():
         cluster = _Cluster(count=count, link=link, work=work, cpus=cpus, disks=disks)
         try:

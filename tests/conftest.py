@@ -177,7 +177,7 @@ def _one_locked_group_test_at_a_time(
 def netns_refusal(*, root: bool = False) -> str | None:
     """Why emulated hosts cannot be made here (None: they can); ``root``: the test also needs
     the launcher's link to them, which only root may add."""
-    from distsgd.launcher.netns import check_capable
+    from distsgd_emulate.netns import check_capable
 
     try:
         check_capable()
@@ -202,6 +202,10 @@ def on_emulated_hosts(cannot: str | None) -> Callable[[Any], Any]:
 
 
 def distsgd_cmd(*args: str) -> list[str]:
+    """``distsgd ARGS`` as this Python runs it; ``distsgd-emulate ARGS`` where the first word
+    is ``distsgd-emulate`` (the emulators' command)."""
+    if args[:1] == ("distsgd-emulate",):
+        return [sys.executable, "-m", "distsgd_emulate", *args[1:]]
     return [sys.executable, "-m", "distsgd", *args]
 
 

@@ -11,7 +11,6 @@ from distsgd.cli.parser import build_parser, parse_argv
     ("argv", "prog", "extra"),
     [
         (["run", "--placment", "pack", "x.py"], "distsgd run", "--placment"),
-        (["hosts", "up", "3", "--bogus"], "distsgd hosts up", "--bogus"),
         (["schemes", "extra"], "distsgd schemes", "extra"),
         (["--bogus", "schemes"], "distsgd", "--bogus"),  # the top level's own flag
     ],
@@ -24,6 +23,19 @@ def test_unrecognized_arguments_point_at_the_subcommands_help(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err == f"{prog}: error: unrecognized arguments: {extra}; see {prog} --help\n"
+
+
+def test_the_emulators_command_points_at_its_subcommands_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from distsgd_emulate.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["hosts", "up", "3", "--bogus"])
+    assert exited.value.code == 2
+    prog = "distsgd-emulate hosts up"
+    err = capsys.readouterr().err
+    assert err == f"{prog}: error: unrecognized arguments: --bogus; see {prog} --help\n"
 
 
 def test_a_good_command_line_leaves_no_note_behind() -> None:

@@ -12,7 +12,7 @@ import pytest
 from conftest import final_accuracy, metrics, netns_refusal, on_emulated_hosts
 from test_hosts_run import _check_hosts_gone, _demo
 
-from distsgd.launcher.emulation import HOSTS_FILE
+from distsgd_emulate.emulation import HOSTS_FILE
 
 # one at a time; the pure tests take no lock
 needs_netns = on_emulated_hosts(netns_refusal(root=True))

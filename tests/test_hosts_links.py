@@ -1,4 +1,4 @@
-"""Bytes over time on emulated hosts (distsgd.launcher.link_sampler): the busiest window of a
+"""Bytes over time on emulated hosts (distsgd_emulate.link_sampler): the busiest window of a
 series is pure; a run samples its links into ``links.jsonl``, and a sync demo over 10mbit links
 is shaped to 10 Mbit/s (by the ps host's busiest second) and trains over 3x slower than over
 10gbit links."""
@@ -14,10 +14,10 @@ import loadclock
 import pytest
 from conftest import distsgd_cmd, netns_refusal, on_emulated_hosts
 
-from distsgd.launcher.emulation import HOSTS_FILE
-from distsgd.launcher.link_sampler import LINKS_FILE, LinkSample, LinkSampler, busiest_rates
-from distsgd.launcher.netns import LinkBytes
-from distsgd.launcher.netns_shaping import tbf_sizes
+from distsgd_emulate.emulation import HOSTS_FILE
+from distsgd_emulate.link_sampler import LINKS_FILE, LinkSample, LinkSampler, busiest_rates
+from distsgd_emulate.netns import LinkBytes
+from distsgd_emulate.netns_shaping import tbf_sizes
 
 # one at a time; the pure tests take no lock
 needs_netns = on_emulated_hosts(netns_refusal(root=True))

@@ -14,8 +14,8 @@ from test_hosts_run import _check_hosts_gone, _demo
 
 from distsgd.cluster import ClusterSpec, Role, TaskId
 from distsgd.cluster.hosts import plan_hosts
-from distsgd.launcher.emulation import HOSTS_FILE
 from distsgd.launcher.replicas import replica_host
+from distsgd_emulate.emulation import HOSTS_FILE
 
 needs_netns = on_emulated_hosts(netns_refusal(root=True))
 

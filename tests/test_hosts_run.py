@@ -1,5 +1,5 @@
 """``distsgd run/demo --hosts N``: the tasks run on emulated hosts (network namespaces,
-distsgd.launcher.netns), bind their host's address, exchange bytes over shaped links, and
+distsgd_emulate.netns), bind their host's address, exchange bytes over shaped links, and
 nothing of the hosts is left afterwards. The settings' checks are pure; the runs are slow and
 skipped where namespaces cannot be made."""
 
@@ -24,8 +24,8 @@ from conftest import SCRIPTS, distsgd_cmd, final_accuracy, netns_refusal, on_emu
 from distsgd.cluster import TaskId
 from distsgd.cluster.hosts import parse_links, plan_hosts
 from distsgd.launcher import LaunchConfig
-from distsgd.launcher.emulation import HOSTS_FILE
-from distsgd.launcher.netns import EmulatedHosts
+from distsgd_emulate.emulation import HOSTS_FILE
+from distsgd_emulate.netns import EmulatedHosts
 
 BLOBS = str(SCRIPTS / "blobs.py")
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -25,6 +25,10 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "distsgd"
+EMULATE = Path(__file__).resolve().parents[1] / "emulate"
+"""The folder holding ``distsgd_emulate``, the emulators: above distsgd, which reaches it only
+through :data:`SEAM` (issue 39)."""
+SEAM = "distsgd.launcher.emulated"
 
 
 @dataclass(frozen=True)
@@ -61,22 +65,23 @@ def _imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
         stack.extend(ast.iter_child_nodes(node))
 
 
-def build_graph(root: Path) -> tuple[set[str], list[Edge]]:
-    """The modules under ``root`` (a folder holding the top package) and their import edges."""
-    files = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+def build_graph(root: Path, *more: Path) -> tuple[set[str], list[Edge]]:
+    """The modules under ``root`` and ``more`` (folders each holding a top package) and their
+    import edges."""
+    files = {_module_name(p, r): (p, r) for r in (root, *more) for p in sorted(r.rglob("*.py"))}
     modules = set(files)
     edges: list[Edge] = []
-    for name, path in files.items():
+    for name, (path, top) in files.items():
         is_package = path.name == "__init__.py"
         here = name if is_package else name.rpartition(".")[0]
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         for node in _imports(tree):
-            where = f"{path.relative_to(root)}:{node.lineno}"
+            where = f"{path.relative_to(top)}:{node.lineno}"
             for target in _targets(node, here, modules):
                 if target != name:
                     edges.append(Edge(name, target, where))
         for lineno, target in _lazy_exports(tree, modules):
-            edges.append(Edge(name, target, f"{path.relative_to(root)}:{lineno} (lazy export)"))
+            edges.append(Edge(name, target, f"{path.relative_to(top)}:{lineno} (lazy export)"))
     return modules, edges
 
 
@@ -201,11 +206,30 @@ def describe(circle: list[Edge]) -> str:
 
 
 def test_no_import_circles() -> None:
-    modules, edges = build_graph(SRC)
+    modules, edges = build_graph(SRC, EMULATE)
+    assert "distsgd_emulate.netns" in modules and SEAM in modules
     found = cycles(modules, edges)
     for circle in found:
         print(describe(circle))
     assert not found, f"{len(found)} import circle(s):\n" + "\n".join(map(describe, found))
+
+
+def test_distsgd_reaches_the_emulators_only_through_its_seam() -> None:
+    """No module of distsgd imports distsgd_emulate but launcher/emulated.py, and it only inside
+    its functions (or for types): a run without emulated hosts never loads the emulators."""
+    _, edges = build_graph(SRC, EMULATE)
+    into = [e for e in edges if e.target.split(".")[0] == "distsgd_emulate"]
+    outside = [e for e in into if e.source.split(".")[0] == "distsgd" and e.source != SEAM]
+    assert outside == [], f"import distsgd_emulate only in {SEAM}: {outside}"
+    seam = ast.parse((PACKAGE / "launcher" / "emulated.py").read_text(encoding="utf-8"))
+    top = [n for n in seam.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not [n for n in top if "distsgd_emulate" in ast.unparse(n)], "imported at load time"
+    assert {e.target for e in into if e.source == SEAM} >= {
+        "distsgd_emulate.emulation",
+        "distsgd_emulate.link_faults",
+        "distsgd_emulate.link_probe",
+        "distsgd_emulate.link_sampler",
+    }
 
 
 def test_the_graph_sees_imports_in_functions_and_relative_ones(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@
    template) validate against the Kubernetes schemas shipped with ``kubernetes-validate``; the
    JobSet and Kubeflow Trainer objects are checked field by field for what distsgd sets; no
    volume is shared (no ``ReadWriteMany``) unless ``--shared-volume``.
-3. ``distsgd k8s local`` runs the rendered pods' exact command lines on this machine, each pod
+3. ``distsgd-emulate k8s`` runs the rendered pods' exact command lines on this machine, each pod
    with a folder of its own for its own storage, and reaches the demo's accuracy with the run
    folder assembled in the control pod's claim, leaving no process behind.
 """
@@ -40,8 +40,8 @@ from distsgd.cluster.kube import (
     apply_host_aliases,
     cluster_from_jobset,
 )
-from distsgd.launcher.k8s_local import expand
 from distsgd.transport.security import check_secret
+from distsgd_emulate.k8s_local import expand
 
 K8S_VERSION = "1.30"
 """The Kubernetes version whose schemas the core objects are validated against."""
@@ -655,9 +655,9 @@ def test_k8s_local_gives_each_pod_its_container_line_and_what_kubernetes_sets(
     local folders: the claim one folder, each pod's own storage a folder of that pod; distsgd
     this Python's), and the environment makes each pod find itself at its loopback alias, and
     the control pod at its, with the secret readable from the mounted file only."""
-    from distsgd.launcher.k8s_local import LocalCluster
     from distsgd.launcher.progress import Console
     from distsgd.transport.security import load_secret
+    from distsgd_emulate.k8s_local import LocalCluster
 
     local = tmp_path / "local"
     cluster = LocalCluster(rendered, local, Console(stream=io.StringIO()))
@@ -719,7 +719,7 @@ def test_k8s_local_runs_the_demo_to_its_accuracy(tmp_path: Path) -> None:
     _render(out, "--workers", "2", "--ps", "1", "--epochs", "10", "--checkpoint-every", "40")
     image = _written_files(out / "train")
     # relative folders, as the docs give them: each pod runs in its image's own folder
-    args = ["k8s", "local", "out", "--local-dir", "local"]
+    args = ["distsgd-emulate", "k8s", "out", "--local-dir", "local"]
     done = run_distsgd(args, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
@@ -778,7 +778,8 @@ def test_k8s_local_runs_a_collective_scheme_to_the_demo_accuracy(tmp_path: Path)
     demo's 30 (a third less CPU): the same 0.95 bar holds (0.98 measured)."""
     out, local = tmp_path / "out", tmp_path / "local"
     _render(out, "--workers", "2", "--scheme", "allreduce", "--epochs", "20")
-    done = run_distsgd(["k8s", "local", str(out), "--local-dir", str(local)], timeout=240)
+    command = ["distsgd-emulate", "k8s", str(out), "--local-dir", str(local)]
+    done = run_distsgd(command, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("test accuracy: ") and float(last.split(":")[1]) >= 0.95, last
@@ -793,7 +794,7 @@ def test_k8s_local_runs_a_collective_scheme_to_the_demo_accuracy(tmp_path: Path)
 def test_k8s_local_stops_every_pod_on_sigterm(spawn, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     out, local = tmp_path / "out", tmp_path / "local"
     _render(out, "--workers", "2", "--ps", "1", "--epochs", "200")
-    proc = spawn(["k8s", "local", str(out), "--local-dir", str(local), "--quiet"])
+    proc = spawn(["distsgd-emulate", "k8s", str(out), "--local-dir", str(local), "--quiet"])
     assert wait_for(lambda: (local / "tasks.json").exists() and len(task_pids(local)) == 4, 90)
     pids = list(task_pids(local).values())
     assert all(psutil.pid_exists(pid) for pid in pids)
@@ -811,7 +812,7 @@ def test_k8s_local_restarts_a_killed_worker_from_its_checkpoint(spawn, tmp_path:
     completes."""
     out, local = tmp_path / "out", tmp_path / "local"
     _render(out, "--workers", "2", "--ps", "1", "--epochs", "10", "--checkpoint-every", "10")
-    proc = spawn(["k8s", "local", str(out), "--local-dir", str(local), "--quiet"])
+    proc = spawn(["distsgd-emulate", "k8s", str(out), "--local-dir", str(local), "--quiet"])
     states = "pods/distsgd-worker-0-1/runs/*/checkpoints/workers/worker1-*.pt"
     assert wait_for(lambda: list(local.glob(states)), 120), "no checkpoint of worker1"
     killed = task_pids(local)["distsgd-worker-0-1"]

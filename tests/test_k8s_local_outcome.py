@@ -1,4 +1,4 @@
-"""``distsgd k8s local`` ends with the project's one set of exit codes and errors
+"""``distsgd-emulate k8s`` ends with the project's one set of exit codes and errors
 (``control.outcome``'s ``EXIT_*``, ``launcher.errors``' ``Interrupted`` and ``RunFailed``),
 checked without starting a pod."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from distsgd.control.outcome import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
-from distsgd.launcher import k8s_local
 from distsgd.launcher.errors import Interrupted, RunFailed
 from distsgd.launcher.progress import Console
+from distsgd_emulate import k8s_local
 
 
 class _Cluster:

@@ -1,4 +1,4 @@
-"""The link probe of ``distsgd plan --link`` (``launcher/link_probe.py``): its two figures
+"""The link probe of ``distsgd plan --link`` (``distsgd_emulate/link_probe.py``): its two figures
 computed from transfer times (pure), and one real probe on emulated hosts, which it removes."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from conftest import netns_refusal, on_emulated_hosts
 
 from distsgd.cli import plan as plan_cli
-from distsgd.launcher import link_probe
-from distsgd.launcher.link_probe import MIN_DUPLEX, LinkProbe, duplex_of, probe_link, turns_of
+from distsgd_emulate import link_probe
+from distsgd_emulate.link_probe import MIN_DUPLEX, LinkProbe, duplex_of, probe_link, turns_of
 
 
 def test_turns_is_0_when_transfers_end_together_and_1_when_in_turn() -> None:
@@ -32,7 +32,7 @@ def test_duplex_is_the_bytes_both_ways_moved_against_twice_the_alone_rate() -> N
 
 @on_emulated_hosts(netns_refusal(root=False))
 def test_a_real_probe_measures_a_link_and_leaves_no_namespace() -> None:
-    from distsgd.launcher.netns import EmulatedHosts
+    from distsgd_emulate.netns import EmulatedHosts
 
     made: list[EmulatedHosts] = []
     start = EmulatedHosts.start

@@ -1,6 +1,7 @@
-"""The README's "Many machines" commands, run on emulated hosts (``distsgd hosts up`` /
-``distsgd hosts exec``): a parameter server and two workers started by hand, each in a network
-namespace of its own, with a cluster file, a shared secret and mutual TLS between the hosts."""
+"""The README's "Many machines" commands, run on emulated hosts (``distsgd-emulate hosts up``
+/ ``distsgd-emulate hosts exec``): a parameter server and two workers started by hand, each in a
+network namespace of its own, with a cluster file, a shared secret and mutual TLS between the
+hosts."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import psutil
 import pytest
 from conftest import ROOT, distsgd_cmd, one_cert_for_all, wait_for
 
-from distsgd.launcher.netns import check_capable
+from distsgd_emulate.netns import check_capable
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hosts")]
 
@@ -34,11 +35,15 @@ def _readme_lines() -> list[str]:
 
 def _argv(line: str, tls: str, script: Path) -> list[str]:
     """One README command as an argv: ``$TLS`` and ``train.py`` made this test's, ``distsgd``
-    this checkout's (the launcher is the command the README shows, run by its module)."""
+    this checkout's, and so ``distsgd-emulate`` (each command the README shows, run by its
+    module)."""
     words = shlex.split(line.rstrip("&").replace("$TLS", tls).replace("train.py", str(script)))
     out: list[str] = []
     for word in words:
-        out += distsgd_cmd() if word == "distsgd" else [word]
+        if word == "distsgd-emulate":
+            out += distsgd_cmd(word)
+        else:
+            out += distsgd_cmd() if word == "distsgd" else [word]
     return out
 
 
@@ -54,13 +59,13 @@ def rooted() -> None:
     except (ValueError, OSError) as e:
         pytest.skip(f"no network namespaces here: {e}")
     if str(privilege) != "root":
-        pytest.skip("distsgd hosts up needs root (a link to this machine's namespace)")
+        pytest.skip("distsgd-emulate hosts up needs root (a link to this machine's namespace)")
 
 
 def test_readme_many_machines_on_emulated_hosts(rooted: None, tmp_path: Path) -> None:
     lines = _readme_lines()
     up_line, secret_line, tls_line, *tasks = (line for line in lines if not line.startswith("#"))
-    assert up_line.startswith("distsgd hosts up 3") and len(tasks) == 3, lines
+    assert up_line.startswith("distsgd-emulate hosts up 3") and len(tasks) == 3, lines
     assert secret_line.startswith("export DISTSGD_SECRET_FILE")
     # the cluster file of the README's comment
     toml = "\n".join(line.lstrip("# ").strip() for line in lines if line.startswith("#"))

@@ -1,6 +1,6 @@
 """Network faults of emulated hosts (``--inject-fault partition:...,for=`` and ``slow:``): the
 specs parsed, the settings' checks, which faults a worker injects itself, and when the launcher
-applies and undoes them (launcher/link_faults.py, on recorded fake hosts). All pure: the
+applies and undoes them (distsgd_emulate/link_faults.py, on recorded fake hosts). All pure: the
 namespaces' side is tests/test_netns.py, a whole run tests/test_hosts_faults.py."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from distsgd.control.metrics import MetricsWriter
 from distsgd.launcher import LaunchConfig
 from distsgd.launcher.argv import worker_task
 from distsgd.launcher.errors import RunFailed
-from distsgd.launcher.link_faults import LinkFaults
-from distsgd.launcher.netns import EmulatedHosts
-from distsgd.launcher.netns_keeper import NetnsError
+from distsgd_emulate.link_faults import LinkFaults
+from distsgd_emulate.netns import EmulatedHosts
+from distsgd_emulate.netns_keeper import NetnsError
 
 BLOBS = str(SCRIPTS / "blobs.py")
 

@@ -1,4 +1,4 @@
-"""Emulated hosts in real network namespaces (distsgd.launcher.netns): hosts reach each other by
+"""Emulated hosts in real network namespaces (distsgd_emulate.netns): hosts reach each other by
 address and nothing else does, the links are shaped, and nothing is left after close() or after
 a SIGKILL of the process that made them. Skipped where namespaces cannot be made.
 
@@ -24,10 +24,10 @@ from conftest import netns_refusal, on_emulated_hosts
 
 from distsgd.cluster import TaskId
 from distsgd.cluster.hosts import HostPlan, LinkSpec, parse_links, plan_hosts
-from distsgd.launcher import netns, netns_keeper, netns_shaping
-from distsgd.launcher.netns import AppliedLink, EmulatedHosts, check_capable
-from distsgd.launcher.netns_keeper import NetnsError
-from distsgd.launcher.netns_shaping import tbf_sizes
+from distsgd_emulate import netns, netns_keeper, netns_shaping
+from distsgd_emulate.netns import AppliedLink, EmulatedHosts, check_capable
+from distsgd_emulate.netns_keeper import NetnsError
+from distsgd_emulate.netns_shaping import tbf_sizes
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PORT = 5701
@@ -69,7 +69,7 @@ HOLDER = """
 import json, time
 from distsgd.cluster.hosts import plan_hosts
 from distsgd.cluster import TaskId
-from distsgd.launcher.netns import EmulatedHosts
+from distsgd_emulate.netns import EmulatedHosts
 tasks = [TaskId.parse("worker0"), TaskId.parse("worker1")]
 hosts = EmulatedHosts(plan_hosts(count=2, tasks=tasks), management=True)
 hosts.start()
@@ -312,7 +312,7 @@ def test_a_failed_start_says_why_in_one_line_and_leaves_nothing(
 NO_SYS_ADMIN = """
 from distsgd.cluster import TaskId
 from distsgd.cluster.hosts import plan_hosts
-from distsgd.launcher.netns import EmulatedHosts
+from distsgd_emulate.netns import EmulatedHosts
 hosts = EmulatedHosts(plan_hosts(count=1, tasks=[TaskId.parse("worker0")]))
 try:
     hosts.start()
@@ -641,7 +641,7 @@ LOCK_HOLDER = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
 from distsgd.cluster.hosts import HOST_NETWORK
-from distsgd.launcher.netns_lock import HostsLock
+from distsgd_emulate.netns_lock import HostsLock
 lock = HostsLock(str(HOST_NETWORK), what="emulated hosts dstest")
 lock.acquire()
 print("locked", flush=True)

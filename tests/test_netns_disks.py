@@ -1,4 +1,4 @@
-"""Private disks of emulated hosts (distsgd.launcher.netns_disks): what a host writes at the
+"""Private disks of emulated hosts (distsgd_emulate.netns_disks): what a host writes at the
 mount point is in its own backing directory only, a task keeps its working directory, a wiped
 disk is empty and usable, and nothing is left mounted here after close(). Skipped where
 namespaces cannot be made, as tests/test_netns.py is.
@@ -20,10 +20,10 @@ from test_netns import _gone
 
 from distsgd.cluster import TaskId
 from distsgd.cluster.hosts import HostPlan, plan_hosts
-from distsgd.launcher import netns, netns_keeper
-from distsgd.launcher.netns import EmulatedHosts, HostDisks
-from distsgd.launcher.netns_disks import DiskSet, enter_argv, mounted_under
-from distsgd.launcher.netns_keeper import Mount, NetnsError
+from distsgd_emulate import netns, netns_keeper
+from distsgd_emulate.netns import EmulatedHosts, HostDisks
+from distsgd_emulate.netns_disks import DiskSet, enter_argv, mounted_under
+from distsgd_emulate.netns_keeper import Mount, NetnsError
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""The emulated hosts' lock (launcher/netns_lock.py) against another local user: a link or a
+"""The emulated hosts' lock (distsgd_emulate/netns_lock.py) against another local user: a link or a
 lock planted by them in the shared lock folder (sticky and world-writable, as /run/lock) neither
 changes a file they do not own nor makes us quote what they wrote."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from distsgd.launcher.netns_lock import HostsLock, lock_folder, lock_path
+from distsgd_emulate.netns_lock import HostsLock, lock_folder, lock_path
 
 SUBNET = "198.18.0.0/24"
 NOBODY = 65534

@@ -10,8 +10,8 @@ import subprocess
 from conftest import netns_refusal, on_emulated_hosts
 
 from distsgd.cluster.hosts import plan_machines
-from distsgd.launcher.netns import EmulatedHosts
-from distsgd.launcher.netns_keeper import NETNS_DIR
+from distsgd_emulate.netns import EmulatedHosts
+from distsgd_emulate.netns_keeper import NETNS_DIR
 
 needs_root_netns = on_emulated_hosts(netns_refusal(root=True))
 

@@ -1,6 +1,6 @@
 """A local run on emulated hosts (``--hosts``): the hosts made before the first task, and
 their record in the run folder, ``hosts.json`` (the plan, the placement, the links as applied,
-the network faults applied with their times (:mod:`distsgd.launcher.link_faults`) and, once the
+the network faults applied with their times (:mod:`distsgd_emulate.link_faults`) and, once the
 run ends, the bytes each host's link carried, and ``pair_bytes``: the bytes each host sent to
 each other host, to the launcher and elsewhere, :meth:`EmulatedHosts.pair_counters`)."""
 
@@ -12,12 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from distsgd.cluster.hosts import MANAGEMENT_ADDRESS
 from distsgd.launcher.config import LaunchConfig
-from distsgd.launcher.link_sampler import WINDOW_S
-from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
-from distsgd.launcher.netns_disks import HostDisks
-from distsgd.launcher.netns_keeper import NetnsError
 from distsgd.util import write_atomic
+from distsgd_emulate.link_sampler import WINDOW_S
+from distsgd_emulate.netns import EmulatedHosts
+from distsgd_emulate.netns_disks import HostDisks
+from distsgd_emulate.netns_keeper import NetnsError
 
 __all__ = ["HOSTS_FILE", "close_hosts", "record_faults", "start_hosts"]
 
@@ -57,7 +58,7 @@ def close_hosts(
     busiest: dict[str, dict[str, float]] | None = None,
 ) -> None:
     """Record each host's bytes, per pair of hosts, its ``busiest`` window's rates (from
-    :mod:`distsgd.launcher.link_sampler`) and the network ``faults`` applied in ``hosts.json``,
+    :mod:`distsgd_emulate.link_sampler`) and the network ``faults`` applied in ``hosts.json``,
     then take the hosts down (after the tasks have ended). A failure to count is
     logged, never raised: the hosts go down either way."""
     if hosts is None:

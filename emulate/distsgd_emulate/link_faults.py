@@ -21,10 +21,10 @@ from typing import Any
 
 from distsgd.control.faults import Fault
 from distsgd.control.metrics import MetricsWriter
-from distsgd.launcher.emulation import record_faults
 from distsgd.launcher.errors import RunFailed
-from distsgd.launcher.netns import EmulatedHosts
-from distsgd.launcher.netns_keeper import NetnsError
+from distsgd_emulate.emulation import record_faults
+from distsgd_emulate.netns import EmulatedHosts
+from distsgd_emulate.netns_keeper import NetnsError
 
 __all__ = ["AppliedLinkFault", "LinkFaults"]
 

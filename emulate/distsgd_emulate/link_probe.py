@@ -149,7 +149,7 @@ def probe_link(rate: str, nbytes: int, *, workers: int, timeout: float = 120.0) 
     """Measure a link of ``rate`` with transfers of ``nbytes`` (see the module docstring);
     ``workers`` hosts (2 to :data:`MAX_PEERS`) pull and push at once in the both-ways measure.
     ValueError (one line) where emulated hosts cannot be made or a peer fails."""
-    from distsgd.launcher.netns import EmulatedHosts
+    from distsgd_emulate.netns import EmulatedHosts
 
     size = max(64 * 1024, min(int(nbytes), MAX_PROBE_BYTES))
     peers = max(2, min(workers, MAX_PEERS))

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from distsgd.launcher.netns import EmulatedHosts
-from distsgd.launcher.netns_keeper import NetnsError
+from distsgd_emulate.netns import EmulatedHosts
+from distsgd_emulate.netns_keeper import NetnsError
 
 __all__ = ["LINKS_FILE", "SAMPLE_S", "WINDOW_S", "LinkSample", "LinkSampler", "busiest_rates"]
 

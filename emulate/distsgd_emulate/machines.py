@@ -17,11 +17,11 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from distsgd.cluster.hosts import Links, plan_machines
-from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
-from distsgd.launcher.netns_disks import HostDisks
-from distsgd.launcher.netns_disks import enter_argv as disk_enter_argv
+from distsgd.cluster.hosts import MANAGEMENT_ADDRESS, Links, plan_machines
 from distsgd.util import write_atomic
+from distsgd_emulate.netns import EmulatedHosts
+from distsgd_emulate.netns_disks import HostDisks
+from distsgd_emulate.netns_disks import enter_argv as disk_enter_argv
 
 __all__ = ["STATE_FILE", "enter_argv", "keep_hosts"]
 

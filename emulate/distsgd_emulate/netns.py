@@ -9,7 +9,7 @@ digits)::
     switch namespace:  lo, bridge P-br (198.18.0.254/24), ports P-p0 .. P-pN-1 (tbf each)
     host i namespace:  lo, eth0 (198.18.0.(i+1)/24, tbf), the peer of P-pi
 
-Each namespace is held by a *keeper* (:mod:`distsgd.launcher.netns_keeper`): a process forked
+Each namespace is held by a *keeper* (:mod:`distsgd_emulate.netns_keeper`): a process forked
 from the creator, which unshares a new network namespace, asks for SIGKILL when the thread that
 forked it ends (``PR_SET_PDEATHSIG``), and then execs ``sleep infinity`` (shown as
 ``distsgd-netns-keeper`` in ``ps``). The namespaces live by their keepers, not by a name
@@ -31,7 +31,7 @@ user namespace in which it is root (where the kernel allows unprivileged user na
 host keepers join it, and every command (``ip``, ``tc``, the tasks) enters it too. Neither
 possible: :func:`check_capable` refuses in one line.
 
-Shaping (:mod:`distsgd.launcher.netns_shaping`: the tbf's sizes, the counting classes of each
+Shaping (:mod:`distsgd_emulate.netns_shaping`: the tbf's sizes, the counting classes of each
 host's bytes per destination): the rate comes from the host's :class:`LinkSpec`; this kernel has
 no delay qdisc (``netem`` is absent), so a link's delay and jitter are recorded but not applied
 (:class:`AppliedLink` says which parts were); each parameter-server call waits them in user
@@ -58,7 +58,7 @@ switch namespace with the ``P-m`` end moved out, so it dies with the switch keep
 are not in :meth:`EmulatedHosts.counters` (what a host exchanges with the launcher still
 crosses, and is counted on, that host's own link).
 
-Private disks (:mod:`distsgd.launcher.netns_disks`): by default the hosts share the machine's
+Private disks (:mod:`distsgd_emulate.netns_disks`): by default the hosts share the machine's
 file system. With ``disks=HostDisks(root=R, at=A)`` each host keeper also holds a mount
 namespace in which the host's backing directory ``R/HOST`` (:meth:`EmulatedHosts.disk_of`) is
 bind-mounted at ``A`` and ``R`` is hidden; :meth:`EmulatedHosts.enter` enters it too, keeping
@@ -72,7 +72,6 @@ import enum
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import subprocess
@@ -81,14 +80,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from distsgd.cluster.hosts import HOST_NETWORK, Host, HostPlan, LinkSpec
-from distsgd.launcher import netns_disks, netns_keeper, netns_shaping
-from distsgd.launcher.netns_disks import HostDisks
-from distsgd.launcher.netns_keeper import NetnsError
-from distsgd.launcher.netns_lock import HostsLock
-from distsgd.launcher.netns_shaping import MANAGEMENT_MINOR, tbf_sizes
+from distsgd.cluster.hosts import HOST_NETWORK, MANAGEMENT_ADDRESS, Host, HostPlan
+from distsgd_emulate import netns_disks, netns_keeper, netns_shaping, netns_wiring
+from distsgd_emulate.netns_disks import HostDisks
+from distsgd_emulate.netns_keeper import NetnsError
+from distsgd_emulate.netns_lock import HostsLock
+from distsgd_emulate.netns_shaping import MANAGEMENT_MINOR, tbf_sizes
+from distsgd_emulate.netns_wiring import AppliedLink
 
 __all__ = [
+    "MANAGEMENT_ADDRESS",
     "AppliedLink",
     "EmulatedHosts",
     "HostDisks",
@@ -99,8 +100,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MANAGEMENT_ADDRESS = "198.18.0.253"
-"""The creator's address on the hosts' network, on the management link."""
 LAUNCHER = "launcher"
 """In :meth:`EmulatedHosts.pair_counters`: what a host sent to the management address."""
 ELSEWHERE = "other"
@@ -118,37 +117,6 @@ class Privilege(enum.StrEnum):
     """Directly, with the caller's CAP_NET_ADMIN/CAP_SYS_ADMIN."""
     USER_NAMESPACE = "user-namespace"
     """Inside an unprivileged user namespace in which the keepers are root."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class AppliedLink:
-    """What of a host's link was applied to its namespace's interfaces."""
-
-    host: str
-    """The host's name."""
-    spec: LinkSpec | None
-    """The link asked for; None: unshaped."""
-    rate_bits: int | None
-    """The rate the shaper enforces in each direction, bits/s; None: no shaper."""
-    burst_bytes: int | None
-    """The token bucket's size (``tbf`` burst); None: no shaper."""
-    limit_bytes: int | None
-    """The bytes that may queue behind the bucket (``tbf`` limit); None: no shaper."""
-    delay_applied: bool
-    """Whether the spec's delay and jitter are in effect (not on a kernel without netem; true
-    where none was asked)."""
-
-    @property
-    def missing(self) -> tuple[str, ...]:
-        """The parts of the spec not in effect, as text (``("delay 5ms",)``)."""
-        if self.spec is None or self.delay_applied:
-            return ()
-        out = []
-        if self.spec.delay_s:
-            out.append(f"delay {self.spec.delay_s * 1e3:g}ms")
-        if self.spec.jitter_s:
-            out.append(f"jitter {self.spec.jitter_s * 1e3:g}ms")
-        return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -337,11 +305,11 @@ class EmulatedHosts:
             if self.disks is not None:
                 self.disks.prepare()
             self._start_keepers()
-            self._wire()
+            netns_wiring.wire(self)
             if self.management:
-                self._wire_management()
-                self._name_hosts()
-            self.applied = self._shape()
+                netns_wiring.wire_management(self)
+                netns_wiring.name_hosts(self)
+            self.applied = netns_wiring.shape(self)
         except BaseException:
             self.close(check=False)
             raise
@@ -380,160 +348,15 @@ class EmulatedHosts:
                 user_ns=user_ns, new_user=False, timeout_s=self.timeout_s, mounts=mounts
             )
 
-    def _run(self, where: str, tool: str, script: str) -> None:
+    def run(self, where: str, tool: str, script: str) -> None:
         """Run ``tool -batch -`` (``ip`` or ``tc``) in the namespace ``where`` (a host's name or
         ``"switch"``); NetnsError with the tool's stderr and the failed command, in one line."""
-        self._batch(where, tool, self._ns(self.keepers[where], [tool, "-batch", "-"]), script)
+        argv = self._ns(self.keepers[where], [tool, "-batch", "-"])
+        netns_wiring.batch(where, tool, argv, script, self.timeout_s)
 
-    def _run_here(self, tool: str, script: str) -> None:
-        """:meth:`_run` in the creator's own namespace."""
-        self._batch("this namespace", tool, [tool, "-batch", "-"], script)
-
-    def _batch(self, where: str, tool: str, full: list[str], script: str) -> None:
-        try:
-            done = subprocess.run(
-                full, input=script, capture_output=True, text=True, timeout=self.timeout_s
-            )
-        except subprocess.TimeoutExpired:
-            raise NetnsError(
-                f"{tool} in {where} took over {self.timeout_s:g} s; is the machine busy?"
-            ) from None
-        if done.returncode == 0:
-            return
-        lines = script.splitlines()
-        failed = re.search(r"Command failed -:(\d+)", done.stderr)
-        command = lines[int(failed.group(1)) - 1] if failed else "; ".join(lines)
-        stderr = re.sub(r"\s*Command failed -:\d+\s*", " ", done.stderr).strip().rstrip(".")
-        raise NetnsError(
-            f"{tool} failed in {where} (exit {done.returncode}): {stderr}; "
-            f"the command was: {tool} {command}"
-        )
-
-    def _wire(self) -> None:
-        """The bridge, one veth pair per host (host end straight into its namespace), the
-        addresses; no IPv6 link-local addresses, so the links carry only the run's bytes."""
-        plan = self.plan
-        lines = [
-            "link set lo up",
-            f"link add {self.bridge} type bridge",
-            f"link set {self.bridge} addrgenmode none",
-            f"addr add {plan.bridge_address}/{plan.prefix_len} dev {self.bridge}",
-            f"link set {self.bridge} up",
-        ]
-        for host in plan.hosts:
-            port = self.port(host)
-            lines += [
-                f"link add {port} type veth peer name eth0 netns {self.keepers[host.name]}",
-                f"link set {port} addrgenmode none",
-                f"link set {port} master {self.bridge}",
-                f"link set {port} up",
-            ]
-        self._run("switch", "ip", "\n".join(lines) + "\n")
-        for host in plan.hosts:
-            script = (
-                "link set lo up\n"
-                "link set eth0 addrgenmode none\n"
-                f"addr add {host.address}/{plan.prefix_len} dev eth0\n"
-                "link set eth0 up\n"
-            )
-            self._run(host.name, "ip", script)
-
-    def _wire_management(self) -> None:
-        """The unshaped veth from the switch to the creator's namespace (see the module's
-        docstring): made in the switch namespace, one end moved to ours, so it goes with the
-        switch keeper."""
-        port, mine = f"{self.prefix}-mp", self.management_link
-        if netns_keeper.address_here(MANAGEMENT_ADDRESS, self.timeout_s):
-            raise ValueError(
-                f"{MANAGEMENT_ADDRESS} is already on a link of this machine (another run on "
-                "emulated hosts?); wait for it to end, one run on emulated hosts at a time"
-            )
-        self._run(
-            "switch",
-            "ip",
-            f"link add {port} type veth peer name {mine} netns {os.getpid()}\n"
-            f"link set {port} addrgenmode none\n"
-            f"link set {port} master {self.bridge}\n"
-            f"link set {port} up\n",
-        )
-        script = (
-            f"link set {mine} addrgenmode none\n"
-            f"addr add {MANAGEMENT_ADDRESS}/{self.plan.prefix_len} dev {mine}\n"
-            f"link set {mine} up\n"
-        )
-        self._run_here("ip", script)
-
-    def _name_hosts(self) -> None:
-        """Name each host's namespace for ``ip netns`` (``distsgd-host0``, ...), once the
-        names a creator killed by SIGKILL left are removed (ours to remove: we hold the lock)."""
-        stale = netns_keeper.stale_names()
-        if stale:
-            log.warning("removing emulated hosts' names left behind: %s", ", ".join(stale))
-            netns_keeper.unname_namespaces(stale, self.timeout_s)
-        for host in self.plan.hosts:
-            name = netns_keeper.NAME_PREFIX + host.name
-            try:
-                netns_keeper.name_namespace(name, self.keepers[host.name], self.timeout_s)
-            except NetnsError as e:  # a convenience: the hosts work without their names
-                log.warning("the hosts are not named for `ip netns list`: %s", e)
-                return
-            self.names[host.name] = name
-
-    def _shape(self) -> tuple[AppliedLink, ...]:
-        """``tbf`` on both ends of each shaped host's link: its eth0 (what the host sends) and
-        its switch port (what it receives); on every host's eth0 the counting classes
-        (:mod:`distsgd.launcher.netns_shaping`)."""
-        applied, switch_lines = [], []
-        for host in self.plan.hosts:
-            rate = None if host.link is None else host.link.rate_bits
-            self._run(host.name, "tc", self._egress(host, rate))
-            if rate is None or host.link is None:
-                applied.append(
-                    AppliedLink(
-                        host=host.name,
-                        spec=None,
-                        rate_bits=None,
-                        burst_bytes=None,
-                        limit_bytes=None,
-                        delay_applied=True,
-                    )
-                )
-                continue
-            burst, limit = tbf_sizes(rate)
-            qdisc = f"root tbf rate {rate}bit burst {burst} limit {limit}"
-            switch_lines.append(f"qdisc add dev {self.port(host)} {qdisc}")
-            applied.append(
-                AppliedLink(
-                    host=host.name,
-                    spec=host.link,
-                    rate_bits=rate,
-                    burst_bytes=burst,
-                    limit_bytes=limit,
-                    delay_applied=not (host.link.delay_s or host.link.jitter_s),
-                )
-            )
-        if switch_lines:
-            self._run("switch", "tc", "\n".join(switch_lines) + "\n")
-        return tuple(applied)
-
-    def _destinations(self, host: Host) -> list[tuple[int, str]]:
-        """(counting class, address) of every place ``host`` sends to that is counted apart."""
-        out = [
-            (netns_shaping.minor_of(other.index), other.address)
-            for other in self.plan.hosts
-            if other.index != host.index
-        ]
-        return [*out, (MANAGEMENT_MINOR, MANAGEMENT_ADDRESS)]
-
-    def _egress(self, host: Host, rate_bits: int | None) -> str:
-        """The ``tc`` script that shapes (at ``rate_bits``, None: not) and counts ``host``'s
-        eth0."""
-        return netns_shaping.egress_script(
-            "eth0",
-            rate_bits=rate_bits,
-            sizes=None if rate_bits is None else tbf_sizes(rate_bits),
-            destinations=self._destinations(host),
-        )
+    def run_here(self, tool: str, script: str) -> None:
+        """:meth:`run` in the creator's own namespace."""
+        netns_wiring.batch("this namespace", tool, [tool, "-batch", "-"], script, self.timeout_s)
 
     # ---------------------------------------------------------------- faults
 
@@ -543,13 +366,13 @@ class EmulatedHosts:
         running and their connections stay open (TCP sends again once the link is back); the
         port's shaper stays as it was, and the host keeps its address and routes."""
         target = self._started(host)
-        self._run("switch", "ip", f"link set {self.port(target)} down\n")
+        self.run("switch", "ip", f"link set {self.port(target)} down\n")
         self.cut_off.add(target.name)
 
     def heal(self, host: Host | str | int) -> None:
         """Undo :meth:`cut`: the port up again (no effect on a host not cut off)."""
         target = self._started(host)
-        self._run("switch", "ip", f"link set {self.port(target)} up\n")
+        self.run("switch", "ip", f"link set {self.port(target)} up\n")
         self.cut_off.discard(target.name)
 
     def set_rate(self, host: Host | str | int, rate_bits: int | None) -> None:
@@ -573,24 +396,28 @@ class EmulatedHosts:
                 f"qdisc replace dev {self.port(target)} root tbf rate {rate_bits}bit "
                 f"burst {burst} limit {limit}\n"
             )
-        self._run("switch", "tc", port)
+        self.run("switch", "tc", port)
 
     def _reshape_egress(self, host: Host, was: int | None, rate_bits: int | None) -> None:
         """``host``'s eth0 at ``rate_bits`` (None: unshaped), its counting kept: from one rate
         to another the tbf and its classes' queues change in place; between shaped and
         unshaped the tree is made again, and what its classes had counted carried over."""
         if was is not None and rate_bits is not None:
-            minors = [minor for minor, _ in self._destinations(host)]
+            minors = [minor for minor, _ in netns_wiring.destinations(self.plan, host)]
             sizes = tbf_sizes(rate_bits)
             script = netns_shaping.limit_script(
                 "eth0", rate_bits=rate_bits, sizes=sizes, minors=minors
             )
-            self._run(host.name, "tc", script)
+            self.run(host.name, "tc", script)
             return
         if was == rate_bits:
             return
         counted = self._pair_counts(host)
-        self._run(host.name, "tc", "qdisc del dev eth0 root\n" + self._egress(host, rate_bits))
+        self.run(
+            host.name,
+            "tc",
+            "qdisc del dev eth0 root\n" + netns_wiring.egress(self.plan, host, rate_bits),
+        )
         self._carried[host.name] = counted
 
     def _egress_rate(self, host: Host) -> int | None:

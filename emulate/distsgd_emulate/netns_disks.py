@@ -1,4 +1,4 @@
-"""Private disks of emulated hosts (:mod:`distsgd.launcher.netns`): with
+"""Private disks of emulated hosts (:mod:`distsgd_emulate.netns`): with
 ``EmulatedHosts(plan, disks=HostDisks(root=R, at=A))`` every host has a disk of its own at the
 same path ``A``, so that what one host writes there reaches another only over their links,
 and a fault can lose a host's disk (:meth:`DiskSet.wipe`). The rest of the file system stays
@@ -12,7 +12,7 @@ Layout, for hosts ``host0..hostN-1``::
     host i's mount namespace:       A                     R/hosti, bind-mounted
                                     R                     an empty read-only tmpfs
 
-Each host's keeper (:mod:`distsgd.launcher.netns_keeper`) unshares a mount namespace along with
+Each host's keeper (:mod:`distsgd_emulate.netns_keeper`) unshares a mount namespace along with
 its network namespace and, before it execs, makes the whole tree private (so no mount of it
 propagates to the machine's namespace), binds its backing directory at ``A``, then covers ``R``
 with an empty read-only tmpfs (the backing directories out of a host's sight by their real
@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from distsgd.launcher.netns_keeper import Mount, NetnsError
+from distsgd_emulate.netns_keeper import Mount, NetnsError
 
 __all__ = ["DiskSet", "HostDisks", "enter_argv", "mounted_under"]
 

@@ -1,8 +1,8 @@
-"""The keepers of emulated hosts' network namespaces (:mod:`distsgd.launcher.netns`): a
+"""The keepers of emulated hosts' network namespaces (:mod:`distsgd_emulate.netns`): a
 keeper is a process forked from the creator that unshares a network namespace (and, without
 root, a user namespace), asks for SIGKILL when the creating thread ends (``PR_SET_PDEATHSIG``)
 and execs ``sleep infinity`` under the name :data:`KEEPER_NAME`; with it the namespace goes.
-Given :class:`Mount` s (a host's private disk, :mod:`distsgd.launcher.netns_disks`), it also
+Given :class:`Mount` s (a host's private disk, :mod:`distsgd_emulate.netns_disks`), it also
 unshares a mount namespace and makes those mounts in it before the exec."""
 
 from __future__ import annotations

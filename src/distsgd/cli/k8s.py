@@ -1,9 +1,9 @@
-"""``distsgd k8s render`` and ``distsgd k8s local``: a run on Kubernetes, and a rehearsal of it.
+"""``distsgd k8s render``: a run on Kubernetes.
 
 ``render`` takes the options of ``distsgd run`` (the same flag builders), plus where the run
 goes (image, namespace, name, resources), and writes the manifests
-(``distsgd.launcher.k8s``). ``local`` runs the rendered pods on this machine
-(``distsgd.launcher.k8s_local``). See docs/kubernetes.md.
+(``distsgd.launcher.k8s``). ``distsgd-emulate k8s`` runs the rendered pods on this machine
+(``distsgd_emulate.k8s_local``). See docs/kubernetes.md.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ def add_command(sub: Any, add_launch_flags: AddFlags) -> None:
     """The ``k8s`` command and its subcommands; ``add_launch_flags`` adds run's flags."""
     k8s = sub.add_parser(
         "k8s",
-        help="render Kubernetes manifests (JobSet, Kubeflow Trainer) for a run, or rehearse them",
+        help="render Kubernetes manifests (JobSet, Kubeflow Trainer) for a run",
         description="Render the manifests of a distsgd run on Kubernetes (a JobSet with a "
         "control, a ps and a worker job, a Secret, a PersistentVolumeClaim for the run folder, "
-        "a Kubeflow Trainer runtime and TrainJob, a Dockerfile), or run rendered manifests' "
-        "pods on this machine.",
+        "a Kubeflow Trainer runtime and TrainJob, a Dockerfile); distsgd-emulate k8s OUT_DIR "
+        "runs their pods on this machine.",
     )
     actions = k8s.add_subparsers(
         dest="k8s_command", required=True, metavar="ACTION", parser_class=_OutDirFirst
@@ -87,32 +87,8 @@ def add_command(sub: Any, add_launch_flags: AddFlags) -> None:
         "script_args", nargs=argparse.REMAINDER, help="arguments passed to the script"
     )
 
-    local = actions.add_parser(
-        "local",
-        usage="distsgd k8s local OUT_DIR [--local-dir DIR] [--quiet]",
-        help="run the pods of a rendered OUT_DIR on this machine, as Kubernetes would",
-        description="Run every pod of OUT_DIR/jobset.yaml (written by distsgd k8s render) as a "
-        "local process: the container's "
-        "command and args, the environment Kubernetes gives it, host names mapped to loopback "
-        "ports, each pod's own storage a folder of its own; the run control first, then the "
-        "servers, the workers once the servers are ready, done when the workers are.",
-    )
-    local.add_argument(
-        "--local-dir",
-        type=Path,
-        default=None,
-        help="folder for the volumes (the claim, each pod's own storage) and logs "
-        "(default OUT_DIR/local-<time>)",
-    )
-    local.add_argument("--quiet", action="store_true", help="hide the pods' log lines")
-
 
 def main(args: argparse.Namespace) -> int:
-    if args.k8s_command == "local":
-        from distsgd.launcher.k8s_local import run_local
-        from distsgd.launcher.progress import Console
-
-        return run_local(args.out_dir, local_dir=args.local_dir, console=Console(quiet=args.quiet))
     return _render(args)
 
 

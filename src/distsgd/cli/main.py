@@ -450,10 +450,6 @@ def _dispatch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from distsgd.cli import k8s
 
         return k8s.main(args)
-    if args.command == "hosts":
-        from distsgd.cli import hosts
-
-        return hosts.main(args)
     if args.command in ("plan", "simulate"):
         from distsgd.cli import plan, simulate
 

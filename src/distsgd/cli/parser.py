@@ -159,7 +159,7 @@ def _add_fault_tolerance_flags(parser: argparse.ArgumentParser, *, compare: bool
 
 def _add_host_flags(parser: argparse.ArgumentParser) -> None:
     hosts = parser.add_argument_group(
-        "emulated hosts (network namespaces on this machine, launcher/netns.py; root)"
+        "emulated hosts (network namespaces on this machine, distsgd_emulate/netns.py; root)"
     )
     hosts.add_argument(
         "--hosts",
@@ -306,10 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_join(sub)
     _add_agent(sub)
     _add_tools(sub)
-    from distsgd.cli import hosts, k8s, plan, simulate
+    from distsgd.cli import k8s, plan, simulate
 
     k8s.add_command(sub, add_launch_flags)
-    hosts.add_command(sub)
     plan.add_command(sub)
     simulate.add_command(sub)
     return parser
@@ -614,11 +613,5 @@ def _bare_ray(argv: list[str]) -> list[str]:
 
 
 def parse_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """The command line as the CLI reads it (``--ray`` alone meaning a local Ray instance;
-    ``hosts exec``'s command, after ``--``, in ``command_argv``)."""
-    from distsgd.cli.hosts import split_command
-
-    argv, command = split_command(list(argv))
-    args = parser.parse_args(_bare_ray(argv))
-    args.command_argv = command
-    return args
+    """The command line as the CLI reads it (``--ray`` alone meaning a local Ray instance)."""
+    return parser.parse_args(_bare_ray(list(argv)))

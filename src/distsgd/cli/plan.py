@@ -15,12 +15,11 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distsgd import schemes
 from distsgd.compare.entries import SchemeEntry, parse_entry, split_schemes
 from distsgd.launcher.config import DEMO_SCRIPT
-from distsgd.launcher.link_probe import LinkProbe
 from distsgd.plan.choices import (
     ASSUMED_PATHS,
     LINK_PAYLOAD,
@@ -42,6 +41,9 @@ from distsgd.plan.cost import (
     predict,
     transfer_rate,
 )
+
+if TYPE_CHECKING:
+    from distsgd.launcher.emulated import LinkProbe
 
 DEFAULT_SCHEMES = "hogwild,sync,downpour(window=10),allreduce"
 
@@ -171,7 +173,7 @@ def _measured_parts(args: argparse.Namespace, entries: Sequence[SchemeEntry], sc
 def _probe_link(args: argparse.Namespace, param_bytes: int) -> LinkProbe | None:
     """The ``--link`` measured with one server's share of the model; None (said) where
     emulated hosts cannot be made here."""
-    from distsgd.launcher.link_probe import probe_link
+    from distsgd.launcher.emulated import probe_link
 
     _say(f"measuring a {args.link} link on emulated hosts ...")
     try:

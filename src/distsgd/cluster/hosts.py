@@ -1,6 +1,6 @@
 """Emulated hosts, planned: how many, their addresses, which task runs on which, and the link
 each one has. Pure data and decisions (no process, no socket); the executor that builds the
-hosts as network namespaces is :mod:`distsgd.launcher.netns`.
+hosts as network namespaces is :mod:`distsgd_emulate.netns`.
 
 Addresses come from 198.18.0.0/15, the range RFC 2544 sets aside for benchmarking (never routed
 on the internet): host *i* is ``198.18.0.(i+1)`` on a /24 whose bridge is ``198.18.0.254``, so
@@ -26,6 +26,7 @@ from distsgd.cluster.spec import JOBS, ClusterSpecError, Role, TaskId
 
 __all__ = [
     "HOST_NETWORK",
+    "MANAGEMENT_ADDRESS",
     "MAX_HOSTS",
     "Host",
     "HostPlan",
@@ -44,6 +45,9 @@ HOST_NETWORK = ipaddress.IPv4Network("198.18.0.0/24")
 """The hosts' subnet: inside RFC 2544's benchmarking range 198.18.0.0/15."""
 BRIDGE_ADDRESS = ipaddress.IPv4Address("198.18.0.254")
 """The bridge's own address on :data:`HOST_NETWORK`."""
+MANAGEMENT_ADDRESS = "198.18.0.253"
+"""The launcher's address on the hosts' network, on the management link (the emulated hosts'
+creator; :mod:`distsgd_emulate.netns`)."""
 MAX_HOSTS = 252
 """Host addresses run from .1 to .252 (.253 is the launcher's management address, .254 the
 bridge, .255 the broadcast)."""

@@ -21,7 +21,7 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distsgd import schemes
 from distsgd.cluster import Role, TaskId
@@ -39,12 +39,9 @@ from distsgd.control.recovery import (
 from distsgd.control.rollback import rollbacks_in
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.durability import disk_full, disk_full_line
-from distsgd.launcher.emulation import close_hosts, start_hosts
+from distsgd.launcher.emulated import close_hosts, link_faults, link_sampler, start_hosts
 from distsgd.launcher.engines import engine_for
 from distsgd.launcher.errors import Interrupted, RunDiverged, RunFailed
-from distsgd.launcher.link_faults import LinkFaults
-from distsgd.launcher.link_sampler import LinkSampler
-from distsgd.launcher.netns import EmulatedHosts
 from distsgd.launcher.progress import Console
 from distsgd.launcher.replicas import is_replica
 from distsgd.launcher.restart import Restarts
@@ -55,6 +52,9 @@ from distsgd.launcher.waits import Reminder
 from distsgd.transport import shm
 from distsgd.util import private_dir, write_atomic
 from distsgd.util.signals import setter
+
+if TYPE_CHECKING:
+    from distsgd.launcher.emulated import EmulatedHosts
 
 log = logging.getLogger(__name__)
 
@@ -247,11 +247,11 @@ class LocalRun(Restarts):
         self.faults = [Fault.parse(f) for f in config.faults]
         self.kills_pending = [f for f in self.faults if f.kills]
         clear_kill_marks(run_dir)  # a resumed run's kills are due again
-        self.link_faults = LinkFaults(
+        self.link_faults = link_faults(
             self.faults, hosts, events=self.events, note=console.note, run_dir=run_dir
         )
-        """Partitions and slow links of emulated hosts (launcher/link_faults.py)."""
-        self.link_sampler = LinkSampler(hosts, run_dir)
+        """Partitions and slow links of emulated hosts (distsgd_emulate/link_faults.py)."""
+        self.link_sampler = link_sampler(hosts, run_dir)
         """The emulated hosts' bytes over time, from the run's start (``links.jsonl``)."""
         self.saved_step: int | None = None
         """The step of the checkpoint the workers saved when the run was stopped (None:

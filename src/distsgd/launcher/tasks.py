@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distsgd.cluster import ClusterSpec, Role, TaskId
-from distsgd.cluster.hosts import Host
+from distsgd.cluster.hosts import MANAGEMENT_ADDRESS, Host
 from distsgd.control.checkpoint.errors import IncompleteCheckpoint
 from distsgd.control.checkpoint.store import Checkpoint, latest_checkpoint
 from distsgd.control.errors import SetupErrorRecord
@@ -35,7 +35,6 @@ from distsgd.launcher.engines import engine_for
 from distsgd.launcher.errors import RunFailed
 from distsgd.launcher.keras_env import keras_environment
 from distsgd.launcher.lifeline import PARENT_ENV
-from distsgd.launcher.netns import MANAGEMENT_ADDRESS, EmulatedHosts
 from distsgd.launcher.progress import Console, Progress
 from distsgd.launcher.rebalance import Rebalancer
 from distsgd.launcher.replicas import PREFIX as REPLICA_PREFIX
@@ -52,6 +51,9 @@ from distsgd.transport.security import (
 from distsgd.util import write_atomic
 from distsgd.util.atomic import private_dir as make_private_dir
 from distsgd.util.proctitle import TITLE_ENV, task_title
+
+if TYPE_CHECKING:
+    from distsgd.launcher.emulated import EmulatedHosts
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ Parts (each measured or assumed; :class:`Part` says which):
   link the transfer is CPU work (copies, serialisation, the server's update): one core busy.
 - ``R``: a link's rate in bytes/s each way (full duplex); none on one host.
 - ``K``: the cores the tasks share where they share one machine (a local run, emulated hosts).
-- ``D`` and ``Q`` (links only, measured on emulated hosts by ``launcher/link_probe.py``): each
-  way's share of its rate while pulls go out and pushes come in at once, and how far transfers
+- ``D`` and ``Q`` (links only, measured on emulated hosts by ``distsgd_emulate.link_probe``):
+  each way's share of its rate while pulls go out and pushes come in at once, and how far transfers
   the same way started together go in turn (``Q`` = 1) rather than share and end together
   (0). Where a transfer outgrows the link's queue both depart from the ideal (100 Mbit/s:
   ``D`` about 0.65, ``Q`` about 0.5; 1 Gbit/s: about 0.8 and 0.15).
@@ -147,7 +147,7 @@ class Cluster:
     """``K``: cores the tasks share (one machine, or emulated hosts on it); None: plenty."""
     duplex: float = 1.0
     """``D``: each way's share of its rate while a server's link carries pulls out and pushes
-    in at once (measured by ``launcher/link_probe.py``; 1: the ways do not slow each other)."""
+    in at once (measured by ``distsgd_emulate.link_probe``; 1: the ways do not slow each other)."""
     turns: float = 0.0
     """``Q``: how far transfers the same way, started together (a synchronous round's pulls),
     go in turn rather than share the link and end together: 0 to 1 (measured as ``D``)."""
