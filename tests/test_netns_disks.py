@@ -215,15 +215,16 @@ def test_a_mount_that_fails_says_why_in_one_line_and_leaves_nothing(
 
 @needs_netns
 def test_hosts_up_with_disks_gives_each_host_its_own(tmp_path: Path) -> None:
-    """``distsgd hosts up --disks AT``: a command run by ``hosts exec`` in one host writes under
-    AT on that host's disk alone; when the hosts go down their disks go too, nothing mounted."""
+    """``distsgd-emulate hosts up --disks AT``: a command run by ``hosts exec`` in one host
+    writes under AT on that host's disk alone; when the hosts go down their disks go too,
+    nothing mounted."""
     import signal
     import sys
 
     from conftest import wait_for
 
     folder, at = tmp_path / "hosts", tmp_path / "at"
-    distsgd = [sys.executable, "-m", "distsgd"]
+    distsgd = [sys.executable, "-m", "distsgd_emulate"]
     up = subprocess.Popen(
         [*distsgd, "hosts", "up", "2", "--dir", str(folder), "--disks", str(at)],
         stdout=subprocess.DEVNULL,
