@@ -8,7 +8,7 @@ its newest state), :class:`RestartAll` (every task, from the newest complete che
 over: nothing to restart) or :class:`Stop` (the run fails).
 
 Three places execute a plan: ``distsgd run``'s launcher (:mod:`distsgd.launcher.restart`), the
-JobSet emulator (:mod:`distsgd.launcher.k8s_local`, pods restarted in place) and a restarted pod
+JobSet emulator (:mod:`distsgd_emulate.k8s_local`, pods restarted in place) and a restarted pod
 choosing its own newest state (``distsgd worker --resume-latest`` and ``distsgd server
 --restore-latest``).
 

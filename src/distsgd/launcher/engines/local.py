@@ -3,7 +3,7 @@
 Its task starter is :class:`~distsgd.launcher.supervisor.Supervisor`: each task in a session of
 its own, stopped by its PID; workers forked by the fork server (:mod:`distsgd.launcher.zygote`)
 where the run allows it. Emulated hosts (``--hosts``) put these same processes into network
-namespaces (:mod:`distsgd.launcher.netns`).
+namespaces (:mod:`distsgd_emulate.netns`).
 """
 
 from __future__ import annotations
