@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import loadclock
 
 from distsgd.control.recovery import PEER_SETTLE, first_cause
+from distsgd.launcher.restart import PlanExecutor
 from distsgd.launcher.run import LocalRun
+from distsgd.launcher.run_state import RunState
 
 
 class _Task:
@@ -27,12 +30,23 @@ class _Task:
 
 def _run(tasks: list[_Task], *, collective: bool) -> LocalRun:
     run = LocalRun.__new__(LocalRun)  # only what _poll_tasks and _settle read
-    run.supervisor = SimpleNamespace(tasks={t.name: t for t in tasks})  # type: ignore[assignment]
-    run.done, run.leaving, run.active, run.restored_ps = set(), {}, {0, 1, 2, 3}, set()
-    run.stop = threading.Event()
-    run.collective = collective
-    run.checkpointing = True
-    run.config = SimpleNamespace(lowest_workers=4, elastic=False)  # type: ignore[assignment]
+    config = SimpleNamespace(
+        lowest_workers=4, elastic=False, collective=collective, checkpoint_every=1
+    )
+    run.state = RunState(
+        config=config,  # type: ignore[arg-type]
+        console=None,  # type: ignore[arg-type]
+        run_dir=Path("unused"),
+        supervisor=SimpleNamespace(tasks={t.name: t for t in tasks}),  # type: ignore[arg-type]
+        stop=threading.Event(),
+        run_id="",
+        secret=None,
+        progress=None,  # type: ignore[arg-type]
+        events=None,  # type: ignore[arg-type]
+        active={0, 1, 2, 3},
+    )
+    run.scaler = SimpleNamespace(leaving={})  # type: ignore[assignment]
+    run.executor = PlanExecutor(run.state, None, None, None)  # type: ignore[arg-type]
     return run
 
 
@@ -75,12 +89,12 @@ def test_a_parameter_server_run_does_not_wait() -> None:
 def test_a_finished_worker_is_done_not_failed() -> None:
     run = _run([_Task("worker0", 0), _Task("worker1", -9)], collective=True)
     assert run._poll_tasks() == {"worker1": -9}
-    assert run.done == {"worker0"}
+    assert run.state.done == {"worker0"}
 
 
 def test_an_interrupt_ends_the_wait() -> None:
     run = _run([_Task("worker0", 1), _Task("worker1", None)], collective=True)
-    threading.Timer(0.2, run.stop.set).start()
+    threading.Timer(0.2, run.state.stop.set).start()
     watch = loadclock.Stopwatch()
     assert run._settle({"worker0": 1}) == {"worker0": 1}
     assert watch.elapsed() < PEER_SETTLE / 2

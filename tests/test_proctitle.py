@@ -7,14 +7,16 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import distsgd
+from distsgd.launcher.hosts_driver import HostsDriver
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.supervisor import Supervisor
-from distsgd.launcher.tasks import LocalTasks
+from distsgd.launcher.tasks import TaskStarter
 from distsgd.util.proctitle import TITLE_ENV, argument_area, short_name, task_title
 
 SRC = str(Path(distsgd.__file__).resolve().parents[1])  # the distsgd this test imports
@@ -46,10 +48,12 @@ def test_the_launcher_gives_each_task_its_title(tmp_path: Path) -> None:
         def start(self, name: str, argv: Any, env: dict[str, str]) -> None:
             seen[name] = env
 
-    tasks = LocalTasks.__new__(LocalTasks)  # only what _start reads
-    tasks.started_at, tasks.hosts, tasks.run_dir = {}, None, tmp_path / "20261206-sync"
-    tasks.supervisor = Recorder()  # type: ignore[assignment]
-    tasks._start("worker1", ["x"], {"A": "1"})
+    tasks = TaskStarter.__new__(TaskStarter)  # only what start_task reads
+    tasks.state = SimpleNamespace(  # type: ignore[assignment]
+        started_at={}, run_dir=tmp_path / "20261206-sync", supervisor=Recorder()
+    )
+    tasks.hosts = HostsDriver(None, tmp_path, [], events=None, note=print)  # type: ignore[arg-type]
+    tasks.start_task("worker1", ["x"], {"A": "1"})
     assert seen["worker1"] == {"A": "1", TITLE_ENV: "distsgd worker1 20261206-sync"}
 
 

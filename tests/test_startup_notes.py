@@ -8,6 +8,7 @@ import io
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,9 +16,11 @@ from conftest import SCRIPTS
 
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.errors import RunFailed
+from distsgd.launcher.hosts_driver import HostsDriver
 from distsgd.launcher.progress import Console
-from distsgd.launcher.run import LocalRun, launch
+from distsgd.launcher.run import launch
 from distsgd.launcher.supervisor import Supervisor
+from distsgd.launcher.tasks import TaskStarter
 from distsgd.launcher.waits import Reminder, said_while_slow
 
 BOOTSTRAP = [sys.executable, "-m", "distsgd.launcher.bootstrap", str(SCRIPTS / "blobs.py")]
@@ -77,11 +80,11 @@ def test_the_first_line_comes_before_the_cluster_starts(
     stream = io.StringIO()
     before: list[str] = []
 
-    def slow_start(self: LocalRun, checkpoint: Any, *, fresh_ports: bool) -> None:
+    def slow_start(self: TaskStarter, checkpoint: Any, *, fresh_ports: bool) -> None:
         before.append(stream.getvalue())
         raise RunFailed("stopped by the test where the cluster would start")
 
-    monkeypatch.setattr(LocalRun, "start_cluster", slow_start)
+    monkeypatch.setattr(TaskStarter, "start_cluster", slow_start)
     config = LaunchConfig(
         script=str(SCRIPTS / "blobs.py"), scheme="allreduce", workers=2, run_dir=tmp_path / "r"
     )
@@ -118,7 +121,6 @@ def test_the_fork_server_starts_before_the_launcher_loads_torch(
     """The two imports of an all-reduce run's start (the fork server's, the launcher's for the
     rendezvous store) go on side by side, not one after the other."""
     from distsgd.launcher import tasks as tasks_module
-    from distsgd.launcher.tasks import LocalTasks
 
     order: list[str] = []
 
@@ -136,12 +138,19 @@ def test_the_fork_server_starts_before_the_launcher_loads_torch(
         raise Stop
 
     monkeypatch.setattr(tasks_module, "host_store", host_store)
-    local = LocalTasks.__new__(LocalTasks)  # only what start_cluster reads up to the store
-    local.config = LaunchConfig(script=str(SCRIPTS / "blobs.py"), scheme="allreduce", workers=2)
-    local.wal_root, local.seen_versions, local.num_ps = tmp_path / "wal", {}, 0
-    local.active, local.collective, local.hosts, local.replicas = {0, 1}, True, None, None
-    local.supervisor, local.worker_env = Recorder(), {}  # type: ignore[assignment]
-    local.console = Console(io.StringIO())
+    local = TaskStarter.__new__(TaskStarter)  # only what start_cluster reads up to the store
+    config = LaunchConfig(script=str(SCRIPTS / "blobs.py"), scheme="allreduce", workers=2)
+    local.state = SimpleNamespace(  # type: ignore[assignment]
+        config=config,
+        wal_root=tmp_path / "wal",
+        num_ps=0,
+        active={0, 1},
+        collective=True,
+        supervisor=Recorder(),
+        console=Console(io.StringIO()),
+    )
+    local.hosts = HostsDriver(None, tmp_path, [], events=None, note=print)  # type: ignore[arg-type]
+    local.replicas, local.worker_env = None, {}
     with pytest.raises(Stop):
         local.start_cluster(None, fresh_ports=True)
     assert order == ["fork server", "rendezvous store"]

@@ -11,7 +11,6 @@ SIGTERM) every task is stopped in a ``finally`` before the launcher returns.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -26,27 +25,26 @@ from typing import TYPE_CHECKING, Any
 from distsgd import schemes
 from distsgd.cluster import Role, TaskId
 from distsgd.control.checkpoint.store import latest_checkpoint
-from distsgd.control.faults import Fault, clear_kill_marks, kill_due, kill_landed
+from distsgd.control.faults import Fault
 from distsgd.control.folder import CONFIG_FILE, METRICS_FILE, RESULT_FILE
 from distsgd.control.outcome import RunOutcome, RunStatus
-from distsgd.control.recovery import (
-    PEER_SETTLE,
-    failure_kind,
-    first_cause,
-    may_follow_a_peer,
-    restart_all,
-)
+from distsgd.control.recovery import PEER_SETTLE, failure_kind, first_cause, may_follow_a_peer
 from distsgd.control.rollback import rollbacks_in
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.durability import disk_full, disk_full_line
-from distsgd.launcher.emulated import close_hosts, link_faults, link_sampler, start_hosts
 from distsgd.launcher.engines import engine_for
 from distsgd.launcher.errors import Interrupted, RunDiverged, RunFailed
+from distsgd.launcher.fault_driver import FaultDriver
+from distsgd.launcher.hosts_driver import HostsDriver, start_hosts
 from distsgd.launcher.progress import Console
 from distsgd.launcher.replicas import is_replica
-from distsgd.launcher.restart import Restarts
-from distsgd.launcher.scale import LAUNCHER_FILE, read_scale_request
+from distsgd.launcher.restart import PlanExecutor, RunStore
+from distsgd.launcher.run_state import RunState, run_identity
+from distsgd.launcher.scale import LAUNCHER_FILE
+from distsgd.launcher.scaler import Scaler
+from distsgd.launcher.server_watch import ServerWatch
 from distsgd.launcher.supervisor import Tasks
+from distsgd.launcher.tasks import TaskStarter, task_envs, worker_gpus
 from distsgd.launcher.tasks import write_tasks as _write_tasks
 from distsgd.launcher.waits import Reminder
 from distsgd.transport import shm
@@ -65,8 +63,6 @@ POLL_SECONDS = 0.25
 """How often the launcher reads the tasks' progress and exit codes."""
 KILL_POLL_SECONDS = 0.05
 """The same while an injected kill waits for its step (``--inject-fault kill:...``)."""
-LEAVE_GRACE_SECONDS = 30.0
-"""How long a worker asked to leave (distsgd scale) may take before it is SIGKILLed."""
 SAVE_ON_STOP_SECONDS = 30.0
 """How long the first Ctrl-C (or SIGTERM) waits for the workers to stop and save."""
 
@@ -226,8 +222,12 @@ def earlier_rollbacks(run_dir: Path) -> tuple[dict[str, object], ...]:
         return rollbacks_in(lines)
 
 
-class LocalRun(Restarts):
-    """One run of ``distsgd run``: its tasks, restarts and injected kills."""
+class LocalRun:
+    """One run of ``distsgd run``: the collaborators that start its tasks
+    (:class:`TaskStarter`), read its servers (:class:`ServerWatch`), carry out the restart
+    planner's decisions (:class:`PlanExecutor`), resize it (:class:`Scaler`), inject its
+    faults (:class:`FaultDriver`) and drive its emulated hosts (:class:`HostsDriver`), and
+    the loop that supervises them until the workers are done."""
 
     def __init__(
         self,
@@ -239,103 +239,117 @@ class LocalRun(Restarts):
         *,
         hosts: EmulatedHosts | None = None,
     ) -> None:
-        super().__init__(config, console, run_dir, supervisor, stop, hosts=hosts)
-        self.leaving: dict[str, float] = {}
-        """Workers asked to leave (SIGTERM), by name: when they are SIGKILLed if still there."""
-        self.scale_seen = 0
-        """The ``seq`` of the last scale request handled."""
-        self.faults = [Fault.parse(f) for f in config.faults]
-        self.kills_pending = [f for f in self.faults if f.kills]
-        clear_kill_marks(run_dir)  # a resumed run's kills are due again
-        self.link_faults = link_faults(
-            self.faults, hosts, events=self.events, note=console.note, run_dir=run_dir
+        run_id, secret = run_identity(config, run_dir)
+        worker_env, ps_env = task_envs(run_dir / "secret", config.threads_per_worker)
+        hands_out = engine_for(config).assigns_devices  # Ray: the GPUs its bundles reserved
+        gpus = [] if hands_out else worker_gpus(config.device, os.environ)
+        state = RunState.open(
+            config, console, run_dir, supervisor, stop, run_id=run_id, secret=secret
         )
-        """Partitions and slow links of emulated hosts (distsgd_emulate/link_faults.py)."""
-        self.link_sampler = link_sampler(hosts, run_dir)
-        """The emulated hosts' bytes over time, from the run's start (``links.jsonl``)."""
+        self.state = state
+        faults = [Fault.parse(f) for f in config.faults]
+        self.hosts = HostsDriver(hosts, run_dir, faults, events=state.events, note=console.note)
+        self.starter = TaskStarter(
+            state, self.hosts, worker_env=worker_env, ps_env=ps_env, gpus=gpus
+        )
+        self.watch = ServerWatch(state, self.hosts, self.starter.ps_address)
+        self.store = RunStore(state, self.hosts, self.starter.replicas)
+        self.executor = PlanExecutor(state, self.starter, self.watch, self.store)
+        self.scaler = Scaler(state, self.starter, self.executor, self.store)
+        self.faults = FaultDriver(state, self.watch, self.hosts, faults)
         self.saved_step: int | None = None
         """The step of the checkpoint the workers saved when the run was stopped (None:
         none; a resume goes back to the last periodic checkpoint)."""
 
+    @property
+    def supervisor(self) -> Tasks:
+        return self.state.supervisor
+
+    @property
+    def run_dir(self) -> Path:
+        return self.state.run_dir
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.state.ckpt_root
+
     def tear_down(self) -> None:
         """Once the run ended, however: stop every task, then the run control and the
         emulated hosts; remove what only this launch reads."""
-        self.supervisor.close()
-        self.close_control()
-        self.close_hosts()  # heal, count, take down (and their disks)
-        shutil.rmtree(self.wal_root, ignore_errors=True)  # only a restart in this launch reads it
+        state = self.state
+        state.supervisor.close()
+        self.starter.close_control()
+        self.hosts.close(state.progress.step)  # heal, count, take down (and their disks)
+        shutil.rmtree(state.wal_root, ignore_errors=True)  # only a restart in this launch reads it
         # Segments are unlinked once a worker maps them; a server killed before that leaves a
         # name behind, which it recorded in its checkpoint folder before creating it.
-        records = self.ckpt_root.glob("ps*.segments")
-        shm.remove_leftovers(records, shm.run_prefix(self.run_id))
-        self.store = None
-        self.events.close()
-
-    def close_hosts(self) -> None:
-        """Undo the network faults still in effect, stop sampling, record the bytes, and take
-        the emulated hosts down (after the tasks have ended; nothing without hosts)."""
-        faults = self.link_faults.restore(self.progress.step)
-        close_hosts(self.hosts, self.run_dir, faults, self.link_sampler.stop())
+        records = state.ckpt_root.glob("ps*.segments")
+        shm.remove_leftovers(records, shm.run_prefix(state.run_id))
+        self.starter.store = None
+        state.events.close()
 
     # -- the run --------------------------------------------------------------------------------
     def run(self) -> RunOutcome:
+        state = self.state
+        config = state.config
         checkpoint = None
-        if self.config.resume:
-            checkpoint = self.latest()
+        if config.resume:
+            checkpoint = self.store.latest()
             if checkpoint is None:
                 raise RunFailed(
-                    f"no complete checkpoint in {self.ckpt_root}; "
+                    f"no complete checkpoint in {state.ckpt_root}; "
                     "start a new run instead of --resume"
                 )
-            self.console.note(
-                f"[distsgd] resuming {self.run_dir} from {checkpoint.path.name} "
+            state.console.note(
+                f"[distsgd] resuming {state.run_dir} from {checkpoint.path.name} "
                 f"(step {checkpoint.step})"
             )
-            self.events.log(step=checkpoint.step, event="resume", checkpoint=checkpoint.path.name)
+            state.events.log(step=checkpoint.step, event="resume", checkpoint=checkpoint.path.name)
             # --max-rollbacks is the run's budget, not each call's (lr_cut is kept too)
-            self.rollbacks = earlier_rollbacks(self.run_dir)
-        rule, factor = self.config.lr_rule
+            state.rollbacks = earlier_rollbacks(state.run_dir)
+        rule, factor = config.lr_rule
         # said first: what follows may take a minute on a loaded machine (torch's imports)
-        self.console.note(
-            f"[distsgd] run {self.run_dir}: scheme {self.config.scheme}, "
-            f"{self.config.workers} workers, "
-            f"{self.num_ps} ps, {self.threads} threads per worker, "
+        state.console.note(
+            f"[distsgd] run {state.run_dir}: scheme {config.scheme}, "
+            f"{config.workers} workers, "
+            f"{state.num_ps} ps, {state.threads} threads per worker, "
             f"lr x {factor:.4g} (--lr-rule {rule})"
         )
-        self.write_config()
-        self.link_sampler.start()
-        self.start_cluster(checkpoint, fresh_ports=True)
+        self.starter.write_config()
+        self.hosts.link_sampler.start()
+        self.starter.start_cluster(checkpoint, fresh_ports=True)
         self.supervise()
         return self.finish()
 
     def supervise(self) -> None:
+        state = self.state
         last_plain = 0.0
-        first = Reminder(self.console.note)  # the workers start (imports, data, rendezvous)
+        first = Reminder(state.console.note)  # the workers start (imports, data, rendezvous)
         while True:
             # a kill set for a step lands within a poll of it: poll faster while one waits
-            if self.stop.wait(KILL_POLL_SECONDS if self.kills_pending else POLL_SECONDS):
+            if state.stop.wait(KILL_POLL_SECONDS if self.faults.kills_pending else POLL_SECONDS):
                 self._save_on_stop()
                 raise Interrupted
-            self.progress.poll()
-            self._poll_versions()
-            self._inject_kills()
-            if self.replicas is not None:
-                self.replicas.restart_dead(self.progress.step)
-            self.link_faults.poll(self.progress.step)
-            if self.config.elastic:
-                self._poll_scale()
-                self._reap_leaving()
+            state.progress.poll()
+            self.watch.poll()
+            self.faults.poll()
+            if self.starter.replicas is not None:
+                self.starter.replicas.restart_dead(state.progress.step)
+            self.hosts.link_faults.poll(state.progress.step)
+            if state.config.elastic:
+                self.scaler.poll()
+                self.scaler.reap_leaving()
             ended = self._poll_tasks()
             if ended:
                 ended = self._settle(ended)
                 name = first_cause(ended)
-                self._handle_failure(self.supervisor.tasks[name], ended[name])
+                self.executor.handle_failure(state.supervisor.tasks[name], ended[name])
             first.check(self._first_step_wait())
             now = time.monotonic()
-            if (self.console.tty or now - last_plain >= 10.0) and self.progress.samples:
-                self.console.status(self.progress.render())
+            if (state.console.tty or now - last_plain >= 10.0) and state.progress.samples:
+                state.console.status(state.progress.render())
                 last_plain = now
-            if not self.leaving and all(f"worker{i}" in self.done for i in self.active):
+            if not self.scaler.leaving and all(f"worker{i}" in state.done for i in state.active):
                 return
 
     def _save_on_stop(self) -> None:
@@ -343,19 +357,20 @@ class LocalRun(Restarts):
         checkpoints to stop and save (:meth:`TaskHandle.interrupt`): each finishes its step
         and push, saves its state and leaves, then the chief has the servers saved and writes
         the manifest. Up to :data:`SAVE_ON_STOP_SECONDS`; a second signal stops at once."""
-        config = self.config
+        state = self.state
+        config = state.config
         workers = [
             task
-            for name, task in self.supervisor.tasks.items()
+            for name, task in state.supervisor.tasks.items()
             if not is_replica(name)
             and TaskId.parse(name).job == Role.WORKER
             and task.poll() is None
         ]
         saves = config.checkpoint_every or config.checkpoint_seconds
-        if self.collective or not workers or not saves:
+        if state.collective or not workers or not saves:
             return
-        self.stop.clear()
-        self.console.final(
+        state.stop.clear()
+        state.console.final(
             f"distsgd: stopping: the workers finish their step and save (up to "
             f"{SAVE_ON_STOP_SECONDS:.0f}s; Ctrl-C again to stop at once)"
         )
@@ -364,47 +379,49 @@ class LocalRun(Restarts):
             task.interrupt()
         deadline = time.monotonic() + SAVE_ON_STOP_SECONDS
         while any(task.poll() is None for task in workers):
-            if self.stop.wait(POLL_SECONDS) or time.monotonic() > deadline:
+            if state.stop.wait(POLL_SECONDS) or time.monotonic() > deadline:
                 break
-        saved = latest_checkpoint(self.ckpt_root)[0]
+        saved = latest_checkpoint(state.ckpt_root)[0]
         if saved is not None and saved.manifest.get("stopped") and saved.manifest["time"] >= asked:
             self.saved_step = saved.step
-            self.events.log(step=self.progress.step, event="saved", checkpoint=saved.path.name)
+            state.events.log(step=state.progress.step, event="saved", checkpoint=saved.path.name)
             return
         alive = any(task.poll() is None for task in workers)
         why = "not saved in time" if alive else "the workers ended without saving"
-        why = "stopped at once" if self.stop.is_set() else why
+        why = "stopped at once" if state.stop.is_set() else why
         last = "none" if saved is None else f"{saved.path.name}, step {saved.step}"
-        self.console.final(f"distsgd: {why}; the last periodic checkpoint stands ({last})")
+        state.console.final(f"distsgd: {why}; the last periodic checkpoint stands ({last})")
 
     def _first_step_wait(self) -> str | None:
         """What the run waits for before its first metrics line (None: it has one)."""
-        if self.progress.samples:
+        state = self.state
+        if state.progress.samples:
             return None
-        names = ", ".join(f"worker{i}" for i in sorted(self.active))
-        joining = ", joining the all-reduce rendezvous" if self.collective else ""
+        names = ", ".join(f"worker{i}" for i in sorted(state.active))
+        joining = ", joining the all-reduce rendezvous" if state.collective else ""
         return (
             f"the first step of {names} (importing, loading data{joining}; "
-            f"their logs: {self.run_dir / 'logs'})"
+            f"their logs: {state.run_dir / 'logs'})"
         )
 
     def _poll_tasks(self) -> dict[str, int]:
         """Note the tasks that ended well or were asked to leave; the others that ended (name
         -> exit code) are failures."""
+        state, leaving = self.state, self.scaler.leaving
         failed: dict[str, int] = {}
-        for task in list(self.supervisor.tasks.values()):
+        for task in list(state.supervisor.tasks.values()):
             code = task.poll()
-            if code is None or task.name in self.done or is_replica(task.name):
+            if code is None or task.name in state.done or is_replica(task.name):
                 continue  # a replica is started again by itself (launcher/replicas.py)
-            if task.name in self.leaving:  # asked to leave: gone, whatever its code
-                del self.leaving[task.name]
-                self.done.add(task.name)
-                self.events.log(
-                    step=self.progress.step, event="worker_left", target=task.name, code=code
+            if task.name in leaving:  # asked to leave: gone, whatever its code
+                del leaving[task.name]
+                state.done.add(task.name)
+                state.events.log(
+                    step=state.progress.step, event="worker_left", target=task.name, code=code
                 )
                 continue
             if code == 0 and TaskId.parse(task.name).job == Role.WORKER:
-                self.mark_done(task.name)
+                self.executor.mark_done(task.name)
                 continue
             failed[task.name] = code
         return failed
@@ -413,245 +430,94 @@ class LocalRun(Restarts):
         """``failed`` and the peers that end within :data:`PEER_SETTLE` seconds, while every
         failure may be the echo of a peer's (see :func:`may_follow_a_peer`): the planner is
         then given the cause, not its first echo."""
-        run = self.topology()
+        state = self.state
+        run = state.topology()
         deadline = time.monotonic() + PEER_SETTLE
         while all(may_follow_a_peer(failure_kind(c), run) for c in failed.values()):
-            if time.monotonic() >= deadline or self.stop.wait(0.1):
+            if time.monotonic() >= deadline or state.stop.wait(0.1):
                 break
-            for task in list(self.supervisor.tasks.values()):
+            for task in list(state.supervisor.tasks.values()):
                 code = task.poll()
-                if code and task.name not in self.done and not is_replica(task.name):
+                if code and task.name not in state.done and not is_replica(task.name):
                     failed.setdefault(task.name, code)
         return failed
 
-    def _inject_kills(self) -> None:
-        for fault in list(self.kills_pending):
-            due = kill_due(self.run_dir, fault)  # a worker holds still at the step
-            if due is not None or self.progress.step >= (fault.step or 0):
-                self.kills_pending.remove(fault)
-                self._kill(fault, max(self.progress.step, due or 0))
-
-    def _kill(self, fault: Fault, step: int) -> None:
-        """SIGKILL the target of ``fault`` at global ``step``; the workers holding still at
-        the step then go on."""
-        try:
-            self._kill_now(fault, step)
-        finally:
-            with contextlib.suppress(OSError):
-                kill_landed(self.run_dir, fault)
-
-    def _kill_now(self, fault: Fault, step: int) -> None:
-        if fault.kind == "lose-host":
-            self._lose_host(fault, step)
-            return
-        task = self.supervisor.tasks.get(fault.task)
-        if task is None or task.poll() is not None:
-            return
-        target = TaskId.parse(fault.task)
-        if target.job == Role.PS:
-            self._read_version(target.index)
-        self.console.note(
-            f"[distsgd] fault injected: SIGKILL {fault.task} (pid {task.pid}) at step {step}"
-        )
-        self.events.log(step=step, event="fault_injected", fault="kill", target=fault.task)
-        task.kill()
-
-    def _lose_host(self, fault: Fault, step: int) -> None:
-        """``lose-host:``: SIGKILL every task on the target's host, then wipe its disk. The
-        versions of its servers are read first (what they had acknowledged at least)."""
-        assert self.hosts is not None  # the config refuses lose-host without --hosts
-        host = self.hosts.plan.host_of(fault.task_id)
-        victims = [t for t in self.supervisor.tasks.values() if self.host_of(t.name) is host]
-        victims = [t for t in victims if t.poll() is None]
-        for task in victims:
-            if task.name.startswith("ps"):
-                self._read_version(TaskId.parse(task.name).index)
-        names = ", ".join(t.name for t in victims) or "no task"
-        self.console.note(f"[distsgd] fault injected: {host.name} lost at step {step} ({names})")
-        self.events.log(
-            step=step,
-            event="fault_injected",
-            fault="lose-host",
-            target=fault.task,
-            host=host.name,
-            tasks=[t.name for t in victims],
-        )
-        for task in victims:
-            task.kill()
-        deadline = time.monotonic() + 10.0
-        while any(t.poll() is None for t in victims) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        self.wipe_disk(host)
-
-    # -- elastic runs ---------------------------------------------------------------------------
-    def _poll_scale(self) -> None:
-        """Act on a new request of ``distsgd scale`` (``scale.json`` in the run folder)."""
-        request = read_scale_request(self.run_dir)
-        if request is None or request.seq == self.scale_seen:
-            return
-        self.scale_seen = request.seq
-        low, high = self.config.lowest_workers, self.config.highest_workers
-        if not low <= request.workers <= high:
-            self.console.note(
-                f"[distsgd] scale to {request.workers} workers refused: this run was started "
-                f"with --min-workers {low} --max-workers {high}"
-            )
-            self.events.log(step=self.progress.step, event="scale_refused", workers=request.workers)
-            return
-        before = len(self.active)
-        if self.collective:
-            self._scale_collective(request.workers)
-        else:
-            self._scale_ps(request.workers)
-        self.console.note(f"[distsgd] scaled from {before} to {len(self.active)} workers")
-        self.events.log(
-            step=self.progress.step,
-            event="scale",
-            seq=request.seq,
-            workers_before=before,
-            workers=len(self.active),
-        )
-        _write_tasks(self.run_dir, self.supervisor)
-
-    def _scale_ps(self, workers: int) -> None:
-        """Start workers at the lowest free indexes, or ask the highest ones (never the chief)
-        to leave: each finishes its step, hands its work units back and leaves the servers."""
-        while len(self.active) < workers:
-            index = min(
-                i
-                for i in range(self.config.highest_workers)
-                if i not in self.active and f"worker{i}" not in self.leaving
-            )
-            self.active.add(index)
-            self.start_worker(index, resume=None)
-        for index in sorted(self.active, reverse=True)[: max(0, len(self.active) - workers)]:
-            if index == 0:
-                break
-            name = f"worker{index}"
-            self.active.discard(index)
-            task = self.supervisor.tasks.get(name)
-            if task is None or task.poll() is not None:
-                continue
-            self.leaving[name] = time.monotonic() + LEAVE_GRACE_SECONDS
-            task.terminate()
-
-    def _scale_collective(self, workers: int) -> None:
-        """A collective run changes size by a whole restart from its last checkpoint (see
-        docs/elastic.md): a process group has a fixed size."""
-        self.active = set(range(workers))
-        why = f"the run changes size to {workers} workers"
-        furthest = max(self.progress.local_steps.values(), default=0)
-        self._restart_all(
-            "launcher", 0, self.progress.step, restart_all(self, why, furthest=furthest)
-        )
-
-    def _reap_leaving(self) -> None:
-        """SIGKILL a worker asked to leave that is still there after its grace period."""
-        now = time.monotonic()
-        for name, deadline in list(self.leaving.items()):
-            task = self.supervisor.tasks.get(name)
-            if task is not None and task.poll() is None and now > deadline:
-                self.console.note(
-                    f"[distsgd] {name} did not leave within {LEAVE_GRACE_SECONDS:.0f}s; killing it"
-                )
-                task.kill()
-                self.leaving[name] = now + LEAVE_GRACE_SECONDS  # noted once per grace period
-
-    def _rebalance_summary(self) -> dict[str, Any] | None:
-        """(``--rebalance auto``) the moves made and each piece's updates over the run, summed
-        over the servers (a moved piece's count moves with it): equal for every piece when
-        no update was lost."""
-        rebalancer = self.rebalancer
-        if rebalancer is None:
-            return None
-        rebalancer.join()
-        applies: dict[str, int] = {}
-        for index in range(self.num_ps):
-            reply = self._read_version(index)
-            if reply is None:
-                continue
-            held = {t.key for t in reply.tensors}
-            for piece in reply.load.pieces:
-                if piece.key in held:
-                    applies[piece.key] = applies.get(piece.key, 0) + piece.applies
-        counts = list(applies.values()) or [0]
-        return {
-            "moves": rebalancer.moves,
-            "failed": rebalancer.failed,
-            "applies_min": min(counts),
-            "applies_max": max(counts),
-        }
-
     def finish(self) -> RunOutcome:
-        self.progress.poll()
-        self.console.clear_status()
-        moved = self._rebalance_summary()  # read while the servers still answer
-        self.supervisor.stop()  # the parameter servers; their last words come before the result
-        result_path = self.run_dir / RESULT_FILE
+        state = self.state
+        progress, console = state.progress, state.console
+        progress.poll()
+        console.clear_status()
+        moved = self.watch.rebalance_summary()  # read while the servers still answer
+        state.supervisor.stop()  # the parameter servers; their last words come before the result
+        result_path = state.run_dir / RESULT_FILE
         if not result_path.exists():
             raise RunFailed(
-                f"the workers finished but the chief wrote no {RESULT_FILE} in {self.run_dir}"
+                f"the workers finished but the chief wrote no {RESULT_FILE} in {state.run_dir}"
             )
         result = json.loads(result_path.read_text())
-        restarts = sum(self.restarts.values())
+        restarts = sum(state.restarts.values())
         extra = f", {restarts} restarts" if restarts else ""
-        self.console.final(
-            f"[distsgd] done in {self.progress.elapsed:.0f}s: {result['global_step']} updates, "
-            f"{result['local_steps']} steps on worker0{extra}; run folder {self.run_dir}"
+        console.final(
+            f"[distsgd] done in {progress.elapsed:.0f}s: {result['global_step']} updates, "
+            f"{result['local_steps']} steps on worker0{extra}; run folder {state.run_dir}"
         )
-        for fault in self.kills_pending:  # the run ended before the step it was set for
-            self.console.error(
-                f"distsgd: warning: --inject-fault kill:{fault.job}:{fault.index}@step="
-                f"{fault.step} was never injected: the run ended at global step "
-                f"{self.progress.step}; give an earlier step"
-            )
-        split = self.progress.split_summary()
-        if split:
-            self.console.final(f"[distsgd] {split}")
-            result["time_split"] = {k: round(v, 4) for k, v in self.progress.total_split().items()}
-        if self.progress.staleness:
-            result["staleness"] = dict(sorted(self.progress.staleness.items()))
-        durability = self.durability.summary()
-        if durability is not None:
-            result["durability"] = durability
-        if self.replicas is not None:
-            result["log_replicas"] = self.replicas.summary()
-        if moved is not None:
-            result["rebalance"] = moved
-            self.console.final(
-                f"[distsgd] rebalance: {moved['moves']} move(s), {moved['failed']} failed; "
-                f"updates per piece {moved['applies_min']}..{moved['applies_max']}"
-            )
-        if self.rollbacks:
-            result["rollbacks"] = list(self.rollbacks)
-            self.console.final(
-                f"[distsgd] rolled back {len(self.rollbacks)} time(s) after a divergence; "
-                f"every rate at {self.config.overrides.get('lr_cut', 1.0):g}x since"
-            )
-        if (
-            split
-            or self.progress.staleness
-            or moved
-            or durability
-            or self.rollbacks
-            or (self.replicas is not None)
-        ):
+        for warning in self.faults.never_injected():  # the run ended before their step
+            console.error(warning)
+        if self._add_summaries(result, moved):
             write_atomic(result_path, json.dumps(result, indent=2) + "\n")
         if result.get("test_accuracy") is not None:
-            self.console.final(f"test accuracy: {result['test_accuracy']:.4f}")
+            console.final(f"test accuracy: {result['test_accuracy']:.4f}")
         elif result.get("test_loss") is not None:
-            self.console.final(f"test loss: {result['test_loss']:.4f}")
-        reason = result.get("divergence") or self.progress.divergence
+            console.final(f"test loss: {result['test_loss']:.4f}")
+        reason = result.get("divergence") or progress.divergence
         if reason and not result.get("diverged"):  # another worker's loss ended above its start
             result.update(diverged=True, divergence=reason)
             write_atomic(result_path, json.dumps(result, indent=2) + "\n")
-        failed = self.script_failed(result)  # a script's own error after training: exit 1
+        failed = self.executor.script_failed(result)  # a script's own error after training
         if failed is not None:
             raise failed
         if result.get("diverged"):
             # unclear, unless another worker's loss ended above its start (its own event)
-            unclear = bool(result.get("unclear")) and self.progress.divergence in (None, reason)
+            unclear = bool(result.get("unclear")) and progress.divergence in (None, reason)
             raise RunDiverged(str(reason), stalled=bool(result.get("stalled")), unclear=unclear)
         return RunOutcome(
-            status=RunStatus.OK, run_dir=self.run_dir, result_path=result_path, result=result
+            status=RunStatus.OK, run_dir=state.run_dir, result_path=result_path, result=result
+        )
+
+    def _add_summaries(self, result: dict[str, Any], moved: dict[str, Any] | None) -> bool:
+        """Add the launcher's summaries to the chief's ``result`` (the time split, staleness,
+        durability, log replicas, rebalancing, rollbacks) and say them; whether any was."""
+        state = self.state
+        progress, console = state.progress, state.console
+        split = progress.split_summary()
+        if split:
+            console.final(f"[distsgd] {split}")
+            result["time_split"] = {k: round(v, 4) for k, v in progress.total_split().items()}
+        if progress.staleness:
+            result["staleness"] = dict(sorted(progress.staleness.items()))
+        durability = self.watch.durability.summary()
+        if durability is not None:
+            result["durability"] = durability
+        replicas = self.starter.replicas
+        if replicas is not None:
+            result["log_replicas"] = replicas.summary()
+        if moved is not None:
+            result["rebalance"] = moved
+            console.final(
+                f"[distsgd] rebalance: {moved['moves']} move(s), {moved['failed']} failed; "
+                f"updates per piece {moved['applies_min']}..{moved['applies_max']}"
+            )
+        if state.rollbacks:
+            result["rollbacks"] = list(state.rollbacks)
+            console.final(
+                f"[distsgd] rolled back {len(state.rollbacks)} time(s) after a divergence; "
+                f"every rate at {state.config.overrides.get('lr_cut', 1.0):g}x since"
+            )
+        return bool(
+            split
+            or progress.staleness
+            or moved
+            or durability
+            or state.rollbacks
+            or (replicas is not None)
         )
