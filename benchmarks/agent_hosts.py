@@ -1,8 +1,8 @@
 """``distsgd agent`` on 3 emulated machines (root; not part of CI, about a minute): one agent per
 host through ``distsgd-emulate hosts exec``, the Hogwild demo (ps0 on host0, worker0 on host1,
-worker1 on host2); worker1 is SIGKILLed (its agent restarts it), then host2 is lost (its agent and its
-tasks SIGKILLed). The run must end on its own: every remaining agent exits 0, the chief writes
-its result without worker1, and no process of the run is left. Prints what happened::
+worker1 on host2); worker1 is SIGKILLed (its agent restarts it), then host2 is lost (its agent
+and its tasks SIGKILLed). The run must end on its own: every remaining agent exits 0, the chief
+writes its result without worker1, and no process of the run is left. Prints what happened::
 
     python benchmarks/agent_hosts.py [--epochs 40] [--link 1gbit] [--out DIR]
 """
