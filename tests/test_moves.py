@@ -249,7 +249,7 @@ def test_a_restarted_shard_comes_back_with_what_it_held_after_the_move(
         recovered = recovery.shard
         assert ("small1#0" in recovered.values) is holds
         if not holds:
-            assert recovered.moved == {"small1#0": 1}
+            assert recovered.move_book.moved == {"small1#0": 1}
     client.close()
 
 

@@ -95,7 +95,7 @@ def check_push_specs(
     moved away passes: the shard refuses the push MOVED, see :mod:`distsgd.ps.moves`)."""
     for spec in specs:
         have = shard.values.get(spec.key)
-        if have is None and spec.key in shard.moved:
+        if have is None and spec.key in shard.move_book.moved:
             continue
         if have is None:
             abort(

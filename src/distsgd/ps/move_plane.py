@@ -34,7 +34,11 @@ def piece_loads(counts: dict[str, PieceCounts]) -> list[pb.PieceLoad]:
 
 def moved_owners(shard: Shard, keys: Iterator[str] | list[str]) -> list[pb.PieceOwner]:
     """Where the pieces among ``keys`` that left ``shard`` went."""
-    return [pb.PieceOwner(key=k, shard=shard.moved[k]) for k in keys if k in shard.moved]
+    return [
+        pb.PieceOwner(key=k, shard=shard.move_book.moved[k])
+        for k in keys
+        if k in shard.move_book.moved
+    ]
 
 
 class MovePlane:

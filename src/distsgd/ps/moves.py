@@ -8,7 +8,7 @@ service runs under the shard's locks (the protocol is in the .proto, "Moving pie
    *freeze* them: from now on a push to A that contains a piece of ``K`` waits
    (:func:`wait_unfrozen`) instead of applying. Every update A applied to ``K`` is in the copy.
 2. :func:`adopt` on B: B holds the copy (until A commits, no client pushes ``K`` to B).
-3. :func:`finish` on A (commit): A drops ``K`` and remembers where it went (``shard.moved``);
+3. :func:`finish` on A (commit): A drops ``K`` and remembers where it went (``MoveBook.moved``);
    the waiting pushes and every later one that contains a piece of ``K`` are refused MOVED with
    the new owner, and the client sends those pieces to B. Nothing is lost: an update of ``K``
    is either in the copy (applied by A before the freeze) or refused by A and sent to B.
@@ -104,11 +104,18 @@ class OpenStep:
 
 
 class MoveBook:
-    """A shard's open steps of moves, by move id. Changed under the shard's ``cond``."""
+    """A shard's moves: its open steps, by move id (exported or imported here, not yet ended,
+    since this server started: the only ones a FinishMove may end), its frozen pieces and the
+    pieces that left it. Changed under the shard's ``cond``."""
 
     def __init__(self) -> None:
         self.exports: dict[str, OpenStep] = {}
         self.imports: dict[str, OpenStep] = {}
+        self.frozen: dict[str, float] = {}
+        """Pieces being moved away (key -> the ``time.monotonic()`` their freeze ends); a push
+        that contains one waits (:func:`wait_unfrozen`)."""
+        self.moved: dict[str, int] = {}
+        """Pieces that left the shard: key -> the shard they went to."""
 
 
 _MOVE_ID = re.compile(r"[0-9a-f]{32}")
@@ -143,9 +150,9 @@ def _exclusive(shard: Shard) -> AbstractContextManager[object]:
 def blocked(shard: Shard, payload: Mapping[str, object]) -> bool:
     """Whether a push of these pieces meets a move (a frozen or moved piece). Read under the
     gate (shared) or ``cond``, which every change of the two holds."""
-    if not (shard.frozen or shard.moved):
+    if not (shard.move_book.frozen or shard.move_book.moved):
         return False
-    return any(key in shard.frozen or key in shard.moved for key in payload)
+    return any(key in shard.move_book.frozen or key in shard.move_book.moved for key in payload)
 
 
 def wait_unfrozen(shard: Shard, payload: Mapping[str, object]) -> None:
@@ -154,7 +161,7 @@ def wait_unfrozen(shard: Shard, payload: Mapping[str, object]) -> None:
         while not shard.closing:
             now = time.monotonic()
             expire(shard, now)
-            due = [shard.frozen[key] for key in payload if key in shard.frozen]
+            due = [shard.move_book.frozen[key] for key in payload if key in shard.move_book.frozen]
             if not due:
                 return
             shard.cond.wait(timeout=max(0.01, min(due) - now))
@@ -162,12 +169,14 @@ def wait_unfrozen(shard: Shard, payload: Mapping[str, object]) -> None:
 
 def expire(shard: Shard, now: float) -> None:
     """Under ``cond``: undo freezes past their end (the launcher never committed them)."""
-    late = [key for key, end in shard.frozen.items() if end <= now]
+    late = [key for key, end in shard.move_book.frozen.items() if end <= now]
     if late:
         for key in late:
-            del shard.frozen[key]
+            del shard.move_book.frozen[key]
         book = shard.move_book
-        book.exports = {m: step for m, step in book.exports.items() if step.keys[0] in shard.frozen}
+        book.exports = {
+            m: step for m, step in book.exports.items() if step.keys[0] in shard.move_book.frozen
+        }
         log.warning(
             "shard %d: a move of %d piece(s) was not committed within %gs; they stay here",
             shard.index,
@@ -199,7 +208,7 @@ def export(shard: Shard, keys: Sequence[str], peer: int, now: float | None = Non
         missing = [k for k in keys if k not in shard.values]
         if missing:
             raise MoveRefused(None, f"shard {shard.index} holds no piece {missing[0]!r}")
-        if any(k in shard.frozen for k in keys):
+        if any(k in shard.move_book.frozen for k in keys):
             raise MoveRefused(Refusal.NOT_FROZEN, "another move holds these pieces")
         if _importing(shard, keys):
             raise MoveRefused(Refusal.MOVE_MISMATCH, "a move into this shard is not confirmed")
@@ -207,11 +216,11 @@ def export(shard: Shard, keys: Sequence[str], peer: int, now: float | None = Non
         arrays.update(
             {STATE_PREFIX + name: buf for name, buf in shard.rule.piece_state(keys).items()}
         )
-        shard.frozen.update({k: now + FREEZE_SECONDS for k in keys})
+        shard.move_book.frozen.update({k: now + FREEZE_SECONDS for k in keys})
         out = Exported(shard.version, arrays, shard.load.piece_counts(keys), new_move_id())
     step = OpenStep(peer, tuple(keys), out.version, digest(out.move_id, out.version, arrays))
     with shard.cond:  # the digest outside the locks: pushes of other pieces go on
-        if all(k in shard.frozen for k in keys):
+        if all(k in shard.move_book.frozen for k in keys):
             shard.move_book.exports[out.move_id] = step
     return out
 
@@ -227,7 +236,7 @@ def _check_import(
     same import), none of them being moved away from here."""
     again = shard.move_book.imports.get(move_id)
     for key in pieces:
-        if key in shard.frozen:
+        if key in shard.move_book.frozen:
             raise MoveRefused(Refusal.NOT_FROZEN, f"{key} is being moved away from here")
         if key in shard.values and not (again and again.peer == source and key in again.keys):
             raise MoveRefused(
@@ -280,7 +289,7 @@ def adopt(
         values = dict(shard.values)  # a new dict: a reader iterating the old one (an unlocked
         for key, value in pieces.items():  # rule's pull) goes on undisturbed
             values[key] = np.array(value, copy=True)
-            shard.moved.pop(key, None)  # a piece that comes back
+            shard.move_book.moved.pop(key, None)  # a piece that comes back
         shard.values = values
         shard.move_book.imports[move_id] = OpenStep(source, tuple(pieces), version, receipt)
         shard.load.give({k: loads.get(k, PieceCounts()) for k in pieces})
@@ -324,7 +333,7 @@ def finish(
         elif not commit:
             del book.exports[move_id]
             for key in keys:
-                del shard.frozen[key]
+                del shard.move_book.frozen[key]
             shard.cond.notify_all()
             return 0
         elif version != step.version or receipt != step.digest:
@@ -344,9 +353,9 @@ def _drop(shard: Shard, keys: Sequence[str], moved_to: int | None) -> None:
     """Under the locks: forget these pieces (a committed move records where they went)."""
     shard.values = {k: v for k, v in shard.values.items() if k not in keys}  # as adopt's
     for key in keys:
-        shard.frozen.pop(key, None)
+        shard.move_book.frozen.pop(key, None)
         if moved_to is not None:
-            shard.moved[key] = moved_to
+            shard.move_book.moved[key] = moved_to
     shard.rule.drop_piece_state(keys)
     shard.load.take(keys)
     shard.cond.notify_all()

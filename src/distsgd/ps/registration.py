@@ -17,11 +17,12 @@ import numpy as np
 
 from distsgd.ps import checks, wal
 from distsgd.ps.member_plane import work_spec, work_status
+from distsgd.ps.membership import DEFAULT_EVICT_AFTER
 from distsgd.ps.move_plane import moved_owners, piece_loads
 from distsgd.ps.rules import MAX_WORKERS, RuleFactory, parse_options_json
 from distsgd.ps.service_errors import abort, clip, guarded
-from distsgd.ps.shard import Shard, restore_file
-from distsgd.ps.shard_file import shard_file_name
+from distsgd.ps.shard import Shard, read_shard_file
+from distsgd.ps.shard_file import CorruptCheckpoint, shard_file_name
 from distsgd.ps.shard_holder import ShardHolder
 from distsgd.ps.work import WorkSpec
 from distsgd.transport.codec import specs_of
@@ -33,6 +34,34 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 SCHEME_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def restore_file(
+    path: Path,
+    rule_factory: RuleFactory,
+    *,
+    shard_index: int,
+    fallback: bool,
+    max_workers: int = 0,
+    evict_after: float = DEFAULT_EVICT_AFTER,
+) -> Shard | None:
+    """The shard a server starts from with ``--restore path``: checked as
+    :meth:`Shard.from_bytes` checks it; a damaged or unreadable file (or another shard's) is
+    :class:`CorruptCheckpoint` naming it, or, with a ``fallback`` (the write-ahead log holds
+    state), None after one ERROR line that names the file and the damage."""
+    try:
+        shard = read_shard_file(
+            path, rule_factory, max_workers=max_workers, evict_after=evict_after
+        )
+        if shard.index != shard_index:
+            raise CorruptCheckpoint(f"{path} holds shard {shard.index}, not shard {shard_index}")
+    except (CorruptCheckpoint, OSError) as exc:
+        if not fallback:
+            raise
+        log.error("shard %d: %s; starting from the write-ahead log instead", shard_index, exc)
+        return None
+    log.info("shard %d restored from %s at version %d", shard_index, path, shard.version)
+    return shard
 
 
 def starting_shard(
@@ -126,7 +155,7 @@ class RegistrationPlane:
                         pieces=piece_loads(load.piece_counts(shard.values)),
                     )
                 )
-                reply.moved.extend(moved_owners(shard, list(shard.moved)))
+                reply.moved.extend(moved_owners(shard, list(shard.move_book.moved)))
                 if shard.wal is not None:
                     reply.wal.CopyFrom(pb.WalStatus(**vars(shard.wal.state())))
                 reply.applied_sequence = shard.sequences.highest(request.header.worker)
@@ -214,7 +243,7 @@ class RegistrationPlane:
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"scheme name {clip(head.scheme)!r} is not a scheme; "
-                "names are 1-64 of [A-Za-z0-9_.-] (see distsgd schemes)",
+                "names are 1-64 of [A-Za-z0-9_.-] (see distsgd run --help-scheme)",
             )
         checks.check_register_specs(head.tensors, context)
 

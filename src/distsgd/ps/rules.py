@@ -237,9 +237,10 @@ OptionsT = TypeVar("OptionsT", bound="ServerOptions")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServerOptions:
+class ServerOptions(ABC):  # noqa: B024 (a base of options records: nothing to override)
     """The typed options of a server rule, read from the JSON object a worker half's
-    ``server_options`` returned. Subclasses declare fields of type bool, int, float or str
+    ``server_options`` returned: an abstract base, each rule's options a dataclass subclass of
+    it. Subclasses declare fields of type bool, int, float or str
     (ranges with :func:`bounded`); :meth:`from_json` checks each value's type, finiteness and
     range, and refuses unknown names, with a ValueError naming the option.
     """

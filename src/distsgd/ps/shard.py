@@ -6,15 +6,14 @@ module owns that layout: :func:`read_shard_header` reads the header (a :class:`S
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,7 +34,13 @@ from distsgd.ps.sequence import AppliedSequences
 from distsgd.ps.shard_file import (  # re-exported: callers read them here too
     CHECKPOINT_FORMAT as CHECKPOINT_FORMAT,
 )
-from distsgd.ps.shard_file import CorruptCheckpoint, first_line
+from distsgd.ps.shard_file import (
+    CorruptCheckpoint,
+    first_line,
+    pack_state,
+    pack_state_into,
+    unpack_state,
+)
 from distsgd.ps.wal_outage import until_logged
 from distsgd.ps.work import Unit, WorkQueue, WorkSpec
 from distsgd.transport.errors import PushReject
@@ -44,6 +49,32 @@ if TYPE_CHECKING:
     from distsgd.ps.wal import WriteAheadLog
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ShardCounts:
+    """A shard's counters of pushes decided, and the version it was restored at."""
+
+    pushes_accepted: int = 0
+    pushes_rejected: int = 0
+    nonfinite_rejected: int = 0
+    """Pushes refused for a NaN or Inf (counted among ``pushes_rejected`` too)."""
+    restored_version: int = 0
+
+    def header(self) -> dict[str, int]:
+        """The counters as the shard file's header holds them."""
+        return {
+            "pushes_accepted": self.pushes_accepted,
+            "pushes_rejected": self.pushes_rejected,
+            "nonfinite_rejected": self.nonfinite_rejected,
+        }
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any]) -> ShardCounts:
+        """The counters of a shard file's header, restored at its version."""
+        return cls(
+            **{k: int(header[k]) for k in cls().header()}, restored_version=int(header["version"])
+        )
 
 
 class Shard:
@@ -80,12 +111,10 @@ class Shard:
         self.cond = threading.Condition()
         self.finished: set[int] = set()
         self.incarnations: dict[int, int] = {}
-        self.pushes_accepted = 0
-        self.pushes_rejected = 0
+        self.counts = ShardCounts()
+        """Pushes accepted and refused, and the version restored (``Info``, the shard file)."""
         self.load = ShardLoad()
         """Pushes, pulls, their bytes and the seconds pushes took here (``Info``)."""
-        self.nonfinite_rejected = 0
-        self.restored_version = 0
         self.closing = False
         """Set by :meth:`close`: the server is stopping, waiting readers give up."""
         self.membership = Membership(
@@ -97,20 +126,32 @@ class Shard:
         self.wal: WriteAheadLog | None = None
         """The write-ahead log every change is appended to before it is applied (None: off;
         see :mod:`distsgd.ps.wal`)."""
-        self._leaving = False
         self.gate = Gate()
         """An unlocked rule's pushes hold it shared; a compaction or an export exclusive."""
-        self.frozen: dict[str, float] = {}
-        """Pieces being moved away (key -> the ``time.monotonic()`` their freeze ends); a push
-        that contains one waits (see :mod:`distsgd.ps.moves`). Changed under ``cond``."""
-        self.moved: dict[str, int] = {}
-        """Pieces that left this shard: key -> the shard they went to. Changed under ``cond``."""
         self.sequences = AppliedSequences()
         """Per worker, the highest push sequence applied (exactly once; see
         :mod:`distsgd.ps.sequence`)."""
         self.move_book = moves.MoveBook()
-        """The open steps of moves (exported or imported here, not yet ended) since this
-        server started: the only ones a FinishMove may end. Changed under ``cond``."""
+        """Its moves (open steps, frozen pieces, pieces gone; see :mod:`distsgd.ps.moves`).
+        Changed under ``cond``."""
+
+    @property
+    def pushes_accepted(self) -> int:
+        return self.counts.pushes_accepted
+
+    @property
+    def pushes_rejected(self) -> int:
+        return self.counts.pushes_rejected
+
+    @property
+    def nonfinite_rejected(self) -> int:
+        """Pushes refused for a NaN or Inf (counted among ``pushes_rejected`` too)."""
+        return self.counts.nonfinite_rejected
+
+    @property
+    def restored_version(self) -> int:
+        """The version the shard was restored at (0: registered afresh)."""
+        return self.counts.restored_version
 
     def bump(self, steps: int = 1) -> int:
         """Advance the version and wake readers waiting for it."""
@@ -215,23 +256,12 @@ class Shard:
     def _work_seen(self, worker: int, incarnation: int) -> None:
         """Under ``cond``: a new incarnation of ``worker`` (a restart) gives its units back."""
         if self.work is not None:
-            self._gave_back(worker, self.work.seen(worker, incarnation), "restarted")
+            _log_back(self.index, worker, self.work.seen(worker, incarnation), "restarted")
 
     def _work_released(self, worker: int, why: str) -> None:
         """Under ``cond``: ``worker`` went away; its leased-but-not-done units go back."""
         if self.work is not None:
-            self._gave_back(worker, self.work.release(worker), why)
-
-    def _gave_back(self, worker: int, units: list[Unit], why: str) -> None:
-        if units:
-            log.info(
-                "shard %d: worker %d %s; %d work unit(s) back in the queue: %s",
-                self.index,
-                worker,
-                why,
-                len(units),
-                units[:8],
-            )
+            _log_back(self.index, worker, self.work.release(worker), why)
 
     def lease_work(
         self, worker: int, incarnation: int, done: list[Unit], want: int
@@ -245,10 +275,11 @@ class Shard:
             result = self.work.lease(worker, incarnation, done=done, want=want, member=member)
             return result.units, result.ignored, self.work
 
-    def _membership_changed(self, why: str) -> None:
-        """Under ``cond``: log the new epoch and tell the rule."""
+    def _membership_changed(self, why: str, *, logged: bool = False) -> None:
+        """Under ``cond``: log the new epoch and tell the rule (``logged``: the write-ahead log
+        holds the change already, as a leave, which replays its own change)."""
         members = self.membership.live
-        if self.wal is not None and not self._leaving:  # a logged leave replays its own change
+        if self.wal is not None and not logged:
             self.wal.append_members(self)
         log.info(
             "shard %d: membership epoch %d (%s): %d members %s",
@@ -264,7 +295,7 @@ class Shard:
         """Hand a validated payload to the rule; returns the outcome and the version after it.
 
         The caller has checked every key, dtype and shape against :attr:`values` (a key that
-        moved away, see :attr:`moved`, passes and is refused here, MOVED). A payload with NaN
+        moved away, see :attr:`move_book`, passes and is refused here, MOVED). A payload with NaN
         or Inf anywhere is refused (and counted) before the rule sees any of it.
         """
         started = time.perf_counter()
@@ -280,8 +311,8 @@ class Shard:
         for key, array in payload.items():
             if not all_finite(array):
                 with self.cond:
-                    self.nonfinite_rejected += 1
-                    self.pushes_rejected += 1
+                    self.counts.nonfinite_rejected += 1
+                    self.counts.pushes_rejected += 1
                     refusal = PushOutcome.refused(PushReject.NONFINITE, f"NaN or Inf in {key}")
                     return refusal, self.version
         while True:  # a log that is down: not applied, waits (NotLogged past the wait)
@@ -325,10 +356,10 @@ class Shard:
     def _moved(self, payload: Mapping[str, np.ndarray]) -> PushOutcome | None:
         """A push that meets a move: None while a piece of it is frozen, else MOVED."""
         with self.cond:
-            if any(key in self.frozen for key in payload):
+            if any(key in self.move_book.frozen for key in payload):
                 return None
-            self.pushes_rejected += 1
-            gone = sorted(key for key in payload if key in self.moved)
+            self.counts.pushes_rejected += 1
+            gone = sorted(key for key in payload if key in self.move_book.moved)
             return PushOutcome.refused(
                 PushReject.MOVED, f"{len(gone)} piece(s) moved to another shard: {gone[:4]}"
             )
@@ -340,25 +371,21 @@ class Shard:
         self.load.reached(nbytes, applied=outcome.accepted)
         with self.cond:  # re-entrant: the locked path holds it already
             if outcome.accepted:
-                self.pushes_accepted += 1
+                self.counts.pushes_accepted += 1
             else:
-                self.pushes_rejected += 1
+                self.counts.pushes_rejected += 1
 
     def leave(self, worker: int) -> int:
         """Mark a worker finished and let the rule react (a sync step may now close)."""
         with self.cond:
             if self.wal is not None:
                 self.wal.append_leave(self, worker)
-            self._leaving = True
-            try:
-                if worker >= 0 and worker not in self.finished:
-                    self.finished.add(worker)
-                    self.rule.on_leave(self, worker)
-                self._work_released(worker, "left")
-                if self.membership.leave(worker):
-                    self._membership_changed(f"worker {worker} left")
-            finally:
-                self._leaving = False
+            if worker >= 0 and worker not in self.finished:
+                self.finished.add(worker)
+                self.rule.on_leave(self, worker)
+            self._work_released(worker, "left")
+            if self.membership.leave(worker):
+                self._membership_changed(f"worker {worker} left", logged=True)
             return self.version
 
     @property
@@ -412,54 +439,13 @@ class Shard:
                     if isinstance(v, np.ndarray)
                 }
             )
-            header = {
-                "format": CHECKPOINT_FORMAT,
-                "index": self.index,
-                "scheme": self.scheme,
-                "options_json": self.options_json,
-                "num_workers": self.num_workers,
-                "run_id": self.run_id,
-                "version": self.version,
-                "finished": sorted(self.finished),
-                "pushes_accepted": self.pushes_accepted,
-                "pushes_rejected": self.pushes_rejected,
-                "nonfinite_rejected": self.nonfinite_rejected,
-                "rule": {k: v for k, v in rule_state.items() if not isinstance(v, np.ndarray)},
-                "keys": list(self.values),
-                "specs": {k: snapshot_check.spec_of(v) for k, v in self.values.items()},
-                "moved": dict(self.moved),
-                "applied_sequences": self.sequences.state(),
-                **({} if self.work is None else {"work": self.work.state_dict()}),
-            }
+            header = _state_header(self, rule_state)
             return self.version, arrays, header
 
-    @staticmethod
-    def pack(arrays: dict[str, np.ndarray], header: dict[str, Any]) -> bytes:
-        """The ``.npz`` of a :meth:`state_copy` (outside the lock)."""
-        Shard.pack_into(buf := io.BytesIO(), arrays, header)
-        return buf.getvalue()
-
-    @staticmethod
-    def pack_into(f: BinaryIO, arrays: dict[str, np.ndarray], header: dict[str, Any]) -> None:
-        """:meth:`pack` into the file ``f`` (how a server writes snapshots: never twice whole)."""
-        arrays = {**arrays, "header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)}
-        np.savez(f, **arrays)  # type: ignore[arg-type]
-
-    @classmethod
-    def from_file(
-        cls,
-        path: Path,
-        rule_factory: RuleFactory,
-        *,
-        max_workers: int = 0,
-        evict_after: float = DEFAULT_EVICT_AFTER,
-    ) -> Shard:
-        """:meth:`from_bytes` of the shard file at ``path`` (named by it in errors); OSError if
-        it cannot be read."""
-        data = path.read_bytes()
-        return cls.from_bytes(
-            data, rule_factory, name=str(path), max_workers=max_workers, evict_after=evict_after
-        )
+    pack = staticmethod(pack_state)
+    """The ``.npz`` of a :meth:`state_copy` (outside the lock)."""
+    pack_into = staticmethod(pack_state_into)
+    """:meth:`pack` into a file (how a server writes snapshots: never twice whole)."""
 
     @classmethod
     def from_bytes(
@@ -473,45 +459,8 @@ class Shard:
     ) -> Shard:
         """Rebuild a shard written by :meth:`to_bytes`; :class:`CorruptCheckpoint` if unreadable."""
         try:
-            with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-                arrays = {k: npz[k] for k in npz.files}
-            header: dict[str, Any] = json.loads(arrays.pop("header").tobytes())
-            if not isinstance(header, dict) or header.get("format") != CHECKPOINT_FORMAT:
-                why = header.get("format") if isinstance(header, dict) else header
-                raise CorruptCheckpoint(f"{name}: unknown shard format {why!r:.60}")
-            why = snapshot_check.header_problem(header) or snapshot_check.arrays_problem(
-                header, arrays
-            )
-            if why is not None:  # served, it would fail later as a bug, or as a diverged run
-                raise CorruptCheckpoint(f"{name}: a damaged shard file: {why}")
-            values = {k: arrays[f"values/{k}"] for k in header["keys"]}
-            rule = rule_factory(
-                header["scheme"], parse_options_json(header["options_json"]), header["num_workers"]
-            )
-            work = WorkQueue.from_state(header["work"]) if "work" in header else None
-            rule_state: dict[str, Any] = dict(header["rule"])
-            rule_state.update({k[5:]: v for k, v in arrays.items() if k.startswith("rule/")})
-            rule.load_state_dict(rule_state)
-            shard = cls(
-                index=header["index"],
-                scheme=header["scheme"],
-                options_json=header["options_json"],
-                num_workers=header["num_workers"],
-                values=values,
-                rule=rule,
-                run_id=header["run_id"],
-                max_workers=max_workers,
-                evict_after=evict_after,
-                own=True,  # np.load made them
-            )
-            shard.version = shard.restored_version = int(header["version"])
-            shard.finished = set(header["finished"])
-            shard.pushes_accepted = int(header["pushes_accepted"])
-            shard.pushes_rejected = int(header["pushes_rejected"])
-            shard.nonfinite_rejected = int(header["nonfinite_rejected"])
-            shard.work = work
-            shard.moved = {str(k): int(v) for k, v in header.get("moved", {}).items()}
-            shard.sequences = AppliedSequences.from_state(header.get("applied_sequences"))
+            header, arrays = unpack_state(data, name)
+            shard = _rebuild(cls, header, arrays, rule_factory, max_workers, evict_after)
         except CorruptCheckpoint:
             raise
         except Exception as exc:  # zip, json, key, rule state errors: the file is damaged
@@ -519,34 +468,6 @@ class Shard:
                 f"{name}: not a readable shard checkpoint ({first_line(exc)})"
             ) from None
         return shard
-
-
-def restore_file(
-    path: Path,
-    rule_factory: RuleFactory,
-    *,
-    shard_index: int,
-    fallback: bool,
-    max_workers: int = 0,
-    evict_after: float = DEFAULT_EVICT_AFTER,
-) -> Shard | None:
-    """The shard a server starts from with ``--restore path``: checked as
-    :meth:`Shard.from_bytes` checks it; a damaged or unreadable file (or another shard's) is
-    :class:`CorruptCheckpoint` naming it, or, with a ``fallback`` (the write-ahead log holds
-    state), None after one ERROR line that names the file and the damage."""
-    try:
-        shard = Shard.from_file(
-            path, rule_factory, max_workers=max_workers, evict_after=evict_after
-        )
-        if shard.index != shard_index:
-            raise CorruptCheckpoint(f"{path} holds shard {shard.index}, not shard {shard_index}")
-    except (CorruptCheckpoint, OSError) as exc:
-        if not fallback:
-            raise
-        log.error("shard %d: %s; starting from the write-ahead log instead", shard_index, exc)
-        return None
-    log.info("shard %d restored from %s at version %d", shard_index, path, shard.version)
-    return shard
 
 
 # -- the shard file, read without rebuilding a shard ---------------------------------------------
@@ -560,3 +481,90 @@ def _copy_into(out: Mapping[str, Callable[[np.ndarray], object]], values: Mappin
     for key, value in values.items():
         if (write := out.get(key)) is not None:
             write(value)
+
+
+def _state_header(shard: Shard, rule_state: Mapping[str, Any]) -> dict[str, Any]:
+    """Under ``cond``: the shard file's JSON header of ``shard`` (its rule's state given)."""
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "index": shard.index,
+        "scheme": shard.scheme,
+        "options_json": shard.options_json,
+        "num_workers": shard.num_workers,
+        "run_id": shard.run_id,
+        "version": shard.version,
+        "finished": sorted(shard.finished),
+        **shard.counts.header(),
+        "rule": {k: v for k, v in rule_state.items() if not isinstance(v, np.ndarray)},
+        "keys": list(shard.values),
+        "specs": {k: snapshot_check.spec_of(v) for k, v in shard.values.items()},
+        "moved": dict(shard.move_book.moved),
+        "applied_sequences": shard.sequences.state(),
+        **({} if shard.work is None else {"work": shard.work.state_dict()}),
+    }
+
+
+def _rebuild(
+    cls: type[Shard],
+    header: dict[str, Any],
+    arrays: dict[str, np.ndarray],
+    rule_factory: RuleFactory,
+    max_workers: int,
+    evict_after: float,
+) -> Shard:
+    """The shard of a shard file's checked header and arrays (:meth:`Shard.from_bytes`)."""
+    values = {k: arrays[f"values/{k}"] for k in header["keys"]}
+    rule = rule_factory(
+        header["scheme"], parse_options_json(header["options_json"]), header["num_workers"]
+    )
+    work = WorkQueue.from_state(header["work"]) if "work" in header else None
+    rule_state: dict[str, Any] = dict(header["rule"])
+    rule_state.update({k[5:]: v for k, v in arrays.items() if k.startswith("rule/")})
+    rule.load_state_dict(rule_state)
+    shard = cls(
+        index=header["index"],
+        scheme=header["scheme"],
+        options_json=header["options_json"],
+        num_workers=header["num_workers"],
+        values=values,
+        rule=rule,
+        run_id=header["run_id"],
+        max_workers=max_workers,
+        evict_after=evict_after,
+        own=True,  # np.load made them
+    )
+    shard.version = int(header["version"])
+    shard.counts = ShardCounts.from_header(header)
+    shard.finished = set(header["finished"])
+    shard.work = work
+    shard.move_book.moved = {str(k): int(v) for k, v in header.get("moved", {}).items()}
+    shard.sequences = AppliedSequences.from_state(header.get("applied_sequences"))
+    return shard
+
+
+def _log_back(index: int, worker: int, units: list[Unit], why: str) -> None:
+    """Log the work units a worker gave back (restarted, left, evicted)."""
+    if units:
+        log.info(
+            "shard %d: worker %d %s; %d work unit(s) back in the queue: %s",
+            index,
+            worker,
+            why,
+            len(units),
+            units[:8],
+        )
+
+
+def read_shard_file(
+    path: Path,
+    rule_factory: RuleFactory,
+    *,
+    max_workers: int = 0,
+    evict_after: float = DEFAULT_EVICT_AFTER,
+) -> Shard:
+    """:meth:`Shard.from_bytes` of the shard file at ``path`` (named by it in errors); OSError
+    if it cannot be read."""
+    data = path.read_bytes()
+    return Shard.from_bytes(
+        data, rule_factory, name=str(path), max_workers=max_workers, evict_after=evict_after
+    )

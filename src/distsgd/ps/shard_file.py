@@ -5,12 +5,13 @@ a file that is no shard file. The layout's writer and full reader are
 
 from __future__ import annotations
 
+import io
 import json
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -175,3 +176,33 @@ def shard_file_intact(path: Path) -> bool:
     """Whether every member of the shard file ``path`` passes its zip checksum and its
     contents the checks a server makes before it serves them (:mod:`snapshot_check`)."""
     return snapshot_check.file_intact(path)
+
+
+# -- the whole state, as the shard writes and reads it -------------------------------------------
+def pack_state_into(f: BinaryIO, arrays: dict[str, np.ndarray], header: dict[str, Any]) -> None:
+    """A shard's arrays and header (``Shard.state_copy``) as an ``.npz`` into the file ``f``
+    (how a server writes snapshots: never twice whole)."""
+    arrays = {**arrays, "header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)}
+    np.savez(f, **arrays)  # type: ignore[arg-type]
+
+
+def pack_state(arrays: dict[str, np.ndarray], header: dict[str, Any]) -> bytes:
+    """:func:`pack_state_into` as bytes."""
+    pack_state_into(buf := io.BytesIO(), arrays, header)
+    return buf.getvalue()
+
+
+def unpack_state(data: bytes, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The header and arrays of a shard file's bytes, checked (:mod:`snapshot_check`);
+    :class:`CorruptCheckpoint` naming ``name`` for a file of another format or a damaged one
+    (any other exception: the caller names the file unreadable)."""
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    header: dict[str, Any] = json.loads(arrays.pop("header").tobytes())
+    if not isinstance(header, dict) or header.get("format") != CHECKPOINT_FORMAT:
+        why = header.get("format") if isinstance(header, dict) else header
+        raise CorruptCheckpoint(f"{name}: unknown shard format {why!r:.60}")
+    why = snapshot_check.header_problem(header) or snapshot_check.arrays_problem(header, arrays)
+    if why is not None:  # served, it would fail later as a bug, or as a diverged run
+        raise CorruptCheckpoint(f"{name}: a damaged shard file: {why}")
+    return header, arrays

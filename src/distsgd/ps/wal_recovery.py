@@ -51,7 +51,7 @@ def recover(
 ) -> Recovery | None:
     """The shard as the dead server had it: the newest readable snapshot, then every record
     logged after it. None if ``folder`` holds no snapshot; :class:`WalError` if none reads."""
-    from distsgd.ps.shard import Shard
+    from distsgd.ps.shard import read_shard_file
     from distsgd.ps.shard_file import CorruptCheckpoint
 
     folder = Path(folder)
@@ -61,7 +61,7 @@ def recover(
     for generation in reversed(snapshots):
         path = folder / f"snapshot-{generation:08d}.npz"
         try:
-            shard = Shard.from_file(
+            shard = read_shard_file(
                 path, rule_factory, max_workers=max_workers, evict_after=evict_after
             )
             break
@@ -78,7 +78,7 @@ def recover(
         if not replayed:
             break
         records, last = records + replayed, gen
-    shard.restored_version = shard.version
+    shard.counts.restored_version = shard.version
     log.info(
         "shard %d recovered from %s: snapshot %d at version %d, %d records replayed, version %d",
         shard.index,
