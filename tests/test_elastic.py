@@ -1,4 +1,4 @@
-"""Runs that change size while they train, scripted with ``distsgd scale`` on a running
+"""Runs that change size while they train, scripted with ``distsgd elastic scale`` on a running
 ``distsgd demo``: the situations where torchrun, Horovod and torchft users report hangs and lost
 progress (a scale-down that does not restart, a join below the minimum, long quorum waits)."""
 
@@ -29,7 +29,9 @@ def _events(run_dir: Path, name: str) -> list[dict]:
 
 
 def _scale(run_dir: Path, workers: int) -> None:
-    done = run_distsgd(["scale", str(run_dir), "--workers", str(workers)], timeout=STEP_TIMEOUT)
+    done = run_distsgd(
+        ["elastic", "scale", str(run_dir), "--workers", str(workers)], timeout=STEP_TIMEOUT
+    )
     assert done.returncode == 0, done.stderr
     assert f"-> {workers} workers" in done.stdout, done.stdout
 
@@ -100,14 +102,14 @@ def test_scale_refuses_a_number_outside_the_bounds_of_a_running_run(spawn, tmp_p
         ]
     )
     assert wait_for(lambda: (run_dir / "launcher.pid").exists(), STEP_TIMEOUT)
-    done = run_distsgd(["scale", str(run_dir), "--workers", "4"], timeout=30)
+    done = run_distsgd(["elastic", "scale", str(run_dir), "--workers", "4"], timeout=30)
     assert done.returncode == 2 and "ask for a number in 2..3" in done.stderr, done.stderr
     assert not (run_dir / "scale.json").exists()
     launcher.send_signal(signal.SIGINT)  # the run stops (no need to wait for its end)
     launcher.communicate(timeout=STEP_TIMEOUT)
     assert launcher.returncode == 130
     assert not (run_dir / "launcher.pid").exists()
-    done = run_distsgd(["scale", str(run_dir), "--workers", "3"], timeout=30)
+    done = run_distsgd(["elastic", "scale", str(run_dir), "--workers", "3"], timeout=30)
     assert done.returncode == 2 and "no launcher is running" in done.stderr, done.stderr
 
 
@@ -146,8 +148,8 @@ def _demo(scheme: str, run_dir: Path, *flags: str, paced: bool = True) -> list[s
 def test_run_grows_and_shrinks_2_4_1_3_without_losing_a_sample(
     spawn, tmp_path: Path, scheme: str
 ) -> None:
-    """The issue's sequence, scripted with distsgd scale on a running demo: every change waits
-    for the one before to have happened (the new workers in the servers' membership, the
+    """The issue's sequence, scripted with distsgd elastic scale on a running demo: every change
+    waits for the one before to have happened (the new workers in the servers' membership, the
     leaving ones gone), so a hang fails the stage's timeout; the run then reaches 0.95 and
     trained every unit of every epoch once, and (hogwild) matches a fixed run of 3 workers
     within 0.02."""
@@ -221,7 +223,7 @@ def test_join_adds_a_worker_in_its_own_process(spawn, tmp_path: Path) -> None:
         _demo("hogwild", run_dir, "--workers", "2", "--max-workers", "3", "--world-size", "dynamic")
     )
     assert wait_for(lambda: _members_seen(run_dir, 2) and _progress(run_dir) > 0, STEP_TIMEOUT)
-    joiner = spawn(["join", str(run_dir)])
+    joiner = spawn(["elastic", "join", str(run_dir)])
     assert wait_for(lambda: _members_seen(run_dir, 3), STEP_TIMEOUT), "the joiner never joined"
     out = _finish(launcher)
     assert _accuracy(out) >= 0.95
@@ -237,7 +239,7 @@ def test_join_adds_a_worker_in_its_own_process(spawn, tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.xdist_group("ray")
 def test_ray_run_grows_and_shrinks(spawn, tmp_path: Path) -> None:
-    """distsgd scale under --ray, with two parameter servers as Ray actors: the reserved
+    """distsgd elastic scale under --ray, with two parameter servers as Ray actors: the reserved
     bundles (up to --max-workers) take the new worker; the one asked to leave hands its work
     back."""
     pytest.importorskip("ray")

@@ -1,4 +1,4 @@
-"""A worker index is taken once: ``distsgd join`` claims it at the servers (a Join with
+"""A worker index is taken once: ``distsgd elastic join`` claims it at the servers (a Join with
 ``claim``), so two joiners never run as the same worker, and an index that was in use (a
 departed worker's) is never handed out again within a run."""
 
@@ -91,7 +91,7 @@ def test_two_joiners_of_one_index_at_once_one_is_refused(server: str) -> None:
 
 
 def test_join_env_is_given_a_free_index_or_refused_in_one_line(server: str, tmp_path: Path) -> None:
-    """``distsgd join`` claims its index at ps0: a taken --task is one line; without --task
+    """``distsgd elastic join`` claims its index at ps0: a taken --task is one line; without --task
     it is given the highest index never used."""
     from distsgd.launcher import join
 
@@ -142,7 +142,7 @@ def test_a_departed_index_stays_taken_after_the_server_recovers_from_its_log(
 def test_two_distsgd_join_processes_of_one_index_one_is_refused(
     server: str, tmp_path: Path
 ) -> None:
-    """Real processes: two ``distsgd join RUN --task 2`` at once; one runs as worker2, the
+    """Real processes: two ``distsgd elastic join RUN --task 2`` at once; one runs as worker2, the
     other is refused in one line and exits 2 without running anything."""
     from conftest import run_distsgd
 
@@ -156,7 +156,7 @@ def test_two_distsgd_join_processes_of_one_index_one_is_refused(
 
     def join_once() -> None:
         start.wait()
-        done.append(run_distsgd(["join", str(run_dir), "--task", "2"]))
+        done.append(run_distsgd(["elastic", "join", str(run_dir), "--task", "2"]))
 
     threads = [threading.Thread(target=join_once) for _ in range(2)]
     for t in threads:

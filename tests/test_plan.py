@@ -368,7 +368,17 @@ def test_overlap_hides_the_exchange_in_the_simulator() -> None:
 
 
 def test_simulate_command_sweeps(capsys: pytest.CaptureFixture[str]) -> None:
-    flags = ["simulate", "--assume", "--step-ms", "5", "--model-mb", "10", "--link", "1gbit"]
+    flags = [
+        "plan",
+        "--simulate",
+        "--assume",
+        "--step-ms",
+        "5",
+        "--model-mb",
+        "10",
+        "--link",
+        "1gbit",
+    ]
     argv = [*flags, "--schemes", "hogwild", "--steps", "50", "--sweep-ps", "1,2"]
     assert cli_main([*argv, "--sweep-workers", "4,8", "--json"]) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]

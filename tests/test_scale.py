@@ -1,5 +1,5 @@
-"""``distsgd scale`` and ``distsgd join``: the request file, its answer, and the refusals a user
-meets (a fixed-size run, a number out of bounds, no launcher, a taken index)."""
+"""``distsgd elastic scale`` and ``distsgd elastic join``: the request file, its answer, and the
+refusals a user meets (a fixed-size run, a number out of bounds, no launcher, a taken index)."""
 
 from __future__ import annotations
 
@@ -119,14 +119,14 @@ def test_scale_request_is_answered_by_its_sequence_number(tmp_path: Path) -> Non
 
 def test_scale_refusals_name_cause_and_fix(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     run = _run_folder(tmp_path)
-    assert main(["scale", str(run), "--workers", "5"]) == 2
+    assert main(["elastic", "scale", str(run), "--workers", "5"]) == 2
     assert "ask for a number in 1..4" in capsys.readouterr().err
     assert not (run / SCALE_FILE).exists()
     (run / LAUNCHER_FILE).write_text("999999999\n")
-    assert main(["scale", str(run), "--workers", "3"]) == 2
+    assert main(["elastic", "scale", str(run), "--workers", "3"]) == 2
     assert "no launcher is running" in capsys.readouterr().err
     fixed = _run_folder(tmp_path / "f", min_workers=2, max_workers=2)
-    assert main(["scale", str(fixed), "--workers", "3"]) == 2
+    assert main(["elastic", "scale", str(fixed), "--workers", "3"]) == 2
     assert "fixed size of 2 workers" in capsys.readouterr().err
     with pytest.raises(ValueError, match="at least 1"):
         ScaleRequest(workers=0, seq=1)

@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import sys
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
@@ -125,7 +126,8 @@ def add_scheme_option_flags(parser: argparse.ArgumentParser) -> None:
 
 
 class HelpSchemeAction(argparse.Action):
-    """``--help-scheme NAME``: print the scheme's summary, math and options, then exit 0."""
+    """``--help-scheme NAME``: print the scheme's summary, math and options, then exit 0;
+    ``--help-scheme`` alone: the catalogue, one scheme a line."""
 
     def __call__(
         self,
@@ -134,6 +136,14 @@ class HelpSchemeAction(argparse.Action):
         values: str | Sequence[Any] | None,
         option_string: str | None = None,
     ) -> None:
+        if values is None:
+            for name in schemes.names():
+                sys.stdout.write(f"{name:10s} {schemes.get(name).summary}\n")
+            # stderr: stdout stays one scheme per line for scripts
+            sys.stderr.write(
+                f"each scheme's math, paper and options: {parser.prog} --help-scheme NAME\n"
+            )
+            parser.exit(0)
         try:
             text = scheme_help(str(values))
         except ValueError as exc:
@@ -147,8 +157,36 @@ def add_help_scheme_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--help-scheme",
         action=HelpSchemeAction,
+        nargs="?",
         metavar="NAME",
-        help="show a scheme's math, paper and options with its defaults, and exit",
+        help="list the schemes, or show one's math, paper and options with its defaults; exit",
+    )
+
+
+def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """--cluster, --ps-hosts, --worker-hosts: the cluster of a task started by hand."""
+    group = parser.add_argument_group(
+        "cluster (first given wins: --cluster, host lists, TF_CONFIG)"
+    )
+    group.add_argument("--cluster", metavar="FILE", help="cluster spec, .toml or .json")
+    group.add_argument(
+        "--ps-hosts", "--ps_hosts", dest="ps_hosts", help="comma-separated ps addresses"
+    )
+    group.add_argument(
+        "--worker-hosts",
+        "--worker_hosts",
+        dest="worker_hosts",
+        help="comma-separated worker addresses",
+    )
+
+
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """--tls-cert, --tls-key, --tls-ca."""
+    group = parser.add_argument_group("mutual TLS (all three, or none)")
+    group.add_argument("--tls-cert", type=Path, help="this task's certificate (PEM)")
+    group.add_argument("--tls-key", type=Path, help="this task's private key (PEM)")
+    group.add_argument(
+        "--tls-ca", type=Path, help="the CA certificate every task's certificate is signed by"
     )
 
 

@@ -17,6 +17,7 @@ import grpc
 from distsgd import schemes
 from distsgd.cli.flags import checkpoint_every, collect, scheme_options
 from distsgd.cli.parser import build_parser, parse_argv
+from distsgd.cli.tasks import run_task
 from distsgd.cluster import ClusterSpecError, Role, resolve_cluster
 from distsgd.launcher.config import DEMO_SCRIPT, DEMO_SCRIPTS
 from distsgd.transport.errors import RemoteError
@@ -98,8 +99,8 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
 
 
 def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from distsgd.compare.entries import split_schemes
     from distsgd.compare.config import CompareConfig
+    from distsgd.compare.entries import split_schemes
     from distsgd.compare.run import compare
 
     steps, seconds = checkpoint_every(args.checkpoint_every)
@@ -133,14 +134,6 @@ def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except KeyboardInterrupt:  # between two runs (a run itself stops on Ctrl-C by itself)
         print("distsgd: interrupted", file=sys.stderr)
         return 130
-
-
-def _cmd_schemes() -> int:
-    for name in schemes.names():
-        print(f"{name:10s} {schemes.get(name).summary}")
-    # stderr: stdout stays one scheme per line for scripts
-    print("each scheme's math, paper and options: distsgd run --help-scheme NAME", file=sys.stderr)
-    return 0
 
 
 def _task_index(arg: int | None, tf_task: Any, job: str) -> int:
@@ -387,41 +380,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     )
     if args.run_dir:
         private_dir(Path(args.run_dir))
-    _run_task(env, args.script, args.script_args)
-    return 0  # not reached
-
-
-def _run_task(env: Any, script: str, script_args: Sequence[str]) -> None:
-    """Run ``script`` as the task ``env`` describes, in this process, and exit with its code."""
-    from distsgd.control.task import ENV_VAR
-    from distsgd.launcher.bootstrap import exit_now
-    from distsgd.launcher.bootstrap import main as bootstrap_main
-
-    os.environ[ENV_VAR] = env.to_json()
-    exit_now(bootstrap_main([script, *script_args]))
-
-
-def _cmd_scale(args: argparse.Namespace) -> int:
-    from distsgd.launcher.scale import request_scale
-
-    answer = request_scale(args.run_dir, args.workers, timeout=args.timeout)
-    if answer.get("event") == "scale_refused":
-        raise ValueError(f"the launcher refused {args.workers} workers; see its output")
-    print(
-        f"distsgd: {args.run_dir}: {answer.get('workers_before')} -> {answer.get('workers')} "
-        "workers"
-    )
-    return 0
-
-
-def _cmd_join(args: argparse.Namespace) -> int:
-    from distsgd.launcher.join import join_env
-    from distsgd.transport.security import SECRET_FILE_ENV
-
-    env, script, script_args, secret = join_env(args.run_dir, args.task)
-    os.environ[SECRET_FILE_ENV] = str(secret)  # the worker's calls carry the run's secret
-    print(f"distsgd: joining {args.run_dir} as worker{env.task_index}", file=sys.stderr)
-    _run_task(env, script, script_args)
+    run_task(env, args.script, args.script_args)
     return 0  # not reached
 
 
@@ -433,9 +392,12 @@ def _dispatch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return _cmd_run(args, args.script, args.script_args)
     if args.command == "compare":
         return _cmd_compare(args, argv)
-    if args.command in ("server", "worker", "scale", "join"):
-        command = {"server": _cmd_server, "worker": _cmd_worker, "scale": _cmd_scale}
-        return command.get(args.command, _cmd_join)(args)
+    if args.command in ("server", "worker"):
+        return _cmd_server(args) if args.command == "server" else _cmd_worker(args)
+    if args.command == "elastic":
+        from distsgd.cli import elastic
+
+        return elastic.main(args)
     if args.command == "agent":
         from distsgd.cli.agent import main as agent_main
 
@@ -444,16 +406,14 @@ def _dispatch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from distsgd.cli.inspect import inspect
 
         return inspect(args.path)
-    if args.command == "schemes":
-        return _cmd_schemes()
     if args.command == "k8s":
         from distsgd.cli import k8s
 
         return k8s.main(args)
-    if args.command in ("plan", "simulate"):
-        from distsgd.cli import plan, simulate
+    if args.command == "plan":
+        from distsgd.cli import plan
 
-        return (plan if args.command == "plan" else simulate).main(args)
+        return plan.main(args)
     raise AssertionError(f"a command without a handler: {args.command}")
 
 

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import __version__
+from distsgd.cli import elastic, k8s, plan, tasks
 from distsgd.cli.flags import (
     add_help_scheme_flag,
     add_scheme_flags,
     add_scheme_option_flags,
+    add_tls_flags,
     add_training_flags,
 )
 from distsgd.cli.one_line import OneLineParser
@@ -24,34 +26,9 @@ from distsgd.launcher.config import (
 )
 
 DESCRIPTION = (
-    "The ``distsgd`` command: run, demo, compare, plan, simulate, server, worker, inspect, "
-    "schemes, k8s."
+    "The ``distsgd`` command: run, demo, compare, plan, server, worker, agent, elastic, "
+    "inspect, k8s."
 )
-
-
-def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "cluster (first given wins: --cluster, host lists, TF_CONFIG)"
-    )
-    group.add_argument("--cluster", metavar="FILE", help="cluster spec, .toml or .json")
-    group.add_argument(
-        "--ps-hosts", "--ps_hosts", dest="ps_hosts", help="comma-separated ps addresses"
-    )
-    group.add_argument(
-        "--worker-hosts",
-        "--worker_hosts",
-        dest="worker_hosts",
-        help="comma-separated worker addresses",
-    )
-
-
-def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("mutual TLS (all three, or none)")
-    group.add_argument("--tls-cert", type=Path, help="this task's certificate (PEM)")
-    group.add_argument("--tls-key", type=Path, help="this task's private key (PEM)")
-    group.add_argument(
-        "--tls-ca", type=Path, help="the CA certificate every task's certificate is signed by"
-    )
 
 
 def add_launch_flags(parser: argparse.ArgumentParser, *, compare: bool = False) -> None:
@@ -92,7 +69,7 @@ def add_launch_flags(parser: argparse.ArgumentParser, *, compare: bool = False) 
     _add_fault_tolerance_flags(parser, compare=compare)
     if not compare:
         _add_elastic_flags(parser)
-    _add_tls_flags(parser)
+    add_tls_flags(parser)
     add_help_scheme_flag(parser)
     if compare:
         add_scheme_option_flags(parser)
@@ -200,14 +177,14 @@ def _add_elastic_flags(parser: argparse.ArgumentParser) -> None:
         "--min-workers",
         type=int,
         default=0,
-        help="fewest workers the run goes on with (distsgd scale's lower bound; a worker "
+        help="fewest workers the run goes on with (distsgd elastic scale's lower bound; a worker "
         "out of restarts is dropped while this many remain; default --workers)",
     )
     elastic.add_argument(
         "--max-workers",
         type=int,
         default=0,
-        help="most workers distsgd scale may grow the run to (default --workers)",
+        help="most workers distsgd elastic scale may grow the run to (default --workers)",
     )
     elastic.add_argument(
         "--evict-after",
@@ -234,7 +211,7 @@ def _add_compare(sub: Any) -> None:
         "--schemes",
         default="",
         metavar="A,B(KEY=VALUE,...),...",
-        help="comma-separated schemes to compare, in this order (see distsgd schemes). An "
+        help="comma-separated schemes to compare, in this order (list: --help-scheme). An "
         "entry may be a variant with its own settings in parentheses, e.g. "
         "'downpour,downpour(server_lr=1),hogwild(lr=0.15)' (quote it for the shell): KEY is "
         "one of the scheme's options or a training flag's name (lr, momentum, batch_size, "
@@ -300,17 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_demo(sub)
     _add_compare(sub)
-    _add_server(sub)
-    _add_worker(sub)
-    _add_scale(sub)
-    _add_join(sub)
-    _add_agent(sub)
-    _add_tools(sub)
-    from distsgd.cli import k8s, plan, simulate
-
-    k8s.add_command(sub, add_launch_flags)
     plan.add_command(sub)
-    simulate.add_command(sub)
+    tasks.add_commands(sub)  # server, worker, agent
+    elastic.add_command(sub)
+    _add_inspect(sub)
+    k8s.add_command(sub, add_launch_flags)
     return parser
 
 
@@ -383,221 +354,10 @@ def _add_demo(sub: Any) -> None:
     _add_host_flags(demo)
 
 
-def _add_server(sub: Any) -> None:
-    server = sub.add_parser("server", help="run one parameter-server task")
-    server.add_argument(
-        "--job",
-        "--job_name",
-        dest="job",
-        default="ps",
-        choices=("ps", "replica", "control"),
-        help="ps (default); replica: keep the write-ahead log of ps --task on this host "
-        "(in --wal-dir), for a server started with --replica; control: the run control, "
-        "assembling --run-dir from what the tasks given --control send (the control pod of "
-        "distsgd k8s render)",
-    )
-    server.add_argument(
-        "--task", "--task_index", dest="task", type=int, default=None, help="ps task index"
-    )
-    server.add_argument(
-        "--address", help="listen on HOST:PORT instead of the spec's address (port 0 = any)"
-    )
-    server.add_argument(
-        "--address-file", type=Path, help="write the address really bound to this file"
-    )
-    server.add_argument(
-        "--control",
-        metavar="HOST:PORT",
-        help="report the address really bound to the launcher's run control there (what "
-        "distsgd run gives tasks that do not share its disk)",
-    )
-    server.add_argument(
-        "--checkpoint-dir", type=Path, help="folder the Checkpoint call writes into"
-    )
-    server.add_argument(
-        "--run-dir", type=Path, help="(--job control) the run folder it assembles for the tasks"
-    )
-    server.add_argument("--restore", type=Path, help="start from this shard checkpoint (psN.npz)")
-    server.add_argument(
-        "--restore-latest",
-        action="store_true",
-        help="start from this shard's newest file under --checkpoint-dir, if there is one "
-        "(a restarted server: its container, or a pod)",
-    )
-    server.add_argument(
-        "--wal",
-        choices=("on", "off"),
-        default="on",
-        help="log every update before applying it, so that a killed server restarted on the "
-        "same folder loses none (default on; needs --wal-dir or --checkpoint-dir)",
-    )
-    server.add_argument(
-        "--wal-dir",
-        type=Path,
-        help="the write-ahead log's folder (default CHECKPOINT_DIR/wal/psN); a server started "
-        "on a folder that holds a shard serves it",
-    )
-    server.add_argument(
-        "--replica",
-        metavar="HOST:PORT",
-        help="mirror the write-ahead log to the replica there (distsgd server --job replica on "
-        "another host): a push is acknowledged once both hold it, and a server started on an "
-        "empty --wal-dir fetches the replica's copy first",
-    )
-    server.add_argument(
-        "--run-id", default="", help="the run's id, which a replica and its server must share"
-    )
-    server.add_argument(
-        "--evict-after",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="evict a member silent (no call, no heartbeat) for this long (default 60)",
-    )
-    server.add_argument(
-        "--max-workers",
-        type=int,
-        default=0,
-        help="worker indexes up to this may join (default 0: the registered number)",
-    )
-    _add_cluster_flags(server)
-    _add_tls_flags(server)
-
-
-def _add_worker(sub: Any) -> None:
-    worker = sub.add_parser("worker", help="run a training script as one worker task of a cluster")
-    worker.add_argument(
-        "--task",
-        "--task_index",
-        dest="task",
-        type=int,
-        default=None,
-        help="worker index (0 = chief)",
-    )
-    worker.add_argument("--run-dir", type=Path, default=None, help="folder for metrics and results")
-    worker.add_argument(
-        "--control",
-        metavar="HOST:PORT",
-        default="",
-        help="send the run folder's files (metrics, result, final model) to the run control "
-        "there (distsgd server --job control) instead of writing them into --run-dir, which "
-        "then holds this worker's checkpoints only",
-    )
-    worker.add_argument(
-        "--rendezvous",
-        default="",
-        help="torch.distributed store HOST:PORT (default: chief's address)",
-    )
-    worker.add_argument(
-        "--checkpoint-every",
-        metavar="N|Ns",
-        default=None,
-        help="checkpoint into RUN_DIR/checkpoints every N steps, or every N seconds with 's' "
-        "(default off; give the servers --checkpoint-dir RUN_DIR/checkpoints)",
-    )
-    worker.add_argument(
-        "--resume-latest",
-        action="store_true",
-        help="continue from this worker's newest state in RUN_DIR/checkpoints, if there is one "
-        "(a restarted worker)",
-    )
-    _add_cluster_flags(worker)
-    _add_tls_flags(worker)
-    add_scheme_flags(worker)
-    add_training_flags(worker)
-    worker.add_argument("script")
-    worker.add_argument("script_args", nargs=argparse.REMAINDER)
-
-
-def _add_agent(sub: Any) -> None:
-    agent = sub.add_parser(
-        "agent",
-        help="run this machine's tasks of a cluster started by hand, restarting any that dies",
-        description="One per machine: starts this machine's servers and workers (the command "
-        "lines of distsgd server and distsgd worker), restarts a task that dies in place, and "
-        "ends when the run is over. Everything after -- goes to each worker: "
-        "distsgd agent --tasks ps:0,worker:1 --cluster cluster.toml -- --scheme hogwild train.py",
-    )
-    agent.add_argument(
-        "--tasks", required=True, help="this machine's tasks, e.g. ps:0,worker:1 (servers first)"
-    )
-    agent.add_argument(
-        "--dir",
-        type=Path,
-        default=Path("distsgd-agent"),
-        help="this machine's folder: task logs, the servers' write-ahead logs and shard files "
-        "(default ./distsgd-agent)",
-    )
-    agent.add_argument(
-        "--max-restarts", type=int, default=3, help="restarts of a task in a row (default 3)"
-    )
-    agent.add_argument(
-        "--healthy-seconds",
-        type=float,
-        default=60.0,
-        help="a task that ran this long has its restarts back (default 60)",
-    )
-    agent.add_argument(
-        "--evict-after",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="the servers evict a worker silent this long, e.g. a lost machine's (default 60)",
-    )
-    _add_cluster_flags(agent)
-    _add_tls_flags(agent)
-    agent.add_argument(
-        "worker_args",
-        nargs=argparse.REMAINDER,
-        help="-- then each worker's flags, its script and the script's arguments",
-    )
-
-
-def _add_scale(sub: Any) -> None:
-    scale = sub.add_parser(
-        "scale",
-        help="change the number of workers of a running elastic run",
-        description="Ask the launcher running RUN_DIR (a distsgd run or demo started with "
-        "--min-workers/--max-workers) for N workers, and wait until it has started the new "
-        "ones or asked the ones over N to leave (they finish their step and hand their work "
-        "back; the chief, worker0, always stays).",
-    )
-    scale.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's folder")
-    scale.add_argument("--workers", type=int, required=True, help="the number of workers wanted")
-    scale.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds to wait for the launcher's answer"
-    )
-
-
-def _add_join(sub: Any) -> None:
-    join = sub.add_parser(
-        "join",
-        help="add a worker, in this process, to a running elastic run",
-        description="Start one more worker of the run in RUN_DIR in this process (not "
-        "supervised by its launcher): it reads the run's config.json, cluster.json and secret "
-        "there (from another machine: a copy of those three files, with the servers "
-        "reachable), joins the servers' membership, takes work units until the run's data is "
-        "done, and leaves. Ctrl-C makes it leave after its step.",
-    )
-    join.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's folder")
-    join.add_argument(
-        "--task",
-        type=int,
-        default=None,
-        help="this worker's index (default: the highest one the launcher has not started)",
-    )
-
-
-def _add_tools(sub: Any) -> None:
-    """``inspect`` and ``schemes``."""
+def _add_inspect(sub: Any) -> None:
     inspect = sub.add_parser("inspect", help="show what a checkpoint holds")
     inspect.add_argument(
         "path", type=Path, help="a run folder, a checkpoint folder, or a psN.npz / worker file"
-    )
-
-    sub.add_parser(
-        "schemes",
-        help="list the training schemes (details: distsgd run --help-scheme NAME)",
     )
 
 

@@ -1,9 +1,13 @@
 """``distsgd plan``: predict a run's worker-steps/s, bytes, bottleneck and staleness before it
-starts (the cost model of ``distsgd.plan.cost``), for each scheme of ``--schemes``.
+starts (the cost model of ``distsgd.plan.cost``), for each scheme of ``--schemes``; with
+``--simulate``, play the run event by event on the same parts instead (``distsgd.plan.simulate``):
+throughput, each server's load and link, staleness, for clusters larger than one machine runs.
 
 The model's parts are measured on this machine by short probe runs of the script
 (``launcher/probe.py``) unless ``--step-ms`` and ``--model-mb`` are given; the data paths
 it did not measure are taken from this project's published figures and said to be assumed.
+``--sweep-ps`` and ``--sweep-workers`` simulate a grid of cluster sizes. What is printed:
+:mod:`distsgd.cli.plan_report`.
 """
 
 from __future__ import annotations
@@ -13,16 +17,17 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from distsgd import schemes
+from distsgd.cli import plan_report
 from distsgd.compare.entries import SchemeEntry, parse_entry, split_schemes
 from distsgd.launcher.config import DEMO_SCRIPT
 from distsgd.plan.choices import (
     ASSUMED_PATHS,
-    LINK_PAYLOAD,
     link_bytes_per_s,
     pull_encode,
     pull_factor,
@@ -35,17 +40,27 @@ from distsgd.plan.cost import (
     Cluster,
     Part,
     Path,
-    Prediction,
     Setting,
     Workload,
     predict,
     transfer_rate,
 )
+from distsgd.plan.simulate import Stragglers, simulate
 
 if TYPE_CHECKING:
     from distsgd.launcher.emulated import LinkProbe
 
 DEFAULT_SCHEMES = "hogwild,sync,downpour(window=10),allreduce"
+
+SIMULATOR = {
+    "steps": 1000,
+    "straggler_sigma": 0.1,
+    "slow": None,
+    "seed": 0,
+    "sweep_ps": None,
+    "sweep_workers": None,
+}
+"""The options of ``--simulate`` and their defaults (a flag not given is not in ``args``)."""
 
 
 def add_command(sub: Any) -> None:
@@ -53,48 +68,71 @@ def add_command(sub: Any) -> None:
     plan = sub.add_parser(
         "plan",
         help="predict each scheme's worker-steps/s, bytes per step, bottleneck and staleness "
-        "on a cluster before running it",
+        "on a cluster before running it, or play the run on the model (--simulate)",
         description="Predict a run from a cost model (docs/performance.md, 'The cost model'): "
         "the script's step time and size measured by short probe runs on this machine, or "
-        "given with --step-ms and --model-mb.",
+        "given with --step-ms and --model-mb. With --simulate, play the run event by event "
+        "on the same parts (queues at servers and links, shared cores, stragglers).",
     )
-    add_model_flags(plan, workers=2, ps=1)
-    plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
-
-
-def add_model_flags(parser: argparse.ArgumentParser, *, workers: int, ps: int) -> None:
-    """The flags ``plan`` and ``simulate`` share: schemes, cluster, parts, the script."""
-    parser.add_argument(
+    plan.add_argument(
         "--schemes",
         default=DEFAULT_SCHEMES,
         help=f"comma-separated entries as in distsgd compare, e.g. downpour(window=10) or "
         f"hogwild(wire_dtype=bf16,pull_dtype=bf16) (default {DEFAULT_SCHEMES})",
     )
-    parser.add_argument("--workers", type=int, default=workers, help=f"N (default {workers})")
-    parser.add_argument("--ps", type=int, default=ps, help=f"M servers (default {ps})")
-    parser.add_argument(
+    plan.add_argument("--workers", type=int, help="N (default 2; 16 with --simulate)")
+    plan.add_argument("--ps", type=int, help="M servers (default 1; 2 with --simulate)")
+    plan.add_argument(
         "--link",
         default=None,
         metavar="RATE",
         help="every host's link (1gbit, 100mbit): each task on a host of its own; default: "
         "one host, no link",
     )
-    parser.add_argument(
+    plan.add_argument(
         "--cores",
         type=float,
         default=None,
         help="cores the tasks share (default: this machine's without --link, none with it; "
         "give this machine's for emulated hosts, --hosts)",
     )
-    parser.add_argument("--step-ms", type=float, default=None, help="a step's compute, ms")
-    parser.add_argument("--model-mb", type=float, default=None, help="the model's float32 MB")
-    parser.add_argument(
+    plan.add_argument("--step-ms", type=float, default=None, help="a step's compute, ms")
+    plan.add_argument("--model-mb", type=float, default=None, help="the model's float32 MB")
+    plan.add_argument(
         "--assume",
         action="store_true",
         help="measure nothing: the paths' published figures (needs --step-ms and --model-mb)",
     )
-    parser.add_argument("script", nargs="?", help="training script (default: the bundled demo)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    _add_simulator_flags(plan)
+    plan.add_argument("script", nargs="?", help="training script (default: the bundled demo)")
+    plan.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _add_simulator_flags(parser: argparse.ArgumentParser) -> None:
+    sim = parser.add_argument_group("simulation (16 to 256 workers in seconds)")
+    sim.add_argument(
+        "--simulate",
+        action="store_true",
+        help="play the run event by event on the model's parts: throughput, server load, "
+        "staleness, the model's prediction beside it",
+    )
+    suppress = argparse.SUPPRESS
+    sim.add_argument("--steps", type=int, default=suppress, help="steps per worker (default 1000)")
+    sim.add_argument(
+        "--straggler-sigma",
+        type=float,
+        default=suppress,
+        help="log-normal sigma of each step's compute time (default 0.1)",
+    )
+    sim.add_argument(
+        "--slow", default=suppress, metavar="K:F", help="K workers F times slower at every step"
+    )
+    sim.add_argument("--seed", type=int, default=suppress, help="the draws' seed (default 0)")
+    sim.add_argument("--sweep-ps", default=suppress, metavar="M,M,...", help="servers to sweep")
+    sim.add_argument(
+        "--sweep-workers", default=suppress, metavar="N,N,...", help="workers to sweep"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,23 +268,25 @@ def _path_for(parts: Parts, link: float | None, collective: bool) -> Path:
     return parts.paths["tensor socket" if link is not None else "shared memory"]
 
 
-def entries_of(args: argparse.Namespace) -> list[SchemeEntry]:
+def _entries(args: argparse.Namespace) -> list[SchemeEntry]:
     """``--schemes`` parsed, with the cluster's sizes checked."""
     if args.workers < 1 or args.ps < 1:
         raise ValueError("--workers and --ps must be at least 1")
     entries = [parse_entry(text) for text in split_schemes(args.schemes)]
     if not entries:
-        raise ValueError("--schemes is empty; name at least one scheme (see distsgd schemes)")
+        raise ValueError(
+            "--schemes is empty; name at least one scheme (see distsgd run --help-scheme)"
+        )
     return entries
 
 
-def parts_of(args: argparse.Namespace, entries: Sequence[SchemeEntry]) -> Parts:
+def _parts(args: argparse.Namespace, entries: Sequence[SchemeEntry]) -> Parts:
     """The parts given (``--assume``, or both ``--step-ms`` and ``--model-mb``) or measured."""
     given = args.assume or (args.step_ms is not None and args.model_mb is not None)
     return _given_parts(args) if given else _probe_parts(args, entries)
 
 
-def model_inputs(
+def _model_inputs(
     args: argparse.Namespace, parts: Parts, entry: SchemeEntry, workers: int, ps: int
 ) -> tuple[Setting, Cluster, Path]:
     """What the model takes for one entry on a cluster of ``workers`` and ``ps``."""
@@ -256,12 +296,29 @@ def model_inputs(
     return setting, cluster, _path_for(parts, cluster.link, collective)
 
 
+def _resolve(args: argparse.Namespace) -> None:
+    """The defaults that depend on ``--simulate``; a simulator option without it is refused."""
+    given = ["--" + name.replace("_", "-") for name in SIMULATOR if name in vars(args)]
+    if given and not args.simulate:
+        flags = ", ".join(given)
+        raise ValueError(f"{flags}: options of --simulate; add --simulate or drop {flags}")
+    for name, default in SIMULATOR.items():
+        vars(args).setdefault(name, default)
+    if args.workers is None:
+        args.workers = 16 if args.simulate else 2
+    if args.ps is None:
+        args.ps = 2 if args.simulate else 1
+
+
 def main(args: argparse.Namespace) -> int:
-    entries = entries_of(args)
-    parts = parts_of(args, entries)
+    _resolve(args)
+    entries = _entries(args)
+    if args.simulate:
+        return _simulate(args, entries)
+    parts = _parts(args, entries)
     rows = []
     for entry in entries:
-        setting, cluster, path = model_inputs(args, parts, entry, args.workers, args.ps)
+        setting, cluster, path = _model_inputs(args, parts, entry, args.workers, args.ps)
         collective = setting.exchange.kind == "collective"
         got = predict(setting, parts.workload, cluster, path)
         advice = None
@@ -271,79 +328,69 @@ def main(args: argparse.Namespace) -> int:
             )
         rows.append((got, path, advice))
     if args.json:
-        print(json.dumps(_report(parts, rows), indent=1))
+        print(json.dumps(plan_report.prediction_json(parts, rows), indent=1))
     else:
-        print(_table(args, parts, rows))
+        print(plan_report.prediction_table(args, parts, rows))
     return 0
 
 
-Row = tuple[Prediction, Path, tuple[Prediction, str] | None]
-
-
-def _report(parts: Parts, rows: Sequence[Row]) -> dict[str, Any]:
-    def prediction(p: Prediction) -> dict[str, Any]:
-        out = dataclasses.asdict(p)
-        out["bounds"] = {b.name: b.rate for b in p.bounds}
-        return out
-
-    return {
-        "workload": dataclasses.asdict(parts.workload),
-        "link": None if parts.link is None else dataclasses.asdict(parts.link),
-        "predictions": [
-            {
-                **prediction(got),
-                "path": dataclasses.asdict(path),
-                "recommended": None
-                if advice is None
-                else {"flags": advice[1], "rate": advice[0].rate},
-            }
-            for got, path, advice in rows
-        ],
-    }
-
-
-def _table(args: argparse.Namespace, parts: Parts, rows: Sequence[Row]) -> str:
-    w = parts.workload
-    where = (
-        f"links of {args.link} ({LINK_PAYLOAD.value:.0%} of it payload: {LINK_PAYLOAD.source})"
-        if args.link
-        else "one host"
-    )
-    lines = [
-        f"cluster: {args.workers} workers, {args.ps} ps (parameter-server schemes), {where}",
-        f"model: {w.param_bytes.value / 1e6:.2f} MB ({w.param_bytes.source})",
-        f"step compute: {w.step.value * 1e3:.2f} ms ({w.step.source})",
-        *([f"link: {parts.link.describe()}"] if parts.link is not None else []),
-        "",
-        "| scheme | worker-steps/s | MB per worker-step | bottleneck | staleness | "
-        "recommended (predicted worker-steps/s) |",
-        "| --- | --- | --- | --- | --- | --- |",
+def _simulate(args: argparse.Namespace, entries: Sequence[SchemeEntry]) -> int:
+    """``--simulate``: play each entry on each cluster size of the sweeps."""
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    stragglers = _stragglers(args)
+    sizes = [
+        (workers, ps)
+        for workers in _counts(args.sweep_workers, args.workers, "--sweep-workers")
+        for ps in _counts(args.sweep_ps, args.ps, "--sweep-ps")
     ]
-    used: dict[str, Path] = {}
-    for got, path, advice in rows:
-        used[path.name] = path
-        tip = "—" if advice is None else f"{advice[1]} ({advice[0].rate:.1f})"
-        rate = f"{got.rate:.1f}" + ("" if got.staggered is None else f" to {got.staggered:.1f}")
-        lines.append(
-            f"| {got.setting.label} | {rate} | {got.bytes_per_step / 1e6:.2f} | "
-            f"{got.bottleneck} | {got.staleness:.2f} | {tip} |"
-        )
-    lines.append("")
-    if any(got.staggered is not None for got, _, _ in rows):
-        lines.append(
-            "A range (windowed schemes across hosts): the first rate if the workers exchange "
-            "together, sharing the servers' links; the second if their exchanges fall apart. "
-            "A run settles in one or the other (docs/performance.md, 'The cost model')."
-        )
-    for path in used.values():
-        lines.append(
-            f"{path.name}: pulls {path.pull.value / 1e9:.2f} GB/s ({path.pull.source}); "
-            f"pushes {path.push.value / 1e9:.2f} GB/s ({path.push.source})"
-        )
-        if path.server is not None:
-            per_push = path.server.value * w.param_bytes.value * 1e3
-            lines.append(f"a server's work per push: {per_push:.2f} ms ({path.server.source})")
-    return "\n".join(lines)
+    parts = _parts(args, entries)
+    runs: list[dict[str, Any]] = []
+    for entry in entries:
+        for workers, ps in sizes:
+            setting, cluster, path = _model_inputs(args, parts, entry, workers, ps)
+            began = time.perf_counter()
+            got = simulate(
+                setting,
+                parts.workload,
+                cluster,
+                path,
+                steps=args.steps,
+                stragglers=stragglers,
+                seed=args.seed,
+            )
+            took = time.perf_counter() - began
+            runs.append(plan_report.simulated_run(entry.label, workers, cluster.ps, got, took))
+            runs[-1]["model_rate"] = predict(setting, parts.workload, cluster, path).rate
+    if args.json:
+        workload = dataclasses.asdict(parts.workload)
+        print(json.dumps({"workload": workload, "runs": runs}, indent=1))
+    else:
+        print(plan_report.simulation_table(runs))
+    return 0
+
+
+def _counts(text: str | None, default: int, flag: str) -> list[int]:
+    if text is None:
+        return [default]
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: give counts like 1,2,4") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} {text!r}: give counts of at least 1, like 1,2,4")
+    return values
+
+
+def _stragglers(args: argparse.Namespace) -> Stragglers:
+    slow, factor = 0, 1.0
+    if args.slow is not None:
+        try:
+            count, _, times = args.slow.partition(":")
+            slow, factor = int(count), float(times)
+        except ValueError:
+            raise ValueError(f"--slow {args.slow!r}: give K:F, e.g. 2:3") from None
+    return Stragglers(sigma=args.straggler_sigma, slow=slow, factor=factor)
 
 
 def _say(text: str) -> None:

@@ -94,7 +94,9 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         if not self.schemes:
-            raise ValueError("no schemes to compare; give --schemes A,B (see distsgd schemes)")
+            raise ValueError(
+                "no schemes to compare; give --schemes A,B (list: distsgd run --help-scheme)"
+            )
         entries = [parse_entry(text) for text in self.schemes]
         check_duplicates(entries)
         if self.baseline:

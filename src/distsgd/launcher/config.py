@@ -131,13 +131,15 @@ class LaunchConfig(WorkerBounds):
     min_workers: int = field(
         default=0,
         metadata={
-            "help": "fewest workers an elastic run goes on with (distsgd scale's lower bound; a "
-            "worker out of restarts is dropped while this many remain); 0 = --workers"
+            "help": "fewest workers an elastic run goes on with (distsgd elastic scale's lower "
+            "bound; a worker out of restarts is dropped while this many remain); 0 = --workers"
         },
     )
     max_workers: int = field(
         default=0,
-        metadata={"help": "most workers an elastic run may grow to (distsgd scale); 0 = --workers"},
+        metadata={
+            "help": "most workers an elastic run may grow to (distsgd elastic scale); 0 = --workers"
+        },
     )
     evict_after: float = field(
         default=0.0,

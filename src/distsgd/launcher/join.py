@@ -133,7 +133,7 @@ def join_env(
     if not schemes.get(scheme).uses_parameter_servers:
         raise ValueError(
             f"{run_dir} runs {scheme}, a collective scheme: its process group has a fixed size; "
-            "change its size with distsgd scale (a restart from its last checkpoint)"
+            "change its size with distsgd elastic scale (a restart from its last checkpoint)"
         )
     if not spec.dynamic_world_size:
         raise ValueError(
