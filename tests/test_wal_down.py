@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from test_wal import _assert_same, _payload, _push, _shard
 
-from distsgd.ps import wal, wal_outage
+from distsgd.ps import wal, wal_outage, wal_writer
 from distsgd.ps.rules import PushMeta
 from distsgd.ps.shard import Shard
 from distsgd.schemes import make_server_rule
@@ -43,7 +43,7 @@ def disk(monkeypatch: pytest.MonkeyPatch) -> Disk:
     """Every write of the log and of its snapshots goes through ``disk`` (the module's
     functions, so that the log's older code path meets the same full disk)."""
     found = Disk()
-    monkeypatch.setattr(wal, "_pwrite_all", found.wrap(wal._pwrite_all))
+    monkeypatch.setattr(wal_writer, "pwrite_all", found.wrap(wal_writer.pwrite_all))
     monkeypatch.setattr(wal, "_write_snapshot", found.wrap(wal._write_snapshot))
     return found
 

@@ -51,15 +51,12 @@ written the log is up again and the pushes go on. :meth:`WriteAheadLog.state` sa
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import struct
-import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -77,20 +74,19 @@ from distsgd.ps.wal_files import (
     next_generation,
 )
 from distsgd.ps.wal_files import open_log as _open_log
-from distsgd.ps.wal_files import pwrite_all as _pwrite_all
 from distsgd.ps.wal_files import remove_before as _remove_before
 from distsgd.ps.wal_files import write_snapshot as _write_snapshot
-from distsgd.ps.wal_format import CRC_AT as _CRC_AT
-from distsgd.ps.wal_format import CRC_FROM as _CRC_FROM
-from distsgd.ps.wal_format import HEAD, MAGIC, Kind, WalError
+from distsgd.ps.wal_format import HEAD, Kind, WalError
 from distsgd.ps.wal_outage import LogDown, NotLogged, Outage, WalState
 from distsgd.ps.wal_recovery import Recovery, recover
+from distsgd.ps.wal_writer import RESERVE_BYTES, LogFile, PushIndex
 
 if TYPE_CHECKING:
     from distsgd.ps.replica import ReplicaLink
 
 __all__ = [
     "HEAD",
+    "RESERVE_BYTES",
     "SLOTS",
     "Kind",
     "LogDown",
@@ -116,8 +112,6 @@ MIN_COMPACT_BYTES = 64 << 20
 """A log starts a new generation past max(this, :data:`COMPACT_FACTOR` x the shard's bytes)."""
 COMPACT_FACTOR = 4
 
-RESERVE_BYTES = 16 << 20
-"""How far past a record a log file is allocated ahead of its writes (:meth:`_reserve`)."""
 
 LIVE_SNAPSHOT_BYTES = 64 << 20
 """A shard of at least this many bytes writes a new generation's snapshot from its live
@@ -167,13 +161,10 @@ class WriteAheadLog:
         self.folder = folder
         self.generation = generation
         self.bound = bound
-        self._fd = fd
-        self._offset = 0
-        self._reserved = _file_size(fd)
+        self.file = LogFile(fd, str(folder))
+        """The current generation's log file (changed under ``_lock``)."""
         self._lock = threading.Lock()
-        self._head = bytearray(HEAD.size)
-        self._head_view = memoryview(self._head)
-        self._set_keys(keys)
+        self._keys = PushIndex(keys)
         self._compacting = threading.Lock()
         self._shard = shard
         self._due = threading.Event()
@@ -182,8 +173,6 @@ class WriteAheadLog:
         self.records = 0
         self.outage = Outage(folder)
         """Whether a write failed and the log is down, until :meth:`revive`."""
-        self.pwrite = _pwrite_all
-        """How records are written (``pwrite(fd, views, offset)``); tests inject failures."""
         self.write_snapshot = _write_snapshot
         """How snapshots are written (``write_snapshot(path, data)``); tests inject failures."""
         self.replica: ReplicaLink | None = _REPLICAS.get(Path(folder).resolve())
@@ -199,12 +188,6 @@ class WriteAheadLog:
             return self.outage.state(self.generation)
 
     # -- creating -------------------------------------------------------------------------------
-    def _set_keys(self, keys: list[str]) -> None:
-        """The pieces a push record indexes, in the order of the generation's snapshot."""
-        self._index = {k: i for i, k in enumerate(keys)}
-        self._keys = keys
-        self._all = np.arange(len(keys), dtype="<u4").tobytes()
-
     @classmethod
     def start(cls, folder: Path, shard: Shard, generation: int = 0) -> WriteAheadLog:
         """Write ``shard``'s snapshot as ``generation`` into ``folder``, open its log, attach the
@@ -237,9 +220,7 @@ class WriteAheadLog:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+            self.file.close()
             compactor = self._compactor
             if self.replica is not None:
                 self.replica.close()
@@ -289,44 +270,18 @@ class WriteAheadLog:
         meta: PushMeta | None,
     ) -> None:
         """Under ``_lock``: write one record at the log's end; OSError if a write failed."""
-        length = sum(p.nbytes for p in parts)
-        HEAD.pack_into(
-            self._head,
-            0,
-            MAGIC,
+        self.file.append(
             kind,
-            length,
-            0,
             self.generation,
             version,
-            -1 if meta is None else meta.worker,
-            0 if meta is None else meta.incarnation,
-            -1 if meta is None else meta.base_version,
-            1.0 if meta is None else meta.lr_scale,
-            0 if meta is None else meta.sequence,
+            checked,
+            parts,
+            meta,
+            bound=self.bound,
+            replica=self.replica,
         )
-        crc = zlib.crc32(memoryview(self._head)[_CRC_FROM:])
-        for part in checked:
-            crc = zlib.crc32(part, crc)
-        struct.pack_into("<I", self._head, _CRC_AT, crc)
-        if self._fd < 0:
-            raise OSError(errno.EBADF, "the log file is not open")
-        replica = self.replica
-        if replica is not None:  # sent first, answered last: it writes while this file is
-            replica.send_record(self.generation, self._offset, self._head_view, parts)
-        try:
-            self._reserve(self._offset + HEAD.size + length)
-            self.pwrite(self._fd, parts, self._offset + HEAD.size)
-            self.pwrite(self._fd, [self._head_view], self._offset)  # the record exists now
-        except OSError:
-            if replica is not None:
-                replica.close()  # its answer is not read: the connection starts over
-            raise
-        if replica is not None:
-            replica.wait()  # a push is acknowledged only once both hold its record
-        self._offset += HEAD.size + length
         self.records += 1
-        if kind is Kind.PUSH and self._offset >= self.bound and self._shard is not None:
+        if kind is Kind.PUSH and self.file.offset >= self.bound and self._shard is not None:
             self._compact_soon()
 
     def _compact_soon(self) -> None:
@@ -354,23 +309,6 @@ class WriteAheadLog:
                 self.maybe_compact(shard)
             except Exception:  # a bug; the ticker compacts too (every 0.5 s)
                 log.exception("write-ahead log %s: compacting failed", self.folder)
-
-    def _reserve(self, end: int) -> None:
-        """Under ``_lock``: allocate the log file up to ``end`` (and :data:`RESERVE_BYTES` more,
-        short of the bound) with ``posix_fallocate`` before a record is written past its end.
-        On the project's machine (ext4) a page written past a file's end cost 1.4 to 10 times a
-        page rewritten, and an allocated one 1.4 times (2.7 MB: 0.7-3.7 ms, 0.36 ms, 0.51 ms).
-        A file system that refuses (full, or unable) is left to the write itself."""
-        if end <= self._reserved:
-            return
-        want = max(end, min(end + RESERVE_BYTES, self.bound))
-        try:
-            os.posix_fallocate(self._fd, self._reserved, want - self._reserved)
-        except OSError as exc:
-            log.debug("write-ahead log %s: no room reserved (%s)", self.folder, exc)
-            self._reserved = sys.maxsize  # this file: no further tries
-            return
-        self._reserved = want
 
     def revive(self, shard: Shard) -> bool:
         """A down log tries to come back: under the locks, the shard's snapshot as a new
@@ -418,10 +356,9 @@ class WriteAheadLog:
         """(:meth:`revive`, under the shard's locks) write into ``fd`` from now on, its first
         record first; True if that record is written and the log is up."""
         with self._lock:
-            old, self._fd, self._offset = self._fd, fd, 0
-            self._reserved = _file_size(fd)
+            old = self.file.switch(fd)
             self.generation = generation
-            self._set_keys(list(shard.values))
+            self._keys = PushIndex(list(shard.values))
             if old >= 0:
                 with suppress(OSError):
                     os.close(old)
@@ -444,12 +381,7 @@ class WriteAheadLog:
         """A validated payload, before the rule applies it (under the shard's lock for a locked
         rule, under :attr:`gate` for an unlocked one). ``undo``: called before
         :class:`LogDown` is raised (the push is not applied: what was done for it is undone)."""
-        if list(payload) == self._keys:
-            index: bytes = self._all
-            keys = self._keys
-        else:
-            keys = sorted(payload, key=self._index.__getitem__)
-            index = np.array([self._index[k] for k in keys], dtype="<u4").tobytes()
+        keys, index = self._keys.of(payload)
         arrays: list[Any] = []
         for key in keys:
             array = payload[key]
@@ -481,7 +413,7 @@ class WriteAheadLog:
     @property
     def size(self) -> int:
         """Bytes in the current generation's log."""
-        return self._offset
+        return self.file.offset
 
     def maybe_compact(self, shard: Shard) -> bool:
         """Start a new generation if the log is past :attr:`bound`; True if it did. A log that
@@ -490,7 +422,7 @@ class WriteAheadLog:
             if self.outage.due():
                 self.revive(shard)
             return False
-        if self._offset < self.bound:
+        if self.file.offset < self.bound:
             return False
         self.compact(shard)
         return True
@@ -533,11 +465,11 @@ class WriteAheadLog:
                 self.outage.began(exc)
             return None
         with self._lock:
-            old, closed = self._fd, self._closed or self.outage.down
+            closed = self._closed or self.outage.down
             if not closed:
-                self._fd, self._offset, self.generation = fd, 0, generation
-                self._reserved = _file_size(fd)
-                self._set_keys(list(shard.values))  # pieces may have moved
+                old = self.file.switch(fd)
+                self.generation = generation
+                self._keys = PushIndex(list(shard.values))  # pieces may have moved
         if closed:
             os.close(fd)
             return None
@@ -557,10 +489,6 @@ class WriteAheadLog:
                 self.outage.began(exc)
             return False
         return True
-
-
-def _file_size(fd: int) -> int:
-    return os.fstat(fd).st_size if fd >= 0 else 0
 
 
 @contextmanager
