@@ -1,4 +1,4 @@
-"""The README's "Many machines" commands, run on emulated hosts (``distsgd-emulate hosts up``
+"""The "Many machines" guide's commands, run on emulated hosts (``distsgd-emulate hosts up``
 / ``distsgd-emulate hosts exec``): a parameter server and two workers started by hand, each in a
 network namespace of its own, with a cluster file, a shared secret and mutual TLS between the
 hosts."""
