@@ -1,5 +1,7 @@
-"""The ``distsgd`` command line: one function per subcommand adds its flags, and
-:func:`parse_argv` reads a command line as :mod:`distsgd.cli.main` runs it."""
+"""The ``distsgd`` command line: :func:`build_parser` (the flags of ``run``, ``demo`` and
+``compare`` here; ``plan``, ``elastic``, ``k8s`` and the cluster's tasks, ``tasks.py``, add theirs
+in their modules), and :func:`parse_argv`, which reads a command line as :mod:`distsgd.cli.main`
+runs it."""
 
 from __future__ import annotations
 
