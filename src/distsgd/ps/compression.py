@@ -58,24 +58,13 @@ step, a systematic loss. fp16 and bf16 do not by default: their per-element roun
 small (relative ``2**-11`` and ``2**-9``), round to nearest and so roughly unbiased, and a
 residual costs a model-sized float32 copy and three passes per push.
 
-Speed. Everything is vectorised, without Python loops over elements. numpy's own
-float32-to-float16 cast has no SIMD path (1.6 ms for 670k elements, 1.1 ms back), so fp16 is
-encoded with float arithmetic doing the rounding: adding and subtracting
-``2**(max(e, -14) + 13)`` (``e`` the exponent of ``|x|``) rounds ``|x|`` to fp16's precision,
-ties to even, normals and subnormals alike; multiplying by ``2**-112`` then makes the float32
-bits, shifted right by 13, the fp16 bits (a variant of ``fp16_ieee_from_fp32_value`` in
-Maratyszcza's FP16 library, without its overflow branch, since overflow is refused first). It
-matches numpy's cast bit for bit on every finite float32 below 65520 (checked exhaustively
-when it was written; the tests check a sample). Decoding runs the same way backwards: shift
-the magnitude bits into place and multiply by ``2**112`` (a 65536-entry table where there is
-an inf or NaN). Both rely on subnormal floats (a thread with flush-to-zero on would send fp16
-subnormals, below ``2**-14``, as zero). bf16 is integer arithmetic on the uint32 bits, decoded
-with one shift; int8 is one multiply and one rounding.
+Speed. Everything is vectorised, without Python loops over elements. fp16 and bf16 are
+encoded and decoded by bit arithmetic (:mod:`distsgd.ps.half_floats`); int8 is one multiply
+and one rounding.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import threading
@@ -85,6 +74,9 @@ import numpy as np
 import numpy.typing as npt
 
 from distsgd.ps import quantize, wire
+from distsgd.ps.half_floats import BF16_OVERFLOW as BF16_OVERFLOW
+from distsgd.ps.half_floats import FP16_OVERFLOW as FP16_OVERFLOW
+from distsgd.ps.half_floats import extremes, fp16_values, to_bf16, to_fp16
 from distsgd.ps.wire import Encoding
 
 log = logging.getLogger(__name__)
@@ -94,12 +86,6 @@ INDEX_DTYPE = np.dtype("<u4")
 
 MAX_SPARSE_COUNT = 1 << 32
 """Most elements a piece may have to be sent sparse (its indices are uint32)."""
-
-FP16_OVERFLOW = 65520.0
-"""Smallest magnitude that rounds to inf in fp16 (halfway between 65504 and 2**16)."""
-
-BF16_OVERFLOW = float(np.array(0x7F7F8000, dtype=np.uint32).view(np.float32))
-"""Smallest magnitude that rounds to inf in bf16 (about 3.3961776e38)."""
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 """The dtypes a piece may have (and the server may register)."""
@@ -111,7 +97,6 @@ _SAMPLE = 1 << 14
 """Sample size for the top-k threshold."""
 
 _U32 = np.uint32
-_U16 = np.uint16
 
 
 LOW_BITS = {e.encoding: e.bits for e in wire.TABLE if e.bits < 8}
@@ -472,16 +457,11 @@ def _sparse_pays(encoding: Encoding, dtype: np.dtype, count: int, nnz: int) -> b
     return wire_nbytes(encoding, dtype, count, nnz) < wire_nbytes(encoding, dtype, count, 0)
 
 
-def _extremes(x: np.ndarray) -> tuple[float, float]:
-    """(max, min) of a non-empty array; NaN if it holds a NaN."""
-    return float(x.max()), float(x.min())
-
-
 def _compress(x: np.ndarray, encoding: Encoding) -> tuple[Encoding, float, np.ndarray]:
     """(encoding used, scale, values on the wire) of a 1-D contiguous float array."""
     if encoding is Encoding.RAW or x.size == 0:
         return encoding, 1.0 if encoding is not Encoding.INT8 else 0.0, _raw_or_empty(x, encoding)
-    high, low = _extremes(x)
+    high, low = extremes(x)
     if encoding is Encoding.INT8 or encoding in LOW_BITS:
         if not (math.isfinite(high) and math.isfinite(low)):
             log.debug("a piece with NaN or inf travels RAW: integer codes cannot carry it")
@@ -491,8 +471,8 @@ def _compress(x: np.ndarray, encoding: Encoding) -> tuple[Encoding, float, np.nd
         peak = max(high, -low)
         return encoding, peak / 127.0, quantize.to_int8(x, peak)
     if encoding is Encoding.FP16:
-        return encoding, 1.0, _to_fp16(x, high, low)
-    return encoding, 1.0, _to_bf16(x, high, low)
+        return encoding, 1.0, to_fp16(x, high, low)
+    return encoding, 1.0, to_bf16(x, high, low)
 
 
 def _raw_or_empty(x: np.ndarray, encoding: Encoding) -> np.ndarray:
@@ -501,82 +481,12 @@ def _raw_or_empty(x: np.ndarray, encoding: Encoding) -> np.ndarray:
     return np.empty(0, dtype=_wire_dtype(encoding, x.dtype))
 
 
-def _finite_peak(x: np.ndarray, high: float, low: float) -> float:
-    """The largest finite ``|x|`` from ``x``'s (max, min); slow only when those are not finite."""
-    if math.isfinite(high) and math.isfinite(low):
-        return max(high, -low)
-    magnitude = np.abs(x)
-    finite = magnitude[np.isfinite(magnitude)]
-    return float(finite.max()) if finite.size else 0.0
-
-
-def _refuse_overflow(name: str, peak: float, overflow: float, largest: float, fix: str) -> None:
-    if peak >= overflow:
-        raise ValueError(
-            f"{name} cannot carry this piece: its largest magnitude {peak:.6g} is beyond "
-            f"{name}'s largest {largest:.6g} and would become inf; use {fix}"
-        )
-
-
-def _to_fp16(x: np.ndarray, high: float, low: float) -> np.ndarray:
-    if x.dtype == np.float16:
-        return x.astype("<f2")  # a copy, like every other encoding's output
-    peak = _finite_peak(x, high, low)
-    _refuse_overflow(wire.FP16.name, peak, FP16_OVERFLOW, 65504.0, "--wire-dtype bf16 or float32")
-    if x.dtype == np.float32 and math.isfinite(high) and math.isfinite(low):
-        return _fp16_bits(x).view("<f2")
-    return x.astype("<f2")  # float64 (rounded once, directly), or inf or NaN among the values
-
-
-def _fp16_bits(x: np.ndarray) -> np.ndarray:
-    """fp16 bits of a finite float32 array with ``|x| < 65520`` (see the module docstring)."""
-    bits = x.view(_U32)
-    rounded = np.abs(x)
-    magnitude = rounded.view(_U32)
-    magic = np.maximum(magnitude, _U32(113 << 23))  # exponents below fp16's -14 count as -14
-    magic &= _U32(0x7F800000)
-    magic += _U32(13 << 23)  # 2**(e + 13): its ulp is fp16's ulp at exponent e
-    magic_f = magic.view(np.float32)
-    rounded += magic_f
-    rounded -= magic_f  # exact (Sterbenz): |x| rounded to fp16 precision, ties to even
-    rounded *= np.float32(2.0**-112)  # exact: fp16's exponent bias, subnormals included
-    magnitude >>= _U32(13)
-    np.right_shift(bits, _U32(16), out=magic)
-    magic &= _U32(0x8000)
-    magnitude |= magic
-    out = np.empty(x.size, dtype=_U16)
-    np.copyto(out, magnitude, casting="unsafe")
-    return out
-
-
-def _to_bf16(x: np.ndarray, high: float, low: float) -> np.ndarray:
-    largest = 3.3895314e38  # bf16 0x7F7F
-    if x.dtype != np.float32:
-        peak = _finite_peak(x, high, low)
-        _refuse_overflow(wire.BF16.name, peak, BF16_OVERFLOW, largest, "--wire-dtype float32")
-        x = x.astype(np.float32)  # finite: float64 below BF16_OVERFLOW rounds to at most it
-        high, low = _extremes(x)
-    peak = _finite_peak(x, high, low)
-    _refuse_overflow(wire.BF16.name, peak, BF16_OVERFLOW, largest, "--wire-dtype float32")
-    bits = x.view(_U32)
-    work = np.right_shift(bits, _U32(16))
-    work &= _U32(1)
-    work += _U32(0x7FFF)
-    work += bits  # u + 0x7FFF + lsb: carries into the upper half when rounding up
-    out = np.empty(x.size, dtype=_U16)
-    np.right_shift(work, _U32(16), out=out, casting="unsafe")
-    if math.isnan(high) or math.isnan(low):
-        nan = np.isnan(x)
-        out[nan] = (bits[nan] >> _U32(16)).astype(_U16) | _U16(0x0040)  # quiet, sign kept
-    return out
-
-
 def _top_k_indices(x: np.ndarray, k: int) -> np.ndarray:
     """Ascending int64 indices of the ``k`` entries of largest ``|x|`` (NaN largest; ties to
     the lower index)."""
     n = x.size
     magnitude = np.abs(x)
-    high, _ = _extremes(magnitude)
+    high, _ = extremes(magnitude)
     if math.isnan(high):  # argpartition sorts NaN last, i.e. largest
         index = np.argpartition(magnitude, n - k)[n - k :]
         index.sort()
@@ -613,27 +523,6 @@ def _sample_indices(n: int) -> np.ndarray:
 # --------------------------------------------------------------------------- decoding
 
 
-@functools.cache
-def _fp16_table() -> np.ndarray:
-    """Every fp16 bit pattern's float32 value (65536 entries)."""
-    return np.arange(1 << 16, dtype=np.uint32).astype(_U16).view(np.float16).astype(np.float32)
-
-
-def _fp16_values(half: np.ndarray) -> np.ndarray:
-    """float32 values of fp16 bits: the magnitude bits shifted into place and scaled by
-    ``2**112`` (exact, subnormals included); a table where there is an inf or NaN."""
-    bits = np.left_shift(half, _U32(13), dtype=_U32)
-    bits &= _U32(0x0FFFE000)
-    if bits.size and int(bits.max()) >= 0x0F800000:  # exponent 31: inf or NaN
-        return np.take(_fp16_table(), half)
-    floats = bits.view(np.float32)
-    floats *= np.float32(2.0**112)
-    sign = np.left_shift(half, _U32(16), dtype=_U32)
-    sign &= _U32(0x80000000)
-    bits |= sign
-    return floats
-
-
 def _expand(
     wire: np.ndarray, encoding: Encoding, scale: float, dtype: np.dtype, count: int
 ) -> np.ndarray:
@@ -646,7 +535,7 @@ def _expand(
     if encoding is Encoding.FP16:
         if dtype == np.float16:
             return wire.astype(np.float16)
-        floats = _fp16_values(wire.view("<u2"))
+        floats = fp16_values(wire.view("<u2"))
     elif encoding is Encoding.BF16:
         floats = np.left_shift(wire.view("<u2"), _U32(16), dtype=_U32).view(np.float32)
     else:
