@@ -200,7 +200,7 @@ def test_each_scheme_evaluates_its_parameters_with_statistics_measured_at_them(
     the scheme evaluates (the servers' under a parameter-server scheme, the replica's under a
     collective one) over the chief's latest batches; the replica's own stay as they were until
     the end."""
-    scheme = schemes.get(name).worker
+    scheme = schemes.get(name).worker_class()
     replica, other = _trained(seed=1), _trained(seed=2)
     server = {k: p.detach().numpy().copy() for k, p in exchanged_parameters(other).items()}
     chief = _chief(test_set=torch.utils.data.TensorDataset(TEST[0][:96], TEST[1][:96]))

@@ -60,7 +60,7 @@ def test_dynsgd_one_worker_equals_plain_sgd(ps_server) -> None:  # noqa: F811
     _run_workers(
         address=address,
         scheme_name="dynsgd",
-        make_scheme=lambda rank: spec.worker(spec.options(), 1),
+        make_scheme=lambda rank: spec.make_worker(spec.options(), 1),
         model=model,
         data=data,
         config=config,
@@ -132,7 +132,7 @@ def _run_in_turns(
     _run_workers(
         address=address,
         scheme_name=name,
-        make_scheme=lambda rank: turns(spec.worker(options, world), rank, world, board),
+        make_scheme=lambda rank: turns(spec.make_worker(options, world), rank, world, board),
         model=model,
         data=data,
         config=config,
@@ -418,7 +418,7 @@ def test_sagn_equals_the_reference(ps_server) -> None:  # noqa: F811
     _run_workers(
         address=address,
         scheme_name="sagn",
-        make_scheme=lambda rank: spec.worker(
+        make_scheme=lambda rank: spec.make_worker(
             spec.options(window=window, server_lr=server_lr), world
         ),
         model=model,
@@ -454,7 +454,7 @@ def test_sync_with_per_worker_learning_rates_equals_the_reference(ps_server) -> 
     _run_workers(
         address=address,
         scheme_name="sync",
-        make_scheme=lambda rank: spec.worker(spec.options(worker_lrs="0.05,0.2"), world),
+        make_scheme=lambda rank: spec.make_worker(spec.options(worker_lrs="0.05,0.2"), world),
         model=model,
         data=data,
         config=config,
@@ -503,7 +503,7 @@ def test_options_are_validated(name: str, options: dict, match: str) -> None:
 def test_worker_lrs_need_one_rate_per_worker() -> None:
     spec = schemes.get("sync")
     with pytest.raises(ValueError, match="2 rates for 3 workers"):
-        spec.worker(spec.options(worker_lrs="0.1,0.2"), 3)
+        spec.make_worker(spec.options(worker_lrs="0.1,0.2"), 3)
 
 
 def test_each_scheme_names_what_to_lower_when_it_diverges() -> None:

@@ -25,7 +25,8 @@ from distsgd.control.checkpoint.store import (
 from distsgd.ps import PushMeta, Shard
 from distsgd.ps.shard_file import CorruptCheckpoint
 from distsgd.runtime.checkpoint import save_worker_state
-from distsgd.schemes.downpour import DownpourOptions, DownpourWorker
+from distsgd.schemes.downpour import DownpourOptions
+from distsgd.workers.downpour import DownpourWorker
 
 
 def _shard(scheme: str, options: dict, workers: int = 2) -> Shard:

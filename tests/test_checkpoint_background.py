@@ -255,7 +255,8 @@ class _CtxWithPushAreas(_Ctx):
 
 
 def test_asyncdiloco_saves_the_rounds_start_only_when_it_differs_from_the_replica() -> None:
-    from distsgd.schemes.asyncdiloco import AsyncDilocoOptions, AsyncDilocoWorker
+    from distsgd.schemes.asyncdiloco import AsyncDilocoOptions
+    from distsgd.workers.asyncdiloco import AsyncDilocoWorker
 
     assert not AsyncDilocoWorker.replica_from_servers  # its replica is its inner progress
     model = nn.Linear(3, 2)
@@ -292,9 +293,9 @@ def test_asyncdiloco_saves_the_rounds_start_only_when_it_differs_from_the_replic
 
 
 def test_scheme_states_leave_out_what_the_servers_hold() -> None:
-    from distsgd.schemes.dynsgd import DynsgdWorker
-    from distsgd.schemes.hogwild import HogwildWorker
-    from distsgd.schemes.sync import SyncWorker
+    from distsgd.workers.dynsgd import DynsgdWorker
+    from distsgd.workers.hogwild import HogwildWorker
+    from distsgd.workers.sync import SyncWorker
 
     for scheme in (HogwildWorker, DynsgdWorker, SyncWorker):  # each pulls before every step
         assert scheme.replica_from_servers, scheme.__name__
@@ -364,7 +365,8 @@ def test_a_server_writes_its_checkpoint_without_stalling_pushes(
 
 
 def test_downpour_saves_the_windows_start_only_inside_a_window() -> None:
-    from distsgd.schemes.downpour import DownpourOptions, DownpourWorker
+    from distsgd.schemes.downpour import DownpourOptions
+    from distsgd.workers.downpour import DownpourWorker
 
     model = nn.Linear(3, 2)
     worker = DownpourWorker(DownpourOptions(window=4), num_workers=2)

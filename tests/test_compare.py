@@ -514,7 +514,7 @@ def test_help_scheme_shows_docstring_and_own_defaults(
     assert stop.value.code == 0
     text = capsys.readouterr().out
     assert text.startswith(f"{name}: {spec.summary}")
-    doc = sys.modules[spec.worker.__module__].__doc__ or ""
+    doc = sys.modules[spec.rules.__module__].__doc__ or ""
     assert doc.strip().splitlines()[0] in text
     for f in dataclasses.fields(spec.options):
         flag = "--" + f.name.replace("_", "-")

@@ -86,7 +86,7 @@ def test_refusals_are_one_line(flags: list[str], needle: str, tmp_path: Path) ->
 
 @pytest.mark.parametrize("name", schemes.names())
 def test_every_scheme_but_allreduce_refuses_powersgd(name: str) -> None:
-    worker = schemes.get(name).worker(schemes.get(name).options(), 2)
+    worker = schemes.get(name).make_worker(schemes.get(name).options(), 2)
     config = TrainConfig(powersgd_rank=2)
     if name == "allreduce":
         worker.check_config(config)
@@ -100,12 +100,12 @@ def test_allreduce_alone_keeps_any_compression_setting() -> None:
     for a parameter-server run; with two workers the same config is refused."""
     spec = schemes.get("allreduce")
     config = TrainConfig(wire_dtype="int8", topk=0.01)
-    spec.worker(spec.options(), 1).check_config(config)
+    spec.make_worker(spec.options(), 1).check_config(config)
     with pytest.raises(ValueError, match="int8 under allreduce: integer codes are for"):
-        spec.worker(spec.options(), 2).check_config(config)
+        spec.make_worker(spec.options(), 2).check_config(config)
     for codes in ("int4", "int2"):
         with pytest.raises(ValueError, match=f"--wire-dtype {codes} under allreduce"):
-            spec.worker(spec.options(), 2).check_config(TrainConfig(wire_dtype=codes))
+            spec.make_worker(spec.options(), 2).check_config(TrainConfig(wire_dtype=codes))
 
 
 def test_worker_refuses_before_it_connects() -> None:
@@ -120,7 +120,7 @@ def test_worker_refuses_before_it_connects() -> None:
             test_set=None,
             config=TrainConfig(powersgd_rank=1, steps=1, batch_size=2),
             env=TaskEnv.standalone("sync"),
-            scheme=spec.worker(spec.options(), 1),
+            scheme=spec.make_worker(spec.options(), 1),
         )
 
 

@@ -115,8 +115,8 @@ def test_under_a_dynamic_world_the_rule_follows_the_live_workers() -> None:
 
 @pytest.mark.parametrize("name", schemes.names())
 def test_every_scheme_declares_its_rule_and_its_page_says_it(name: str) -> None:
-    """The default is in the scheme's module (its worker half) and on its guide page."""
-    rule = schemes.get(name).worker.lr_rule  # type: ignore[attr-defined]
+    """The default is in the scheme's module (its worker rules) and on its guide page."""
+    rule = schemes.get(name).rules.lr_rule
     assert rule == DEFAULT_RULES.get(name, "none")
     assert rule in LR_RULES[1:]
     page = (ROOT / "docs" / "schemes" / f"{name}.md").read_text()
@@ -136,7 +136,7 @@ def _session(scheme: str, workers: int, config: TrainConfig) -> WorkerSession:
         test_set=None,
         config=config,
         env=env,
-        scheme=spec.worker(spec.parse_options({}), workers),
+        scheme=spec.make_worker(spec.parse_options({}), workers),
     )
 
 

@@ -14,7 +14,8 @@ from torch import nn
 import distsgd
 from distsgd.control.task import ENV_VAR, TaskEnv
 from distsgd.runtime.setup import UNBOUNDED
-from distsgd.schemes.diloco import DilocoOptions, DilocoWorker
+from distsgd.schemes.diloco import DilocoOptions
+from distsgd.workers.diloco import DilocoWorker
 
 
 def _alone_under_diloco(monkeypatch: pytest.MonkeyPatch, inner_steps: int) -> None:
@@ -67,7 +68,7 @@ def test_a_loop_of_its_own_length_is_warned_at_its_end(
 ) -> None:
     _alone_under_diloco(monkeypatch, inner_steps=10)
     x, y = _data(48)
-    at_level = caplog.at_level(logging.WARNING, logger="distsgd.schemes.diloco")
+    at_level = caplog.at_level(logging.WARNING, logger="distsgd.workers.diloco")
     with at_level, distsgd.Worker(nn.Linear(4, 2)) as worker:
         for i in range(3):
             with worker.step() as step:
@@ -75,7 +76,7 @@ def test_a_loop_of_its_own_length_is_warned_at_its_end(
                 loss = F.cross_entropy(worker.model(x[part]), y[part])
                 loss.backward()
                 step.loss = loss
-    said = [r.getMessage() for r in caplog.records if r.name == "distsgd.schemes.diloco"]
+    said = [r.getMessage() for r in caplog.records if r.name == "distsgd.workers.diloco"]
     assert said == [
         "diloco: each worker took 3 local steps, fewer than --inner-steps 10, so the replicas "
         "train apart until the run's final outer step; lower --inner-steps to at most 3, or "

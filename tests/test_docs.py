@@ -35,8 +35,9 @@ LAYERS = (
     "ps",
     "control",
     "plan",
-    "runtime",
     "schemes",
+    "runtime",
+    "workers",
     "api",
     "launcher",
     "compare",
@@ -384,7 +385,7 @@ def test_layering_checker_reports_upward_imports(tmp_path: Path) -> None:
         ),
         "runtime/loop.py": (
             "def f():\n"
-            "    from distsgd import schemes\n"  # upward, inside a function
+            "    from distsgd import workers\n"  # upward, inside a function
             "    import distsgd\n"  # the top-level package is the api layer
         ),
         "cli/main.py": "from distsgd import __version__\nfrom distsgd.launcher import launch\n",
@@ -399,7 +400,7 @@ def test_layering_checker_reports_upward_imports(tmp_path: Path) -> None:
     problems, checked = _violations(package)
     text = "\n".join(problems)
     assert "ps/rules.py:3: ps imports distsgd.runtime.context" in text
-    assert "runtime/loop.py:2: runtime imports distsgd.schemes" in text
+    assert "runtime/loop.py:2: runtime imports distsgd.workers" in text
     assert "runtime/loop.py:3: runtime imports distsgd: distsgd (which imports api)" in text
     assert "demo/digits.py:2: demo imports distsgd.runtime" in text
     assert "package 'extras' is not in the layer order" in text

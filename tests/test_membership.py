@@ -35,13 +35,15 @@ from distsgd.ps.server import stop_server
 from distsgd.ps.service import ParameterService
 from distsgd.runtime import TaskEnv, TrainConfig, WorkerContext, run_worker
 from distsgd.schemes import make_server_rule
-from distsgd.schemes.downpour import DownpourOptions, DownpourWorker
-from distsgd.schemes.easgd import EasgdOptions, EasgdWorker
+from distsgd.schemes.downpour import DownpourOptions
+from distsgd.schemes.easgd import EasgdOptions
 from distsgd.transport import PushReject
 from distsgd.transport.client import ShardClient
 from distsgd.transport.errors import PROTOCOL_VERSION, Refusal, RemoteError
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
+from distsgd.workers.downpour import DownpourWorker
+from distsgd.workers.easgd import EasgdWorker
 
 EVICT = 1.0
 """The servers' eviction timeout in these tests (seconds)."""
@@ -610,7 +612,7 @@ def _train_sync(world_size: str, run_dir: Path) -> tuple[int, dict[str, np.ndarr
                 test_set=None,
                 config=config,
                 env=env,
-                scheme=spec.worker(spec.options(), 2),
+                scheme=spec.make_worker(spec.options(), 2),
             )
         except BaseException as exc:  # reported below
             errors.append(exc)
@@ -659,7 +661,7 @@ def test_dynamic_world_size_is_refused_under_a_collective_scheme() -> None:
             test_set=None,
             config=TrainConfig(batch_size=4, steps=1, world_size="dynamic"),
             env=TaskEnv.standalone(),
-            scheme=spec.worker(spec.options(), 1),
+            scheme=spec.make_worker(spec.options(), 1),
         )
     assert "\n" not in str(info.value)
 

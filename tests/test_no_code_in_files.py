@@ -360,7 +360,7 @@ def _trained_scheme(name: str) -> tuple[WorkerScheme, WorkerContext]:
         device=torch.device("cpu"),
         ps=_FakeServers(arrays) if spec.uses_parameter_servers else None,  # type: ignore[arg-type]
     )
-    scheme = spec.worker(spec.options(), 2)
+    scheme = spec.make_worker(spec.options(), 2)
     scheme.start(ctx)
     x, y = torch.randn(4, 3), torch.randn(4, 1)
     for _ in range(3):

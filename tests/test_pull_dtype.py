@@ -99,7 +99,7 @@ def test_the_decoder_takes_only_what_it_asked() -> None:
 @pytest.mark.parametrize("name", schemes.names())
 def test_schemes_without_servers_refuse_the_flag(name: str) -> None:
     spec = schemes.get(name)
-    worker = spec.worker(spec.options(), 2)
+    worker = spec.make_worker(spec.options(), 2)
     config = TrainConfig(pull_dtype="bf16")
     if worker.uses_parameter_servers:
         worker.check_config(config)

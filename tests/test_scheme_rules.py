@@ -39,10 +39,13 @@ from distsgd.runtime import TaskEnv, TrainConfig, WorkerContext, run_worker
 from distsgd.runtime.data import ShardedBatches
 from distsgd.runtime.modules import exchanged_parameters
 from distsgd.schemes import make_server_rule
-from distsgd.schemes.downpour import DownpourOptions, DownpourWorker
-from distsgd.schemes.easgd import EasgdOptions, EasgdWorker, ElasticServer
-from distsgd.schemes.sync import SyncOptions, SyncWorker
+from distsgd.schemes.downpour import DownpourOptions
+from distsgd.schemes.easgd import EasgdOptions, ElasticServer
+from distsgd.schemes.sync import SyncOptions
 from distsgd.transport import PushReject
+from distsgd.workers.downpour import DownpourWorker
+from distsgd.workers.easgd import EasgdWorker
+from distsgd.workers.sync import SyncWorker
 
 ATOL = 1e-5
 
@@ -277,10 +280,24 @@ def test_every_server_half_is_its_rule_class() -> None:
         if spec.server is None:
             continue
         assert isinstance(spec.server, type) and issubclass(spec.server, UpdateRule), name
-        worker = spec.worker(spec.parse_options({}), 2)
+        worker = spec.make_worker(spec.parse_options({}), 2)
         options = json.loads(json.dumps(worker.server_options(TrainConfig())))
         rule = make_server_rule(name, options, 2)
         assert type(rule) is spec.server, name
+
+
+def test_every_worker_half_is_named_by_path_and_subclasses_its_rules() -> None:
+    """The catalogue names each worker half by import path (so that reading it loads no torch),
+    and the class found there subclasses the scheme's rules: the launcher's checks and the
+    worker's are one code."""
+    for name in schemes.names():
+        spec = schemes.get(name)
+        assert (
+            spec.worker
+            == f"distsgd.workers.{name.replace('-', '_')}:{spec.worker_class().__name__}"
+        )
+        assert issubclass(spec.worker_class(), spec.rules), name
+        assert spec.worker_class().uses_parameter_servers == spec.uses_parameter_servers, name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -671,7 +688,7 @@ def test_sync_equals_large_batch_sgd_when_a_worker_is_slow_on_the_last_step(ps_s
     _run_workers(
         address=address,
         scheme_name="sync",
-        make_scheme=lambda rank: spec.worker(spec.options(), world),
+        make_scheme=lambda rank: spec.make_worker(spec.options(), world),
         model=model,
         data=data,
         config=config,
@@ -703,7 +720,7 @@ def _hogwild_alone(
     return _run_workers(
         address=address,
         scheme_name="hogwild",
-        make_scheme=lambda rank: spec.worker(spec.options(), 1),
+        make_scheme=lambda rank: spec.make_worker(spec.options(), 1),
         model=model,
         data=data,
         config=config,
@@ -777,7 +794,7 @@ def test_downpour_one_worker_equals_plain_sgd_including_remainder_window(
     models = _run_workers(
         address=address,
         scheme_name="downpour",
-        make_scheme=lambda rank: spec.worker(spec.options(window=3, server_lr=1.0), 1),
+        make_scheme=lambda rank: spec.make_worker(spec.options(window=3, server_lr=1.0), 1),
         model=model,
         data=data,
         config=config,
@@ -805,7 +822,7 @@ def test_allreduce_world_of_one_equals_plain_sgd(momentum: float) -> None:
         test_set=None,
         config=config,
         env=TaskEnv.standalone(),
-        scheme=spec.worker(spec.options(), 1),
+        scheme=spec.make_worker(spec.options(), 1),
     )
     assert result.local_steps == config.steps and result.global_step == config.steps
     expected = _reference_sgd(model, data, world=1, config=config)

@@ -36,7 +36,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
 
 def shard(workers: int = 3, step_timeout: str = "auto") -> Shard:
     spec = schemes.get("sync")
-    worker = spec.worker(spec.parse_options({"step_timeout": step_timeout}), workers)
+    worker = spec.make_worker(spec.parse_options({"step_timeout": step_timeout}), workers)
     options = json.loads(json.dumps(worker.server_options(TrainConfig(lr=0.1))))
     return Shard(
         index=0,
@@ -141,7 +141,7 @@ def test_a_waiting_pull_closes_the_round_at_its_deadline() -> None:
 
 def test_sagn_takes_auto_too() -> None:
     spec = schemes.get("sagn")
-    worker = spec.worker(spec.parse_options({"step_timeout": "auto"}), 2)
+    worker = spec.make_worker(spec.parse_options({"step_timeout": "auto"}), 2)
     options = worker.server_options(TrainConfig())
     assert options["adaptive_deadline"] is True and options["step_timeout"] == 60.0
     rule = make_server_rule("sagn", json.loads(json.dumps(options)), 2)

@@ -454,7 +454,7 @@ def _elastic(
                 test_set=None,
                 config=config,
                 env=env,
-                scheme=spec.worker(spec.options(), world),
+                scheme=spec.make_worker(spec.options(), world),
                 batch_fn=batch_fn_for(rank),
                 stop=stops[rank],
             )

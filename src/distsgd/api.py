@@ -127,7 +127,7 @@ def _prepare(
     env = TaskEnv.from_environ() or _alone()
     config = (config or TrainConfig()).replace(**env.overrides)
     spec = schemes.get(env.scheme)
-    scheme = spec.worker(spec.parse_options(env.scheme_options), env.num_workers)
+    scheme = spec.make_worker(spec.parse_options(env.scheme_options), env.num_workers)
     model = as_torch_module(model)  # a Keras 3 model: checked (built, torch backend), wrapped
     train_set = None if train_data is None else as_dataset(train_data, "train_data")
     test_set = None if test_data is None else as_dataset(test_data, "test_data")

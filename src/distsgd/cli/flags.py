@@ -197,7 +197,7 @@ def scheme_help(name: str) -> str:
         "parameter servers" if spec.uses_parameter_servers else "collective (no parameter servers)"
     )
     lines = [f"{spec.name}: {spec.summary}", f"runs on: {kind}", ""]
-    doc = _module_doc(spec.worker)
+    doc = _module_doc(spec.rules)
     if doc:
         lines += [doc, ""]
     fields = dataclasses.fields(spec.options)

@@ -13,7 +13,6 @@ from distsgd.ps.shard_file import (
     read_shard_arrays,
     read_shard_header,
 )
-from distsgd.runtime.checkpoint import load_worker_state
 
 
 def _count(value: int | None) -> str:
@@ -38,6 +37,8 @@ def _shard_lines(path: Path) -> list[str]:
 
 
 def _worker_lines(path: Path) -> list[str]:
+    from distsgd.runtime.checkpoint import load_worker_state  # a worker's state: torch reads it
+
     state = load_worker_state(path)
     params = sum(int(v.numel()) for v in state["model"].values())
     scheme_state = ", ".join(sorted(map(str, state["scheme"]))) or "none"

@@ -349,7 +349,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     spec.task(Role.WORKER, index)
     options = scheme_options(args)
     scheme = schemes.get(args.scheme)
-    scheme.worker(scheme.parse_options(options), spec.num_workers)
+    scheme.check(scheme.parse_options(options), spec.num_workers)
     tls = _tls(args)
     steps, seconds = checkpoint_every(args.checkpoint_every or "0")
     if (steps or seconds or args.resume_latest) and not args.run_dir:

@@ -236,7 +236,7 @@ def _given_parts(args: argparse.Namespace) -> Parts:
 def _setting(entry: SchemeEntry, workers: int) -> Setting:
     spec = schemes.get(entry.scheme)
     options = spec.parse_options(entry.options)
-    spec.worker(options, workers)  # the scheme's own checks of its options
+    spec.check(options, workers)  # the scheme's own checks of its options
     wire = str(entry.overrides.get("wire_dtype", "float32"))
     pull = str(entry.overrides.get("pull_dtype", "float32"))
     topk = float(entry.overrides.get("topk", 0.0))

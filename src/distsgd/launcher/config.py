@@ -247,7 +247,7 @@ class LaunchConfig(WorkerBounds):
         whether the scheme uses parameter servers."""
         spec = schemes.get(self.scheme)
         options = spec.parse_options(self.scheme_options)
-        worker = spec.worker(options, self.workers)  # validates options against the workers
+        rules = spec.check(options, self.workers)  # validates options against the workers
         if self.ps is not None and self.ps < 0:
             raise ValueError(f"--ps must be 0 or more, got {self.ps}")
         if spec.uses_parameter_servers and self.ps == 0:
@@ -256,7 +256,7 @@ class LaunchConfig(WorkerBounds):
             raise ValueError(
                 f"scheme {self.scheme!r} uses no parameter servers; drop --ps or use --ps 0"
             )
-        worker.check_config(TrainConfig().replace(**self.overrides))  # each valid, and here
+        rules.check_config(TrainConfig().replace(**self.overrides))  # each valid, and here
         self._check_rebalance(spec)
         return spec.uses_parameter_servers
 
@@ -367,7 +367,7 @@ class LaunchConfig(WorkerBounds):
         """The ``--lr-rule`` the workers apply (auto: the scheme's default) and its factor on
         ``--lr`` at ``--workers`` workers (control/config.py ``lr_multiplier``)."""
         chosen = str(self.overrides.get("lr_rule", "auto"))
-        default = getattr(schemes.get(self.scheme).worker, "lr_rule", "none")
+        default = schemes.get(self.scheme).rules.lr_rule
         rule = default if chosen == "auto" else chosen
         return rule, lr_multiplier(rule, self.workers)
 

@@ -205,6 +205,10 @@ def preload() -> None:
 
     import distsgd.api
     import distsgd.launcher.bootstrap  # noqa: F401
+    from distsgd import schemes
+
+    for name in schemes.names():  # the worker halves (torch), which the catalogue only names
+        schemes.get(name).worker_class()
 
 
 def serve(sock: socket.socket, launcher: int) -> ForkRequest | None:

@@ -24,32 +24,21 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 
 from distsgd.runtime.checkpoint import plain_state
+from distsgd.schemes.base import WorkerRules
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from distsgd.control.config import TrainConfig
     from distsgd.runtime.context import WorkerContext
 
 
-class WorkerScheme(ABC):
-    """Base class of every scheme's worker half."""
-
-    uses_parameter_servers: ClassVar[bool] = True
-    """False for schemes that only use collectives (all-reduce, local SGD, DiLoCo)."""
+class WorkerScheme(WorkerRules, ABC):
+    """Base class of every scheme's worker half: the torch hooks, over the scheme's
+    torch-free :class:`~distsgd.schemes.base.WorkerRules` (which it subclasses through the
+    scheme's own rules)."""
 
     evaluate_on: ClassVar[Literal["server", "local"]] = "server"
     """Which parameters the chief evaluates: the servers' (the center) or its own replica."""
-
-    lr_rule: ClassVar[str] = "none"
-    """What ``--lr-rule auto`` makes of ``--lr`` on N workers: a rule of
-    :func:`~distsgd.control.config.lr_multiplier` (none, sqrt, linear, inverse-sqrt,
-    elastic). Each scheme sets its own in its module; its guide page says what the default
-    guarantees."""
-    implicit_momentum: ClassVar[bool] = False
-    """Whether its workers apply stale gradients as they come (Hogwild): under its default
-    ``lr_rule`` the momentum applied is then lowered by asynchrony's own
-    (:func:`~distsgd.control.config.momentum_after_asynchrony`)."""
 
     replica_from_servers: ClassVar[bool] = False
     """Whether every step starts by pulling the servers' parameters into the replica (Hogwild,
@@ -60,10 +49,6 @@ class WorkerScheme(ABC):
     transient: ClassVar[tuple[str, ...]] = ()
     """Attributes that are not state (an exchange running in the background): the default
     :meth:`state_dict` leaves them out, and :meth:`load_state_dict` leaves them as they are."""
-
-    def server_options(self, config: TrainConfig) -> dict[str, Any]:
-        """Options sent to the scheme's server rule at registration (JSON-serialisable)."""
-        return {"lr": config.lr, "momentum": config.momentum}
 
     def stats(self) -> dict[str, float]:
         """Scheme-specific counters added to each metrics line (e.g. dropped gradients)."""
@@ -104,48 +89,7 @@ class WorkerScheme(ABC):
             else:
                 setattr(self, name, value)
 
-    def check_config(self, config: TrainConfig) -> None:
-        """Refuse, with a one-line ValueError (cause and fix), training settings this scheme
-        cannot honour. The launcher calls it with the command line's settings before it starts
-        any task, and every worker with its whole config before :meth:`start`.
-
-        The default refuses ``powersgd_rank``: PowerSGD is a hook of PyTorch's DDP, which only
-        the ``allreduce`` scheme trains through.
-        """
-        if config.powersgd_rank:
-            raise ValueError(
-                "--powersgd-rank is a gradient compression hook of PyTorch's DDP, which only "
-                "the allreduce scheme trains through; use --scheme allreduce or drop "
-                "--powersgd-rank"
-            )
-
-    def refuse_compression(self, config: TrainConfig, scheme: str) -> None:
-        """(For schemes that average with plain collectives) refuse ``--wire-dtype`` and
-        ``--topk``, which only parameter-server pushes and DDP's hooks apply (and
-        ``--pull-dtype``, see :meth:`refuse_pull_dtype`)."""
-        self.refuse_pull_dtype(config, scheme)
-        if config.wire_dtype != "float32" or config.topk:
-            flag = "--topk" if config.topk else f"--wire-dtype {config.wire_dtype}"
-            raise ValueError(
-                f"{flag} under {scheme}: its averages travel uncompressed (compression applies "
-                "to parameter-server pushes, and to allreduce through DDP); drop the flag"
-            )
-
-    def refuse_pull_dtype(self, config: TrainConfig, scheme: str) -> None:
-        """(For schemes without parameter servers) refuse ``--pull-dtype``: nothing is pulled."""
-        if config.pull_dtype != "float32":
-            raise ValueError(
-                f"--pull-dtype {config.pull_dtype} under {scheme}: it has no parameter servers "
-                "to pull from (--pull-dtype applies to parameter-server pulls); drop the flag"
-            )
-
-    def check_steps(self, steps: int) -> None:  # noqa: B027 - optional hook
-        """Refuse, with a one-line ValueError (cause and fix), a run in which each worker takes
-        ``steps`` local steps, when this scheme cannot honour it (a period longer than the run);
-        called before the worker connects. ``steps`` is ``runtime.setup.UNBOUNDED`` when the
-        loop decides (its own data, or leased work)."""
-
-    def start(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook
+    def start(self, ctx: WorkerContext) -> None:
         """Called once before the first step."""
 
     def wrap_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
@@ -156,7 +100,7 @@ class WorkerScheme(ABC):
         ``DistributedDataParallel`` around it."""
         return model
 
-    def before_step(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook
+    def before_step(self, ctx: WorkerContext) -> None:
         """Called before each forward pass."""
 
     def explain(self, exc: Exception) -> str | None:
@@ -169,5 +113,5 @@ class WorkerScheme(ABC):
     def after_backward(self, ctx: WorkerContext) -> None:
         """Called after each backward pass, with gradients in ``param.grad``."""
 
-    def finish(self, ctx: WorkerContext) -> None:  # noqa: B027 - optional hook
+    def finish(self, ctx: WorkerContext) -> None:
         """Called once after the last step."""

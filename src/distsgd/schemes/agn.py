@@ -25,10 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from distsgd.plan.traffic import Traffic
-from distsgd.schemes.downpour import DownpourOptions, DownpourServer, DownpourWorker
+from distsgd.schemes.downpour import DownpourOptions, DownpourRules, DownpourServer
 from distsgd.schemes.registry import SchemeSpec
 
 
@@ -48,7 +46,7 @@ class AgnOptions:
             raise ValueError(f"server_lr must be positive, got {self.server_lr}")
 
 
-class AgnWorker(DownpourWorker):
+class AgnRules(DownpourRules):
     lr_rule = "sqrt"
     """N workers take 1/N of the local steps, each push one normalized step: --lr x sqrt(N)."""
 
@@ -57,19 +55,13 @@ class AgnWorker(DownpourWorker):
             DownpourOptions(window=options.window, server_lr=options.server_lr), num_workers
         )
 
-    def accumulated_update(
-        self, start: np.ndarray, now: np.ndarray, out: np.ndarray | None = None
-    ) -> np.ndarray:
-        update = np.subtract(start, now, out=out)
-        update /= self.pending
-        return update
-
 
 SPEC = SchemeSpec(
     name="agn",
     summary="AGN/ADAG: DOWNPOUR's window, the accumulated update divided by the window",
     options=AgnOptions,
-    worker=AgnWorker,
+    rules=AgnRules,
+    worker="distsgd.workers.agn:AgnWorker",
     server=DownpourServer,
     step_size=(
         "lr",

@@ -22,17 +22,12 @@ NeurIPS 2019), with error feedback: what the factors miss is added to the next s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from distsgd.control.config import TrainConfig
 from distsgd.plan.traffic import Traffic
 from distsgd.ps import wire
-from distsgd.runtime.context import WorkerContext
-from distsgd.runtime.scheme import WorkerScheme
+from distsgd.schemes.base import WorkerRules
 from distsgd.schemes.registry import SchemeSpec
-
-if TYPE_CHECKING:
-    from torch import nn
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,14 +60,15 @@ class AllreduceOptions:
             )
 
 
-class AllreduceWorker(WorkerScheme):
+class AllreduceRules(WorkerRules):
     uses_parameter_servers = False
-    evaluate_on = "local"
     lr_rule = "sqrt"
     """N workers take 1/N of the steps, each on the mean of N batches: --lr x sqrt(N)."""
 
+    options: AllreduceOptions
+
     def __init__(self, options: AllreduceOptions, num_workers: int) -> None:
-        self.options = options
+        super().__init__(options, num_workers)
         self.alone = num_workers == 1
 
     def check_config(self, config: TrainConfig) -> None:
@@ -95,35 +91,13 @@ class AllreduceWorker(WorkerScheme):
                 "time under allreduce; drop one of them"
             )
 
-    def start(self, ctx: WorkerContext) -> None:
-        self.optimizer = ctx.make_optimizer("sgd")
-        # No broadcast here: DistributedDataParallel broadcasts worker 0's replica as it is built.
-
-    def wrap_model(self, ctx: WorkerContext, model: nn.Module) -> nn.Module:
-        return ctx.data_parallel(
-            model,
-            powersgd_start=self.options.powersgd_start,
-            static_graph=not self.options.dynamic_graph,
-        )
-
-    def explain(self, exc: Exception) -> str | None:
-        if self.alone or self.options.dynamic_graph:
-            return None
-        return (
-            "if the parameters forward uses change from step to step, run allreduce with "
-            "--dynamic-graph (DDP assumed the same ones at every step)"
-        )
-
-    def after_backward(self, ctx: WorkerContext) -> None:
-        # DDP's hooks left the mean over the workers in every param.grad during backward.
-        ctx.step_optimizer(self.optimizer)
-
 
 SPEC = SchemeSpec(
     name="allreduce",
     summary="synchronous SGD by all-reduce of gradients (torch.distributed), no parameter servers",
     options=AllreduceOptions,
-    worker=AllreduceWorker,
+    rules=AllreduceRules,
+    worker="distsgd.workers.allreduce:AllreduceWorker",
     local_optimizer=True,
     traffic=Traffic(kind="collective"),
 )

@@ -29,8 +29,7 @@ import numpy as np
 from distsgd.plan.traffic import Traffic
 from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, SgdServerOptions, UpdateRule
 from distsgd.ps.shard import Shard
-from distsgd.runtime.context import WorkerContext
-from distsgd.runtime.scheme import WorkerScheme
+from distsgd.schemes.base import WorkerRules
 from distsgd.schemes.registry import SchemeSpec
 
 
@@ -54,8 +53,7 @@ class DynsgdServer(UpdateRule):
         return ACCEPTED
 
 
-class DynsgdWorker(WorkerScheme):
-    replica_from_servers = True  # it pulls before every step
+class DynsgdRules(WorkerRules):
     lr_rule = "none"
     """The server divides each gradient by its staleness + 1 (about N on N workers): the scheme
     adapts its step to N by itself. ``sqrt`` on top trained the CNN of docs/schemes/defaults.md
@@ -67,26 +65,13 @@ class DynsgdWorker(WorkerScheme):
     is lowered by asynchrony's own, 1 - 1/N (see hogwild). At 0.9 on 2 workers the bundled
     language model's loss became NaN at step 55 (2026-12-06)."""
 
-    """Hogwild's worker; every push carries the version it was computed on (the runtime's
-    ``mean_staleness`` metric reports what the server divided by)."""
-
-    def __init__(self, options: DynsgdOptions, num_workers: int) -> None:
-        self.options = options
-
-    def before_step(self, ctx: WorkerContext) -> None:
-        ctx.pull()
-
-    def after_backward(self, ctx: WorkerContext) -> None:
-        if ctx.skip_update:  # the gradient is not finite (a scaled loss overflowed): not sent
-            return
-        ctx.push_grads(base_version=ctx.versions, in_place=True)
-
 
 SPEC = SchemeSpec(
     name="dynsgd",
     summary="staleness-aware async SGD: the server scales each gradient by 1/(staleness+1)",
     options=DynsgdOptions,
-    worker=DynsgdWorker,
+    rules=DynsgdRules,
+    worker="distsgd.workers.dynsgd:DynsgdWorker",
     server=DynsgdServer,
     traffic=Traffic(kind="async"),
 )

@@ -25,11 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from distsgd.plan.traffic import Traffic
-from distsgd.runtime.context import WorkerContext
-from distsgd.schemes.easgd import EasgdOptions, EasgdWorker, ElasticServer
+from distsgd.schemes.easgd import EasgdOptions, EasgdRules, ElasticServer
 from distsgd.schemes.registry import SchemeSpec
 
 
@@ -50,7 +47,7 @@ class EamsgdOptions:
             raise ValueError(f"delta must be in [0, 1), got {self.delta}")
 
 
-class EamsgdWorker(EasgdWorker):
+class EamsgdRules(EasgdRules):
     lr_rule = "inverse-sqrt"
     """Momentum delta multiplies each step by about 1 / (1 - delta), and N workers push
     elastic differences at the center: --lr / sqrt(N) (measured: docs/schemes/defaults.md)."""
@@ -58,40 +55,14 @@ class EamsgdWorker(EasgdWorker):
     def __init__(self, options: EamsgdOptions, num_workers: int) -> None:
         super().__init__(EasgdOptions(tau=options.tau, alpha=options.alpha), num_workers)
         self.delta = options.delta
-        self.velocity: list[torch.Tensor] = []
-
-    def start(self, ctx: WorkerContext) -> None:
-        ctx.pull()  # x_i starts at the center, v_i at zero
-        self.velocity = [torch.zeros_like(p) for p in ctx.params.values()]
-
-    def before_step(self, ctx: WorkerContext) -> None:
-        with torch.no_grad():
-            super().before_step(ctx)  # the elastic exchange, on x_i
-            self.x = [p.detach().clone() for p in ctx.params.values()]
-            for p, v in zip(ctx.params.values(), self.velocity, strict=True):
-                p.add_(v, alpha=self.delta)  # the replica holds the look-ahead point for backward
-
-    def after_backward(self, ctx: WorkerContext) -> None:
-        lr = ctx.config.lr * ctx.lr_scale
-        with torch.no_grad():
-            if ctx.skip_update:  # the gradient is not finite: back to x_i, velocity as it was
-                for p, x in zip(ctx.params.values(), self.x, strict=True):
-                    p.copy_(x)
-                self.x = []
-                return
-            for p, x, v in zip(ctx.params.values(), self.x, self.velocity, strict=True):
-                v.mul_(self.delta)
-                if p.grad is not None:
-                    v.add_(p.grad, alpha=-lr)
-                p.copy_(x + v)
-        self.x = []
 
 
 SPEC = SchemeSpec(
     name="eamsgd",
     summary="EASGD with Nesterov momentum on each worker (delta), elastic exchange every `tau`",
     options=EamsgdOptions,
-    worker=EamsgdWorker,
+    rules=EamsgdRules,
+    worker="distsgd.workers.eamsgd:EamsgdWorker",
     server=ElasticServer,
     step_size=("lr", "alpha", "delta"),
     traffic=Traffic(kind="async", period_option="tau"),

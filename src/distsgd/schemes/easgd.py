@@ -29,8 +29,7 @@ import numpy as np
 from distsgd.plan.traffic import Traffic
 from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, ServerOptions, UpdateRule
 from distsgd.ps.shard import Shard
-from distsgd.runtime.context import WorkerContext
-from distsgd.runtime.scheme import WorkerScheme
+from distsgd.schemes.base import WorkerRules
 from distsgd.schemes.registry import SchemeSpec
 
 
@@ -75,51 +74,25 @@ class ElasticServer(UpdateRule):
         return ACCEPTED
 
 
-class EasgdWorker(WorkerScheme):
+class EasgdRules(WorkerRules):
     lr_rule = "elastic"
     """N workers take 1/N of the steps (sqrt(N)), and the elastic exchanges conserve the sum of
     the N workers' variables and the center's, so their consensus moves at N / (N + 1) of each
     worker's rate: --lr x sqrt(N) x (N + 1) / N."""
 
+    options: EasgdOptions
+
     def __init__(self, options: EasgdOptions, num_workers: int) -> None:
-        self.options = options
+        super().__init__(options, num_workers)
         self.alpha = options.alpha or 0.9 / num_workers
-
-    def start(self, ctx: WorkerContext) -> None:
-        self.optimizer = ctx.make_optimizer("sgd")
-        ctx.pull()  # x_i starts at the center
-
-    def before_step(self, ctx: WorkerContext) -> None:
-        if ctx.local_step % self.options.tau == 0 and ctx.local_step > 0:
-            self.elastic_exchange(ctx)
-
-    def elastic_exchange(self, ctx: WorkerContext) -> None:
-        _, center = ctx.pull_arrays()
-        local = ctx.arrays()
-        alpha = self.moving_rate(ctx)
-        diff = {k: alpha * (local[k] - center[k]) for k in local}
-        ctx.load({k: local[k] - diff[k] for k in local})
-        ctx.push(diff)
-
-    def moving_rate(self, ctx: WorkerContext) -> float:
-        """alpha: the given one, or 0.9 / workers, the live ones under ``--world-size
-        dynamic`` (``ctx.live_workers``)."""
-        if self.options.alpha or ctx.config.world_size == "fixed":
-            return self.alpha
-        return 0.9 / ctx.live_workers
-
-    def after_backward(self, ctx: WorkerContext) -> None:
-        ctx.step_optimizer(self.optimizer)
-
-    def finish(self, ctx: WorkerContext) -> None:
-        self.elastic_exchange(ctx)
 
 
 SPEC = SchemeSpec(
     name="easgd",
     summary="asynchronous elastic averaging: local SGD, every `tau` steps an elastic exchange",
     options=EasgdOptions,
-    worker=EasgdWorker,
+    rules=EasgdRules,
+    worker="distsgd.workers.easgd:EasgdWorker",
     server=ElasticServer,
     step_size=(
         "lr",

@@ -37,8 +37,7 @@ import numpy as np
 from distsgd.plan.traffic import Traffic
 from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, SgdServerOptions, UpdateRule
 from distsgd.ps.shard import Shard
-from distsgd.runtime.context import WorkerContext
-from distsgd.runtime.scheme import WorkerScheme
+from distsgd.schemes.base import WorkerRules
 from distsgd.schemes.registry import SchemeSpec
 
 
@@ -70,69 +69,19 @@ class HogwildServer(UpdateRule):
         return ACCEPTED
 
 
-class HogwildWorker(WorkerScheme):
-    replica_from_servers = True  # it pulls before every step
+class HogwildRules(WorkerRules):
     lr_rule = "inverse-sqrt"
     """Every gradient is applied, on parameters about N - 1 updates old: --lr / sqrt(N)."""
     implicit_momentum = True
     """... which acts as a momentum of 1 - 1/N: --momentum lowered by it (see the guide)."""
-
-    def __init__(self, options: HogwildOptions, num_workers: int) -> None:
-        self.options = options
-
-    def before_step(self, ctx: WorkerContext) -> None:
-        if not self.options.overlap:
-            ctx.pull()
-            return
-        fetched = self.__dict__.pop("fetched", None)
-        if fetched is not None:
-            self.base, arrays = fetched
-            ctx.load(arrays)
-        elif "inflight" not in self.__dict__:
-            ctx.pull()  # the first step: nothing fetched yet
-            self.base = ctx.versions
-
-    def after_backward(self, ctx: WorkerContext) -> None:
-        if ctx.skip_update:  # the gradient is not finite (a scaled loss overflowed): not sent
-            return
-        if not self.options.overlap:
-            ctx.push_grads(in_place=True)  # backward then writes into the push area: no copy
-            return
-        self._land(ctx)
-        grads = {k: v.copy() for k, v in ctx.grads().items()}  # the next backward reuses them
-        base = list(self.base)  # the versions this gradient was computed on
-
-        def exchange() -> tuple[list[int], dict[str, np.ndarray]]:
-            ctx.push(grads, base_version=base)
-            arrays = ctx.pull_arrays()[1]
-            return ctx.versions, arrays
-
-        self.inflight = ctx.background(exchange)
-
-    def _land(self, ctx: WorkerContext) -> None:
-        inflight = self.__dict__.pop("inflight", None)
-        if inflight is not None:
-            self.fetched = ctx.wait_for(inflight)
-
-    def finish(self, ctx: WorkerContext) -> None:
-        self._land(ctx)
-        self.__dict__.pop("fetched", None)
-
-    def state_dict(self) -> dict[str, Any]:
-        saved: dict[str, Any] = {
-            k: self.__dict__.pop(k) for k in ("inflight", "fetched", "base") if k in self.__dict__
-        }
-        try:  # an exchange in flight is not state: its push reaches the servers anyway
-            return super().state_dict()
-        finally:
-            self.__dict__.update(saved)
 
 
 SPEC = SchemeSpec(
     name="hogwild",
     summary="asynchronous SGD: pull, gradient, push; the server applies it at once, lock-free",
     options=HogwildOptions,
-    worker=HogwildWorker,
+    rules=HogwildRules,
+    worker="distsgd.workers.hogwild:HogwildWorker",
     server=HogwildServer,
     traffic=Traffic(kind="async", overlap_option="overlap"),
 )

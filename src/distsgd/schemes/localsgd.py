@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 
 from distsgd.control.config import TrainConfig
 from distsgd.plan.traffic import Traffic
-from distsgd.runtime.context import WorkerContext
-from distsgd.runtime.scheme import WorkerScheme
+from distsgd.schemes.base import WorkerRules
 from distsgd.schemes.registry import SchemeSpec
 
 
@@ -42,44 +41,24 @@ class LocalsgdOptions:
             raise ValueError(f"switch_step must be 0 or more, got {self.switch_step}")
 
 
-class LocalsgdWorker(WorkerScheme):
+class LocalsgdRules(WorkerRules):
     lr_rule = "sqrt"
     """N workers take 1/N of the steps, their replicas averaged every period: --lr x sqrt(N)."""
 
     uses_parameter_servers = False
-    evaluate_on = "local"
+    options: LocalsgdOptions
 
     def check_config(self, config: TrainConfig) -> None:
         super().check_config(config)
         self.refuse_compression(config, "localsgd")
-
-    def __init__(self, options: LocalsgdOptions, num_workers: int) -> None:
-        self.options = options
-
-    def start(self, ctx: WorkerContext) -> None:
-        self.optimizer = ctx.make_optimizer("sgd")
-        ctx.broadcast(list(ctx.params.values()))
-
-    def after_backward(self, ctx: WorkerContext) -> None:
-        step = ctx.local_step  # the step being taken (counted after this hook)
-        if step < self.options.switch_step:
-            ctx.allreduce_mean([p.grad for p in ctx.params.values() if p.grad is not None])
-            ctx.gradients_averaged()  # a scaled loss: inf on any worker skips on every one
-            ctx.step_optimizer(self.optimizer)
-            return
-        ctx.step_optimizer(self.optimizer)
-        if (step + 1) % self.options.period == 0:
-            ctx.allreduce_mean([p.data for p in ctx.params.values()])
-
-    def finish(self, ctx: WorkerContext) -> None:
-        ctx.allreduce_mean([p.data for p in ctx.params.values()])  # every replica ends equal
 
 
 SPEC = SchemeSpec(
     name="localsgd",
     summary="local SGD: average the replicas every `period` steps (post-local: sync first)",
     options=LocalsgdOptions,
-    worker=LocalsgdWorker,
+    rules=LocalsgdRules,
+    worker="distsgd.workers.localsgd:LocalsgdWorker",
     local_optimizer=True,
     traffic=Traffic(kind="collective", period_option="period"),
 )

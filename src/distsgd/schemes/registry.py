@@ -1,20 +1,25 @@
-"""The catalogue of schemes: name -> options, worker half, server half.
+"""The catalogue of schemes: name -> options, worker rules, server half, and where the worker
+half lives.
 
-Adding a scheme is one new module that builds a :class:`SchemeSpec` and one line in
+The catalogue imports no PyTorch: the launcher, ``distsgd plan`` and the servers read it. Each
+spec names its torch worker half by import path (``distsgd.workers.<name>``), loaded only in a
+process that trains (:meth:`SchemeSpec.make_worker`). Adding a scheme is one new module here that
+builds a :class:`SchemeSpec`, its worker half under ``workers/``, and one line in
 ``schemes/__init__.py``; nothing in the runtime changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from distsgd.control.config import TrainConfig
 from distsgd.plan.traffic import Exchange, Traffic
 from distsgd.ps.rules import UpdateRule
-from distsgd.runtime.scheme import WorkerScheme
+from distsgd.schemes.base import WorkerRules
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,8 +30,15 @@ class SchemeSpec:
     summary: str
     options: type
     """A keyword-only dataclass; each field has ``metadata["help"]`` and becomes a CLI flag."""
-    worker: Callable[[Any, int], WorkerScheme]
-    """(options, number of workers) -> the worker half."""
+    rules: type[WorkerRules]
+    """The worker rules (torch-free), built as ``rules(options, number of workers)``: it
+    refuses options that cannot hold on that many workers, and training settings it cannot
+    honour; its class attributes give the learning-rate rule."""
+    worker: str | type[WorkerRules]
+    """Where the torch worker half lives, ``"module:Class"`` (a subclass of :attr:`rules` and
+    of :class:`~distsgd.runtime.scheme.WorkerScheme`), built like :attr:`rules`. The class
+    itself serves within one process (a test, a notebook); the catalogue names a path, so
+    that reading it loads no torch."""
     server: type[UpdateRule] | None = None
     """The server half, an :class:`UpdateRule` subclass built as ``server(options, num_workers)``
     (options: the parsed JSON object; it raises ValueError naming a bad option); None for
@@ -78,6 +90,25 @@ class SchemeSpec:
         servers: it has no server half."""
         return self.server is None
 
+    def check(self, options: Any, num_workers: int) -> WorkerRules:
+        """The worker rules for ``options`` (the parsed dataclass) on ``num_workers`` workers;
+        a setting that cannot hold there raises ValueError."""
+        return self.rules(options, num_workers)
+
+    def worker_class(self) -> type[Any]:
+        """The torch worker half, a :class:`~distsgd.runtime.scheme.WorkerScheme` subclass
+        (imports it, and PyTorch; the catalogue is below the runtime, so it is not named)."""
+        if not isinstance(self.worker, str):
+            return self.worker
+        module, _, name = self.worker.partition(":")
+        cls: type[Any] = getattr(importlib.import_module(module), name)
+        return cls
+
+    def make_worker(self, options: Any, num_workers: int) -> Any:
+        """The worker half for ``options`` on ``num_workers`` workers (in a process that
+        trains)."""
+        return self.worker_class()(options, num_workers)
+
     def parse_options(self, values: Mapping[str, Any]) -> Any:
         """The options dataclass from a mapping; unknown names -> ValueError naming them."""
         known = {f.name for f in dataclasses.fields(self.options)}
@@ -97,9 +128,8 @@ _TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 def register(spec: SchemeSpec) -> SchemeSpec:
     """Add a scheme to the catalogue (a programming error if the spec is inconsistent)."""
     assert spec.name not in _SCHEMES, f"scheme {spec.name} registered twice"
-    worker_uses_ps = getattr(spec.worker, "uses_parameter_servers", spec.uses_parameter_servers)
-    assert worker_uses_ps == spec.uses_parameter_servers, (
-        f"scheme {spec.name}: the worker half's uses_parameter_servers disagrees with having a "
+    assert spec.rules.uses_parameter_servers == spec.uses_parameter_servers, (
+        f"scheme {spec.name}: the worker rules' uses_parameter_servers disagrees with having a "
         "server half"
     )
     known = {f.name for f in dataclasses.fields(spec.options)}

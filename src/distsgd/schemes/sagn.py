@@ -26,13 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from distsgd.control.config import TrainConfig
 from distsgd.plan.traffic import Traffic
 from distsgd.ps.deadline import parse_step_timeout
-from distsgd.runtime.context import WorkerContext
-from distsgd.schemes.agn import AgnOptions, AgnWorker
+from distsgd.schemes.agn import AgnOptions, AgnRules
 from distsgd.schemes.registry import SchemeSpec
 from distsgd.schemes.sync import SyncServer, step_timeout_options
 
@@ -66,7 +63,7 @@ class SagnServer(SyncServer):
         return 1.0  # the pushes are already lr-scaled updates; ServerSGD's lr is server_lr
 
 
-class SagnWorker(AgnWorker):
+class SagnRules(AgnRules):
     lr_rule = "sqrt"
     """N workers take 1/N of the local steps, each round the sum of N normalized steps:
     --lr x sqrt(N)."""
@@ -77,7 +74,6 @@ class SagnWorker(AgnWorker):
         )
         self.num_workers = num_workers
         self.step_timeout = options.step_timeout
-        self.dropped = 0
 
     def server_options(self, config: TrainConfig) -> dict[str, Any]:
         return {
@@ -86,21 +82,13 @@ class SagnWorker(AgnWorker):
             **step_timeout_options(self.step_timeout),
         }
 
-    def stats(self) -> dict[str, float]:
-        return {"dropped": self.dropped}
-
-    def send(self, ctx: WorkerContext, update: dict[str, np.ndarray]) -> None:
-        base = ctx.versions
-        results = ctx.push(update, base_version=base)
-        self.dropped += sum(not r.accepted for r in results)
-        ctx.pull(min_version=[v + 1 for v in base])  # the round closed: everyone's sum is in
-
 
 SPEC = SchemeSpec(
     name="sagn",
     summary="synchronous AGN: rounds of `window` local steps, normalized updates summed",
     options=SagnOptions,
-    worker=SagnWorker,
+    rules=SagnRules,
+    worker="distsgd.workers.sagn:SagnWorker",
     server=SagnServer,
     step_size=(
         "lr",

@@ -49,8 +49,7 @@ from distsgd.ps.rules import (
     bounded,
 )
 from distsgd.ps.shard import Shard
-from distsgd.runtime.context import WorkerContext
-from distsgd.runtime.scheme import WorkerScheme
+from distsgd.schemes.base import WorkerRules
 from distsgd.schemes.registry import SchemeSpec
 from distsgd.transport.errors import PushReject
 
@@ -282,17 +281,16 @@ class SyncServer(UpdateRule):
         shard.bump()
 
 
-class SyncWorker(WorkerScheme):
-    replica_from_servers = True  # it pulls before every step
+class SyncRules(WorkerRules):
     lr_rule = "sqrt"
     """N workers take 1/N of the steps, each on the mean of N batches: --lr x sqrt(N)."""
 
+    options: SyncOptions
+
     def __init__(self, options: SyncOptions, num_workers: int) -> None:
-        self.options = options
+        super().__init__(options, num_workers)
         self.required = options.required(num_workers)
         self.rates = options.rates(num_workers)
-        self.next_versions: list[int] | int = 0
-        self.dropped = 0
 
     def server_options(self, config: TrainConfig) -> dict[str, Any]:
         return {
@@ -301,32 +299,13 @@ class SyncWorker(WorkerScheme):
             **step_timeout_options(self.options.step_timeout),
         }
 
-    def stats(self) -> dict[str, float]:
-        return {"dropped": self.dropped}
-
-    def before_step(self, ctx: WorkerContext) -> None:
-        ctx.pull(min_version=self.next_versions)
-
-    def after_backward(self, ctx: WorkerContext) -> None:
-        if ctx.skip_update:
-            # The gradient is not finite (a scaled loss overflowed): not sent; the next step
-            # computes this worker's gradient for the same round again, on the same version.
-            return
-        base = ctx.versions
-        if self.rates:
-            factor = self.rates[ctx.rank] / ctx.config.lr
-            results = ctx.push({k: g * factor for k, g in ctx.grads().items()}, base_version=base)
-        else:
-            results = ctx.push_grads(base_version=base)
-        self.dropped += sum(not r.accepted for r in results)
-        self.next_versions = [v + 1 for v in base]
-
 
 SPEC = SchemeSpec(
     name="sync",
     summary="synchronous SGD: each step applies the mean of R fresh gradients, drops stale ones",
     options=SyncOptions,
-    worker=SyncWorker,
+    rules=SyncRules,
+    worker="distsgd.workers.sync:SyncWorker",
     server=SyncServer,
     traffic=Traffic(kind="sync"),
 )
