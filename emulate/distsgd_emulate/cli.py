@@ -154,6 +154,7 @@ def k8s_main(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script; 2 and one line for a mistake (a ValueError, a bad flag)."""
     from distsgd.cluster import ClusterSpecError
+
     argv, command = split_command(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     args.command_argv = command
