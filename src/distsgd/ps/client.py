@@ -18,14 +18,17 @@ import grpc
 import numpy as np
 
 from distsgd.ps import compression
-from distsgd.ps.moves import follow
+from distsgd.ps.heartbeat import MIN_HEARTBEAT_SECONDS as MIN_HEARTBEAT_SECONDS
+from distsgd.ps.heartbeat import Heartbeat as Heartbeat  # re-exported: importers name it here
+from distsgd.ps.heartbeat import MembershipCallback as MembershipCallback
 from distsgd.ps.partition import PartitionPlan
+from distsgd.ps.placement import PiecePlacement
 from distsgd.ps.pull_encoding import PullDecoder, pull_encoding_for
 from distsgd.ps.sequence import push_sequence, steps_applied
 from distsgd.transport.carriers.base import Payload
 from distsgd.transport.client import PushResult, ShardClient
 from distsgd.transport.delay import LinkDelay
-from distsgd.transport.errors import PushReject, Refusal, RemoteError
+from distsgd.transport.errors import PushReject, RemoteError
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.security import TlsConfig
 
@@ -78,14 +81,8 @@ class ParameterClient:
             raise ValueError(
                 f"{len(addresses)} ps addresses for a plan of {plan.num_shards} shards"
             )
-        self.base_plan = plan
-        """The plan every task computes (:class:`PartitionPlan`); :attr:`plan` adds the moves."""
-        self.plan = plan
-        """Where each piece is, as last heard: the base plan with the pieces the servers moved
-        (``--rebalance``; see :mod:`distsgd.ps.moves`)."""
-        self._where = {p.key: p.shard for p in plan.pieces}
-        self.moves_followed = 0
-        """How many times this client learned that pieces had moved."""
+        self.placement = PiecePlacement(plan, worker)
+        """Where each piece is, as last heard (``--rebalance``; see :mod:`distsgd.ps.moves`)."""
         self.worker = worker
         self.shards = [
             ShardClient(
@@ -124,6 +121,16 @@ class ParameterClient:
         self.members: list[list[int]] = [[] for _ in addresses]
         """Each shard's live members as last heard (:meth:`join`, :class:`Heartbeat`)."""
         self.last_sequence, self.applied_sequences = 0, [0] * len(addresses)
+
+    @property
+    def plan(self) -> PartitionPlan:
+        """Where each piece is, as last heard: the base plan with the pieces the servers moved."""
+        return self.placement.plan
+
+    @property
+    def moves_followed(self) -> int:
+        """How many times this client learned that pieces had moved."""
+        return self.placement.moves_followed
 
     @property
     def tensor_socket_shards(self) -> int:
@@ -176,33 +183,10 @@ class ParameterClient:
     def wait_registered(self, timeout: float) -> None:
         """Block until every shard is registered with this plan's pieces (following the moves
         the shards report: a worker that starts after pieces moved learns where they are)."""
-        deadline = time.monotonic() + timeout
-        infos: list[pb.InfoResponse] = []
-        for i, shard in enumerate(self.shards):
-            while True:
-                info = shard.info()
-                if info.registered:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"ps{i} at {shard.address} was not registered within {timeout:.0f}s; "
-                        "is the chief (worker 0) running?"
-                    )
-                time.sleep(0.05)
-            infos.append(info)
+        infos = _registered_infos(self.shards, timeout)
         self.applied_sequences = [info.applied_sequence for info in infos]
-        self._follow_moves(infos)
-        for i, info in enumerate(infos):
-            expected = sorted((p.key, p.shape) for p in self.plan.shard_pieces(i))
-            have = sorted(
-                (t.key, tuple(t.shape)) for t in info.tensors if self._owner(t.key) in (i, None)
-            )
-            if expected != have:
-                raise ValueError(
-                    f"ps{i} holds different parameters than this worker's model "
-                    f"(first difference: {_first_difference(expected, have)}); "
-                    "every task must build the same model"
-                )
+        self.placement.follow(infos)
+        self.placement.check_held(infos)
 
     def _pull(
         self,
@@ -233,8 +217,8 @@ class ParameterClient:
             return self._each(one)
 
         results = self._patient(attempt, mins)
-        if self._lacks_pieces(results, names):  # pieces moved: learn where, and pull again
-            self._follow_moves(self.info())
+        if self.placement.lacks(results, names):  # pieces moved: learn where, and pull again
+            self.placement.follow(self.info())
             results = attempt()
         asked = [i for i, result in enumerate(results) if result is not None]
         self.last_waited = max(self.shards[i].last_waited for i in asked)
@@ -258,18 +242,9 @@ class ParameterClient:
         :attr:`startup_seconds`, the start-up wait, not only a call's."""
         if self._waited_once or not any(mins):
             return attempt()
-        give_up = time.monotonic() + self.startup_seconds
-        while True:
-            try:
-                results = attempt()
-            except RemoteError as exc:
-                if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() > give_up:
-                    raise
-                log.info("worker %d: waiting for the other workers' first updates", self.worker)
-                time.sleep(0.05)
-                continue
-            self._waited_once = True
-            return results
+        results = _patiently(attempt, self.startup_seconds, self.worker)
+        self._waited_once = True
+        return results
 
     def _push(
         self,
@@ -298,7 +273,7 @@ class ParameterClient:
         def first(i: int, shard: ShardClient) -> PushResult:
             if partial and not parts[i]:  # holds none of them: nothing sent, nothing changed
                 return PushResult(True, self.versions[i], sent=False)
-            payloads[i] = self._payload(parts[i])  # encoded side by side, in the pool
+            payloads[i] = _payload(self.feedback, parts[i])  # encoded side by side, in the pool
             return self._send(i, payloads[i], bases[i], lr_scale, seq)
 
         results = self._each(first)
@@ -345,12 +320,12 @@ class ParameterClient:
             pending = [(payloads[i], results[i])]
             done: list[tuple[Payload, PushResult]] = []
             for _ in range(MAX_MOVE_HOPS):
-                self._adopt_plan({k: s for _, r in pending for k, s in r.moved.items()})
+                self.placement.adopt({k: s for _, r in pending for k, s in r.moved.items()})
                 again: list[tuple[Payload, PushResult]] = []
                 hop = 0 if seq == 0 else push_sequence(steps_applied(seq), self.last_sequence)
                 self.last_sequence = max(self.last_sequence, hop)
                 for payload, _ in pending:
-                    for j, keys in self._by_owner(payload).items():
+                    for j, keys in self.placement.by_owner(payload).items():
                         part = payload.only(keys)
                         reply = self._send(j, part, self.versions[j], lr_scale, hop)
                         (again if reply.reject is PushReject.MOVED else done).append((part, reply))
@@ -360,70 +335,6 @@ class ParameterClient:
             replies = [r for _, r in done + pending]
             out[i] = next((r for r in replies if not r.accepted), replies[0])
         return out
-
-    def _by_owner(self, payload: Payload) -> dict[int, list[str]]:
-        """The payload's piece keys by the shard that holds each now."""
-        by_shard: dict[int, list[str]] = {}
-        for spec in payload.specs:
-            by_shard.setdefault(self._where[spec.key], []).append(spec.key)
-        return by_shard
-
-    def _owner(self, key: str) -> int | None:
-        """The shard that holds piece ``key`` as last heard (None: no such piece)."""
-        return self._where.get(key)
-
-    def _lacks_pieces(
-        self,
-        results: Sequence[tuple[int, Mapping[str, np.ndarray]] | None],
-        names: Collection[str] | None = None,
-    ) -> bool:
-        """Whether a pull's answers lack a piece of ``names`` (None: any) the plan places on
-        their shard (a shard not asked answered None)."""
-        return any(
-            (answer := results[piece.shard]) is None or piece.key not in answer[1]
-            for piece in self.plan.some(names)
-        )
-
-    def _follow_moves(self, infos: Sequence[pb.InfoResponse]) -> None:
-        """Learn from every shard's ``moved`` where the pieces are (see :func:`moves.follow`)."""
-        start = {piece.key: piece.shard for piece in self.base_plan.pieces}
-        reported = [{m.key: m.shard for m in info.moved} for info in infos]
-        self._adopt_plan(follow(start, reported), replace=True)
-
-    def _adopt_plan(self, owners: Mapping[str, int], *, replace: bool = False) -> None:
-        """Place the pieces of ``owners`` there (``replace``: those and no other moves)."""
-        if not owners and not replace:
-            return
-        base = {p.key: p.shard for p in self.base_plan.pieces}
-        known = {k: s for k, s in self._where.items() if s != base[k]}
-        merged = dict(owners) if replace else {**known, **owners}
-        plan = self.base_plan.with_owners(merged)
-        if [p.shard for p in plan.pieces] != [p.shard for p in self.plan.pieces]:
-            self.moves_followed += 1
-            log.info(
-                "worker %d: pieces moved; bytes per shard now %s", self.worker, plan.shard_bytes
-            )
-        self.plan = plan
-        self._where = {p.key: p.shard for p in plan.pieces}
-
-    def _payload(self, pieces: Mapping[str, np.ndarray]) -> Payload:
-        """One shard's pieces as they travel: raw, or encoded by :attr:`feedback`."""
-        feedback = self.feedback
-        if feedback is None:
-            return Payload.raw(pieces)
-        encoded = {}
-        for key, array in pieces.items():
-            piece = feedback.encode(key, array)
-            spec = pb.TensorSpec(
-                key=key,
-                dtype=array.dtype.name,
-                shape=list(array.shape),
-                encoding=f"TENSOR_ENCODING_{piece.encoding.name}",
-                scale=piece.scale,
-                nnz=piece.nnz,
-            )
-            encoded[key] = (spec, piece.parts)
-        return Payload.of_encoded(encoded)
 
     def pull(
         self,
@@ -488,16 +399,7 @@ class ParameterClient:
             return None
         with self._lock:
             areas = [shard.push_area() for shard in self.shards]
-        out: dict[str, np.ndarray] = {}
-        for piece in self.plan.pieces:
-            area = areas[piece.shard]
-            if not piece.whole or area is None or piece.key not in area:
-                return None
-            view = area[piece.key]
-            if view.dtype != piece.param.dtype or tuple(view.shape) != piece.param.shape:
-                return None
-            out[piece.param.name] = view
-        return out
+        return self.placement.buffers(areas)
 
     def release_pulled(self) -> None:
         """Give the memory the last pull's values took on the way back (each shared-memory
@@ -533,19 +435,64 @@ class ParameterClient:
         return self._each(lambda i, s: s.info())
 
 
+def _payload(
+    feedback: compression.ErrorFeedback | None, pieces: Mapping[str, np.ndarray]
+) -> Payload:
+    """One shard's pieces as they travel: raw, or encoded by ``feedback``."""
+    if feedback is None:
+        return Payload.raw(pieces)
+    encoded = {}
+    for key, array in pieces.items():
+        piece = feedback.encode(key, array)
+        spec = pb.TensorSpec(
+            key=key,
+            dtype=array.dtype.name,
+            shape=list(array.shape),
+            encoding=f"TENSOR_ENCODING_{piece.encoding.name}",
+            scale=piece.scale,
+            nnz=piece.nnz,
+        )
+        encoded[key] = (spec, piece.parts)
+    return Payload.of_encoded(encoded)
+
+
+def _registered_infos(shards: Sequence[ShardClient], timeout: float) -> list[pb.InfoResponse]:
+    """Each shard's Info once it is registered, waiting up to ``timeout`` seconds in all."""
+    deadline = time.monotonic() + timeout
+    infos: list[pb.InfoResponse] = []
+    for i, shard in enumerate(shards):
+        while True:
+            info = shard.info()
+            if info.registered:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"ps{i} at {shard.address} was not registered within {timeout:.0f}s; "
+                    "is the chief (worker 0) running?"
+                )
+            time.sleep(0.05)
+        infos.append(info)
+    return infos
+
+
+def _patiently(attempt: Callable[[], _Pulled], seconds: float, worker: int) -> _Pulled:
+    """``attempt()``, tried again while it times out waiting (DEADLINE_EXCEEDED), for up to
+    ``seconds``."""
+    give_up = time.monotonic() + seconds
+    while True:
+        try:
+            return attempt()
+        except RemoteError as exc:
+            if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() > give_up:
+                raise
+            log.info("worker %d: waiting for the other workers' first updates", worker)
+            time.sleep(0.05)
+
+
 def _pull_decoder(pull_dtype: str) -> PullDecoder | None:
     """The decoder of pulls asked in ``pull_dtype`` (None: float32, nothing to decode)."""
     encoding = pull_encoding_for(pull_dtype)
     return None if encoding is compression.Encoding.RAW else PullDecoder(encoding)
-
-
-def _first_difference(expected: list[Any], have: list[Any]) -> str:
-    for a, b in zip(expected, have, strict=False):
-        if a != b:
-            return f"expected {a}, server has {b}"
-    if len(expected) != len(have):
-        return f"expected {len(expected)} pieces, server has {len(have)}"
-    return "none"
 
 
 _Pulled = list[tuple[int, dict[str, np.ndarray]] | None]
@@ -554,72 +501,3 @@ _Pulled = list[tuple[int, dict[str, np.ndarray]] | None]
 MAX_MOVE_HOPS = 8
 """How many times one push follows its pieces to another shard before it gives up (a piece
 moved again between two answers); the last answer, MOVED, is then the push's."""
-
-MembershipCallback = Callable[[int, int, list[int]], None]
-"""Called with (shard index, epoch, members) whenever a shard's membership epoch changes."""
-
-MIN_HEARTBEAT_SECONDS = 0.05
-"""Shortest interval between two heartbeats to one shard."""
-
-
-class Heartbeat:
-    """Keeps a worker a member of every shard: a daemon thread sends each shard a Heartbeat
-    every third of its eviction timeout (two may be lost before the shard evicts it), joins
-    again where a shard answers NOT_MEMBER (it was evicted, or the shard restarted), and calls
-    ``on_change`` whenever the epoch a shard reports changes. Errors are logged, never raised:
-    a shard that is down is retried at the next beat. :meth:`stop` before ``leave``."""
-
-    def __init__(
-        self,
-        client: ParameterClient,
-        joined: Sequence[pb.MembershipResponse],
-        on_change: MembershipCallback,
-    ) -> None:
-        self.client = client
-        self.on_change = on_change
-        self.epochs = [r.epoch for r in joined]
-        self.intervals = [_interval(r.evict_after_seconds) for r in joined]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ps-heartbeat", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """End the thread (waits for a beat in flight, at most one call's timeout)."""
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        due = [time.monotonic() + t for t in self.intervals]
-        while True:
-            now = time.monotonic()
-            if self._stop.wait(max(0.0, min(due) - now)):
-                return
-            for i, shard in enumerate(self.client.shards):
-                if due[i] > time.monotonic():
-                    continue
-                self._beat(i, shard)
-                due[i] = time.monotonic() + self.intervals[i]
-
-    def _beat(self, i: int, shard: ShardClient) -> None:
-        timeout = min(max(self.intervals[i], 1.0), 5.0)
-        try:
-            try:
-                reply = shard.heartbeat(timeout=timeout)
-            except RemoteError as exc:
-                if exc.refusal is not Refusal.NOT_MEMBER:
-                    raise
-                log.warning("ps%d no longer counts worker %d; joining again", i, self.client.worker)
-                reply = shard.join(retry=False)
-        except RemoteError as exc:
-            log.warning("heartbeat to ps%d failed: %s", i, exc)
-            return
-        self.intervals[i] = _interval(reply.evict_after_seconds)
-        self.client.members[i] = list(reply.members)
-        if reply.epoch != self.epochs[i]:
-            self.epochs[i] = reply.epoch
-            self.on_change(i, reply.epoch, list(reply.members))
-
-
-def _interval(evict_after: float) -> float:
-    """Seconds between heartbeats for a shard that evicts after ``evict_after`` seconds."""
-    return max(MIN_HEARTBEAT_SECONDS, evict_after / 3) if evict_after > 0 else 20.0
