@@ -126,7 +126,10 @@ def _add_simulator_flags(parser: argparse.ArgumentParser) -> None:
         help="log-normal sigma of each step's compute time (default 0.1)",
     )
     sim.add_argument(
-        "--slow", default=suppress, metavar="K:F", help="K workers F times slower at every step"
+        "--slow",
+        default=suppress,
+        metavar="K:F",
+        help="K workers F times slower at every step (e.g. 2:3)",
     )
     sim.add_argument("--seed", type=int, default=suppress, help="the draws' seed (default 0)")
     sim.add_argument("--sweep-ps", default=suppress, metavar="M,M,...", help="servers to sweep")
