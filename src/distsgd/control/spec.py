@@ -1,8 +1,8 @@
 """A run's settings, typed: :class:`RunSpec`, the run folder's one settings file (``config.json``).
 
 The launcher saves it when a run starts (``distsgd run``, ``distsgd demo``, under Ray too); every
-reader loads it back through :meth:`RunSpec.load`: ``distsgd run --resume``, ``distsgd scale``
-and ``distsgd join``. The worker counts are checked in one place,
+reader loads it back through :meth:`RunSpec.load`: ``distsgd run --resume``,
+``distsgd elastic scale`` and ``distsgd elastic join``. The worker counts are checked in one place,
 :func:`check_worker_bounds`, which the launcher's own config calls too; the highest count a
 server takes is the parameter server's own check (``ps.rules.check_max_workers``).
 
@@ -82,7 +82,7 @@ class WorkerBounds:
 
     @property
     def elastic(self) -> bool:
-        """Whether the run may change size while it runs (``distsgd scale``)."""
+        """Whether the run may change size while it runs (``distsgd elastic scale``)."""
         return self.lowest_workers != self.highest_workers
 
 
@@ -98,7 +98,7 @@ class RunSpec(WorkerBounds):
     script_args: tuple[str, ...] = ()
     """The script's own arguments."""
     scheme: str
-    """The training scheme's name (``distsgd schemes``)."""
+    """The training scheme's name (``distsgd run --help-scheme`` lists them)."""
     scheme_options: dict[str, Any] = field(default_factory=dict)
     """The scheme's options, as given (checked by the scheme when the run starts)."""
     overrides: dict[str, Any] = field(default_factory=dict)

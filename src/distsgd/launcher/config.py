@@ -1,10 +1,15 @@
-"""What ``distsgd run`` starts: a typed, validated description of a local run."""
+"""What ``distsgd run`` starts: a typed, validated description of a local run.
+
+:class:`LaunchConfig` is the run (script, scheme, training settings) and three records of its
+own concerns, each checked where it is made: :class:`ClusterSize` (how many tasks),
+:class:`Durability` (checkpoints, logs, restarts) and :class:`Hosting` (where and how the
+tasks run)."""
 
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +20,7 @@ from distsgd.control.config import TrainConfig, lr_multiplier
 from distsgd.control.faults import Fault
 from distsgd.control.folder import RESULT_FILE, new_run_folder, runs_root
 from distsgd.control.rollback import MAX_ROLLBACKS
-from distsgd.control.spec import RunSpec, WorkerBounds, check_worker_bounds
+from distsgd.control.spec import RunSpec, check_worker_bounds
 from distsgd.launcher.engines import engine_for
 from distsgd.transport.security import TlsConfig, check_certificate_names
 
@@ -35,41 +40,70 @@ parent-death signal)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaunchConfig(WorkerBounds):
-    """A whole cluster on this machine, on free loopback ports."""
+class ClusterSize:
+    """How many tasks a run has: its workers (fixed, or elastic between two bounds) and
+    parameter servers, and how long a silent worker stays a member."""
 
-    script: str = field(metadata={"help": "the training script (calls distsgd.train)"})
-    script_args: tuple[str, ...] = field(default=(), metadata={"help": "arguments for the script"})
     workers: int = field(default=2, metadata={"help": "number of worker tasks"})
     ps: int | None = field(
         default=None,
         metadata={"help": "parameter-server tasks (default 1, or 0 for collective schemes)"},
     )
-    scheme: str = field(default="sync", metadata={"help": "training scheme"})
-    scheme_options: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "the scheme's options"}
-    )
-    overrides: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "TrainConfig fields to override"}
-    )
-    run_dir: Path | None = field(
-        default=None, metadata={"help": "run folder (default ./distsgd-runs/<time>-<scheme>)"}
-    )
-    host: str = field(default="127.0.0.1", metadata={"help": "address tasks bind to"})
-    threads: int = field(
-        default=0, metadata={"help": "torch threads per worker (0 = cores / workers)"}
-    )
-    startup_timeout: float = field(
-        default=300.0,
-        metadata={"help": "seconds a task may take to start and find the others (imports, ports)"},
-    )
-    wait_timeout: float = field(
-        default=120.0,
+    min_workers: int = field(
+        default=0,
         metadata={
-            "help": "seconds a task waits for a peer that makes no progress once training runs "
-            "(a dead or stuck task), then fails"
+            "help": "fewest workers an elastic run goes on with (distsgd elastic scale's lower "
+            "bound; a worker out of restarts is dropped while this many remain); 0 = --workers"
         },
     )
+    max_workers: int = field(
+        default=0,
+        metadata={
+            "help": "most workers an elastic run may grow to (distsgd elastic scale); 0 = --workers"
+        },
+    )
+    evict_after: float = field(
+        default=0.0,
+        metadata={
+            "help": "seconds a silent worker stays a member before the servers evict it "
+            "(0 = the servers' default, 60)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        """The worker counts of a fixed or elastic run (the run spec's check), --evict-after
+        and --ps."""
+        check_worker_bounds(
+            workers=self.workers, min_workers=self.min_workers, max_workers=self.max_workers
+        )
+        if self.evict_after < 0:
+            raise ValueError(
+                f"--evict-after must be 0 (the default) or more, got {self.evict_after}"
+            )
+        if self.ps is not None and self.ps < 0:
+            raise ValueError(f"--ps must be 0 or more, got {self.ps}")
+
+    @property
+    def lowest_workers(self) -> int:
+        """``min_workers``, or ``workers`` when not given."""
+        return self.min_workers or self.workers
+
+    @property
+    def highest_workers(self) -> int:
+        """``max_workers``, or ``workers`` when not given."""
+        return self.max_workers or self.workers
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run may change size while it runs (``distsgd elastic scale``)."""
+        return self.lowest_workers != self.highest_workers
+
+
+@dataclass(frozen=True, kw_only=True)
+class Durability:
+    """What a run keeps to survive a failure: checkpoints, the servers' logs, and how often a
+    task is restarted or a diverged run rolled back."""
+
     checkpoint_every: int = field(
         default=0, metadata={"help": "checkpoint every N steps of each worker (0 = by time only)"}
     )
@@ -113,13 +147,25 @@ class LaunchConfig(WorkerBounds):
             "restart backoff and budget are reset"
         },
     )
-    faults: tuple[str, ...] = field(default=(), metadata={"help": "--inject-fault specs"})
-    run_id: str = field(default="", metadata={"help": "run id ('' = new; kept on --resume)"})
-    resume: bool = field(
-        default=False, metadata={"help": "continue the run in run_dir from its last checkpoint"}
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 0 or self.checkpoint_seconds < 0:
+            raise ValueError("--checkpoint-every must be 0 or more steps (N) or seconds (Ns)")
+        for flag, value in (("restarts", self.max_restarts), ("rollbacks", self.max_rollbacks)):
+            if value < 0:
+                raise ValueError(f"--max-{flag} must be 0 or more, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hosting:
+    """Where and how the tasks run: the address they bind, emulated hosts and their links, Ray,
+    TLS, torch threads, and whether workers are forked."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address tasks bind to"})
+    threads: int = field(
+        default=0, metadata={"help": "torch threads per worker (0 = cores / workers)"}
     )
     tls: TlsConfig | None = field(default=None, metadata={"help": "mutual TLS for every task"})
-    quiet: bool = field(default=False, metadata={"help": "hide task log lines"})
     ray: str | None = field(
         default=None,
         metadata={
@@ -127,28 +173,6 @@ class LaunchConfig(WorkerBounds):
             "'ray://...'), or '' for a local Ray instance on 127.0.0.1; None: local processes"
         },
     )
-
-    min_workers: int = field(
-        default=0,
-        metadata={
-            "help": "fewest workers an elastic run goes on with (distsgd elastic scale's lower "
-            "bound; a worker out of restarts is dropped while this many remain); 0 = --workers"
-        },
-    )
-    max_workers: int = field(
-        default=0,
-        metadata={
-            "help": "most workers an elastic run may grow to (distsgd elastic scale); 0 = --workers"
-        },
-    )
-    evict_after: float = field(
-        default=0.0,
-        metadata={
-            "help": "seconds a silent worker stays a member before the servers evict it "
-            "(0 = the servers' default, 60)"
-        },
-    )
-
     fork_server: bool = field(
         default=FORK_SERVER_DEFAULT,
         metadata={
@@ -158,7 +182,6 @@ class LaunchConfig(WorkerBounds):
             "processes either way); off under --hosts"
         },
     )
-
     hosts: int = field(
         default=0,
         metadata={
@@ -185,6 +208,67 @@ class LaunchConfig(WorkerBounds):
         },
     )
 
+    def __post_init__(self) -> None:
+        """The checks that need no other record (the task count, the engine and the
+        certificate's names are :class:`LaunchConfig`'s)."""
+        if self.placement not in tuple(Placement):
+            raise ValueError(f"--placement must be spread or pack, got {self.placement!r}")
+        if self.hosts < 0:
+            raise ValueError(f"--hosts must be 0 (no emulated hosts) or more, got {self.hosts}")
+        if self.fork_server and not FORK_SERVER_DEFAULT:
+            raise ValueError(
+                "--fork-server on: this platform cannot fork a worker safely (Linux only); "
+                "use --fork-server off"
+            )
+        if self.threads < 0:
+            raise ValueError(f"--threads must be 0 or more, got {self.threads}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """A whole cluster on this machine, on free loopback ports."""
+
+    script: str = field(metadata={"help": "the training script (calls distsgd.train)"})
+    script_args: tuple[str, ...] = field(default=(), metadata={"help": "arguments for the script"})
+    scheme: str = field(default="sync", metadata={"help": "training scheme"})
+    scheme_options: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "the scheme's options"}
+    )
+    overrides: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "TrainConfig fields to override"}
+    )
+    size: ClusterSize = field(
+        default_factory=ClusterSize,
+        metadata={"help": "workers (fixed or elastic bounds) and parameter servers"},
+    )
+    durability: Durability = field(
+        default_factory=Durability,
+        metadata={"help": "checkpoints, the servers' logs, restarts and rollbacks"},
+    )
+    hosting: Hosting = field(
+        default_factory=Hosting,
+        metadata={"help": "where and how tasks run: address, emulated hosts, Ray, TLS, threads"},
+    )
+    run_dir: Path | None = field(
+        default=None, metadata={"help": "run folder (default ./distsgd-runs/<time>-<scheme>)"}
+    )
+    startup_timeout: float = field(
+        default=300.0,
+        metadata={"help": "seconds a task may take to start and find the others (imports, ports)"},
+    )
+    wait_timeout: float = field(
+        default=120.0,
+        metadata={
+            "help": "seconds a task waits for a peer that makes no progress once training runs "
+            "(a dead or stuck task), then fails"
+        },
+    )
+    faults: tuple[str, ...] = field(default=(), metadata={"help": "--inject-fault specs"})
+    run_id: str = field(default="", metadata={"help": "run id ('' = new; kept on --resume)"})
+    resume: bool = field(
+        default=False, metadata={"help": "continue the run in run_dir from its last checkpoint"}
+    )
+    quiet: bool = field(default=False, metadata={"help": "hide task log lines"})
     rebalance: str = field(
         default="off",
         metadata={
@@ -195,7 +279,6 @@ class LaunchConfig(WorkerBounds):
     )
 
     def __post_init__(self) -> None:
-        self._check_sizes()
         if Path(self.script).is_dir():
             raise ValueError(
                 f"script {self.script} is a folder; give the path of a Python file in it"
@@ -203,43 +286,21 @@ class LaunchConfig(WorkerBounds):
         if not Path(self.script).is_file():
             raise ValueError(f"script {self.script} not found; give the path of a Python file")
         uses_ps = self._check_scheme()
-        if self.checkpoint_every < 0 or self.checkpoint_seconds < 0:
-            raise ValueError("--checkpoint-every must be 0 or more steps (N) or seconds (Ns)")
-        for flag, value in (("restarts", self.max_restarts), ("rollbacks", self.max_rollbacks)):
-            if value < 0:
-                raise ValueError(f"--max-{flag} must be 0 or more, got {value}")
-        if not (self.startup_timeout > 0 and self.wait_timeout > 0 and self.healthy_seconds > 0):
+        healthy = self.durability.healthy_seconds
+        if not (self.startup_timeout > 0 and self.wait_timeout > 0 and healthy > 0):
             raise ValueError(
                 "startup_timeout, wait_timeout and healthy_seconds must be positive seconds"
             )
-        self._check_faults()
+        _check_faults(self)
         if self.resume and self.run_dir is None:
             raise ValueError("--resume needs the run folder to continue")
-        self._check_hosts()
-        if self.fork_server and not FORK_SERVER_DEFAULT:
-            raise ValueError(
-                "--fork-server on: this platform cannot fork a worker safely (Linux only); "
-                "use --fork-server off"
-            )
-        if self.threads < 0:
-            raise ValueError(f"--threads must be 0 or more, got {self.threads}")
+        _check_hosts(self)
         dynamic = self.overrides.get("world_size", "fixed") == "dynamic"
-        if self.elastic and uses_ps and not dynamic:
+        if self.size.elastic and uses_ps and not dynamic:
             raise ValueError(
                 "--min-workers/--max-workers: workers that join and leave need "
                 "--world-size dynamic (the rules count the live members, and the data is "
                 "handed out in work units)"
-            )
-
-    def _check_sizes(self) -> None:
-        """The worker counts of a fixed or elastic run (the run spec's check), and
-        --evict-after."""
-        check_worker_bounds(
-            workers=self.workers, min_workers=self.min_workers, max_workers=self.max_workers
-        )
-        if self.evict_after < 0:
-            raise ValueError(
-                f"--evict-after must be 0 (the default) or more, got {self.evict_after}"
             )
 
     def _check_scheme(self) -> bool:
@@ -247,12 +308,11 @@ class LaunchConfig(WorkerBounds):
         whether the scheme uses parameter servers."""
         spec = schemes.get(self.scheme)
         options = spec.parse_options(self.scheme_options)
-        rules = spec.check(options, self.workers)  # validates options against the workers
-        if self.ps is not None and self.ps < 0:
-            raise ValueError(f"--ps must be 0 or more, got {self.ps}")
-        if spec.uses_parameter_servers and self.ps == 0:
+        rules = spec.check(options, self.size.workers)  # validates options against the workers
+        ps = self.size.ps
+        if spec.uses_parameter_servers and ps == 0:
             raise ValueError(f"scheme {self.scheme!r} needs parameter servers; use --ps 1 or more")
-        if not spec.uses_parameter_servers and self.ps:
+        if not spec.uses_parameter_servers and ps:
             raise ValueError(
                 f"scheme {self.scheme!r} uses no parameter servers; drop --ps or use --ps 0"
             )
@@ -271,45 +331,14 @@ class LaunchConfig(WorkerBounds):
                 "piece (a synchronous step) or it has none; use an asynchronous scheme "
                 "(hogwild, downpour, agn, dynsgd, easgd, eamsgd) or --rebalance off"
             )
-        if self.ps is not None and self.ps < 2:
+        if self.size.ps is not None and self.size.ps < 2:
             raise ValueError("--rebalance auto needs 2 or more servers to move pieces between")
-
-    def _check_hosts(self) -> None:
-        """--hosts, --link and --placement (the plan is made once, to check them)."""
-        if self.placement not in tuple(Placement):
-            raise ValueError(f"--placement must be spread or pack, got {self.placement!r}")
-        if self.hosts < 0:
-            raise ValueError(f"--hosts must be 0 (no emulated hosts) or more, got {self.hosts}")
-        if not self.hosts:
-            placed = engine_for(self).places_tasks  # Ray places its tasks by --placement
-            if self.links or (self.placement != Placement.SPREAD.value and not placed):
-                raise ValueError(
-                    "--link and --placement shape emulated hosts (--placement also Ray's, "
-                    "with --ray); add --hosts N"
-                )
-            return
-        engine = engine_for(self)
-        if engine.places_tasks:
-            raise ValueError(
-                "--hosts places local processes in network namespaces, "
-                f"{engine.name} places its tasks itself; drop --hosts or {engine.flag}"
-            )
-        tasks = len(self.tasks)
-        if self.hosts > tasks:
-            raise ValueError(
-                f"--hosts {self.hosts} for {tasks} tasks would leave a host empty; "
-                f"use --hosts {tasks} or fewer"
-            )
-        plan = self.host_plan()
-        if self.tls is not None:  # a name missing would show only as servers that never start
-            where = "the servers on the emulated hosts"
-            check_certificate_names(self.tls, plan.server_addresses(), where=where)
 
     @property
     def forks_workers(self) -> bool:
         """Whether workers come from the fork server: ``fork_server``, except under ``--hosts``
         (a forked worker would be in the fork server's network namespace, not its host's)."""
-        return self.fork_server and not self.hosts
+        return self.hosting.fork_server and not self.hosting.hosts
 
     @property
     def preloads_optimizer(self) -> bool:
@@ -325,42 +354,20 @@ class LaunchConfig(WorkerBounds):
     def tasks(self) -> tuple[TaskId, ...]:
         """The tasks the run may have: servers, then workers (up to ``--max-workers``)."""
         servers = tuple(TaskId(job=Role.PS, index=i) for i in range(self.num_ps))
-        workers = range(self.highest_workers)
+        workers = range(self.size.highest_workers)
         return servers + tuple(TaskId(job=Role.WORKER, index=i) for i in workers)
 
     def host_plan(self) -> HostPlan:
         """The emulated hosts of ``--hosts``, ``--link`` and ``--placement``; ValueError
         where there are none (``hosts`` 0)."""
-        if not self.hosts:
+        if not self.hosting.hosts:
             raise ValueError("this run has no emulated hosts; use --hosts N")
         return plan_hosts(
-            count=self.hosts,
+            count=self.hosting.hosts,
             tasks=self.tasks,
-            policy=self.placement,
-            links=parse_links(self.links),
+            policy=self.hosting.placement,
+            links=parse_links(self.hosting.links),
         )
-
-    def _check_faults(self) -> None:
-        for spec_text in self.faults:
-            fault = Fault.parse(spec_text)
-            # a run that may grow (--max-workers) has its later workers' indices too
-            count = self.num_ps if fault.job == Role.PS else self.highest_workers
-            if fault.network and not self.hosts and (fault.kind == "slow" or fault.job == Role.PS):
-                raise ValueError(
-                    f"--inject-fault {spec_text}: a slow link or a partition of a server acts "
-                    "on an emulated host's link; add --hosts N"
-                )
-            if fault.kind == "lose-host" and not self.hosts:
-                raise ValueError(
-                    f"--inject-fault {spec_text}: losing a host needs emulated hosts (each with "
-                    "its own disk); add --hosts N"
-                )
-            if fault.index >= count:
-                most = " at most" if fault.job == Role.WORKER and self.elastic else ""
-                raise ValueError(
-                    f"--inject-fault {spec_text}: there is no {fault.task} "
-                    f"({count} {fault.job} tasks{most}); use an index below {count}"
-                )
 
     @property
     def lr_rule(self) -> tuple[str, float]:
@@ -369,7 +376,7 @@ class LaunchConfig(WorkerBounds):
         chosen = str(self.overrides.get("lr_rule", "auto"))
         default = schemes.get(self.scheme).rules.lr_rule
         rule = default if chosen == "auto" else chosen
-        return rule, lr_multiplier(rule, self.workers)
+        return rule, lr_multiplier(rule, self.size.workers)
 
     @property
     def collective(self) -> bool:
@@ -380,15 +387,15 @@ class LaunchConfig(WorkerBounds):
     @property
     def num_ps(self) -> int:
         """``--ps``, or the scheme's default: 1 parameter server, none for a collective one."""
-        if self.ps is not None:
-            return self.ps
+        if self.size.ps is not None:
+            return self.size.ps
         return 0 if self.collective else 1
 
     @property
     def threads_per_worker(self) -> int:
         """``--threads``, or the cores left after one per parameter server, shared out."""
         cores = os.cpu_count() or 1
-        return self.threads or max(1, (cores - self.num_ps) // self.workers)
+        return self.hosting.threads or max(1, (cores - self.num_ps) // self.size.workers)
 
     @property
     def device(self) -> str:
@@ -404,22 +411,34 @@ class LaunchConfig(WorkerBounds):
             scheme=self.scheme,
             scheme_options=self.scheme_options,
             overrides=self.overrides,
-            workers=self.workers,
+            workers=self.size.workers,
             ps=self.num_ps,
             threads_per_worker=self.threads_per_worker,
             run_id=run_id,
-            checkpoint_every=self.checkpoint_every,
-            checkpoint_seconds=self.checkpoint_seconds,
-            min_workers=self.lowest_workers,
-            max_workers=self.highest_workers,
+            checkpoint_every=self.durability.checkpoint_every,
+            checkpoint_seconds=self.durability.checkpoint_seconds,
+            min_workers=self.size.lowest_workers,
+            max_workers=self.size.highest_workers,
         )
 
     @classmethod
-    def resumed(cls, run_dir: Path, **knobs: Any) -> LaunchConfig:
+    def resumed(
+        cls,
+        run_dir: Path,
+        *,
+        min_workers: int = 0,
+        max_workers: int = 0,
+        evict_after: float = 0.0,
+        cadence: tuple[int, float] | None = None,
+        durability: Durability | None = None,
+        **knobs: Any,
+    ) -> LaunchConfig:
         """The run saved in ``run_dir`` (its :class:`RunSpec`), to continue from its last
-        checkpoint; ``knobs`` are the launch settings not saved (restarts, faults, TLS, ...),
-        and may give ``checkpoint_every``/``checkpoint_seconds`` anew, and ``min_workers``/
-        ``max_workers`` (0 or absent: the saved bounds, so an elastic run stays elastic)."""
+        checkpoint; ``knobs`` are the launch settings not saved (hosting, faults, ...), and
+        ``durability`` its restarts and logs. ``cadence`` (steps, seconds) gives the
+        checkpoint cadence anew (None: the saved one; ``durability``'s own is not used), and
+        ``min_workers``/``max_workers`` the bounds (0: the saved ones, so an elastic run stays
+        elastic)."""
         spec = RunSpec.load(run_dir)
         if (Path(run_dir) / RESULT_FILE).exists():
             raise ValueError(
@@ -427,19 +446,24 @@ class LaunchConfig(WorkerBounds):
                 f"nothing to resume; start a new run (distsgd run {spec.script} ...), or read "
                 f"it with distsgd inspect {run_dir}"
             )
-        knobs.setdefault("checkpoint_every", spec.checkpoint_every)
-        knobs.setdefault("checkpoint_seconds", spec.checkpoint_seconds)
-        for name in ("min_workers", "max_workers"):
-            if not knobs.get(name):
-                knobs[name] = getattr(spec, name)
+        steps, seconds = cadence or (spec.checkpoint_every, spec.checkpoint_seconds)
+        size = ClusterSize(
+            workers=spec.workers,
+            ps=spec.ps,
+            min_workers=min_workers or spec.min_workers,
+            max_workers=max_workers or spec.max_workers,
+            evict_after=evict_after,
+        )
         return cls(
             script=spec.script,
             script_args=spec.script_args,
-            workers=spec.workers,
-            ps=spec.ps,
             scheme=spec.scheme,
             scheme_options=spec.scheme_options,
             overrides=spec.overrides,
+            size=size,
+            durability=replace(
+                durability or Durability(), checkpoint_every=steps, checkpoint_seconds=seconds
+            ),
             run_dir=run_dir,
             run_id=spec.run_id,
             resume=True,
@@ -450,3 +474,58 @@ class LaunchConfig(WorkerBounds):
         if self.run_dir is not None:
             return Path(self.run_dir)
         return new_run_folder(self.scheme, runs_root())
+
+
+def _check_hosts(config: LaunchConfig) -> None:
+    """--hosts, --link and --placement against the engine and the tasks (the plan is made once,
+    to check them, and the certificate's names against its servers' addresses)."""
+    hosting = config.hosting
+    if not hosting.hosts:
+        placed = engine_for(config).places_tasks  # Ray places its tasks by --placement
+        if hosting.links or (hosting.placement != Placement.SPREAD.value and not placed):
+            raise ValueError(
+                "--link and --placement shape emulated hosts (--placement also Ray's, "
+                "with --ray); add --hosts N"
+            )
+        return
+    engine = engine_for(config)
+    if engine.places_tasks:
+        raise ValueError(
+            "--hosts places local processes in network namespaces, "
+            f"{engine.name} places its tasks itself; drop --hosts or {engine.flag}"
+        )
+    tasks = len(config.tasks)
+    if hosting.hosts > tasks:
+        raise ValueError(
+            f"--hosts {hosting.hosts} for {tasks} tasks would leave a host empty; "
+            f"use --hosts {tasks} or fewer"
+        )
+    plan = config.host_plan()
+    if hosting.tls is not None:  # a name missing would show only as servers that never start
+        where = "the servers on the emulated hosts"
+        check_certificate_names(hosting.tls, plan.server_addresses(), where=where)
+
+
+def _check_faults(config: LaunchConfig) -> None:
+    """Each --inject-fault: a task the run has, and emulated hosts where the fault needs them."""
+    hosts, size = config.hosting.hosts, config.size
+    for spec_text in config.faults:
+        fault = Fault.parse(spec_text)
+        # a run that may grow (--max-workers) has its later workers' indices too
+        count = config.num_ps if fault.job == Role.PS else size.highest_workers
+        if fault.network and not hosts and (fault.kind == "slow" or fault.job == Role.PS):
+            raise ValueError(
+                f"--inject-fault {spec_text}: a slow link or a partition of a server acts "
+                "on an emulated host's link; add --hosts N"
+            )
+        if fault.kind == "lose-host" and not hosts:
+            raise ValueError(
+                f"--inject-fault {spec_text}: losing a host needs emulated hosts (each with "
+                "its own disk); add --hosts N"
+            )
+        if fault.index >= count:
+            most = " at most" if fault.job == Role.WORKER and size.elastic else ""
+            raise ValueError(
+                f"--inject-fault {spec_text}: there is no {fault.task} "
+                f"({count} {fault.job} tasks{most}); use an index below {count}"
+            )

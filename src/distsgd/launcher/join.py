@@ -1,4 +1,4 @@
-"""``distsgd join RUN_DIR``: one more worker for a running elastic run, in this process.
+"""``distsgd elastic join RUN_DIR``: one more worker for a running elastic run, in this process.
 
 Everything the worker needs is in the run folder: ``config.json`` (script, scheme, options, the
 run's id and size bounds), ``cluster.json`` (the servers' real addresses, written once they
@@ -24,7 +24,7 @@ from distsgd.transport.client import ShardClient
 from distsgd.transport.errors import Refusal, RemoteError
 
 CLAIM_TIMEOUT = 30.0
-"""Seconds ``distsgd join`` waits for ps0 to answer its claim of an index."""
+"""Seconds ``distsgd elastic join`` waits for ps0 to answer its claim of an index."""
 
 
 def _read_run_json(path: Path, what: str) -> dict[str, Any]:

@@ -148,7 +148,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
             previous[sig] = signal.signal(sig, setter(stop, before=partial(caught.append, sig)))
     launcher_file = run_dir / LAUNCHER_FILE
     try:
-        write_atomic(launcher_file, f"{os.getpid()}\n")  # distsgd scale checks it is running
+        write_atomic(launcher_file, f"{os.getpid()}\n")  # distsgd elastic scale checks it runs
         return _run(local)
     except Interrupted:
         saved = "" if local.saved_step is None else f" (saved at step {local.saved_step})"

@@ -48,7 +48,7 @@ class RunState:
     progress: Progress
     events: MetricsWriter
     active: set[int] = field(default_factory=set)
-    """The worker indexes meant to run now (``distsgd scale`` changes them)."""
+    """The worker indexes meant to run now (``distsgd elastic scale`` changes them)."""
     done: set[str] = field(default_factory=set)
     """Tasks that have finished (or left, or were dropped)."""
     restarts: dict[str, int] = field(default_factory=dict)

@@ -1,5 +1,5 @@
-"""``distsgd scale RUN_DIR --workers N``: ask the launcher of a running elastic run to change its
-number of workers.
+"""``distsgd elastic scale RUN_DIR --workers N``: ask the launcher of a running elastic run to
+change its number of workers.
 
 The request is a small JSON file in the run folder (``scale.json``: the number of workers and a
 sequence number), written atomically; the launcher polls it four times a second, acts on a new

@@ -1,6 +1,7 @@
-"""An elastic local run's changes of size (:class:`Scaler`): it acts on ``distsgd scale``'s
-requests (:mod:`distsgd.launcher.scale`), starting workers or asking some to leave, and ends
-those that do not leave in time; a collaborator of :class:`~distsgd.launcher.run.LocalRun`."""
+"""An elastic local run's changes of size (:class:`Scaler`): it acts on
+``distsgd elastic scale``'s requests (:mod:`distsgd.launcher.scale`), starting workers or asking
+some to leave, and ends those that do not leave in time; a collaborator of
+:class:`~distsgd.launcher.run.LocalRun`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from distsgd.launcher.scale import read_scale_request
 from distsgd.launcher.tasks import TaskStarter, write_tasks
 
 LEAVE_GRACE_SECONDS = 30.0
-"""How long a worker asked to leave (distsgd scale) may take before it is SIGKILLed."""
+"""How long a worker asked to leave (distsgd elastic scale) may take before it is SIGKILLed."""
 
 
 class Scaler:
@@ -32,7 +33,7 @@ class Scaler:
         """The ``seq`` of the last scale request handled."""
 
     def poll(self) -> None:
-        """Act on a new request of ``distsgd scale`` (``scale.json`` in the run folder)."""
+        """Act on a new request of ``distsgd elastic scale`` (``scale.json`` in the run folder)."""
         state = self.state
         request = read_scale_request(state.run_dir)
         if request is None or request.seq == self.scale_seen:

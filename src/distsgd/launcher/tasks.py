@@ -380,7 +380,7 @@ class TaskStarter:
             servers.append(self.spawn_ps(i, address=address, restore=restore))
         self._new_rendezvous()
         saved = 0 if checkpoint is None else len(checkpoint.manifest["workers"])
-        # saved at another size (distsgd scale): every worker continues from worker 0's state
+        # saved at another size (distsgd elastic scale): each worker continues from worker 0's state
         reshard = checkpoint is not None and saved != len(state.active)
         for i in sorted(state.active):
             resume = None if checkpoint is None else checkpoint.worker_file(0 if reshard else i)

@@ -9,9 +9,9 @@ The rules of the wire protocol's "Membership" section (``transport/proto/distsgd
 * :meth:`heartbeat` refreshes a member, and reports a worker that is not one;
 * :meth:`leave` and :meth:`evict` (silent for more than ``evict_after`` seconds) remove one;
 * the epoch goes up by one with every change of the set of members, never otherwise;
-* :meth:`claim` (a Join with ``claim``: ``distsgd join``) takes an index as a new one: only an
-  index never in use at this shard (not registered, never a member), so two joiners never run
-  as the same worker, and a departed worker's index is never handed out again.
+* :meth:`claim` (a Join with ``claim``: ``distsgd elastic join``) takes an index as a new one:
+  only an index never in use at this shard (not registered, never a member), so two joiners
+  never run as the same worker, and a departed worker's index is never handed out again.
 """
 
 from __future__ import annotations
