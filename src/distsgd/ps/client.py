@@ -6,13 +6,14 @@ shard in parallel, and joins the answers. Versions are per shard; ``pull`` retur
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 import numpy as np
@@ -33,6 +34,22 @@ from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.security import TlsConfig
 
 log = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(
+    method: Callable[Concatenate[ParameterClient, _P], _R],
+) -> Callable[Concatenate[ParameterClient, _P], _R]:
+    """``method`` under the client's lock: one exchange at a time."""
+
+    @functools.wraps(method)
+    def under_lock(self: ParameterClient, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return under_lock
 
 
 class ParameterClient:
@@ -188,7 +205,8 @@ class ParameterClient:
         self.placement.follow(infos)
         self.placement.check_held(infos)
 
-    def _pull(
+    @_locked
+    def pull(
         self,
         *,
         min_version: int | Sequence[int] = 0,
@@ -197,7 +215,15 @@ class ParameterClient:
         into: Mapping[str, np.ndarray] | None = None,
         names: Collection[str] | None = None,
     ) -> tuple[int, dict[str, np.ndarray]]:
-        """:meth:`pull`, under the lock."""
+        """Named full arrays once each shard reaches its ``min_version``: (min version, arrays).
+
+        ``record`` keeps the shards' versions as the base of the next push (off for a look that
+        must not disturb the worker's own bookkeeping, such as a mid-run evaluation). ``into``:
+        write the values into these arrays (every parameter, its shape and dtype; e.g. numpy
+        views of a model's parameters) and return them, saving a copy. ``names``: only these
+        parameters, from the shards that hold a piece of them (the version is the least of
+        theirs; the others' recorded versions stay).
+        """
         mins = (
             [min_version] * len(self.shards) if isinstance(min_version, int) else list(min_version)
         )
@@ -246,7 +272,8 @@ class ParameterClient:
         self._waited_once = True
         return results
 
-    def _push(
+    @_locked
+    def push(
         self,
         arrays: Mapping[str, np.ndarray],
         *,
@@ -254,7 +281,11 @@ class ParameterClient:
         lr_scale: float = 1.0,
         step: int | None = None,
     ) -> list[PushResult]:
-        """:meth:`push`, under the lock."""
+        """Send named arrays (gradients, updates); ``base_version`` defaults to the last pulled.
+
+        ``step``: the steps of this worker the push reflects; it numbers the push (exactly
+        once: a shard applies a sequence once, see :mod:`distsgd.ps.sequence`), so that it is
+        sent again, not lost, when its server dies and comes back. None: no number (a tool)."""
         seq = 0 if step is None else push_sequence(step, self.last_sequence)
         self.last_sequence = max(self.last_sequence, seq)
         bases = (
@@ -335,49 +366,6 @@ class ParameterClient:
             replies = [r for _, r in done + pending]
             out[i] = next((r for r in replies if not r.accepted), replies[0])
         return out
-
-    def pull(
-        self,
-        *,
-        min_version: int | Sequence[int] = 0,
-        wait_seconds: float | None = None,
-        record: bool = True,
-        into: Mapping[str, np.ndarray] | None = None,
-        names: Collection[str] | None = None,
-    ) -> tuple[int, dict[str, np.ndarray]]:
-        """Named full arrays once each shard reaches its ``min_version``: (min version, arrays).
-
-        ``record`` keeps the shards' versions as the base of the next push (off for a look that
-        must not disturb the worker's own bookkeeping, such as a mid-run evaluation). ``into``:
-        write the values into these arrays (every parameter, its shape and dtype; e.g. numpy
-        views of a model's parameters) and return them, saving a copy. ``names``: only these
-        parameters, from the shards that hold a piece of them (the version is the least of
-        theirs; the others' recorded versions stay).
-        """
-        with self._lock:
-            return self._pull(
-                min_version=min_version,
-                wait_seconds=wait_seconds,
-                record=record,
-                into=into,
-                names=names,
-            )
-
-    def push(
-        self,
-        arrays: Mapping[str, np.ndarray],
-        *,
-        base_version: int | Sequence[int] | None = None,
-        lr_scale: float = 1.0,
-        step: int | None = None,
-    ) -> list[PushResult]:
-        """Send named arrays (gradients, updates); ``base_version`` defaults to the last pulled.
-
-        ``step``: the steps of this worker the push reflects; it numbers the push (exactly
-        once: a shard applies a sequence once, see :mod:`distsgd.ps.sequence`), so that it is
-        sent again, not lost, when its server dies and comes back. None: no number (a tool)."""
-        with self._lock:
-            return self._push(arrays, base_version=base_version, lr_scale=lr_scale, step=step)
 
     def steps_applied(self) -> int:
         """The steps of this worker whose pushes every shard had applied when
