@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import grpc
 
@@ -36,6 +36,9 @@ from distsgd.transport.security import (
 )
 from distsgd.util import write_atomic
 from distsgd.util.signals import setter
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,24 @@ def _port_in_use(host: str, port: int) -> bool:
                 if exc.errno == errno.EADDRINUSE:
                     return True
     return False
+
+
+class _Shard(TypedDict):
+    address: str
+    shard_index: int
+    rule_factory: RuleFactory
+
+
+class ServerArgs(_Shard, total=False):
+    """The keywords :func:`serve` passes on to :func:`start_server` (all but ``max_threads``)."""
+
+    secret: str | None
+    tls: TlsConfig | None
+    checkpoint_dir: Path | None
+    restore: Path | None
+    max_workers: int
+    evict_after: float
+    wal_dir: Path | None
 
 
 def start_server(
@@ -163,47 +184,29 @@ def stop_server(
 
 def serve(
     *,
-    address: str,
-    shard_index: int,
-    rule_factory: RuleFactory,
     address_file: Path | None = None,
     stop: threading.Event | None = None,
-    secret: str | None = None,
-    tls: TlsConfig | None = None,
-    checkpoint_dir: Path | None = None,
-    restore: Path | None = None,
-    max_workers: int = 0,
-    evict_after: float = DEFAULT_EVICT_AFTER,
-    wal_dir: Path | None = None,
     announce: Callable[[str], None] | None = None,
+    **args: Unpack[ServerArgs],
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set); shutdown always runs.
 
     The bound address goes to ``address_file`` and to ``announce`` (the launcher's run
     control) once the server listens.
 
-    ``secret``, ``tls``, ``checkpoint_dir``, ``restore``, ``max_workers``, ``evict_after`` and
-    ``wal_dir`` as for :func:`start_server`. A warning
-    is logged on any address without a run secret (on loopback every local user can connect),
-    and on a non-loopback one without TLS (unless it has a secret and ``DISTSGD_TRUSTED_NETWORK``
-    is 1). Returns within a second of ``stop`` (or the signal).
+    ``args`` (``address``, ``shard_index``, ``rule_factory``, ``secret``, ``tls``,
+    ``checkpoint_dir``, ``restore``, ``max_workers``, ``evict_after`` and ``wal_dir``) go to
+    :func:`start_server`. A warning is logged on any address without a run secret (on loopback
+    every local user can connect), and on a non-loopback one without TLS (unless it has a
+    secret and ``DISTSGD_TRUSTED_NETWORK`` is 1). Returns within a second of ``stop`` (or the
+    signal).
     """
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, setter(stop))
-    server, bound, service = start_server(
-        address=address,
-        shard_index=shard_index,
-        rule_factory=rule_factory,
-        secret=secret,
-        tls=tls,
-        checkpoint_dir=checkpoint_dir,
-        restore=restore,
-        max_workers=max_workers,
-        evict_after=evict_after,
-        wal_dir=wal_dir,
-    )
+    server, bound, service = start_server(**args)
+    shard_index, secret, tls = args["shard_index"], args.get("secret"), args.get("tls")
     try:
         log.info(
             "parameter server ps%d listening on %s (%s, %s)",
