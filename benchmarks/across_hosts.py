@@ -303,7 +303,7 @@ class Runner:
 
     @contextlib.contextmanager
     def _hosts(self, count: int, link: str) -> Iterator[Any]:
-        from distsgd.cluster.hosts import parse_links, plan_machines
+        from distsgd_emulate.hosts import parse_links, plan_machines
         from distsgd_emulate.netns import EmulatedHosts
 
         plan_ = plan_machines(count=count, links=parse_links([link]))
@@ -566,7 +566,7 @@ def plot(report: dict[str, Any], out: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    from distsgd.cluster.hosts import parse_rate
+    from distsgd.cluster.rates import parse_rate
 
     lines: dict[str, list[tuple[float, float]]] = {}
     for block in report["blocks"]:
@@ -642,7 +642,7 @@ def _measures(runner: Runner, block: Block, steps: int) -> dict[str, Callable[[]
 
 def measure(args: argparse.Namespace, runner: Runner, report: dict[str, Any]) -> None:
     """Every block of the plan, in order, into ``report["blocks"]``."""
-    from distsgd.cluster.hosts import parse_rate
+    from distsgd.cluster.rates import parse_rate
 
     links = [link.strip() for link in args.links.split(",") if link.strip()]
     blocks = plan(links, args.best_link)

@@ -13,9 +13,9 @@ from conftest import final_accuracy, metrics, netns_refusal, on_emulated_hosts
 from test_hosts_run import _check_hosts_gone, _demo
 
 from distsgd.cluster import ClusterSpec, Role, TaskId
-from distsgd.cluster.hosts import plan_hosts
-from distsgd.launcher.replicas import replica_host
+from distsgd_emulate.driver import replica_host
 from distsgd_emulate.emulation import HOSTS_FILE
+from distsgd_emulate.hosts import plan_hosts
 
 needs_netns = on_emulated_hosts(netns_refusal(root=True))
 

@@ -1,4 +1,4 @@
-"""The emulated hosts' plan (distsgd.cluster.hosts): link text, placement, addresses. Pure: no
+"""The emulated hosts' plan (distsgd_emulate.hosts): link text, placement, addresses. Pure: no
 process, no socket."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import ipaddress
 import pytest
 
 from distsgd.cluster import TaskId
-from distsgd.cluster.hosts import (
+from distsgd_emulate.hosts import (
     MAX_HOSTS,
     Links,
     LinkSpec,

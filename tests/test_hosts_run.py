@@ -22,9 +22,11 @@ import pytest
 from conftest import SCRIPTS, distsgd_cmd, final_accuracy, netns_refusal, on_emulated_hosts
 
 from distsgd.cluster import TaskId
-from distsgd.cluster.hosts import parse_links, plan_hosts
 from distsgd.launcher import LaunchConfig
+from distsgd.launcher.config import ClusterSize, Hosting
+from distsgd.launcher.emulated import host_plan
 from distsgd_emulate.emulation import HOSTS_FILE
+from distsgd_emulate.hosts import parse_links, plan_hosts
 from distsgd_emulate.netns import EmulatedHosts
 
 BLOBS = str(SCRIPTS / "blobs.py")
@@ -40,17 +42,24 @@ needs_netns = on_emulated_hosts(netns_refusal(root=True))
 
 def test_hosts_place_the_tasks_and_turn_the_fork_server_off() -> None:
     config = LaunchConfig(
-        script=BLOBS, scheme="hogwild", workers=3, ps=1, hosts=2, links=("1gbit",)
+        script=BLOBS,
+        scheme="hogwild",
+        size=ClusterSize(workers=3, ps=1),
+        hosting=Hosting(hosts=2, links=("1gbit",)),
     )
-    plan = config.host_plan()
+    plan = host_plan(config)
     assert [[t.name for t in h.tasks] for h in plan.hosts] == [
         ["ps0", "worker1"],
         ["worker0", "worker2"],
     ]
     assert [h.link and h.link.rate_bits for h in plan.hosts] == [10**9, 10**9]
     assert not config.forks_workers
-    assert LaunchConfig(script=BLOBS).forks_workers == LaunchConfig(script=BLOBS).fork_server
-    packed = LaunchConfig(script=BLOBS, workers=3, hosts=2, placement="pack").host_plan()
+    assert LaunchConfig(script=BLOBS).forks_workers == Hosting().fork_server
+    packed = host_plan(
+        LaunchConfig(
+            script=BLOBS, size=ClusterSize(workers=3), hosting=Hosting(hosts=2, placement="pack")
+        )
+    )
     assert [[t.name for t in h.tasks] for h in packed.hosts] == [
         ["ps0", "worker0"],
         ["worker1", "worker2"],
@@ -71,14 +80,14 @@ def test_hosts_place_the_tasks_and_turn_the_fork_server_off() -> None:
 )
 def test_bad_host_settings_are_one_line_value_errors(knobs: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError) as caught:
-        LaunchConfig(script=BLOBS, workers=2, **knobs)
+        LaunchConfig(script=BLOBS, size=ClusterSize(workers=2), hosting=Hosting(**knobs))
     assert needle in str(caught.value)
     assert "\n" not in str(caught.value)
 
 
 def test_a_host_plan_needs_hosts() -> None:
     with pytest.raises(ValueError, match="--hosts N"):
-        LaunchConfig(script=BLOBS).host_plan()
+        host_plan(LaunchConfig(script=BLOBS))
 
 
 # --------------------------------------------------------------------------- in namespaces

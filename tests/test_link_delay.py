@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from distsgd.cluster import Role, TaskId
-from distsgd.cluster.hosts import parse_links, plan_hosts
 from distsgd.control.task import TaskEnv
-from distsgd.launcher.argv import _link_delays
-from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.config import ClusterSize, Hosting, LaunchConfig
+from distsgd.launcher.emulated import NoHosts, host_plan
 from distsgd.ps import ParameterClient, PartitionPlan, start_server
 from distsgd.schemes import make_server_rule
 from distsgd.transport.delay import LinkDelay
+from distsgd_emulate.hosts import link_delays, parse_links, plan_hosts
 
 PS0, PS1 = TaskId(job=Role.PS, index=0), TaskId(job=Role.PS, index=1)
 W0, W1 = TaskId(job=Role.WORKER, index=0), TaskId(job=Role.WORKER, index=1)
@@ -38,14 +38,22 @@ def test_the_round_trip_crosses_both_hosts_links_both_ways() -> None:
 
 def test_the_launcher_gives_each_worker_its_round_trip_to_each_server() -> None:
     config = LaunchConfig(
-        script=SCRIPT, scheme="hogwild", workers=2, ps=2, hosts=2, links=("100mbit,10ms",)
+        script=SCRIPT,
+        scheme="hogwild",
+        size=ClusterSize(workers=2, ps=2),
+        hosting=Hosting(hosts=2, links=("100mbit,10ms",)),
     )
     # spread: ps0 -> host0, ps1 -> host1, worker0 -> host0, worker1 -> host1
-    assert _link_delays(config, 0, 2) == [[0.0, 0.0], [0.04, 0.0]]
-    assert _link_delays(config, 1, 2) == [[0.04, 0.0], [0.0, 0.0]]
-    no_delay = LaunchConfig(script=SCRIPT, scheme="hogwild", workers=2, hosts=2, links=("1gbit",))
-    assert _link_delays(no_delay, 0, 1) == []
-    assert _link_delays(LaunchConfig(script=SCRIPT, scheme="hogwild"), 0, 1) == []
+    assert link_delays(host_plan(config), 0, 2) == [[0.0, 0.0], [0.04, 0.0]]
+    assert link_delays(host_plan(config), 1, 2) == [[0.04, 0.0], [0.0, 0.0]]
+    no_delay = LaunchConfig(
+        script=SCRIPT,
+        scheme="hogwild",
+        size=ClusterSize(workers=2),
+        hosting=Hosting(hosts=2, links=("1gbit",)),
+    )
+    assert link_delays(host_plan(no_delay), 0, 1) == []
+    assert NoHosts().link_delays(0, 1) == []  # no --hosts
 
 
 def test_the_task_environment_carries_the_delays_and_refuses_nonsense() -> None:

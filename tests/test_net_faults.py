@@ -13,12 +13,13 @@ import pytest
 from conftest import SCRIPTS
 
 from distsgd.cluster import ClusterSpec, TaskId
-from distsgd.cluster.hosts import Host, plan_hosts
 from distsgd.control.faults import Fault, FaultInjector
 from distsgd.control.metrics import MetricsWriter
 from distsgd.launcher import LaunchConfig
 from distsgd.launcher.argv import worker_task
+from distsgd.launcher.config import ClusterSize, Hosting
 from distsgd.launcher.errors import RunFailed
+from distsgd_emulate.hosts import Host, plan_hosts
 from distsgd_emulate.link_faults import LinkFaults
 from distsgd_emulate.netns import EmulatedHosts
 from distsgd_emulate.netns_keeper import NetnsError
@@ -100,21 +101,31 @@ def test_bad_specs_say_the_fix_in_one_line(text: str, needle: str) -> None:
 )
 def test_link_faults_need_hosts(fault: str) -> None:
     with pytest.raises(ValueError) as caught:
-        LaunchConfig(script=BLOBS, scheme="hogwild", workers=2, faults=(fault,))
+        LaunchConfig(script=BLOBS, scheme="hogwild", faults=(fault,), size=ClusterSize(workers=2))
     assert "add --hosts N" in str(caught.value)
     assert "\n" not in str(caught.value)
-    LaunchConfig(script=BLOBS, scheme="hogwild", workers=2, hosts=3, faults=(fault,))
+    LaunchConfig(
+        script=BLOBS,
+        scheme="hogwild",
+        faults=(fault,),
+        size=ClusterSize(workers=2),
+        hosting=Hosting(hosts=3),
+    )
 
 
 def test_a_fault_of_a_missing_task_is_refused_under_hosts() -> None:
     with pytest.raises(ValueError, match="there is no ps1"):
         LaunchConfig(
-            script=BLOBS, scheme="hogwild", workers=2, hosts=3, faults=("slow:ps:1@step=1=1mbit",)
+            script=BLOBS,
+            scheme="hogwild",
+            faults=("slow:ps:1@step=1=1mbit",),
+            size=ClusterSize(workers=2),
+            hosting=Hosting(hosts=3),
         )
 
 
 def _worker_faults(config: LaunchConfig, index: int) -> tuple[Fault, ...]:
-    spec = ClusterSpec.local(num_ps=1, num_workers=config.workers)
+    spec = ClusterSpec.local(num_ps=1, num_workers=config.size.workers)
     env = worker_task(
         config,
         index,
@@ -123,7 +134,7 @@ def _worker_faults(config: LaunchConfig, index: int) -> tuple[Fault, ...]:
         run_id="r",
         rendezvous="",
         ps_address_files=[],
-        active=config.workers,
+        active=config.size.workers,
         resume=None,
     )
     return env.faults
@@ -131,15 +142,15 @@ def _worker_faults(config: LaunchConfig, index: int) -> tuple[Fault, ...]:
 
 def test_a_partition_is_simulated_by_the_worker_only_without_hosts() -> None:
     faults = ("partition:worker:1@step=40,for=5s", "delay:worker:1=10ms")
-    plain = LaunchConfig(script=BLOBS, scheme="hogwild", workers=2, faults=faults)
+    plain = LaunchConfig(script=BLOBS, scheme="hogwild", faults=faults, size=ClusterSize(workers=2))
     assert [f.kind for f in _worker_faults(plain, 1)] == ["partition", "delay"]
     assert _worker_faults(plain, 0) == ()
     hosts = LaunchConfig(
         script=BLOBS,
         scheme="hogwild",
-        workers=2,
-        hosts=3,
         faults=(*faults, "slow:worker:1@step=3=1mbit"),
+        size=ClusterSize(workers=2),
+        hosting=Hosting(hosts=3),
     )
     assert [f.kind for f in _worker_faults(hosts, 1)] == ["delay"]  # the launcher cuts the link
 

@@ -23,8 +23,8 @@ import pytest
 from conftest import netns_refusal, on_emulated_hosts
 
 from distsgd.cluster import TaskId
-from distsgd.cluster.hosts import HostPlan, LinkSpec, parse_links, plan_hosts
 from distsgd_emulate import netns, netns_keeper, netns_shaping
+from distsgd_emulate.hosts import HostPlan, LinkSpec, parse_links, plan_hosts
 from distsgd_emulate.netns import AppliedLink, EmulatedHosts, check_capable
 from distsgd_emulate.netns_keeper import NetnsError
 from distsgd_emulate.netns_shaping import tbf_sizes
@@ -67,7 +67,7 @@ print(json.dumps({"bytes": n, "first": n0, "seconds": time.monotonic() - first})
 
 HOLDER = """
 import json, time
-from distsgd.cluster.hosts import plan_hosts
+from distsgd_emulate.hosts import plan_hosts
 from distsgd.cluster import TaskId
 from distsgd_emulate.netns import EmulatedHosts
 tasks = [TaskId.parse("worker0"), TaskId.parse("worker1")]
@@ -311,7 +311,7 @@ def test_a_failed_start_says_why_in_one_line_and_leaves_nothing(
 
 NO_SYS_ADMIN = """
 from distsgd.cluster import TaskId
-from distsgd.cluster.hosts import plan_hosts
+from distsgd_emulate.hosts import plan_hosts
 from distsgd_emulate.netns import EmulatedHosts
 hosts = EmulatedHosts(plan_hosts(count=1, tasks=[TaskId.parse("worker0")]))
 try:
@@ -640,7 +640,7 @@ def test_a_second_set_of_hosts_is_refused_naming_the_first(tmp_path: Path) -> No
 LOCK_HOLDER = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from distsgd.cluster.hosts import HOST_NETWORK
+from distsgd_emulate.hosts import HOST_NETWORK
 from distsgd_emulate.netns_lock import HostsLock
 lock = HostsLock(str(HOST_NETWORK), what="emulated hosts dstest")
 lock.acquire()

@@ -19,8 +19,8 @@ from conftest import netns_refusal, on_emulated_hosts
 from test_netns import _gone
 
 from distsgd.cluster import TaskId
-from distsgd.cluster.hosts import HostPlan, plan_hosts
 from distsgd_emulate import netns, netns_keeper
+from distsgd_emulate.hosts import HostPlan, plan_hosts
 from distsgd_emulate.netns import EmulatedHosts, HostDisks
 from distsgd_emulate.netns_disks import DiskSet, enter_argv, mounted_under
 from distsgd_emulate.netns_keeper import Mount, NetnsError

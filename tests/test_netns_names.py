@@ -9,7 +9,7 @@ import subprocess
 
 from conftest import netns_refusal, on_emulated_hosts
 
-from distsgd.cluster.hosts import plan_machines
+from distsgd_emulate.hosts import plan_machines
 from distsgd_emulate.netns import EmulatedHosts
 from distsgd_emulate.netns_keeper import NETNS_DIR
 

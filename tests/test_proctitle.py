@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import distsgd
-from distsgd.launcher.hosts_driver import HostsDriver
+from distsgd.launcher.emulated import NoHosts
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.supervisor import Supervisor
 from distsgd.launcher.tasks import TaskStarter
@@ -52,7 +52,7 @@ def test_the_launcher_gives_each_task_its_title(tmp_path: Path) -> None:
     tasks.state = SimpleNamespace(  # type: ignore[assignment]
         started_at={}, run_dir=tmp_path / "20261206-sync", supervisor=Recorder()
     )
-    tasks.hosts = HostsDriver(None, tmp_path, [], events=None, note=print)  # type: ignore[arg-type]
+    tasks.hosts = NoHosts()
     tasks.start_task("worker1", ["x"], {"A": "1"})
     assert seen["worker1"] == {"A": "1", TITLE_ENV: "distsgd worker1 20261206-sync"}
 

@@ -15,8 +15,8 @@ import pytest
 from conftest import SCRIPTS
 
 from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.emulated import NoHosts
 from distsgd.launcher.errors import RunFailed
-from distsgd.launcher.hosts_driver import HostsDriver
 from distsgd.launcher.progress import Console
 from distsgd.launcher.run import launch
 from distsgd.launcher.supervisor import Supervisor
@@ -149,7 +149,7 @@ def test_the_fork_server_starts_before_the_launcher_loads_torch(
         supervisor=Recorder(),
         console=Console(io.StringIO()),
     )
-    local.hosts = HostsDriver(None, tmp_path, [], events=None, note=print)  # type: ignore[arg-type]
+    local.hosts = NoHosts()
     local.replicas, local.worker_env = None, {}
     with pytest.raises(Stop):
         local.start_cluster(None, fresh_ports=True)

@@ -13,6 +13,7 @@ from conftest import one_cert_for_all
 
 from distsgd.cli.main import main
 from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.emulated import host_plan
 from distsgd.transport.security import TlsConfig, certificate_names, check_certificate_names
 
 pytest.importorskip("cryptography")
@@ -42,7 +43,7 @@ def test_not_a_certificate_is_one_line(tmp_path: Path) -> None:
 
 def test_a_certificate_missing_a_servers_host_is_refused_naming_it(tmp_path: Path) -> None:
     tls = _tls(tmp_path, ("198.18.0.1",))
-    plan = LaunchConfig(script=SCRIPT, workers=2, ps=2, hosts=3).host_plan()
+    plan = host_plan(LaunchConfig(script=SCRIPT, workers=2, ps=2, hosts=3))
     assert plan.server_addresses() == ("198.18.0.1", "198.18.0.2")  # spread: servers first
     with pytest.raises(ValueError) as refused:
         LaunchConfig(script=SCRIPT, workers=2, ps=2, hosts=3, tls=tls)

@@ -124,7 +124,7 @@ def _dir_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def hosts_main(args: argparse.Namespace) -> int:
-    from distsgd.cluster.hosts import parse_links
+    from distsgd_emulate.hosts import parse_links
     from distsgd_emulate.machines import enter_argv, keep_hosts
 
     if args.hosts_command == "exec":

@@ -1,8 +1,7 @@
 """A local run's emulated hosts (``--hosts``) as its collaborators need them
-(:class:`HostsDriver`): where each task runs and what address it binds, the command line that
-enters its host, the hosts' disks, their network faults and link samples. The one part of the
-local run that reaches the emulators (through their seam, :mod:`distsgd.launcher.emulated`);
-without hosts each answer is this machine's (or None: the caller's default)."""
+(:class:`HostsDriver`, the :class:`distsgd.launcher.emulated.Hosts` the launcher's seam hands
+out): where each task runs and what address it binds, the command line that enters its host,
+the hosts' disks, their network faults and link samples."""
 
 from __future__ import annotations
 
@@ -10,121 +9,150 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distsgd.cluster import TaskId
-from distsgd.cluster.hosts import MANAGEMENT_ADDRESS, Host
+from distsgd.cluster import Role, TaskId
 from distsgd.control.faults import Fault
 from distsgd.control.metrics import MetricsWriter
-from distsgd.launcher.emulated import close_hosts, link_faults, link_sampler, start_hosts
 from distsgd.launcher.replicas import PREFIX as REPLICA_PREFIX
-from distsgd.launcher.replicas import Place, is_replica, on_hosts, replica_host
+from distsgd.launcher.replicas import is_replica
+from distsgd_emulate import emulation
+from distsgd_emulate.hosts import MANAGEMENT_ADDRESS, Host, HostPlan, link_delays
+from distsgd_emulate.link_faults import LinkFaults
+from distsgd_emulate.link_sampler import LinkSampler
+from distsgd_emulate.netns import EmulatedHosts
 
 if TYPE_CHECKING:
-    from distsgd.launcher.emulated import EmulatedHosts
+    from distsgd.launcher.emulated import Host as AnyHost
+    from distsgd.launcher.replicas import Place
 
-__all__ = ["HostsDriver", "start_hosts"]
+__all__ = ["HostsDriver", "on_hosts", "replica_host"]
+
+
+def replica_host(plan: HostPlan, ps: int) -> Host | None:
+    """Where ps ``ps``'s log replica goes: the host after its server's (None on one host)."""
+    if len(plan.hosts) < 2:
+        return None
+    own = plan.host_of(TaskId(job=Role.PS, index=ps))
+    return plan.hosts[(own.index + 1) % len(plan.hosts)]
+
+
+def on_hosts(plan: HostPlan) -> Place:
+    """:data:`~distsgd.launcher.replicas.Place` on emulated hosts: the host after the
+    server's."""
+
+    def place(ps: int) -> tuple[str, Host | None] | None:
+        host = replica_host(plan, ps)
+        return None if host is None else (host.address, host)
+
+    return place
 
 
 class HostsDriver:
-    """The emulated hosts of one local run (none: every task on this machine)."""
+    """The emulated hosts of one local run."""
 
-    def __init__(
-        self,
-        hosts: EmulatedHosts | None,
-        run_dir: Path,
-        faults: Sequence[Fault],
-        *,
-        events: MetricsWriter,
-        note: Callable[[str], None],
-    ) -> None:
+    emulated = True
+    """The run's tasks run on emulated hosts."""
+
+    def __init__(self, hosts: EmulatedHosts, run_dir: Path) -> None:
         self.hosts = hosts
-        """The emulated hosts the tasks run on; None: this machine's namespace."""
+        """The emulated hosts the tasks run on."""
         self.run_dir = run_dir
-        self.link_faults = link_faults(faults, hosts, events=events, note=note, run_dir=run_dir)
-        """Partitions and slow links of emulated hosts."""
-        self.link_sampler = link_sampler(hosts, run_dir)
+        self.link_faults: LinkFaults | None = None
+        """Partitions and slow links of emulated hosts (once :meth:`arm` gave them)."""
+        self.link_sampler = LinkSampler(hosts, run_dir)
         """The emulated hosts' bytes over time, from the run's start (``links.jsonl``)."""
 
-    @property
-    def emulated(self) -> bool:
-        """Whether the run's tasks run on emulated hosts."""
-        return self.hosts is not None
+    @classmethod
+    def start(cls, plan: HostPlan, run_dir: Path) -> HostsDriver:
+        """The hosts of ``plan``, started (:func:`distsgd_emulate.emulation.start_hosts`)."""
+        return cls(emulation.start_hosts(plan, run_dir), run_dir)
+
+    def arm(
+        self, faults: Sequence[Fault], *, events: MetricsWriter, note: Callable[[str], None]
+    ) -> None:
+        """Take on the run's partitions and slow links."""
+        run_dir = self.run_dir
+        self.link_faults = LinkFaults(faults, self.hosts, events=events, note=note, run_dir=run_dir)
+
+    def start_sampling(self) -> None:
+        """Start sampling the links (``links.jsonl``)."""
+        self.link_sampler.start()
+
+    def poll_faults(self, step: int) -> None:
+        """Apply the network faults due at ``step``, undo those whose ``for=`` is over."""
+        if self.link_faults is not None:
+            self.link_faults.poll(step)
 
     def control_host(self, engine: str | None) -> str | None:
-        """Where tasks reach the launcher: the management address on emulated hosts, else
-        the engine's ``engine`` (None: they share this machine)."""
-        return MANAGEMENT_ADDRESS if self.hosts is not None else engine
+        """Where tasks reach the launcher: the management address."""
+        return MANAGEMENT_ADDRESS
 
     def machines(self, engine: int) -> int:
-        """The machines the tasks run on: the emulated hosts, else the engine's ``engine``."""
-        return engine if self.hosts is None else len(self.hosts.plan.hosts)
+        """The machines the tasks run on: the emulated hosts."""
+        return len(self.hosts.plan.hosts)
 
     def task_host(self, task: TaskId) -> str | None:
-        """The address ``task`` binds on its emulated host (None: no hosts)."""
-        return None if self.hosts is None else self.hosts.plan.host_of(task).address
+        """The address ``task`` binds on its emulated host."""
+        return self.hosts.plan.host_of(task).address
 
     def host_of(self, name: str) -> Host | None:
         """The emulated host task ``name`` (a server, worker or log replica) runs on."""
-        if self.hosts is None:
-            return None
         if is_replica(name):
             return replica_host(self.hosts.plan, int(name[len(REPLICA_PREFIX) :]))
         return self.hosts.plan.host_of(TaskId.parse(name))
 
-    def enter(self, name: str, host: Host | None = None) -> list[str]:
+    def enter(self, name: str, host: AnyHost | None = None) -> list[str]:
         """What runs task ``name``'s command line in its host's (or ``host``'s) network
-        namespace; nothing without hosts."""
-        if self.hosts is None:
-            return []
+        namespace."""
         where = host or self.host_of(name)
-        assert where is not None
+        assert isinstance(where, Host)
         return self.hosts.enter(where)
 
     def lost(self, task: TaskId) -> Host:
-        """``lose-host:``'s host: the one ``task`` runs on (the config refuses lose-host
-        without ``--hosts``)."""
-        assert self.hosts is not None
+        """``lose-host:``'s host: the one ``task`` runs on."""
         return self.hosts.plan.host_of(task)
 
-    def wipe(self, host: Host) -> None:
+    def wipe(self, host: AnyHost) -> None:
         """``host`` lost its disk: everything its tasks kept there is gone."""
-        assert self.hosts is not None
+        assert isinstance(host, Host)
         self.hosts.wipe(host)
 
     def wipe_all(self) -> bool:
-        """Wipe every host's disk (an earlier cluster's logs); False without hosts."""
-        if self.hosts is None:
-            return False
+        """Wipe every host's disk (an earlier cluster's logs)."""
         for host in self.hosts.plan.hosts:
             self.hosts.wipe(host)
         return True
 
     def disk_of(self, name: str) -> Path | None:
-        """The folder task ``name`` keeps its files in on its host's own disk (None: no
-        hosts, its files are in the run folder)."""
+        """The folder task ``name`` keeps its files in on its host's own disk."""
         host = self.host_of(name)
-        if host is None or self.hosts is None:
-            return None
-        return self.hosts.disk_of(host)
+        return None if host is None else self.hosts.disk_of(host)
 
     def cut_off(self, task: TaskId) -> bool:
         """Whether ``task``'s host is cut off now (``partition:``)."""
-        hosts = self.hosts
-        return hosts is not None and hosts.plan.host_of(task).name in hosts.cut_off
+        return self.hosts.plan.host_of(task).name in self.hosts.cut_off
 
     def replica_place(self) -> Place | None:
-        """Where each server's log replica goes on the hosts (None: no hosts)."""
-        return None if self.hosts is None else on_hosts(self.hosts.plan)
+        """Where each server's log replica goes on the hosts."""
+        return on_hosts(self.hosts.plan)
 
     def replica_holds(self, ps: int) -> bool:
         """Whether ps ``ps``'s replica holds a snapshot on its emulated host's disk."""
-        assert self.hosts is not None
         host = replica_host(self.hosts.plan, ps)
         return host is not None and any(
             (self.hosts.disk_of(host) / f"{REPLICA_PREFIX}{ps}").glob("snapshot-*.npz")
         )
 
+    def link_delays(self, worker: int, servers: int) -> list[list[float]]:
+        """Per server, the [round trip, jitter] between worker ``worker``'s host and the
+        server's, where a ``--link`` gives a delay (:func:`distsgd_emulate.hosts.link_delays`)."""
+        return link_delays(self.hosts.plan, worker, servers)
+
     def close(self, step: int) -> None:
         """Undo the network faults still in effect, stop sampling, record the bytes, and take
-        the emulated hosts down (after the tasks have ended; nothing without hosts)."""
-        faults = self.link_faults.restore(step)
-        close_hosts(self.hosts, self.run_dir, faults, self.link_sampler.stop())
+        the emulated hosts down (after the tasks have ended)."""
+        faults = [] if self.link_faults is None else self.link_faults.restore(step)
+        emulation.close_hosts(self.hosts, self.run_dir, faults, self.link_sampler.stop())
+
+    def abandon(self) -> None:
+        """Take the hosts down unrecorded (the run's start failed)."""
+        self.hosts.close(check=False)

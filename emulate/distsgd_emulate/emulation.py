@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from distsgd.cluster.hosts import MANAGEMENT_ADDRESS
-from distsgd.launcher.config import LaunchConfig
 from distsgd.util import write_atomic
+from distsgd_emulate.hosts import MANAGEMENT_ADDRESS, HostPlan
 from distsgd_emulate.link_sampler import WINDOW_S
 from distsgd_emulate.netns import EmulatedHosts
 from distsgd_emulate.netns_disks import HostDisks
@@ -28,15 +27,13 @@ HOSTS_FILE = "hosts.json"
 """The emulated hosts of a run, in its folder."""
 
 
-def start_hosts(config: LaunchConfig, run_dir: Path) -> EmulatedHosts | None:
-    """The run's emulated hosts, started, with a management link to this namespace (the
-    launcher reaches the servers, the workers its rendezvous store); None without ``--hosts``.
-    Call from the thread that will close them (the keepers die with it)."""
-    if not config.hosts:
-        return None
+def start_hosts(plan: HostPlan, run_dir: Path) -> EmulatedHosts:
+    """The run's emulated hosts (``plan``), started, with a management link to this namespace
+    (the launcher reaches the servers, the workers its rendezvous store). Call from the thread
+    that will close them (the keepers die with it)."""
     # each host its own disk, seen by its tasks at RUN_DIR/wal (their logs, their replicas')
     disks = HostDisks(root=run_dir / "disks", at=run_dir / "wal", keep=False)
-    hosts = EmulatedHosts(config.host_plan(), management=True, disks=disks)
+    hosts = EmulatedHosts(plan, management=True, disks=disks)
     hosts.start()
     try:
         _write(run_dir, hosts, counters=None, faults=())

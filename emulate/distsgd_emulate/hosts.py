@@ -1,6 +1,7 @@
 """Emulated hosts, planned: how many, their addresses, which task runs on which, and the link
 each one has. Pure data and decisions (no process, no socket); the executor that builds the
-hosts as network namespaces is :mod:`distsgd_emulate.netns`.
+hosts as network namespaces is :mod:`distsgd_emulate.netns`; a local run's plan comes from its
+config (:func:`distsgd.launcher.emulated.host_plan`).
 
 Addresses come from 198.18.0.0/15, the range RFC 2544 sets aside for benchmarking (never routed
 on the internet): host *i* is ``198.18.0.(i+1)`` on a /24 whose bridge is ``198.18.0.254``, so
@@ -8,9 +9,10 @@ at most 252 hosts.
 
 A link is given as text, ``RATE[,DELAY[,JITTER]]``: ``1gbit``, ``100mbit,5ms``,
 ``10mbit,5ms,1ms``. Rates take ``bit``, ``kbit``, ``mbit`` or ``gbit`` (powers of 1000, as
-``tc`` counts), times ``s``, ``ms`` or ``us``. :func:`parse_links` reads a list of them: one
-without a name is every host's link, ``NAME=SPEC`` overrides it for one host, named by the host
-(``host2``) or by a task on it (``worker1``, ``ps:0``).
+``tc`` counts; :mod:`distsgd.cluster.rates`), times ``s``, ``ms`` or ``us``.
+:func:`parse_links` reads a list of them: one without a name is every host's link,
+``NAME=SPEC`` overrides it for one host, named by the host (``host2``) or by a task on it
+(``worker1``, ``ps:0``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from distsgd.cluster.rates import LINK_EXAMPLE, MIN_RATE, RATE_UNITS, quantity
 from distsgd.cluster.spec import JOBS, ClusterSpecError, Role, TaskId
 
 __all__ = [
@@ -34,8 +37,8 @@ __all__ = [
     "Links",
     "Placement",
     "host_name",
+    "link_delays",
     "parse_links",
-    "parse_rate",
     "place",
     "plan_hosts",
     "plan_machines",
@@ -52,13 +55,8 @@ MAX_HOSTS = 252
 """Host addresses run from .1 to .252 (.253 is the launcher's management address, .254 the
 bridge, .255 the broadcast)."""
 
-_RATE_UNITS = {"bit": 1, "kbit": 1_000, "mbit": 1_000_000, "gbit": 1_000_000_000}
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
-_MIN_RATE = 1_000
-_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
-_QUANTITY_RE = re.compile(rf"^{_NUMBER}\s*([a-z]+)$")
 _HOST_RE = re.compile(r"^host(\d+)$")
-_LINK_EXAMPLE = "e.g. 1gbit, 100mbit,5ms or worker1=10mbit"
 
 
 class Placement(StrEnum):
@@ -78,26 +76,6 @@ def host_name(index: int) -> str:
 # --------------------------------------------------------------------------- links
 
 
-def _number(text: str, units: Mapping[str, float], what: str, whole: str) -> float:
-    match = _QUANTITY_RE.match(text.strip().lower())
-    if match is None or match.group(2) not in units:
-        names = ", ".join(units)
-        raise ValueError(
-            f"link {whole!r}: bad {what} {text.strip()!r}; write a number and a unit "
-            f"({names}), {_LINK_EXAMPLE}"
-        )
-    return float(match.group(1)) * units[match.group(2)]
-
-
-def parse_rate(text: str) -> int:
-    """A rate as text (``10mbit``, ``1gbit``) in bits/s, as a link's RATE is read; ValueError
-    where it is not one, or below 1kbit."""
-    bits = round(_number(text, _RATE_UNITS, "rate", text))
-    if bits < _MIN_RATE:
-        raise ValueError(f"rate {text.strip()!r} is below 1kbit; use at least 1kbit")
-    return bits
-
-
 @dataclass(frozen=True, kw_only=True)
 class LinkSpec:
     """One host's link to the switch, the same in both directions."""
@@ -112,7 +90,7 @@ class LinkSpec:
     def __post_init__(self) -> None:
         if isinstance(self.rate_bits, bool) or not isinstance(self.rate_bits, int):
             raise ValueError(f"link rate {self.rate_bits!r} is not an integer; give bits/s")
-        if self.rate_bits < _MIN_RATE:
+        if self.rate_bits < MIN_RATE:
             raise ValueError(f"link rate {self.rate_bits} bit/s is below 1kbit; use at least 1kbit")
         if not 0.0 <= self.delay_s <= 10.0:
             raise ValueError(f"link delay {self.delay_s} s is out of range; use 0 to 10 s")
@@ -126,14 +104,14 @@ class LinkSpec:
     def parse(cls, text: str) -> LinkSpec:
         """Read ``RATE[,DELAY[,JITTER]]``, e.g. ``"100mbit,5ms"``."""
         if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"link {text!r} is empty; give RATE[,DELAY[,JITTER]], {_LINK_EXAMPLE}")
+            raise ValueError(f"link {text!r} is empty; give RATE[,DELAY[,JITTER]], {LINK_EXAMPLE}")
         parts = [p.strip() for p in text.split(",")]
         if len(parts) > 3:
             raise ValueError(
-                f"link {text!r} has {len(parts)} parts; give RATE[,DELAY[,JITTER]], {_LINK_EXAMPLE}"
+                f"link {text!r} has {len(parts)} parts; give RATE[,DELAY[,JITTER]], {LINK_EXAMPLE}"
             )
-        rate = _number(parts[0], _RATE_UNITS, "rate", text)
-        times = [_number(p, _TIME_UNITS, "time", text) for p in parts[1:]]
+        rate = quantity(parts[0], RATE_UNITS, "rate", text)
+        times = [quantity(p, _TIME_UNITS, "time", text) for p in parts[1:]]
         delay, jitter = (round(t * 1e6) / 1e6 for t in [*times, 0.0, 0.0][:2])
         return cls(rate_bits=round(rate), delay_s=delay, jitter_s=jitter)
 
@@ -149,7 +127,7 @@ class LinkSpec:
 
 
 def _rate_text(bits: int) -> str:
-    for unit, size in reversed(_RATE_UNITS.items()):
+    for unit, size in reversed(RATE_UNITS.items()):
         if bits % size == 0:
             return f"{bits // size}{unit}"
     raise AssertionError("every integer is a whole number of bits")  # pragma: no cover
@@ -371,8 +349,9 @@ def plan_hosts(
 
 
 def plan_machines(*, count: int, links: Links | None = None) -> HostPlan:
-    """``count`` hosts with no task placed on them (``distsgd hosts up``: the user starts the
-    tasks by hand, as on real machines); a link override names a host (``host1=10mbit``)."""
+    """``count`` hosts with no task placed on them (``distsgd-emulate hosts up``: the user
+    starts the tasks by hand, as on real machines); a link override names a host
+    (``host1=10mbit``)."""
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_HOSTS:
         raise ValueError(f"{count!r} hosts; use 1 to {MAX_HOSTS} hosts")
     links = links or Links()
@@ -391,3 +370,11 @@ def plan_machines(*, count: int, links: Links | None = None) -> HostPlan:
         for i, name in enumerate(names)
     )
     return HostPlan(hosts=hosts, policy=Placement.SPREAD)
+
+
+def link_delays(plan: HostPlan, worker: int, servers: int) -> list[list[float]]:
+    """Per ps task, the [round trip, jitter] between worker ``worker``'s host and the
+    server's (``TaskEnv.ps_link_delays``); none where no link gives a delay."""
+    task = TaskId(job=Role.WORKER, index=worker)
+    pairs = [list(plan.round_trip(task, TaskId(job=Role.PS, index=i))) for i in range(servers)]
+    return pairs if any(rtt > 0 for rtt, _ in pairs) else []

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from distsgd.cluster.hosts import parse_links, plan_hosts
 from distsgd.cluster.spec import TaskId
+from distsgd_emulate.hosts import parse_links, plan_hosts
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from distsgd.cluster.hosts import MANAGEMENT_ADDRESS, Links, plan_machines
 from distsgd.util import write_atomic
+from distsgd_emulate.hosts import MANAGEMENT_ADDRESS, Links, plan_machines
 from distsgd_emulate.netns import EmulatedHosts
 from distsgd_emulate.netns_disks import HostDisks
 from distsgd_emulate.netns_disks import enter_argv as disk_enter_argv

@@ -1,7 +1,7 @@
 """Emulated hosts on one machine: each host a network namespace of its own, joined to a switch
 (a bridge in one more namespace) by a veth pair whose bandwidth the kernel's token-bucket
 shaper (``tbf``) limits in both directions. The plan (how many hosts, addresses, links, which
-task where) is :mod:`distsgd.cluster.hosts`; this module builds it and takes it down.
+task where) is :mod:`distsgd_emulate.hosts`; this module builds it and takes it down.
 
 Layout, for hosts ``host0..hostN-1`` and a per-instance prefix ``P`` (``ds`` and 6 random hex
 digits)::
@@ -80,8 +80,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from distsgd.cluster.hosts import HOST_NETWORK, MANAGEMENT_ADDRESS, Host, HostPlan
 from distsgd_emulate import netns_disks, netns_keeper, netns_shaping, netns_wiring
+from distsgd_emulate.hosts import HOST_NETWORK, MANAGEMENT_ADDRESS, Host, HostPlan
 from distsgd_emulate.netns_disks import HostDisks
 from distsgd_emulate.netns_keeper import NetnsError
 from distsgd_emulate.netns_lock import HostsLock

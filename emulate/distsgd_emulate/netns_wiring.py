@@ -14,8 +14,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from distsgd.cluster.hosts import MANAGEMENT_ADDRESS, Host, HostPlan, LinkSpec
 from distsgd_emulate import netns_keeper, netns_shaping
+from distsgd_emulate.hosts import MANAGEMENT_ADDRESS, Host, HostPlan, LinkSpec
 from distsgd_emulate.netns_keeper import NetnsError
 from distsgd_emulate.netns_shaping import MANAGEMENT_MINOR, tbf_sizes
 

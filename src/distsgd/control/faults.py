@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distsgd.cluster import Role, TaskId
-from distsgd.cluster.hosts import parse_rate
+from distsgd.cluster.rates import parse_rate
 from distsgd.control.folder import LocalFiles, RunFiles
 from distsgd.util.atomic import write_atomic
 

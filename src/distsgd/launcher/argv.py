@@ -4,6 +4,7 @@ and its task description (``DISTSGD_TASK``)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from distsgd.cluster import ClusterSpec, Role, TaskId
@@ -73,9 +74,11 @@ def worker_task(
     reshard: bool = False,
     rollbacks_left: int = 0,
     control: str = "",
+    link_delays: Sequence[Sequence[float]] = (),
 ) -> TaskEnv:
     """Worker ``index``'s task in a cluster of ``active`` workers started now; the launcher
-    may still roll the run back ``rollbacks_left`` times."""
+    may still roll the run back ``rollbacks_left`` times. ``link_delays``: per server, the
+    [round trip, jitter] of the emulated links between them (``Hosts.link_delays``)."""
     c = config
     return TaskEnv(
         cluster=spec.to_dict(),
@@ -95,7 +98,7 @@ def worker_task(
         tls=c.tls,
         ps_address_files=[] if control else [str(path) for path in ps_address_files],
         control=control,
-        ps_link_delays=_link_delays(config, index, spec.num_ps),
+        ps_link_delays=[list(pair) for pair in link_delays],
         faults=tuple(
             fault for fault in map(Fault.parse, c.faults) if _worker_fault(fault, index, c.hosts)
         ),
@@ -105,17 +108,6 @@ def worker_task(
         reshard=reshard,
         rollbacks_left=rollbacks_left,
     )
-
-
-def _link_delays(config: LaunchConfig, index: int, servers: int) -> list[list[float]]:
-    """Per ps task, the [round trip, jitter] between worker ``index``'s emulated host and the
-    server's, where a ``--link`` gives a delay (none without ``--hosts`` or delays)."""
-    if not config.hosts:
-        return []
-    plan = config.host_plan()
-    worker = TaskId(job=Role.WORKER, index=index)
-    pairs = [list(plan.round_trip(worker, TaskId(job=Role.PS, index=i))) for i in range(servers)]
-    return pairs if any(rtt > 0 for rtt, _ in pairs) else []
 
 
 def _worker_fault(fault: Fault, index: int, hosts: int) -> bool:

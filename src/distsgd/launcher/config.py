@@ -15,14 +15,14 @@ from typing import Any
 
 from distsgd import schemes
 from distsgd.cluster import Role, TaskId
-from distsgd.cluster.hosts import HostPlan, Placement, parse_links, plan_hosts
 from distsgd.control.config import TrainConfig, lr_multiplier
 from distsgd.control.faults import Fault
 from distsgd.control.folder import RESULT_FILE, new_run_folder, runs_root
 from distsgd.control.rollback import MAX_ROLLBACKS
 from distsgd.control.spec import RunSpec, check_worker_bounds
+from distsgd.launcher.emulated import check_hosts
 from distsgd.launcher.engines import engine_for
-from distsgd.transport.security import TlsConfig, check_certificate_names
+from distsgd.transport.security import TlsConfig
 
 DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
 DEMO_SCRIPTS = {"digits": DEMO_SCRIPT, "lm": DEMO_SCRIPT.with_name("lm.py")}
@@ -37,6 +37,8 @@ FORK_SERVER_DEFAULT = sys.platform.startswith("linux") and hasattr(os, "fork")
 """Whether workers are forked from a fork server by default: on Linux (elsewhere, forking a
 process that has loaded torch and system frameworks is not safe, and there is no
 parent-death signal)."""
+PLACEMENTS = ("spread", "pack")
+"""``--placement``'s choices: how tasks go on emulated hosts, or on a Ray cluster's nodes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,8 +188,8 @@ class Hosting:
         default=0,
         metadata={
             "help": "place the tasks on N emulated hosts (network namespaces joined by a switch, "
-            "launcher/netns.py; needs root); each task binds its host's address. Workers are "
-            "then started as processes (no fork server). 0: no emulation"
+            "distsgd_emulate/netns.py; needs root); each task binds its host's address. "
+            "Workers are then started as processes (no fork server). 0: no emulation"
         },
     )
     links: tuple[str, ...] = field(
@@ -199,10 +201,10 @@ class Hosting:
         },
     )
     placement: str = field(
-        default=Placement.SPREAD.value,
+        default="spread",
         metadata={
             "help": "how tasks go on the emulated hosts: spread (round-robin, servers first) "
-            "or pack (contiguous blocks); cluster/hosts.py place(). With --ray, over the "
+            "or pack (contiguous blocks); distsgd_emulate/hosts.py place(). With --ray, over the "
             "cluster's nodes: spread (each server on a node of its own where there are enough, "
             "the workers spread) or pack (every task on one node)"
         },
@@ -211,7 +213,7 @@ class Hosting:
     def __post_init__(self) -> None:
         """The checks that need no other record (the task count, the engine and the
         certificate's names are :class:`LaunchConfig`'s)."""
-        if self.placement not in tuple(Placement):
+        if self.placement not in PLACEMENTS:
             raise ValueError(f"--placement must be spread or pack, got {self.placement!r}")
         if self.hosts < 0:
             raise ValueError(f"--hosts must be 0 (no emulated hosts) or more, got {self.hosts}")
@@ -357,18 +359,6 @@ class LaunchConfig:
         workers = range(self.size.highest_workers)
         return servers + tuple(TaskId(job=Role.WORKER, index=i) for i in workers)
 
-    def host_plan(self) -> HostPlan:
-        """The emulated hosts of ``--hosts``, ``--link`` and ``--placement``; ValueError
-        where there are none (``hosts`` 0)."""
-        if not self.hosting.hosts:
-            raise ValueError("this run has no emulated hosts; use --hosts N")
-        return plan_hosts(
-            count=self.hosting.hosts,
-            tasks=self.tasks,
-            policy=self.hosting.placement,
-            links=parse_links(self.hosting.links),
-        )
-
     @property
     def lr_rule(self) -> tuple[str, float]:
         """The ``--lr-rule`` the workers apply (auto: the scheme's default) and its factor on
@@ -482,7 +472,7 @@ def _check_hosts(config: LaunchConfig) -> None:
     hosting = config.hosting
     if not hosting.hosts:
         placed = engine_for(config).places_tasks  # Ray places its tasks by --placement
-        if hosting.links or (hosting.placement != Placement.SPREAD.value and not placed):
+        if hosting.links or (hosting.placement != "spread" and not placed):
             raise ValueError(
                 "--link and --placement shape emulated hosts (--placement also Ray's, "
                 "with --ray); add --hosts N"
@@ -500,10 +490,7 @@ def _check_hosts(config: LaunchConfig) -> None:
             f"--hosts {hosting.hosts} for {tasks} tasks would leave a host empty; "
             f"use --hosts {tasks} or fewer"
         )
-    plan = config.host_plan()
-    if hosting.tls is not None:  # a name missing would show only as servers that never start
-        where = "the servers on the emulated hosts"
-        check_certificate_names(hosting.tls, plan.server_addresses(), where=where)
+    check_hosts(config)  # the plan, made once to check it, and the certificate's names
 
 
 def _check_faults(config: LaunchConfig) -> None:

@@ -1,8 +1,9 @@
 """The core's one way to the emulators: the package :mod:`distsgd_emulate` (emulated hosts as
-network namespaces, their link faults and samples, the link probe), shipped beside ``distsgd``
-but no part of it. No other module of ``distsgd`` imports it (tests/test_import_graph.py), and
-this one only when it is needed: a run with ``--hosts`` (lose-host and network faults need
-them) and ``distsgd plan --link``'s probe. A run without emulated hosts never loads it.
+network namespaces, their plan, link faults and samples, the link probe), shipped beside
+``distsgd`` but no part of it. No other module of ``distsgd`` imports it
+(tests/test_import_graph.py), and this one only when it is needed: a run with ``--hosts``
+(checked, then started) and ``distsgd plan --link``'s probe. A run without emulated hosts never
+loads it: its collaborators see :class:`NoHosts`.
 """
 
 from __future__ import annotations
@@ -10,25 +11,25 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from distsgd.cluster import TaskId
     from distsgd.control.faults import Fault
     from distsgd.control.metrics import MetricsWriter
     from distsgd.launcher.config import LaunchConfig
-    from distsgd_emulate.link_faults import LinkFaults
+    from distsgd.launcher.replicas import Place
+    from distsgd_emulate.hosts import HostPlan
     from distsgd_emulate.link_probe import LinkProbe
-    from distsgd_emulate.link_sampler import LinkSampler
-    from distsgd_emulate.netns import EmulatedHosts
 
 __all__ = [
-    "EmulatedHosts",
+    "Host",
+    "Hosts",
     "LinkProbe",
     "NoHosts",
-    "close_hosts",
+    "check_hosts",
+    "host_plan",
     "installed",
-    "link_faults",
-    "link_sampler",
     "probe_link",
     "start_hosts",
 ]
@@ -52,74 +53,195 @@ def installed() -> Iterator[None]:
         ) from None
 
 
+class Host(Protocol):
+    """One emulated host, as the launcher passes it around (``distsgd_emulate.hosts.Host``)."""
+
+    @property
+    def name(self) -> str:
+        """``host0``, ``host1``, ..."""
+        ...
+
+
+class Hosts(Protocol):
+    """A local run's emulated hosts as its collaborators need them: where each task runs and
+    what address it binds, the command line that enters its host, the hosts' disks, their
+    network faults and link samples (``distsgd_emulate.driver.HostsDriver``; without hosts
+    :class:`NoHosts`: each answer is this machine's, or None: the caller's default)."""
+
+    @property
+    def emulated(self) -> bool:
+        """Whether the run's tasks run on emulated hosts."""
+        ...
+
+    def arm(
+        self, faults: Sequence[Fault], *, events: MetricsWriter, note: Callable[[str], None]
+    ) -> None:
+        """Take on the run's network faults (partitions and slow links), applied by
+        :meth:`poll_faults`."""
+
+    def start_sampling(self) -> None:
+        """Start recording the hosts' bytes over time (``links.jsonl``)."""
+
+    def poll_faults(self, step: int) -> None:
+        """Apply the network faults due at ``step``, undo those that are over."""
+
+    def control_host(self, engine: str | None) -> str | None:
+        """Where tasks reach the launcher (else the engine's ``engine``)."""
+        ...
+
+    def machines(self, engine: int) -> int:
+        """The machines the tasks run on (else the engine's ``engine``)."""
+        ...
+
+    def task_host(self, task: TaskId) -> str | None:
+        """The address ``task`` binds on its host (None: no hosts)."""
+        ...
+
+    def host_of(self, name: str) -> Host | None:
+        """The host task ``name`` (a server, worker or log replica) runs on."""
+        ...
+
+    def enter(self, name: str, host: Host | None = None) -> list[str]:
+        """What runs task ``name``'s command line on its host (or ``host``)."""
+        ...
+
+    def lost(self, task: TaskId) -> Host:
+        """``lose-host:``'s host: the one ``task`` runs on."""
+        ...
+
+    def wipe(self, host: Host) -> None:
+        """``host`` lost its disk: everything its tasks kept there is gone."""
+
+    def wipe_all(self) -> bool:
+        """Wipe every host's disk (an earlier cluster's logs); False without hosts."""
+        ...
+
+    def disk_of(self, name: str) -> Path | None:
+        """The folder task ``name`` keeps its files in on its host's disk (None: the run
+        folder)."""
+        ...
+
+    def cut_off(self, task: TaskId) -> bool:
+        """Whether ``task``'s host is cut off now (``partition:``)."""
+        ...
+
+    def replica_place(self) -> Place | None:
+        """Where each server's log replica goes on the hosts (None: no hosts)."""
+        ...
+
+    def replica_holds(self, ps: int) -> bool:
+        """Whether ps ``ps``'s replica holds a snapshot on its host's disk."""
+        ...
+
+    def link_delays(self, worker: int, servers: int) -> list[list[float]]:
+        """Worker ``worker``'s ``TaskEnv.ps_link_delays``: per server, the [round trip,
+        jitter] of the links between their hosts (none where no link gives a delay)."""
+        ...
+
+    def close(self, step: int) -> None:
+        """Undo the network faults, stop sampling, record the bytes, take the hosts down
+        (after the tasks have ended)."""
+
+    def abandon(self) -> None:
+        """Take the hosts down before the run started (its start failed)."""
+
+
 class NoHosts:
-    """The link faults and link samples of a run without emulated hosts: none."""
+    """The :class:`Hosts` of a run without emulated hosts: every task on this machine."""
 
-    def poll(self, step: int) -> None:
-        """No network fault to apply."""
+    emulated = False
 
-    def restore(self, step: int) -> list[dict[str, Any]]:
-        """No network fault to undo."""
-        return []
+    def arm(
+        self, faults: Sequence[Fault], *, events: MetricsWriter, note: Callable[[str], None]
+    ) -> None:
+        """No network fault: a partition is then the worker's own, simulated."""
 
-    def start(self) -> None:
+    def start_sampling(self) -> None:
         """No link to sample."""
 
-    def stop(self) -> dict[str, dict[str, float]]:
-        """No busiest window."""
-        return {}
+    def poll_faults(self, step: int) -> None:
+        """No network fault to apply."""
 
+    def control_host(self, engine: str | None) -> str | None:
+        return engine
 
-def start_hosts(config: LaunchConfig, run_dir: Path) -> EmulatedHosts | None:
-    """The run's emulated hosts, started (``distsgd_emulate.emulation.start_hosts``); None
-    without ``--hosts``. Call from the thread that will close them."""
-    if not config.hosts:
+    def machines(self, engine: int) -> int:
+        return engine
+
+    def task_host(self, task: TaskId) -> str | None:
         return None
+
+    def host_of(self, name: str) -> Host | None:
+        return None
+
+    def enter(self, name: str, host: Host | None = None) -> list[str]:
+        return []
+
+    def lost(self, task: TaskId) -> Host:
+        raise AssertionError("the config refuses lose-host without --hosts")
+
+    def wipe(self, host: Host) -> None:
+        raise AssertionError("no emulated host to wipe")
+
+    def wipe_all(self) -> bool:
+        return False
+
+    def disk_of(self, name: str) -> Path | None:
+        return None
+
+    def cut_off(self, task: TaskId) -> bool:
+        return False
+
+    def replica_place(self) -> Place | None:
+        return None
+
+    def replica_holds(self, ps: int) -> bool:
+        raise AssertionError("no emulated host holds a replica")
+
+    def link_delays(self, worker: int, servers: int) -> list[list[float]]:
+        return []
+
+    def close(self, step: int) -> None:
+        """Nothing to take down."""
+
+    def abandon(self) -> None:
+        """Nothing to take down."""
+
+
+def host_plan(config: LaunchConfig) -> HostPlan:
+    """The emulated hosts of ``--hosts``, ``--link`` and ``--placement``
+    (``distsgd_emulate.hosts.plan_hosts``); ValueError where there are none (``hosts`` 0). The
+    one place that reads the config's hosts for the emulators."""
+    hosting = config.hosting
+    if not hosting.hosts:
+        raise ValueError("this run has no emulated hosts; use --hosts N")
     with installed():
-        from distsgd_emulate import emulation
-    return emulation.start_hosts(config, run_dir)
+        from distsgd_emulate.hosts import parse_links, plan_hosts
+    count, links = hosting.hosts, parse_links(hosting.links)
+    return plan_hosts(count=count, tasks=config.tasks, policy=hosting.placement, links=links)
 
 
-def close_hosts(
-    hosts: EmulatedHosts | None,
-    run_dir: Path,
-    faults: Sequence[dict[str, Any]] = (),
-    busiest: dict[str, dict[str, float]] | None = None,
-) -> None:
-    """Record the hosts' bytes and faults in ``hosts.json`` and take them down (nothing
-    without hosts)."""
-    if hosts is None:
-        return
-    from distsgd_emulate import emulation  # loaded: the hosts were made
+def check_hosts(config: LaunchConfig) -> None:
+    """``--hosts N``'s plan made once, to check ``--link`` and ``--placement``, and that a
+    ``--tls`` certificate names every server's host; ValueError (one line) where not."""
+    from distsgd.transport.security import check_certificate_names
 
-    emulation.close_hosts(hosts, run_dir, faults, busiest)
+    plan = host_plan(config)
+    tls = config.hosting.tls
+    if tls is not None:  # a name missing would show only as servers that never start
+        where = "the servers on the emulated hosts"
+        check_certificate_names(tls, plan.server_addresses(), where=where)
 
 
-def link_faults(
-    faults: Sequence[Fault],
-    hosts: EmulatedHosts | None,
-    *,
-    events: MetricsWriter,
-    note: Callable[[str], None],
-    run_dir: Path,
-) -> LinkFaults | NoHosts:
-    """The run's partitions and slow links (``distsgd_emulate.link_faults.LinkFaults``); none
-    without hosts (a partition is then the worker's own, simulated)."""
-    if hosts is None:
+def start_hosts(config: LaunchConfig, run_dir: Path) -> Hosts:
+    """The run's emulated hosts, started (``distsgd_emulate.driver.HostsDriver``);
+    :class:`NoHosts` without ``--hosts``. Call from the thread that will close them."""
+    if not config.hosting.hosts:
         return NoHosts()
-    from distsgd_emulate.link_faults import LinkFaults
+    plan = host_plan(config)
+    from distsgd_emulate.driver import HostsDriver  # loaded: host_plan found the package
 
-    return LinkFaults(faults, hosts, events=events, note=note, run_dir=run_dir)
-
-
-def link_sampler(hosts: EmulatedHosts | None, run_dir: Path) -> LinkSampler | NoHosts:
-    """The hosts' bytes over time into ``links.jsonl`` (``distsgd_emulate.link_sampler``);
-    nothing sampled without hosts."""
-    if hosts is None:
-        return NoHosts()
-    from distsgd_emulate.link_sampler import LinkSampler
-
-    return LinkSampler(hosts, run_dir)
+    return HostsDriver.start(plan, run_dir)
 
 
 def probe_link(rate: str, nbytes: int, *, workers: int) -> LinkProbe:

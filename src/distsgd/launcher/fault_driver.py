@@ -1,6 +1,6 @@
 """A local run's injected kills (``--inject-fault kill:...`` and ``lose-host:...``), each at
 its step (:class:`FaultDriver`); the network faults of emulated hosts are their driver's
-(:class:`~distsgd.launcher.hosts_driver.HostsDriver`). A collaborator of
+(:class:`~distsgd.launcher.emulated.Hosts`). A collaborator of
 :class:`~distsgd.launcher.run.LocalRun`."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from distsgd.cluster import Role, TaskId
 from distsgd.control.faults import Fault, clear_kill_marks, kill_due, kill_landed
-from distsgd.launcher.hosts_driver import HostsDriver
+from distsgd.launcher.emulated import Hosts
 from distsgd.launcher.run_state import RunState
 from distsgd.launcher.server_watch import ServerWatch
 
@@ -20,7 +20,7 @@ class FaultDriver:
     """Lands each injected kill of one local run when its step comes."""
 
     def __init__(
-        self, state: RunState, watch: ServerWatch, hosts: HostsDriver, faults: Sequence[Fault]
+        self, state: RunState, watch: ServerWatch, hosts: Hosts, faults: Sequence[Fault]
     ) -> None:
         self.state = state
         self.watch = watch

@@ -22,15 +22,17 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from distsgd.cluster import Role, TaskId
-from distsgd.cluster.hosts import Host, HostPlan
 from distsgd.launcher.supervisor import TaskHandle
+
+if TYPE_CHECKING:
+    from distsgd.launcher.emulated import Host
 
 PREFIX = "replica"
 """Every replica task's name starts with it (``replica0``)."""
 
-StartTask = Callable[[str, list[str], Host | None], TaskHandle]
+StartTask = Callable[[str, list[str], "Host | None"], TaskHandle]
 """How a task is started on a host: (name, argv, emulated host or None) -> its handle."""
 Place = Callable[[int], "tuple[str, Host | None] | None"]
 """Where ps I's replica goes: (the host its address names, its emulated host or None where the
@@ -42,24 +44,6 @@ WaitAddress = Callable[[TaskHandle, Path], str]
 def is_replica(name: str) -> bool:
     """Whether task ``name`` is a log replica."""
     return name.startswith(PREFIX)
-
-
-def replica_host(plan: HostPlan, ps: int) -> Host | None:
-    """Where ps ``ps``'s replica goes: the host after its server's (None on one host)."""
-    if len(plan.hosts) < 2:
-        return None
-    own = plan.host_of(TaskId(job=Role.PS, index=ps))
-    return plan.hosts[(own.index + 1) % len(plan.hosts)]
-
-
-def on_hosts(plan: HostPlan) -> Place:
-    """:data:`Place` on emulated hosts: the host after the server's."""
-
-    def place(ps: int) -> tuple[str, Host | None] | None:
-        host = replica_host(plan, ps)
-        return None if host is None else (host.address, host)
-
-    return place
 
 
 @dataclass

@@ -38,8 +38,8 @@ from distsgd.control.recovery import (
     restart_all,
 )
 from distsgd.control.rollback import RollBack, plan_rollback
+from distsgd.launcher.emulated import Hosts
 from distsgd.launcher.errors import Interrupted, RunDiverged, RunFailed
-from distsgd.launcher.hosts_driver import HostsDriver
 from distsgd.launcher.replicas import Replicas
 from distsgd.launcher.run_state import RunState
 from distsgd.launcher.server_watch import ServerWatch
@@ -52,7 +52,7 @@ class RunStore:
     """A local run's checkpoints and logs as the planner sees them
     (:class:`~distsgd.control.recovery.StoreView`)."""
 
-    def __init__(self, state: RunState, hosts: HostsDriver, replicas: Replicas | None) -> None:
+    def __init__(self, state: RunState, hosts: Hosts, replicas: Replicas | None) -> None:
         self.state = state
         self.hosts = hosts
         self.replicas = replicas

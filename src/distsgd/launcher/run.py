@@ -20,7 +20,7 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from distsgd import schemes
 from distsgd.cluster import Role, TaskId
@@ -32,10 +32,10 @@ from distsgd.control.recovery import PEER_SETTLE, failure_kind, first_cause, may
 from distsgd.control.rollback import rollbacks_in
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.durability import disk_full, disk_full_line
+from distsgd.launcher.emulated import Hosts, NoHosts, start_hosts
 from distsgd.launcher.engines import engine_for
 from distsgd.launcher.errors import Interrupted, RunDiverged, RunFailed
 from distsgd.launcher.fault_driver import FaultDriver
-from distsgd.launcher.hosts_driver import HostsDriver, start_hosts
 from distsgd.launcher.progress import Console
 from distsgd.launcher.replicas import is_replica
 from distsgd.launcher.restart import PlanExecutor, RunStore
@@ -50,9 +50,6 @@ from distsgd.launcher.waits import Reminder
 from distsgd.transport import shm
 from distsgd.util import private_dir, write_atomic
 from distsgd.util.signals import setter
-
-if TYPE_CHECKING:
-    from distsgd.launcher.emulated import EmulatedHosts
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +112,7 @@ def _start(
             supervisor.close()
             raise
     except BaseException:
-        if hosts is not None:
-            hosts.close(check=False)
+        hosts.abandon()
         raise
 
 
@@ -226,8 +222,9 @@ class LocalRun:
     """One run of ``distsgd run``: the collaborators that start its tasks
     (:class:`TaskStarter`), read its servers (:class:`ServerWatch`), carry out the restart
     planner's decisions (:class:`PlanExecutor`), resize it (:class:`Scaler`), inject its
-    faults (:class:`FaultDriver`) and drive its emulated hosts (:class:`HostsDriver`), and
-    the loop that supervises them until the workers are done."""
+    faults (:class:`FaultDriver`) and drive its emulated hosts
+    (:class:`~distsgd.launcher.emulated.Hosts`), and the loop that supervises them until the
+    workers are done."""
 
     def __init__(
         self,
@@ -237,7 +234,7 @@ class LocalRun:
         supervisor: Tasks,
         stop: threading.Event,
         *,
-        hosts: EmulatedHosts | None = None,
+        hosts: Hosts | None = None,
     ) -> None:
         run_id, secret = run_identity(config, run_dir)
         worker_env, ps_env = task_envs(run_dir / "secret", config.threads_per_worker)
@@ -248,7 +245,8 @@ class LocalRun:
         )
         self.state = state
         faults = [Fault.parse(f) for f in config.faults]
-        self.hosts = HostsDriver(hosts, run_dir, faults, events=state.events, note=console.note)
+        self.hosts = hosts if hosts is not None else NoHosts()
+        self.hosts.arm(faults, events=state.events, note=console.note)
         self.starter = TaskStarter(
             state, self.hosts, worker_env=worker_env, ps_env=ps_env, gpus=gpus
         )
@@ -316,7 +314,7 @@ class LocalRun:
             f"lr x {factor:.4g} (--lr-rule {rule})"
         )
         self.starter.write_config()
-        self.hosts.link_sampler.start()
+        self.hosts.start_sampling()
         self.starter.start_cluster(checkpoint, fresh_ports=True)
         self.supervise()
         return self.finish()
@@ -335,7 +333,7 @@ class LocalRun:
             self.faults.poll()
             if self.starter.replicas is not None:
                 self.starter.replicas.restart_dead(state.progress.step)
-            self.hosts.link_faults.poll(state.progress.step)
+            self.hosts.poll_faults(state.progress.step)
             if state.config.elastic:
                 self.scaler.poll()
                 self.scaler.reap_leaving()

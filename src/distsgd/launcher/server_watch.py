@@ -12,7 +12,7 @@ from typing import Any
 
 from distsgd.cluster import Role, TaskId
 from distsgd.launcher.durability import DurabilityWatch
-from distsgd.launcher.hosts_driver import HostsDriver
+from distsgd.launcher.emulated import Hosts
 from distsgd.launcher.rebalance import Rebalancer
 from distsgd.launcher.run_state import RunState
 from distsgd.launcher.servers import read_info, tell_finished
@@ -24,9 +24,7 @@ from distsgd.transport.proto import distsgd_pb2 as pb
 class ServerWatch:
     """The parameter servers of one local run, as the launcher reads them."""
 
-    def __init__(
-        self, state: RunState, hosts: HostsDriver, address_of: Callable[[int], str]
-    ) -> None:
+    def __init__(self, state: RunState, hosts: Hosts, address_of: Callable[[int], str]) -> None:
         self.state = state
         self.hosts = hosts
         self.address_of = address_of

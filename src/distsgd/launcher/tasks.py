@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.cluster import ClusterSpec, Role, TaskId
-from distsgd.cluster.hosts import Host
 from distsgd.control.checkpoint.store import Checkpoint
 from distsgd.control.errors import SetupErrorRecord
 from distsgd.control.rendezvous import host_store
@@ -26,9 +25,9 @@ from distsgd.launcher.argv import server_argv, worker_argv, worker_task
 from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.control import ControlServer
 from distsgd.launcher.durability import disk_full
+from distsgd.launcher.emulated import Host, Hosts
 from distsgd.launcher.engines import engine_for
 from distsgd.launcher.errors import RunFailed
-from distsgd.launcher.hosts_driver import HostsDriver
 from distsgd.launcher.keras_env import keras_environment
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.replicas import Replicas
@@ -131,7 +130,7 @@ class TaskStarter:
     def __init__(
         self,
         state: RunState,
-        hosts: HostsDriver,
+        hosts: Hosts,
         *,
         worker_env: dict[str, str],
         ps_env: dict[str, str],
@@ -334,6 +333,7 @@ class TaskStarter:
             reshard=reshard,
             rollbacks_left=state.rollbacks_left,
             control=self.control_address,
+            link_delays=self.hosts.link_delays(index, state.num_ps),
         )
         state.done.discard(f"worker{index}")
         SetupErrorRecord.clear(state.run_dir, TaskId(job=Role.WORKER, index=index))

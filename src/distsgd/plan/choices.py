@@ -54,7 +54,7 @@ LINK_PAYLOAD = Part(
 
 def link_bytes_per_s(rate: str) -> float:
     """A ``--link`` rate (``1gbit``) as the payload bytes per second it carries each way."""
-    from distsgd.cluster.hosts import parse_rate
+    from distsgd.cluster.rates import parse_rate
 
     return parse_rate(rate) / 8 * LINK_PAYLOAD.value
 
