@@ -2,9 +2,10 @@
 
 ``hosts up N`` makes N network namespaces with their own addresses joined by a switch (root),
 keeps them until SIGINT or SIGTERM and then removes every namespace and link; ``hosts exec HOST
--- COMMAND`` runs a command inside one (:mod:`distsgd_emulate.machines`). See the README's
-"Many machines". ``k8s OUT_DIR`` runs the pods of manifests written by ``distsgd k8s render``
-on this machine, as Kubernetes would (:mod:`distsgd_emulate.k8s_local`; docs/kubernetes.md).
+-- COMMAND`` runs a command inside one (:mod:`distsgd_emulate.machines`). See
+docs/guide/many-machines.md. ``k8s OUT_DIR`` runs the pods of manifests written by ``distsgd k8s
+render`` on this machine, as Kubernetes would (:mod:`distsgd_emulate.k8s_local`;
+docs/kubernetes.md).
 """
 
 from __future__ import annotations

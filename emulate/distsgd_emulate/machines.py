@@ -1,7 +1,7 @@
-"""Emulated machines for tasks started by hand (``distsgd hosts up`` / ``distsgd hosts exec``).
+"""Emulated machines for tasks started by hand (``distsgd-emulate hosts up`` / ``hosts exec``).
 
-``distsgd run --hosts N`` makes its hosts and places its own tasks on them. For the README's
-"Many machines" commands (one ``distsgd server`` or ``distsgd worker`` per machine, a cluster
+``distsgd run --hosts N`` makes its hosts and places its own tasks on them. For the commands of
+docs/guide/many-machines.md (one ``distsgd server`` or ``distsgd worker`` per machine, a cluster
 file, a secret, mutual TLS) the hosts must outlive any one command: ``hosts up`` makes them,
 records them in ``DIR/hosts.json`` (0600) and keeps them until it is sent SIGINT or SIGTERM;
 ``hosts exec HOST -- COMMAND`` runs a command inside one of them. This machine reaches every

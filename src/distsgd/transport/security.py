@@ -253,7 +253,7 @@ def check_certificate_names(tls: TlsConfig, hosts: Sequence[str], *, where: str)
     raise ValueError(
         f"--tls-cert {tls.cert} does not name {', '.join(missing)}, where clients dial {where} "
         f"(it names {', '.join(names) or 'nothing'}): clients would refuse it; make a "
-        f"certificate with subjectAltName={alt} (README, Many machines; docs/security.md, 3)"
+        f"certificate with subjectAltName={alt} (docs/guide/many-machines.md; docs/security.md, 3)"
     )
 
 
