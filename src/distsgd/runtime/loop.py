@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from torch import nn
 from torch.utils.data import Dataset
@@ -23,41 +23,39 @@ from distsgd.runtime.result import TrainResult
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.session import WorkerSession
 
+if TYPE_CHECKING:
+    from typing import Unpack
+
 __all__ = ["TrainResult", "run_worker"]
 
 
+class _Task(TypedDict):
+    model: nn.Module
+    train_set: Dataset[Any]
+    test_set: Dataset[Any] | None
+    config: TrainConfig
+    env: TaskEnv
+    scheme: WorkerScheme
+
+
+class WorkerArgs(_Task, total=False):
+    """What :func:`run_worker` passes on to its :class:`WorkerSession` (with ``loss_fn`` and
+    ``batch_fn``, which its loop calls too)."""
+
+    stop: threading.Event | None
+    callbacks: Sequence[Callback]
+    metric_fns: MetricFns | None
+
+
 def run_worker(
-    *,
-    model: nn.Module,
-    loss_fn: LossFn,
-    train_set: Dataset[Any],
-    test_set: Dataset[Any] | None,
-    config: TrainConfig,
-    env: TaskEnv,
-    scheme: WorkerScheme,
-    batch_fn: BatchFn | None = None,
-    stop: threading.Event | None = None,
-    callbacks: Sequence[Callback] = (),
-    metric_fns: MetricFns | None = None,
+    *, loss_fn: LossFn, batch_fn: BatchFn | None = None, **args: Unpack[WorkerArgs]
 ) -> TrainResult:
     """Train this worker's part of the run under ``scheme``.
 
     ``stop`` (``--world-size dynamic``): once set, the worker finishes its step, pushes what
     its scheme holds, reports its work units, leaves and returns (``TrainResult.left``). In the
     main thread of an elastic run SIGTERM sets it (the launcher shrinks a run so)."""
-    session = WorkerSession(
-        model=model,
-        loss_fn=loss_fn,
-        train_set=train_set,
-        test_set=test_set,
-        config=config,
-        env=env,
-        scheme=scheme,
-        batch_fn=batch_fn,
-        stop=stop,
-        callbacks=callbacks,
-        metric_fns=metric_fns,
-    )
+    session = WorkerSession(loss_fn=loss_fn, batch_fn=batch_fn, **args)
     try:
         session.open()
         for raw in session.batches():
