@@ -19,7 +19,7 @@ from distsgd.ps.rules import PushMeta
 from distsgd.ps.service_errors import abort, guarded
 from distsgd.ps.shard import Shard
 from distsgd.ps.shard_holder import ShardHolder
-from distsgd.transport.codec import iter_chunks
+from distsgd.transport.codec import header_then_chunks
 from distsgd.transport.errors import Refusal
 from distsgd.transport.proto import distsgd_pb2 as pb
 
@@ -125,9 +125,7 @@ class DataPlane:
             server_incarnation=self.holder.incarnation,
             waited_seconds=waited,
         )
-        yield pb.PullResponse(header=header)
-        for chunk in iter_chunks(arrays, self.chunk_bytes):
-            yield pb.PullResponse(chunk=chunk)
+        yield from header_then_chunks(pb.PullResponse, header, arrays, self.chunk_bytes)
 
     @guarded
     def Push(

@@ -14,7 +14,7 @@ from distsgd.ps import checks, moves
 from distsgd.ps.load import PieceCounts
 from distsgd.ps.segments import SegmentTable
 from distsgd.ps.service_errors import abort, clip, guarded
-from distsgd.transport.codec import iter_chunks, specs_of
+from distsgd.transport.codec import header_then_chunks, specs_of
 from distsgd.transport.errors import PushReject
 from distsgd.transport.proto import distsgd_pb2 as pb
 
@@ -94,9 +94,8 @@ class MovePlane:
             loads=piece_loads(out.loads),
             move_id=out.move_id,
         )
-        yield pb.ExportResponse(header=header)
-        for chunk in iter_chunks(list(out.arrays.values()), self.chunk_bytes):
-            yield pb.ExportResponse(chunk=chunk)
+        arrays = list(out.arrays.values())
+        yield from header_then_chunks(pb.ExportResponse, header, arrays, self.chunk_bytes)
 
     @guarded
     def ImportPieces(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -28,7 +28,7 @@ from distsgd.transport.carriers.base import Carrier, CarrierFailed, Payload
 from distsgd.transport.carriers.segment import SegmentCarrier
 from distsgd.transport.carriers.stream import StreamCarrier
 from distsgd.transport.carriers.tensor_socket import SocketCarrier
-from distsgd.transport.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks, specs_of
+from distsgd.transport.codec import CHUNK_BYTES, ChunkAssembler, header_then_chunks, specs_of
 from distsgd.transport.delay import LinkDelay
 from distsgd.transport.errors import (
     MAX_WAIT_SECONDS,
@@ -226,16 +226,12 @@ class ShardClient:
             work=work,
         )
         arrays = list(tensors.values())
-
-        def messages() -> Iterator[pb.RegisterRequest]:
-            yield pb.RegisterRequest(header=header)
-            for chunk in iter_chunks(arrays, self.chunk_bytes):
-                yield pb.RegisterRequest(chunk=chunk)
-
         return self._call(
             "Register",
             lambda: self.link.stub.Register(
-                messages(), timeout=self.timeout, metadata=self.link.metadata
+                header_then_chunks(pb.RegisterRequest, header, arrays, self.chunk_bytes),
+                timeout=self.timeout,
+                metadata=self.link.metadata,
             ),
         )
 
@@ -465,16 +461,12 @@ class ShardClient:
             version=header.version,
         )
         values = list(arrays.values())
-
-        def messages() -> Iterator[pb.ImportRequest]:
-            yield pb.ImportRequest(header=head)
-            for chunk in iter_chunks(values, self.chunk_bytes):
-                yield pb.ImportRequest(chunk=chunk)
-
         return self._call(
             "ImportPieces",
             lambda: self.link.stub.ImportPieces(
-                messages(), timeout=self.timeout, metadata=self.link.metadata
+                header_then_chunks(pb.ImportRequest, head, values, self.chunk_bytes),
+                timeout=self.timeout,
+                metadata=self.link.metadata,
             ),
             retry=False,
         )

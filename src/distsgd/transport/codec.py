@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -94,6 +95,22 @@ def wire_view(array: np.ndarray) -> memoryview:
     already contiguous and little-endian (every array on x86 and ARM)."""
     wire = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
     return wire.reshape(-1).view(np.uint8).data
+
+
+_M = TypeVar("_M")
+
+
+def header_then_chunks(
+    message: Callable[..., _M],
+    header: Any,
+    arrays: Sequence[np.ndarray],
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Iterator[_M]:
+    """A stream of tensors as ``message``s: ``message(header=header)``, then ``arrays`` cut by
+    :func:`iter_chunks`, each piece a ``message(chunk=...)``."""
+    yield message(header=header)
+    for chunk in iter_chunks(arrays, chunk_bytes):
+        yield message(chunk=chunk)
 
 
 def iter_chunks(

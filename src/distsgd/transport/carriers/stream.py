@@ -4,13 +4,11 @@ One try per call: the client retries (a pull) or not (a push may have been appli
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
 import numpy as np
 
 from distsgd.transport.carriers.base import Carrier, Payload
-from distsgd.transport.codec import ChunkAssembler, iter_chunks
+from distsgd.transport.codec import ChunkAssembler, header_then_chunks
 from distsgd.transport.errors import RemoteError
 from distsgd.transport.link import Link
 from distsgd.transport.proto import distsgd_pb2 as pb
@@ -44,13 +42,9 @@ class StreamCarrier(Carrier):
         return True
 
     def push(self, header: pb.PushHeader, payload: Payload) -> pb.PushResponse:
-        def messages() -> Iterator[pb.PushRequest]:
-            yield pb.PushRequest(header=header)
-            for chunk in iter_chunks(payload.arrays, self.chunk_bytes):
-                yield pb.PushRequest(chunk=chunk)
-
+        messages = header_then_chunks(pb.PushRequest, header, payload.arrays, self.chunk_bytes)
         link = self.link
         reply: pb.PushResponse = link.stub.Push(
-            messages(), timeout=link.timeout, metadata=link.metadata
+            messages, timeout=link.timeout, metadata=link.metadata
         )
         return reply
