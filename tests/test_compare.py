@@ -895,7 +895,11 @@ def test_the_baseline_runs_one_worker_over_the_same_samples() -> None:
     baseline = config.entries[-1]
     assert baseline.label == BASELINE_LABEL and baseline.scheme == "allreduce"
     run = config.launch_config(baseline, Path("."), 5)
-    assert run.workers == 1 and run.overrides["steps"] == 120 and run.overrides["eval_every"] == 20
+    assert (
+        run.size.workers == 1
+        and run.overrides["steps"] == 120
+        and run.overrides["eval_every"] == 20
+    )
     assert config.launch_config(config.entries[0], Path("."), 5).overrides["steps"] == 30
 
 
@@ -1132,7 +1136,7 @@ def test_a_tuned_repeated_comparison_with_a_baseline_without_processes(
         overrides = launched[key]["overrides"]
         assert "validation" not in overrides and overrides["lr"] == 0.15
         assert overrides["seed"] == int(key[-1])
-    assert launched["runs/baseline-1-worker/seed0"]["workers"] == 1
+    assert launched["runs/baseline-1-worker/seed0"]["size"]["workers"] == 1
     assert launched["runs/baseline-1-worker/seed0"]["overrides"]["steps"] == 24
     rows = _rows((out / "compare.md").read_text())
     assert rows["hogwild"][:2] == ["ok (2 runs)", "0.9500 ± 0.0000"]

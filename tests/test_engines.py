@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from distsgd.launcher import engines
-from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.config import ClusterSize, Hosting, LaunchConfig
 from distsgd.launcher.progress import Console
 from distsgd.launcher.run import launch
 
@@ -24,11 +24,10 @@ def _config(tmp_path: Path, **changes: object) -> LaunchConfig:
         script=str(SCRIPTS / "blobs.py"),
         script_args=("--steps", "6"),
         scheme="hogwild",
-        workers=1,
-        ps=1,
+        size=ClusterSize(workers=1, ps=1),
+        hosting=Hosting(**changes),  # type: ignore[arg-type]
         run_dir=tmp_path / "run",
         quiet=True,
-        **changes,  # type: ignore[arg-type]
     )
 
 
@@ -150,7 +149,7 @@ def test_a_ray_task_binds_its_nodes_address(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_placement_is_checked_and_shapes_ray_too(tmp_path: Path) -> None:
-    assert _config(tmp_path, ray="", placement="pack").placement == "pack"
+    assert _config(tmp_path, ray="", placement="pack").hosting.placement == "pack"
     with pytest.raises(ValueError, match="--placement must be spread or pack"):
         _config(tmp_path, ray="", placement="strict")
     with pytest.raises(ValueError, match="add --hosts N"):

@@ -10,7 +10,7 @@ import pytest
 from distsgd import schemes
 from distsgd.cluster import ClusterSpec
 from distsgd.launcher.argv import worker_task
-from distsgd.launcher.config import DEMO_SCRIPT, LaunchConfig
+from distsgd.launcher.config import DEMO_SCRIPT, ClusterSize, LaunchConfig
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "blobs.py")
 
@@ -25,13 +25,13 @@ def test_collective_comes_from_the_scheme_registry(name: str) -> None:
 
 
 def test_a_ps_run_with_more_servers_is_not_collective() -> None:
-    assert not LaunchConfig(script=SCRIPT, scheme="hogwild", ps=3).collective
-    assert LaunchConfig(script=SCRIPT, scheme="allreduce", ps=0).collective
+    assert not LaunchConfig(script=SCRIPT, scheme="hogwild", size=ClusterSize(ps=3)).collective
+    assert LaunchConfig(script=SCRIPT, scheme="allreduce", size=ClusterSize(ps=0)).collective
 
 
 def _registered(config: LaunchConfig, *, active: int) -> int:
     spec = ClusterSpec.local(
-        num_workers=config.highest_workers, num_ps=config.num_ps, host="127.0.0.1"
+        num_workers=config.size.highest_workers, num_ps=config.num_ps, host="127.0.0.1"
     )
     env = worker_task(
         config,
@@ -51,16 +51,23 @@ def test_an_elastic_worker_registers_by_the_run_kind() -> None:
     """An elastic collective run trains with the workers started now (its process group); a
     parameter-server one registers --workers; a fixed run registers none."""
     dynamic = {"world_size": "dynamic"}
-    collective = LaunchConfig(script=SCRIPT, scheme="allreduce", workers=2, max_workers=4)
-    ps = LaunchConfig(script=SCRIPT, scheme="hogwild", workers=2, max_workers=4, overrides=dynamic)
+    collective = LaunchConfig(
+        script=SCRIPT, scheme="allreduce", size=ClusterSize(workers=2, max_workers=4)
+    )
+    ps = LaunchConfig(
+        script=SCRIPT,
+        scheme="hogwild",
+        overrides=dynamic,
+        size=ClusterSize(workers=2, max_workers=4),
+    )
     assert _registered(collective, active=3) == 3
     assert _registered(ps, active=3) == 2
     assert _registered(LaunchConfig(script=SCRIPT, scheme="allreduce"), active=2) == 0
 
 
-def _saved(tmp_path: Path, **given: object) -> Path:
+def _saved(tmp_path: Path, scheme: str, **given: int) -> Path:
     """A run folder holding the RunSpec of a launch with ``given``."""
-    config = LaunchConfig(script=SCRIPT, run_dir=tmp_path, **given)  # type: ignore[arg-type]
+    config = LaunchConfig(script=SCRIPT, run_dir=tmp_path, scheme=scheme, size=ClusterSize(**given))
     config.run_spec(run_id="abc").save(tmp_path)
     return tmp_path
 
@@ -70,23 +77,24 @@ def test_a_resumed_elastic_run_keeps_its_saved_bounds(tmp_path: Path) -> None:
     the saved bounds: an elastic run stays elastic."""
     run_dir = _saved(tmp_path, scheme="allreduce", workers=2, min_workers=1, max_workers=4)
     resumed = LaunchConfig.resumed(run_dir, min_workers=0, max_workers=0)
-    assert (resumed.lowest_workers, resumed.workers, resumed.highest_workers) == (1, 2, 4)
-    assert resumed.elastic and resumed.resume and resumed.run_id == "abc"
-    assert LaunchConfig.resumed(run_dir).highest_workers == 4  # not given at all: the same
+    size = resumed.size
+    assert (size.lowest_workers, size.workers, size.highest_workers) == (1, 2, 4)
+    assert size.elastic and resumed.resume and resumed.run_id == "abc"
+    assert LaunchConfig.resumed(run_dir).size.highest_workers == 4  # not given at all: the same
 
 
 def test_bounds_given_on_resume_replace_the_saved_ones(tmp_path: Path) -> None:
     run_dir = _saved(tmp_path, scheme="allreduce", workers=2, min_workers=1, max_workers=4)
     resumed = LaunchConfig.resumed(run_dir, min_workers=2, max_workers=3)
-    assert (resumed.lowest_workers, resumed.highest_workers) == (2, 3)
+    assert (resumed.size.lowest_workers, resumed.size.highest_workers) == (2, 3)
     fixed = LaunchConfig.resumed(run_dir, min_workers=2, max_workers=2)
-    assert not fixed.elastic
+    assert not fixed.size.elastic
 
 
 def test_a_resumed_fixed_run_stays_fixed(tmp_path: Path) -> None:
     run_dir = _saved(tmp_path, scheme="allreduce", workers=2)
     resumed = LaunchConfig.resumed(run_dir, min_workers=0, max_workers=0)
-    assert not resumed.elastic and resumed.highest_workers == 2
+    assert not resumed.size.elastic and resumed.size.highest_workers == 2
 
 
 @pytest.mark.parametrize("name", schemes.names())
@@ -96,10 +104,10 @@ def test_the_fork_server_preloads_the_optimizer_where_a_worker_builds_one(
     """The bundled demo under a scheme whose servers update: no worker builds a torch optimizer,
     so the fork server does not import torch._dynamo for them (over a CPU-second); a scheme
     with a local optimizer, or a script of the user's own, gets it."""
-    demo = LaunchConfig(script=str(DEMO_SCRIPT), scheme=name, workers=2)
+    demo = LaunchConfig(script=str(DEMO_SCRIPT), scheme=name, size=ClusterSize(workers=2))
     script = tmp_path / "train.py"
     script.write_text("")
-    own = LaunchConfig(script=str(script), scheme=name, workers=2)
+    own = LaunchConfig(script=str(script), scheme=name, size=ClusterSize(workers=2))
     local = schemes.get(name).local_optimizer
     assert demo.preloads_optimizer is local
     assert own.preloads_optimizer is True

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from conftest import ROOT, alive, metrics, run_distsgd, task_pids
 
-from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.config import ClusterSize, LaunchConfig
 from distsgd.plan import rebalance as rb
 
 MB = 1e6
@@ -71,8 +71,9 @@ def test_rates_come_from_two_readings_of_the_counters() -> None:
 def _launch(tmp_path: Path, **changes: Any) -> LaunchConfig:
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    base: dict[str, Any] = {"script": str(script), "scheme": "hogwild", "workers": 2, "ps": 2}
-    return LaunchConfig(**{**base, **changes})
+    base: dict[str, Any] = {"script": str(script), "scheme": "hogwild"}
+    size = ClusterSize(workers=2, ps=changes.pop("ps", 2))
+    return LaunchConfig(**{**base, **changes}, size=size)
 
 
 def test_rebalance_auto_needs_an_asynchronous_scheme_and_two_servers(tmp_path: Path) -> None:

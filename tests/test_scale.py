@@ -13,7 +13,7 @@ import pytest
 
 from distsgd.cli.main import main
 from distsgd.control.folder import METRICS_FILE
-from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.config import ClusterSize, LaunchConfig
 from distsgd.launcher.join import join_env
 from distsgd.launcher.scale import (
     LAUNCHER_FILE,
@@ -54,22 +54,32 @@ def _run_folder(tmp_path: Path, **config: object) -> Path:
 
 def test_launch_config_bounds_and_world_size() -> None:
     with pytest.raises(ValueError, match="need 1 <= min <= workers <= max"):
-        LaunchConfig(script=SCRIPT, workers=3, max_workers=2, scheme="hogwild")
+        LaunchConfig(script=SCRIPT, scheme="hogwild", size=ClusterSize(workers=3, max_workers=2))
     with pytest.raises(ValueError, match="need 1 <= min <= workers <= max"):
-        LaunchConfig(script=SCRIPT, workers=2, min_workers=3, max_workers=4, scheme="hogwild")
+        LaunchConfig(
+            script=SCRIPT,
+            scheme="hogwild",
+            size=ClusterSize(workers=2, min_workers=3, max_workers=4),
+        )
     with pytest.raises(ValueError, match="--world-size dynamic"):
-        LaunchConfig(script=SCRIPT, workers=2, max_workers=4, scheme="hogwild")
+        LaunchConfig(script=SCRIPT, scheme="hogwild", size=ClusterSize(workers=2, max_workers=4))
     config = LaunchConfig(
         script=SCRIPT,
-        workers=2,
-        max_workers=4,
         scheme="hogwild",
         overrides={"world_size": "dynamic"},
+        size=ClusterSize(workers=2, max_workers=4),
     )
-    assert config.elastic and (config.lowest_workers, config.highest_workers) == (2, 4)
-    assert not LaunchConfig(script=SCRIPT, workers=2, scheme="hogwild").elastic
+    assert config.size.elastic and (config.size.lowest_workers, config.size.highest_workers) == (
+        2,
+        4,
+    )
+    assert not LaunchConfig(
+        script=SCRIPT, scheme="hogwild", size=ClusterSize(workers=2)
+    ).size.elastic
     # a collective scheme scales by a restart: no dynamic world size needed
-    assert LaunchConfig(script=SCRIPT, workers=2, max_workers=3, scheme="allreduce").elastic
+    assert LaunchConfig(
+        script=SCRIPT, scheme="allreduce", size=ClusterSize(workers=2, max_workers=3)
+    ).size.elastic
 
 
 def test_faults_may_name_the_workers_a_run_can_grow_to() -> None:
@@ -78,20 +88,23 @@ def test_faults_may_name_the_workers_a_run_can_grow_to() -> None:
     dynamic = {"world_size": "dynamic"}
     faults = ["delay:worker:3=50ms"]
     grows = LaunchConfig(
-        script=SCRIPT, workers=2, max_workers=4, scheme="hogwild", overrides=dynamic, faults=faults
+        script=SCRIPT,
+        scheme="hogwild",
+        overrides=dynamic,
+        faults=faults,
+        size=ClusterSize(workers=2, max_workers=4),
     )
     assert grows.faults == faults
     with pytest.raises(ValueError, match=r"no worker4 \(4 worker tasks at most\); use an index"):
         LaunchConfig(
             script=SCRIPT,
-            workers=2,
-            max_workers=4,
             scheme="hogwild",
             overrides=dynamic,
             faults=["delay:worker:4=50ms"],
+            size=ClusterSize(workers=2, max_workers=4),
         )
     with pytest.raises(ValueError, match=r"no worker3 \(2 worker tasks\); use an index below 2"):
-        LaunchConfig(script=SCRIPT, workers=2, scheme="hogwild", faults=faults)
+        LaunchConfig(script=SCRIPT, scheme="hogwild", faults=faults, size=ClusterSize(workers=2))
 
 
 def test_scale_request_is_answered_by_its_sequence_number(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from conftest import SCRIPTS
 
-from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.config import ClusterSize, LaunchConfig
 from distsgd.launcher.emulated import NoHosts
 from distsgd.launcher.errors import RunFailed
 from distsgd.launcher.progress import Console
@@ -86,7 +86,10 @@ def test_the_first_line_comes_before_the_cluster_starts(
 
     monkeypatch.setattr(TaskStarter, "start_cluster", slow_start)
     config = LaunchConfig(
-        script=str(SCRIPTS / "blobs.py"), scheme="allreduce", workers=2, run_dir=tmp_path / "r"
+        script=str(SCRIPTS / "blobs.py"),
+        scheme="allreduce",
+        run_dir=tmp_path / "r",
+        size=ClusterSize(workers=2),
     )
     outcome = launch(config, Console(stream))
     assert outcome.reason.startswith("stopped by the test")
@@ -139,7 +142,9 @@ def test_the_fork_server_starts_before_the_launcher_loads_torch(
 
     monkeypatch.setattr(tasks_module, "host_store", host_store)
     local = TaskStarter.__new__(TaskStarter)  # only what start_cluster reads up to the store
-    config = LaunchConfig(script=str(SCRIPTS / "blobs.py"), scheme="allreduce", workers=2)
+    config = LaunchConfig(
+        script=str(SCRIPTS / "blobs.py"), scheme="allreduce", size=ClusterSize(workers=2)
+    )
     local.state = SimpleNamespace(  # type: ignore[assignment]
         config=config,
         wal_root=tmp_path / "wal",

@@ -12,7 +12,7 @@ import pytest
 from conftest import one_cert_for_all
 
 from distsgd.cli.main import main
-from distsgd.launcher.config import LaunchConfig
+from distsgd.launcher.config import ClusterSize, Hosting, LaunchConfig
 from distsgd.launcher.emulated import host_plan
 from distsgd.transport.security import TlsConfig, certificate_names, check_certificate_names
 
@@ -43,15 +43,21 @@ def test_not_a_certificate_is_one_line(tmp_path: Path) -> None:
 
 def test_a_certificate_missing_a_servers_host_is_refused_naming_it(tmp_path: Path) -> None:
     tls = _tls(tmp_path, ("198.18.0.1",))
-    plan = host_plan(LaunchConfig(script=SCRIPT, workers=2, ps=2, hosts=3))
+    plan = host_plan(
+        LaunchConfig(script=SCRIPT, size=ClusterSize(workers=2, ps=2), hosting=Hosting(hosts=3))
+    )
     assert plan.server_addresses() == ("198.18.0.1", "198.18.0.2")  # spread: servers first
     with pytest.raises(ValueError) as refused:
-        LaunchConfig(script=SCRIPT, workers=2, ps=2, hosts=3, tls=tls)
+        LaunchConfig(
+            script=SCRIPT, size=ClusterSize(workers=2, ps=2), hosting=Hosting(hosts=3, tls=tls)
+        )
     message = str(refused.value)
     assert "does not name 198.18.0.2," in message and "198.18.0.1," not in message.split("(")[0]
     assert "subjectAltName=IP:198.18.0.1,IP:198.18.0.2" in message and "\n" not in message
     LaunchConfig(
-        script=SCRIPT, workers=2, ps=2, hosts=3, tls=_tls(tmp_path, ("198.18.0.1", "198.18.0.2"))
+        script=SCRIPT,
+        size=ClusterSize(workers=2, ps=2),
+        hosting=Hosting(hosts=3, tls=_tls(tmp_path, ("198.18.0.1", "198.18.0.2"))),
     )
 
 

@@ -94,7 +94,13 @@ def main(args: argparse.Namespace) -> int:
 
 def _render(args: argparse.Namespace) -> int:
     from distsgd.cli.flags import checkpoint_every, collect, scheme_options
-    from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, DEMO_SCRIPT, LaunchConfig
+    from distsgd.launcher.config import (
+        DEMO_SCRIPT,
+        ClusterSize,
+        Durability,
+        Hosting,
+        LaunchConfig,
+    )
     from distsgd.launcher.k8s import K8sConfig, render
 
     unsupported = [
@@ -116,38 +122,26 @@ def _render(args: argparse.Namespace) -> int:
     script = Path(args.script) if args.script else DEMO_SCRIPT
     data = () if args.script else (DEMO_SCRIPT.with_name("digits.npz"),)
     steps, seconds = checkpoint_every(args.checkpoint_every)
-    cadence = args.checkpoint_every or f"{DEFAULT_CHECKPOINT_SECONDS:.0f}s"
     # The same checks as distsgd run: the scheme, its options, --ps, training flags, the script.
     launch = LaunchConfig(
         script=str(script),
         script_args=tuple(args.script_args),
-        workers=args.workers,
-        ps=args.ps,
         scheme=args.scheme,
         scheme_options=scheme_options(args),
         overrides=collect(args, "train."),
-        threads=args.threads,
-        checkpoint_every=steps,
-        checkpoint_seconds=seconds,
-        max_restarts=args.max_restarts,
+        size=ClusterSize(workers=args.workers, ps=args.ps),
+        durability=Durability(
+            checkpoint_every=steps, checkpoint_seconds=seconds, max_restarts=args.max_restarts
+        ),
+        hosting=Hosting(threads=args.threads),
     )
-    run = launch.run_spec(run_id="")  # K8sConfig makes the run id
     config = K8sConfig(
-        script=script,
+        launch=launch,
         data_files=data,
-        script_args=run.script_args,
-        workers=run.workers,
-        ps=run.ps,
-        scheme=run.scheme,
-        scheme_options=run.scheme_options,
-        overrides=run.overrides,
         name=args.name,
         namespace=args.namespace,
         image=args.image,
         port=args.port,
-        checkpoint_every=cadence,
-        max_restarts=launch.max_restarts,
-        threads=launch.threads,
         worker_cpu=args.worker_cpu,
         worker_memory=args.worker_memory,
         ps_cpu=args.ps_cpu,

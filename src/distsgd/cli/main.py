@@ -35,26 +35,35 @@ def _tls(args: argparse.Namespace) -> Any:
 
 def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence[str]) -> int:
     from distsgd.launcher import LaunchConfig, launch
+    from distsgd.launcher.config import ClusterSize, Durability, Hosting
 
     steps, seconds = checkpoint_every(args.checkpoint_every)
+    durability = Durability(
+        checkpoint_every=steps,
+        checkpoint_seconds=seconds,
+        max_restarts=args.max_restarts,
+        max_rollbacks=args.max_rollbacks,
+        wal=args.wal != "off",
+        replicate=args.wal == "on",
+    )
     common: dict[str, Any] = {
-        "threads": args.threads,
         "quiet": args.quiet,
-        "max_restarts": args.max_restarts,
-        "max_rollbacks": args.max_rollbacks,
         "faults": tuple(args.inject_fault),
-        "tls": _tls(args),
-        "ray": args.ray,
+        "rebalance": getattr(args, "rebalance", "off"),
+        "hosting": Hosting(
+            threads=args.threads,
+            tls=_tls(args),
+            ray=args.ray,
+            fork_server=args.fork_server == "on",
+            hosts=args.hosts,
+            links=tuple(args.link),
+            placement=args.placement,
+        ),
+    }
+    bounds: dict[str, Any] = {
         "min_workers": args.min_workers,
         "max_workers": args.max_workers,
         "evict_after": args.evict_after,
-        "wal": args.wal != "off",
-        "replicate": args.wal == "on",
-        "fork_server": args.fork_server == "on",
-        "hosts": args.hosts,
-        "links": tuple(args.link),
-        "placement": args.placement,
-        "rebalance": getattr(args, "rebalance", "off"),
     }
     resume = getattr(args, "resume", None)
     if resume is not None:
@@ -76,23 +85,22 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
                 "--resume continues the run with its saved script and options; "
                 f"drop {', '.join(ignored)}"
             )
-        if args.checkpoint_every is not None:  # else: the saved cadence
-            common.update(checkpoint_every=steps, checkpoint_seconds=seconds)
-        config = LaunchConfig.resumed(resume, **common)
+        cadence = None if args.checkpoint_every is None else (steps, seconds)  # None: saved
+        config = LaunchConfig.resumed(
+            resume, cadence=cadence, durability=durability, **bounds, **common
+        )
         return launch(config).exit_code
     if script is None:
         raise ValueError("no training script; give SCRIPT, or --resume RUN_DIR to continue a run")
     config = LaunchConfig(
         script=script,
         script_args=tuple(script_args),
-        workers=args.workers,
-        ps=args.ps,
         scheme=args.scheme,
         scheme_options=scheme_options(args),
         overrides=collect(args, "train."),
+        size=ClusterSize(workers=args.workers, ps=args.ps, **bounds),
+        durability=durability,
         run_dir=args.run_dir,
-        checkpoint_every=steps,
-        checkpoint_seconds=seconds,
         **common,
     )
     return launch(config).exit_code

@@ -14,7 +14,14 @@ from typing import Any
 from distsgd import schemes
 from distsgd.compare.entries import SchemeEntry, check_duplicates, parse_entry, with_folders
 from distsgd.compare.tune import DEFAULT_VALIDATION, TuneKey, grid, parse_tune, setting_text
-from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS, DEFAULT_MAX_RESTARTS, LaunchConfig
+from distsgd.launcher.config import (
+    DEFAULT_CHECKPOINT_SECONDS,
+    DEFAULT_MAX_RESTARTS,
+    ClusterSize,
+    Durability,
+    Hosting,
+    LaunchConfig,
+)
 from distsgd.transport.security import TlsConfig
 
 BASELINE_LABEL = "1 worker (allreduce)"
@@ -249,18 +256,18 @@ class CompareConfig:
         return LaunchConfig(
             script=self.script,
             script_args=self.script_args,
-            workers=workers,
-            ps=self.ps if _uses_ps(entry.scheme) else None,
             scheme=entry.scheme,
             scheme_options=options,
             overrides={**overrides, "eval_every": eval_every},
+            size=ClusterSize(workers=workers, ps=self.ps if _uses_ps(entry.scheme) else None),
+            durability=Durability(
+                checkpoint_every=self.checkpoint_every,
+                checkpoint_seconds=self.checkpoint_seconds,
+                max_restarts=self.max_restarts,
+            ),
+            hosting=Hosting(threads=self.threads, tls=self.tls),
             run_dir=run_dir,
-            threads=self.threads,
-            checkpoint_every=self.checkpoint_every,
-            checkpoint_seconds=self.checkpoint_seconds,
-            max_restarts=self.max_restarts,
             faults=self.faults,
-            tls=self.tls,
         )
 
     def resolved_out(self) -> Path:

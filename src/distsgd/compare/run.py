@@ -262,7 +262,7 @@ class Comparison:
             entry, run_dir, self.eval_every, setting=setting, extra=extra
         )
         self._say(
-            f"{where}: starting ({launch_config.workers} workers, {launch_config.num_ps} ps) "
+            f"{where}: starting ({launch_config.size.workers} workers, {launch_config.num_ps} ps) "
             f"in {run_dir}"
         )
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -292,7 +292,7 @@ class Comparison:
             eval_every=launch_config.overrides["eval_every"],
             wall_seconds=wall,
         )
-        run = dataclasses.replace(run, baseline=entry.baseline, workers=launch_config.workers)
+        run = dataclasses.replace(run, baseline=entry.baseline, workers=launch_config.size.workers)
         self._say(f"{where}: {_outcome(run, validation='validation' in extra)}")
         return run
 

@@ -40,16 +40,16 @@ def server_argv(
         argv += ["--address-file", str(address_file)]
     argv += [
         *("--checkpoint-dir", str(checkpoint_dir)),
-        *(["--wal-dir", str(wal_dir)] if config.wal else ["--wal", "off"]),
+        *(["--wal-dir", str(wal_dir)] if config.durability.wal else ["--wal", "off"]),
     ]
     if restore is not None:
         argv += ["--restore", str(restore)]
-    if config.elastic:
-        argv += ["--max-workers", str(config.highest_workers)]
-    if config.evict_after:
-        argv += ["--evict-after", f"{config.evict_after:g}"]
-    if config.tls is not None:
-        tls = config.tls
+    if config.size.elastic:
+        argv += ["--max-workers", str(config.size.highest_workers)]
+    if config.size.evict_after:
+        argv += ["--evict-after", f"{config.size.evict_after:g}"]
+    if config.hosting.tls is not None:
+        tls = config.hosting.tls
         argv += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
     return argv
 
@@ -91,20 +91,22 @@ def worker_task(
         rendezvous=rendezvous,
         startup_timeout=c.startup_timeout,
         wait_timeout=c.wait_timeout,
-        checkpoint_every=c.checkpoint_every,
-        checkpoint_seconds=c.checkpoint_seconds,
+        checkpoint_every=c.durability.checkpoint_every,
+        checkpoint_seconds=c.durability.checkpoint_seconds,
         resume="" if resume is None else str(resume),
         continue_at=continue_at,
-        tls=c.tls,
+        tls=c.hosting.tls,
         ps_address_files=[] if control else [str(path) for path in ps_address_files],
         control=control,
         ps_link_delays=[list(pair) for pair in link_delays],
         faults=tuple(
-            fault for fault in map(Fault.parse, c.faults) if _worker_fault(fault, index, c.hosts)
+            fault
+            for fault in map(Fault.parse, c.faults)
+            if _worker_fault(fault, index, c.hosting.hosts)
         ),
         # an elastic cluster lists --max-workers workers: a collective one trains with those
         # started now (a process group's size), a parameter-server one registers --workers
-        registered_workers=(active if c.collective else c.workers) if c.elastic else 0,
+        registered_workers=(active if c.collective else c.size.workers) if c.size.elastic else 0,
         reshard=reshard,
         rollbacks_left=rollbacks_left,
     )

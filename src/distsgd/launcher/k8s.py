@@ -48,12 +48,15 @@ import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distsgd import __version__
 from distsgd.cluster import kube
 from distsgd.transport.security import SECRET_FILE_ENV, TRUSTED_NETWORK_ENV, new_secret
 from distsgd.util import write_atomic, write_bytes_atomic
+
+if TYPE_CHECKING:
+    from distsgd.launcher.config import LaunchConfig
 
 log = logging.getLogger(__name__)
 
@@ -109,29 +112,18 @@ def _yaml() -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class K8sConfig:
-    """What ``distsgd k8s render`` renders: the run of ``distsgd run``, plus where it runs."""
+    """What ``distsgd k8s render`` renders: the run of ``distsgd run`` (its
+    :class:`~distsgd.launcher.config.LaunchConfig`, checked as that checks it; ``--max-restarts``
+    is each Job's ``backoffLimit`` and the JobSet's ``maxRestarts``), plus where it runs."""
 
-    script: Path = field(metadata={"help": "the training script, copied into the image"})
+    launch: LaunchConfig = field(metadata={"help": "the run, as distsgd run checks it"})
     data_files: tuple[Path, ...] = field(
         default=(), metadata={"help": "files copied beside the script (the demo's data)"}
     )
-    script_args: tuple[str, ...] = field(default=(), metadata={"help": "arguments for the script"})
-    workers: int = field(default=2, metadata={"help": "worker pods"})
-    ps: int = field(default=1, metadata={"help": "parameter-server pods (0 for collectives)"})
-    scheme: str = field(default="sync", metadata={"help": "training scheme"})
-    scheme_options: dict[str, Any] = field(default_factory=dict)
-    overrides: dict[str, Any] = field(default_factory=dict, metadata={"help": "TrainConfig"})
     name: str = field(default="distsgd", metadata={"help": "the JobSet's (and TrainJob's) name"})
     namespace: str = field(default="default", metadata={"help": "namespace of every object"})
     image: str = field(default="distsgd:latest", metadata={"help": "the image every pod runs"})
     port: int = field(default=2222, metadata={"help": "the port every task listens on"})
-    checkpoint_every: str = field(
-        default="30s", metadata={"help": "distsgd worker --checkpoint-every ('0' = off)"}
-    )
-    max_restarts: int = field(
-        default=3, metadata={"help": "backoffLimit of each Job and maxRestarts of the JobSet"}
-    )
-    threads: int = field(default=0, metadata={"help": "torch threads per worker (0 = its CPUs)"})
     worker_cpu: str = field(default="1", metadata={"help": "CPU request of a worker pod"})
     worker_memory: str = field(default="1Gi", metadata={"help": "memory request of a worker"})
     ps_cpu: str = field(default="1", metadata={"help": "CPU request of a ps pod"})
@@ -175,22 +167,35 @@ class K8sConfig:
                 )
         if self.storage_class is not None and not self.storage_class.strip():
             raise ValueError("--storage-class is empty; drop it for the cluster's default")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if not re.fullmatch(r"[a-z0-9]{1,16}", self.run_id):
             raise ValueError(f"run id {self.run_id!r}: use up to 16 lower-case letters or digits")
-        if self.workers < 1 or self.ps < 0:
-            raise ValueError("a run needs at least 1 worker and 0 or more parameter servers")
 
     # -- derived values -------------------------------------------------------------------------
     @property
-    def script_name(self) -> str:
-        return self.script.name
+    def script(self) -> Path:
+        return Path(self.launch.script)
+
+    @property
+    def workers(self) -> int:
+        return self.launch.size.workers
+
+    @property
+    def ps(self) -> int:
+        """``--ps``, or the scheme's default (0 for a collective one)."""
+        return self.launch.num_ps
+
+    @property
+    def checkpoint_every(self) -> str:
+        """``distsgd worker --checkpoint-every``: N (steps) or Ns; '' when checkpoints are off."""
+        every = self.launch.durability
+        steps, seconds = every.checkpoint_every, every.checkpoint_seconds
+        return str(steps) if steps else f"{_text(seconds)}s" if seconds else ""
 
     @property
     def worker_threads(self) -> int:
-        if self.threads:
-            return self.threads
+        threads = self.launch.hosting.threads
+        if threads:
+            return threads
         cpu = self.worker_cpu
         if cpu.endswith("m"):
             return max(1, int(float(cpu[:-1]) // 1000))
@@ -286,13 +291,13 @@ def worker_args(config: K8sConfig) -> list[str]:
     run folder's files go to the run control, checkpoints into ``--run-dir`` on its volume,
     where a restarted worker continues from its newest state."""
     args = ["worker", "--run-dir", config.run_dir, "--control", config.control_address]
-    if config.checkpoint_every not in ("", "0", "0s"):
+    if config.checkpoint_every:
         args += ["--checkpoint-every", config.checkpoint_every]
     args.append("--resume-latest")
-    args += ["--scheme", config.scheme]
-    args += _value_flags(config.scheme_options)
-    args += _value_flags(config.overrides)
-    args += [config.script_name, *config.script_args]
+    args += ["--scheme", config.launch.scheme]
+    args += _value_flags(config.launch.scheme_options)
+    args += _value_flags(config.launch.overrides)
+    args += [config.script.name, *config.launch.script_args]
     return [_escape(a) for a in args]
 
 
@@ -393,7 +398,7 @@ def _job_template(config: K8sConfig, role: str) -> dict[str, Any]:
             "completionMode": "Indexed",
             "completions": count,
             "parallelism": count,
-            "backoffLimit": config.max_restarts,
+            "backoffLimit": config.launch.durability.max_restarts,
             "template": pod,
         }
     }
@@ -420,7 +425,7 @@ def jobset_spec(config: K8sConfig) -> dict[str, Any]:
     return {
         "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
         "successPolicy": {"operator": "All", "targetReplicatedJobs": ["worker"]},
-        "failurePolicy": {"maxRestarts": config.max_restarts},
+        "failurePolicy": {"maxRestarts": config.launch.durability.max_restarts},
         "replicatedJobs": replicated,
     }
 

@@ -59,7 +59,7 @@ class RunStore:
 
     def _disk(self) -> DiskStore:
         state = self.state
-        return DiskStore(state.ckpt_root, state.wal_root if state.config.wal else None)
+        return DiskStore(state.ckpt_root, state.wal_root if state.config.durability.wal else None)
 
     def latest(self) -> Checkpoint | None:
         note = self.state.console.note
@@ -86,7 +86,7 @@ class RunStore:
     def has_wal(self, index: int) -> bool:
         """Whether ps ``index`` can come back from its log: its replica's copy, or its own
         folder (on its host's disk under ``--hosts``)."""
-        wal = self.state.config.wal
+        wal = self.state.config.durability.wal
         if self.replicas is not None and self.replicas.holds_state(index):
             return wal
         disk = self.hosts.disk_of(f"ps{index}")
@@ -122,9 +122,9 @@ class PlanExecutor:
         )
         budget = RestartBudget(
             used=state.restarts.get(task.name, 0),
-            max_restarts=state.config.max_restarts,
+            max_restarts=state.config.durability.max_restarts,
             ran_seconds=time.monotonic() - state.started_at.get(task.name, 0.0),
-            healthy_seconds=state.config.healthy_seconds,
+            healthy_seconds=state.config.durability.healthy_seconds,
         )
         try:
             recorded = (state.run_dir / RESULT_FILE).exists()  # training is over: no restarts
@@ -148,8 +148,8 @@ class PlanExecutor:
         else:
             state.restarts[task.name] = plan.attempt
             state.console.note(
-                f"[distsgd] {task.name} died (exit code {code}); "
-                f"restart {plan.attempt} of {state.config.max_restarts} in {plan.backoff:.1f}s"
+                f"[distsgd] {task.name} died (exit code {code}); restart {plan.attempt} of "
+                f"{state.config.durability.max_restarts} in {plan.backoff:.1f}s"
             )
             if state.stop.wait(plan.backoff):
                 raise Interrupted
@@ -172,7 +172,11 @@ class PlanExecutor:
             cause = said.message if said is not None else "see its log"
             raise RunFailed(f"{task.name}: {cause}", status=RunStatus.SETUP_ERROR)
         tail = "\n".join(f"    {line}" for line in task.tail)
-        how = "" if state.config.max_restarts == 0 else f" and has used its {plan.used} restarts"
+        how = (
+            ""
+            if state.config.durability.max_restarts == 0
+            else f" and has used its {plan.used} restarts"
+        )
         resume = f"\nresume with: distsgd run --resume {state.run_dir}" if plan.resumable else ""
         head = f"task {task.name} failed (exit code {code}){how}"
         said = SetupErrorRecord.load(state.run_dir, TaskId.parse(task.name))
@@ -197,7 +201,7 @@ class PlanExecutor:
             furthest=max(progress.local_steps.values(), default=0),
             checkpoints=complete_checkpoints(state.ckpt_root),
             done=len(state.rollbacks),
-            max_rollbacks=state.config.max_rollbacks,
+            max_rollbacks=state.config.durability.max_rollbacks,
             lr_cut=float(state.config.overrides.get("lr_cut", 1.0)),
         )
         if rollback is not None:
@@ -261,7 +265,7 @@ class PlanExecutor:
         state.console.note(
             f"[distsgd] {name} failed (exit code {code}) with no restarts left; the "
             f"run goes on with {len(state.active)} workers (--min-workers "
-            f"{state.config.lowest_workers})"
+            f"{state.config.size.lowest_workers})"
         )
 
     def _fault(self, target: str, code: int, step: int, action: str, **cost: Any) -> None:
@@ -375,7 +379,7 @@ class PlanExecutor:
         at = "the start" if plan.checkpoint is None else plan.checkpoint.path.name
         state.console.note(
             f"[distsgd] {plan.why}; rolling back to {at} at {plan.lr_cut:g}x the rate "
-            f"(rollback {plan.number} of {state.config.max_rollbacks})"
+            f"(rollback {plan.number} of {state.config.durability.max_rollbacks})"
         )
         self._fault(name, code, step, "rollback", **plan.record())
         state.rollbacks = (*state.rollbacks, plan.record())

@@ -309,7 +309,7 @@ class LocalRun:
         # said first: what follows may take a minute on a loaded machine (torch's imports)
         state.console.note(
             f"[distsgd] run {state.run_dir}: scheme {config.scheme}, "
-            f"{config.workers} workers, "
+            f"{config.size.workers} workers, "
             f"{state.num_ps} ps, {state.threads} threads per worker, "
             f"lr x {factor:.4g} (--lr-rule {rule})"
         )
@@ -334,7 +334,7 @@ class LocalRun:
             if self.starter.replicas is not None:
                 self.starter.replicas.restart_dead(state.progress.step)
             self.hosts.poll_faults(state.progress.step)
-            if state.config.elastic:
+            if state.config.size.elastic:
                 self.scaler.poll()
                 self.scaler.reap_leaving()
             ended = self._poll_tasks()
@@ -364,7 +364,7 @@ class LocalRun:
             and TaskId.parse(name).job == Role.WORKER
             and task.poll() is None
         ]
-        saves = config.checkpoint_every or config.checkpoint_seconds
+        saves = config.durability.checkpoint_every or config.durability.checkpoint_seconds
         if state.collective or not workers or not saves:
             return
         state.stop.clear()

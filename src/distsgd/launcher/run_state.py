@@ -84,7 +84,7 @@ class RunState:
             secret=secret,
             progress=Progress(run_dir / METRICS_FILE),
             events=MetricsWriter(run_dir / METRICS_FILE, "launcher"),
-            active=set(range(config.workers)),
+            active=set(range(config.size.workers)),
         )
 
     @property
@@ -101,7 +101,9 @@ class RunState:
 
     @property
     def checkpointing(self) -> bool:
-        return bool(self.config.checkpoint_every or self.config.checkpoint_seconds)
+        return bool(
+            self.config.durability.checkpoint_every or self.config.durability.checkpoint_seconds
+        )
 
     @property
     def ckpt_root(self) -> Path:
@@ -114,13 +116,13 @@ class RunState:
     @property
     def rollbacks_left(self) -> int:
         """Rollbacks the run may still take (each worker watches for spikes while any are)."""
-        return max(0, self.config.max_rollbacks - len(self.rollbacks))
+        return max(0, self.config.durability.max_rollbacks - len(self.rollbacks))
 
     def topology(self) -> RunTopology:
         return RunTopology(
             collective=self.collective,
             workers=len(self.active),
-            min_workers=self.config.lowest_workers,
-            elastic=self.config.elastic,
+            min_workers=self.config.size.lowest_workers,
+            elastic=self.config.size.elastic,
             checkpointing=self.checkpointing,
         )

@@ -39,7 +39,7 @@ class Scaler:
         if request is None or request.seq == self.scale_seen:
             return
         self.scale_seen = request.seq
-        low, high = state.config.lowest_workers, state.config.highest_workers
+        low, high = state.config.size.lowest_workers, state.config.size.highest_workers
         if not low <= request.workers <= high:
             state.console.note(
                 f"[distsgd] scale to {request.workers} workers refused: this run was started "
@@ -71,7 +71,7 @@ class Scaler:
         while len(active) < workers:
             index = min(
                 i
-                for i in range(self.state.config.highest_workers)
+                for i in range(self.state.config.size.highest_workers)
                 if i not in active and f"worker{i}" not in self.leaving
             )
             active.add(index)

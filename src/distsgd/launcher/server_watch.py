@@ -52,7 +52,7 @@ class ServerWatch:
             address_of=self.address_of,
             run_id=state.run_id,
             secret=state.secret,
-            tls=state.config.tls,
+            tls=state.config.hosting.tls,
             event=state.events.log,
             note=state.console.note,
         )
@@ -76,7 +76,9 @@ class ServerWatch:
         if task is None or task.poll() is not None:
             return None
         address = self.address_of(index)
-        reply = read_info(address, run_id=state.run_id, secret=state.secret, tls=state.config.tls)
+        reply = read_info(
+            address, run_id=state.run_id, secret=state.secret, tls=state.config.hosting.tls
+        )
         if reply is not None and reply.registered:
             self.seen_versions[index] = max(self.seen_versions.get(index, 0), reply.version)
             self.shard_loads.see(index, reply, time.monotonic(), state.progress.step)
@@ -96,7 +98,7 @@ class ServerWatch:
             finished,
             run_id=state.run_id,
             secret=state.secret,
-            tls=state.config.tls,
+            tls=state.config.hosting.tls,
         )
         for worker, exc in failed:
             state.console.note(
@@ -116,7 +118,7 @@ class ServerWatch:
                 self.address_of(index),
                 run_id=state.run_id,
                 secret=state.secret,
-                tls=state.config.tls,
+                tls=state.config.hosting.tls,
                 worker=worker,
             )
             if reply is None or not reply.registered:

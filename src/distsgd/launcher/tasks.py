@@ -168,11 +168,11 @@ class TaskStarter:
         host = self.hosts.control_host(supervisor.control_host)
         if host is None:
             return None
-        if state.config.tls is not None:  # its connections are plaintext: not under mutual TLS
+        if state.config.hosting.tls is not None:  # plaintext connections: not under mutual TLS
             if (
                 not self.hosts.emulated
                 and supervisor.machines > 1
-                and state.config.placement == "spread"
+                and state.config.hosting.placement == "spread"
             ):
                 raise ValueError(
                     "--tls on a Ray cluster of several nodes: the run control that brings the "
@@ -207,14 +207,15 @@ class TaskStarter:
         engine's: Ray's nodes), unless ``--wal local``."""
         state, config = self.state, self.state.config
         machines = self.hosts.machines(state.supervisor.machines)
-        if machines < 2 or not (config.wal and config.replicate and state.num_ps):
+        durability = config.durability
+        if machines < 2 or not (durability.wal and durability.replicate and state.num_ps):
             return None
-        if config.tls is not None:  # its connection is plaintext: not under mutual TLS
+        if config.hosting.tls is not None:  # its connection is plaintext: not under mutual TLS
             state.console.note(
                 "[distsgd] --tls: the servers' logs stay on their own hosts (no replica)"
             )
             return None
-        node = state.supervisor.node_host or config.host
+        node = state.supervisor.node_host or config.hosting.host
         place = self.hosts.replica_place()
         return Replicas(
             place=place if place is not None else lambda ps: (node, None),
@@ -233,7 +234,7 @@ class TaskStarter:
     def task_host(self, task: TaskId) -> str:
         """The address ``task`` binds: its emulated host's (``--hosts``), else ``--host``."""
         host = self.hosts.task_host(task)
-        return host if host is not None else self.supervisor.node_host or self.config.host
+        return host if host is not None else self.supervisor.node_host or self.config.hosting.host
 
     def ps_address(self, index: int) -> str:
         """ps ``index``'s address as the launcher knows it."""
@@ -249,10 +250,10 @@ class TaskStarter:
         """Every task at its address with port 0 (each server picks its port when it starts)."""
         c, num_ps = self.config, self.state.num_ps
         if not self.hosts.emulated:
-            host = self.supervisor.node_host or c.host
-            return ClusterSpec.local(num_workers=c.highest_workers, num_ps=num_ps, host=host)
+            host = self.supervisor.node_host or c.hosting.host
+            return ClusterSpec.local(num_workers=c.size.highest_workers, num_ps=num_ps, host=host)
         ps = [self.task_host(TaskId(job=Role.PS, index=i)) for i in range(num_ps)]
-        workers = range(c.highest_workers)
+        workers = range(c.size.highest_workers)
         worker = [self.task_host(TaskId(job=Role.WORKER, index=i)) for i in workers]
         return ClusterSpec(ps=tuple(f"{a}:0" for a in ps), worker=tuple(f"{a}:0" for a in worker))
 
@@ -347,10 +348,10 @@ class TaskStarter:
 
     def _new_rendezvous(self) -> None:
         config = self.config
-        if self.state.collective and config.workers > 1:
+        if self.state.collective and config.size.workers > 1:
             # under --hosts the launcher is reached over the management link, on Ray at the
             # driver's node address
-            host = self.hosts.control_host(self.supervisor.control_host) or config.host
+            host = self.hosts.control_host(self.supervisor.control_host) or config.hosting.host
             what = "torch to load: the launcher hosts the all-reduce rendezvous store"
             with said_while_slow(self.state.console.note, what):
                 self.store, port = host_store(host, timedelta(seconds=config.wait_timeout))
@@ -364,7 +365,7 @@ class TaskStarter:
         self.clear_logs()
         if state.active:  # its imports go on beside the launcher's (the rendezvous store's)
             self.supervisor.prepare(self.worker_env)
-        if state.config.wal and state.num_ps:
+        if state.config.durability.wal and state.num_ps:
             make_private_dir(state.wal_root)
         if self.replicas is not None:  # before the servers, which are told their addresses
             with said_while_slow(state.console.note, "the servers' log replicas to listen"):

@@ -59,7 +59,7 @@ class Engine:
 
 def engine_name(config: LaunchConfig) -> str:
     """The engine a run's flags choose: ``ray`` with ``--ray``, else ``local``."""
-    return "ray" if config.ray is not None else "local"
+    return "ray" if config.hosting.ray is not None else "local"
 
 
 def engine_for(config: LaunchConfig) -> Engine:

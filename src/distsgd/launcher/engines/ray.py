@@ -538,15 +538,15 @@ def _start(config: LaunchConfig, run_dir: Path, console: Console) -> RaySupervis
     worker: dict[str, float] = {"CPU": float(config.threads_per_worker)}
     if config.device.startswith("cuda"):  # auto: a GPU only where Ray gives one anyway
         worker["GPU"] = 1.0
-    bundles.update({f"worker{i}": dict(worker) for i in range(config.highest_workers)})
-    where = config.ray or "a local Ray instance (127.0.0.1)"
+    bundles.update({f"worker{i}": dict(worker) for i in range(config.size.highest_workers)})
+    where = config.hosting.ray or "a local Ray instance (127.0.0.1)"
     console.note(f"[distsgd] tasks as Ray actors on {where}")
     return RaySupervisor(
         log_dir=run_dir / "logs",
         echo=console.line,
-        address=config.ray or "",
+        address=config.hosting.ray or "",
         bundles=bundles,
-        spread=config.placement == "spread",
+        spread=config.hosting.placement == "spread",
     )
 
 
