@@ -131,8 +131,7 @@ class DataPlane:
     def Push(
         self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext
     ) -> pb.PushResponse:
-        head = checks.first_header(request_iterator, context)
-        self.holder.check(head.header, context)
+        head = self.holder.stream_head(request_iterator, context)
         shard = self.holder.registered(context)
         lr_scale = checks.lr_scale(head.lr_scale, context)
         checks.push_sequence(head.sequence, context)

@@ -101,8 +101,7 @@ class MovePlane:
     def ImportPieces(
         self, request_iterator: Iterator[pb.ImportRequest], context: grpc.ServicerContext
     ) -> pb.MoveResponse:
-        head = checks.first_header(request_iterator, context)
-        self.holder.check(head.header, context)
+        head = self.holder.stream_head(request_iterator, context)
         shard = self.holder.registered(context)
         if head.header.worker != -1 or head.from_shard == self.shard_index:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, "an import from the launcher only")

@@ -167,8 +167,7 @@ class RegistrationPlane:
     def Register(
         self, request_iterator: Iterator[pb.RegisterRequest], context: grpc.ServicerContext
     ) -> pb.RegisterResponse:
-        head = checks.first_header(request_iterator, context)
-        self.holder.check(head.header, context)
+        head = self.holder.stream_head(request_iterator, context)
         self._check_register_head(head, context)
         work = work_spec(head.work, context)
         with self.holder.register_lock:

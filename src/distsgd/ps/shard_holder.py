@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
+from distsgd.ps.checks import first_header
 from distsgd.ps.rules import MAX_WORKERS
 from distsgd.ps.service_errors import abort, clip
 from distsgd.ps.shard import Shard
@@ -41,6 +44,12 @@ class ShardHolder:
         shard = self.shard
         if shard is not None:
             self.check_worker(header.worker, shard.membership.max_workers, context)
+
+    def stream_head(self, messages: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        """The header part that opens a stream of ``messages``, its request header checked."""
+        head = first_header(messages, context)
+        self.check(head.header, context)
+        return head
 
     def check_header(self, header: pb.RequestHeader, context: grpc.ServicerContext) -> None:
         """The protocol version and the run; not the worker index."""
