@@ -13,6 +13,7 @@ import functools
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -343,27 +344,16 @@ class SharedPlane:
                 "attach again",
                 Refusal.NO_SEGMENT,
             )
-        sizes = [
-            self._encoded_size(shard, spec, context) if is_encoded(spec) else nbytes_of(spec)
-            for spec in request.tensors
-        ]
+        sizes = self._piece_sizes(shard, request, context)
         total = sum(shm.align(size) for size in sizes)
         with entry.lock, self.segments.scratch.take(total) as scratch:
             # The push area stays writable by the worker (and any process mapping the segment):
             # copy exactly the announced bytes into server-private memory first, so the bytes
             # checked (finite, decodable) are the bytes applied.
-            payload: dict[str, np.ndarray] = {}
-            start = 0
-            for spec, size in zip(request.tensors, sizes, strict=True):
-                part = scratch[start : start + size]
-                start = shm.align(start + size)
+            parts = _cut(scratch, sizes, shm.align)
+            for spec, part in zip(request.tensors, parts, strict=True):
                 entry.segment.read_into(entry.push_offset(spec.key), part)
-                payload[spec.key] = (
-                    part
-                    if is_encoded(spec)
-                    else part.view(np.dtype(spec.dtype)).reshape(tuple(spec.shape))
-                )
-            payload = checks.decode(request.tensors, payload, context)
+            payload = checks.decode(request.tensors, _pieces(request.tensors, parts), context)
             return apply_push(shard, request, lr_scale, payload)
 
     def _check_shared_push(
@@ -378,6 +368,15 @@ class SharedPlane:
         if len(set(keys)) != len(keys):
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a piece listed twice in one push")
         return lr_scale
+
+    def _piece_sizes(
+        self, shard: Shard, request: pb.PushHeader, context: grpc.ServicerContext
+    ) -> list[int]:
+        """The bytes of each piece of a PushShared, as announced (an encoded one checked)."""
+        return [
+            self._encoded_size(shard, spec, context) if is_encoded(spec) else nbytes_of(spec)
+            for spec in request.tensors
+        ]
 
     def _encoded_size(
         self, shard: Shard, spec: pb.TensorSpec, context: grpc.ServicerContext
@@ -405,10 +404,7 @@ class SharedPlane:
     ) -> pb.PushResponse:
         assert entry.sock is not None
         lr_scale = self._check_shared_push(shard, request, context)
-        sizes = [
-            self._encoded_size(shard, spec, context) if is_encoded(spec) else nbytes_of(spec)
-            for spec in request.tensors
-        ]
+        sizes = self._piece_sizes(shard, request, context)
         with entry.lock, self.segments.scratch.take(sum(sizes)) as raw:
             try:
                 bulk.recv_into(entry.sock, raw, deadline=time.monotonic() + RPC_BYTES_SECONDS)
@@ -419,15 +415,28 @@ class SharedPlane:
                     f"tensor socket of worker {request.header.worker}: {exc}",
                     Refusal.NO_SEGMENT,
                 )
-            payload: dict[str, np.ndarray] = {}
-            start = 0
-            for spec, size in zip(request.tensors, sizes, strict=True):
-                part = raw[start : start + size]
-                start += size
-                payload[spec.key] = (
-                    part
-                    if is_encoded(spec)
-                    else part.view(np.dtype(spec.dtype)).reshape(tuple(spec.shape))
-                )
+            payload = _pieces(request.tensors, _cut(raw, sizes))
             payload = checks.decode(request.tensors, payload, context)
             return apply_push(shard, request, lr_scale, payload)
+
+
+def _cut(
+    buffer: np.ndarray, sizes: list[int], place: Callable[[int], int] = int
+) -> list[np.ndarray]:
+    """``buffer`` in consecutive parts of ``sizes`` bytes, each starting at ``place`` of where
+    the one before ended (``shm.align``: aligned as in a segment)."""
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(buffer[start : start + size])
+        start = place(start + size)
+    return parts
+
+
+def _pieces(tensors: Sequence[pb.TensorSpec], parts: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """A push's pieces from their bytes: an encoded one as bytes, the others as their arrays."""
+    return {
+        spec.key: part
+        if is_encoded(spec)
+        else part.view(np.dtype(spec.dtype)).reshape(tuple(spec.shape))
+        for spec, part in zip(tensors, parts, strict=True)
+    }
