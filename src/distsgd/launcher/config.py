@@ -394,7 +394,7 @@ class LaunchConfig:
 
     def run_spec(self, *, run_id: str) -> RunSpec:
         """The run's settings as saved in its folder (``config.json``) and read back by
-        ``--resume``, ``distsgd scale`` and ``distsgd join``."""
+        ``--resume``, ``distsgd elastic scale`` and ``distsgd elastic join``."""
         return RunSpec(
             script=str(Path(self.script).resolve()),
             script_args=self.script_args,
