@@ -76,14 +76,8 @@ def _port_in_use(host: str, port: int) -> bool:
     return False
 
 
-class _Shard(TypedDict):
-    address: str
-    shard_index: int
-    rule_factory: RuleFactory
-
-
-class ServerArgs(_Shard, total=False):
-    """The keywords :func:`serve` passes on to :func:`start_server` (all but ``max_threads``)."""
+class ServerArgs(TypedDict, total=False):
+    """The keywords :func:`serve` passes on to :func:`start_server` as they are."""
 
     secret: str | None
     tls: TlsConfig | None
@@ -184,6 +178,9 @@ def stop_server(
 
 def serve(
     *,
+    address: str,
+    shard_index: int,
+    rule_factory: RuleFactory,
     address_file: Path | None = None,
     stop: threading.Event | None = None,
     announce: Callable[[str], None] | None = None,
@@ -194,8 +191,8 @@ def serve(
     The bound address goes to ``address_file`` and to ``announce`` (the launcher's run
     control) once the server listens.
 
-    ``args`` (``address``, ``shard_index``, ``rule_factory``, ``secret``, ``tls``,
-    ``checkpoint_dir``, ``restore``, ``max_workers``, ``evict_after`` and ``wal_dir``) go to
+    ``address``, ``shard_index``, ``rule_factory`` and ``args`` (``secret``, ``tls``,
+    ``checkpoint_dir``, ``restore``, ``max_workers``, ``evict_after``, ``wal_dir``) go to
     :func:`start_server`. A warning is logged on any address without a run secret (on loopback
     every local user can connect), and on a non-loopback one without TLS (unless it has a
     secret and ``DISTSGD_TRUSTED_NETWORK`` is 1). Returns within a second of ``stop`` (or the
@@ -205,8 +202,10 @@ def serve(
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, setter(stop))
-    server, bound, service = start_server(**args)
-    shard_index, secret, tls = args["shard_index"], args.get("secret"), args.get("tls")
+    server, bound, service = start_server(
+        address=address, shard_index=shard_index, rule_factory=rule_factory, **args
+    )
+    secret, tls = args.get("secret"), args.get("tls")
     try:
         log.info(
             "parameter server ps%d listening on %s (%s, %s)",
