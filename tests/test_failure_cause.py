@@ -31,7 +31,9 @@ class _Task:
 def _run(tasks: list[_Task], *, collective: bool) -> LocalRun:
     run = LocalRun.__new__(LocalRun)  # only what _poll_tasks and _settle read
     config = SimpleNamespace(
-        lowest_workers=4, elastic=False, collective=collective, checkpoint_every=1
+        size=SimpleNamespace(lowest_workers=4, elastic=False),
+        durability=SimpleNamespace(checkpoint_every=1),
+        collective=collective,
     )
     run.state = RunState(
         config=config,  # type: ignore[arg-type]
