@@ -9,7 +9,7 @@ measures on the machine it runs on unless told not to (``--assume``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 
 from distsgd.plan.cost import Cluster, Part, Path, Prediction, Setting, Workload, predict
@@ -126,7 +126,7 @@ def recommend(
     # probe cannot tell from its bytes, and an encoding only adds CPU (docs/compression.md).
     wires = WIRES if cluster.link is not None else WIRES[:1]
     best: tuple[Prediction, str] | None = None
-    for servers in _powers_of_two(limit):
+    for servers in (2**i for i in range(max(1, limit).bit_length())):  # 1, 2, 4 ... up to it
         for push, pull in wires:
             candidate = replace(
                 setting,
@@ -142,11 +142,3 @@ def recommend(
                 best = (got, flags)
     assert best is not None
     return best
-
-
-def _powers_of_two(limit: int) -> Sequence[int]:
-    out, m = [], 1
-    while m <= max(1, limit):
-        out.append(m)
-        m *= 2
-    return out

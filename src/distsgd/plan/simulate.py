@@ -38,6 +38,7 @@ times drawn per step (:class:`Stragglers`).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -223,22 +224,6 @@ class _Group:
     """When the group exchanges even if not full: a step after its first member."""
 
 
-class _Events:
-    """The actions to play, in time order (ties in the order they were scheduled)."""
-
-    def __init__(self) -> None:
-        self.heap: list[tuple[float, int, int, str]] = []
-        self.seq = 0
-
-    def at(self, t: float, worker: int, action: str) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, worker, action))
-
-    def pop(self) -> tuple[float, int, str]:
-        t, _, worker, action = heapq.heappop(self.heap)
-        return t, worker, action
-
-
 class _Run:
     def __init__(
         self,
@@ -261,7 +246,9 @@ class _Run:
         self.versions = np.zeros(m)
         self.base: list[np.ndarray] = [np.zeros(m) for _ in range(n)]
         self.stale: Counter[int] = Counter()
-        self.events = _Events()
+        self.heap: list[tuple[float, int, int, str]] = []
+        """The actions to play, in time order (ties in the order they were scheduled)."""
+        self.seq = itertools.count()
         self.finished = 0.0
         self.pending: list[float] = []  # this round's push arrivals (sync) or arrivals (ring)
         self.left = [ex.period] * n  # steps left before this window's exchange
@@ -276,7 +263,7 @@ class _Run:
         """A synchronous round's pulls served in turn, not shared (``Cluster.turns``)."""
 
     def at(self, t: float, worker: int, action: str) -> None:
-        self.events.at(t, worker, action)
+        heapq.heappush(self.heap, (t, next(self.seq), worker, action))
 
     def play(self) -> SimResult:
         first, start = "compute" if self.ex.kind == "collective" else "pull", 0.0
@@ -285,21 +272,20 @@ class _Run:
             first = "compute"
         for w in range(self.n):
             self.at(start, w, first)
-        while self.events.heap:
-            t, w, action = self.events.pop()
+        while self.heap:
+            t, _, w, action = heapq.heappop(self.heap)
             getattr(self, "_" + action)(t, w)
         seconds = max(self.finished, 1e-12)
         total = sum(self.done)
         m = self.machine
         links = np.maximum(m.s_out_busy, m.s_in_busy) / seconds if m.link else np.zeros(0)
+        servers = self.ex.kind != "collective"
         return SimResult(
             rate=total / seconds,
             seconds=seconds,
             worker_steps=total,
-            server_busy=tuple(float(x) for x in m.server_busy / seconds)
-            if self.ex.kind != "collective"
-            else (),
-            link_busy=tuple(float(x) for x in links) if self.ex.kind != "collective" else (),
+            server_busy=tuple(float(x) for x in m.server_busy / seconds) if servers else (),
+            link_busy=tuple(float(x) for x in links) if servers else (),
             staleness=dict(sorted(self.stale.items())),
         )
 
@@ -309,10 +295,7 @@ class _Run:
         arrived = self.machine.wire(t, self.cost.down / self.m, w, outbound=True)
         ready = max(float(np.max(arrived)), self.machine.cpu(t, self.cost.cpu_down))
         self.base[w] = self.versions.copy()
-        if not self.ex.overlap or self.done[w] == 0:
-            self.at(ready, w, "compute")
-            return
-        self.at(ready, w, "fetched")
+        self.at(ready, w, "compute" if not self.ex.overlap or self.done[w] == 0 else "fetched")
 
     def _fetched(self, t: float, w: int) -> None:
         """Overlap: this worker's exchange is over; a worker that waited for it goes on."""
@@ -416,9 +399,7 @@ class _Run:
 
     def _next(self, w: int, exchanged: float) -> None:
         self.finished = max(self.finished, exchanged)
-        if self.ex.overlap:
-            self.at(exchanged, w, "pull")  # the exchange's pull, then "fetched"
-        elif self.done[w] < self.steps:
+        if self.ex.overlap or self.done[w] < self.steps:  # overlap: the pull, then "fetched"
             self.at(exchanged, w, "pull")
 
     # ---------------------------------------------------------------- collective
