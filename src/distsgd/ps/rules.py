@@ -349,12 +349,11 @@ class UpdateRule(ABC):
         more state (an open synchronous step) extends it. Keys must not contain "/"-prefixed
         names of other entries.
         """
-        out: dict[str, Any] = {}
-        for name, value in vars(self).items():
-            if isinstance(value, ServerSGD):
-                for key, buf in value.buffers.items():
-                    out[f"{name}.buffers/{key}"] = buf
-        return out
+        return {
+            f"{name}.buffers/{key}": buf
+            for name, sgd in self._sgds().items()
+            for key, buf in sgd.buffers.items()
+        }
 
     def piece_state(self, keys: Collection[str]) -> dict[str, np.ndarray]:
         """Copies of these pieces' state, named ``<attribute>/<key>`` (a movable rule's
@@ -390,14 +389,13 @@ class UpdateRule(ABC):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        for name, value in vars(self).items():
-            if isinstance(value, ServerSGD):
-                prefix = f"{name}.buffers/"
-                value.buffers = {
-                    k[len(prefix) :]: np.array(v, copy=True)
-                    for k, v in state.items()
-                    if k.startswith(prefix)
-                }
+        for name, sgd in self._sgds().items():
+            prefix = f"{name}.buffers/"
+            sgd.buffers = {
+                k[len(prefix) :]: np.array(v, copy=True)
+                for k, v in state.items()
+                if k.startswith(prefix)
+            }
 
 
 BLOCK = 1 << 18
@@ -433,11 +431,8 @@ def all_finite(array: np.ndarray) -> bool:
 def axpy(values: np.ndarray, alpha: float, x: np.ndarray) -> None:
     """``values += alpha * x`` in place, block by block through a small per-thread scratch
     buffer: no temporary the size of the piece (a 100 MB update allocates nothing)."""
-    if values.size <= BLOCK:
-        values += alpha * x
-        return
-    if not values.flags.c_contiguous:
-        values += alpha * x  # a reshape would copy: numpy's own way
+    if values.size <= BLOCK or not values.flags.c_contiguous:
+        values += alpha * x  # small, or a reshape would copy: numpy's own way
         return
     flat, src = values.reshape(-1), x.reshape(-1)
     buf = getattr(_scratch, "buf", None)

@@ -63,34 +63,32 @@ def guarded(method: F) -> F:
     that is not an abort of its own (or a push the write-ahead log could not take:
     :func:`not_logged`); a call the client already gave up is left alone."""
     name = method.__name__
-    if inspect.isgeneratorfunction(method):
 
-        @functools.wraps(method)
-        def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            try:
-                yield from method(self, request, context)
-            except _Aborted:
-                raise
-            except NotLogged as exc:
-                not_logged(exc, context)
-            except Exception as exc:
-                if not context.is_active():  # the client went away: nothing to answer
-                    raise
-                internal(name, exc, context)
-
-        return cast(F, stream)
-
-    @functools.wraps(method)
-    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+    @contextlib.contextmanager
+    def answering(context: grpc.ServicerContext) -> Iterator[None]:
         try:
-            return method(self, request, context)
+            yield
         except _Aborted:
             raise
         except NotLogged as exc:
             not_logged(exc, context)
         except Exception as exc:
-            if not context.is_active():
+            if not context.is_active():  # the client went away: nothing to answer
                 raise
             internal(name, exc, context)
+
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            with answering(context):
+                yield from method(self, request, context)
+
+        return cast(F, stream)
+
+    @functools.wraps(method)
+    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        with answering(context):
+            return method(self, request, context)
 
     return cast(F, unary)

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -189,11 +190,8 @@ class Shard:
     def snapshot(self, keys: Iterable[str] | None = None) -> tuple[int, dict[str, np.ndarray]]:
         """A copy of the pieces (``keys``: those of them the shard holds) and the version they
         belong to (consistent under locked rules)."""
-        if self.rule.locked:
-            with self.cond:
-                return self.version, {k: v.copy() for k, v in self._some(keys).items()}
-        version = self.version
-        return version, {k: v.copy() for k, v in self._some(keys).items()}
+        with self.cond if self.rule.locked else nullcontext():
+            return self.version, {k: v.copy() for k, v in self._some(keys).items()}
 
     def live(self, keys: Iterable[str] | None = None) -> tuple[int, dict[str, np.ndarray]]:
         """The version and the pieces themselves (``keys``: those of them the shard holds), not
@@ -212,13 +210,10 @@ class Shard:
         pull area); returns their version (consistent under locked rules, as
         :meth:`snapshot`). A piece ``out`` has no place for (one that moved here since ``out``
         was laid out) is left out; the next request on ``out`` is refused."""
-        if self.rule.locked:
-            with self.cond:
-                _copy_into(out, self.values)
-                return self.version
-        version = self.version
-        _copy_into(out, self.values)
-        return version
+        with self.cond if self.rule.locked else nullcontext():
+            version = self.version
+            _copy_into(out, self.values)
+            return version
 
     def see(self, worker: int, incarnation: int) -> None:
         """Record the worker's incarnation (a restarted worker shows a new one); the call makes
@@ -299,10 +294,8 @@ class Shard:
         or Inf anywhere is refused (and counted) before the rule sees any of it.
         """
         started = time.perf_counter()
-        outcome: PushOutcome | None = None
         try:
-            outcome, version = self._push(payload, meta)
-            return outcome, version
+            return self._push(payload, meta)
         finally:
             self.load.pushed(sum(a.nbytes for a in payload.values()), started)
 

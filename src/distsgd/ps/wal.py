@@ -57,8 +57,8 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -317,7 +317,7 @@ class WriteAheadLog:
         if not self._compacting.acquire(blocking=False):
             return False
         try:
-            gate = shard.gate.exclusive() if not shard.rule.locked else _nothing()
+            gate = shard.gate.exclusive() if not shard.rule.locked else nullcontext()
             with gate, shard.cond:
                 if not self.outage.down or self._closed:
                     return not self.outage.down
@@ -435,7 +435,7 @@ class WriteAheadLog:
             return  # another thread is at it
         try:
             live = sum(v.nbytes for v in shard.values.values()) >= LIVE_SNAPSHOT_BYTES
-            gate = shard.gate.exclusive() if not shard.rule.locked else _nothing()
+            gate = shard.gate.exclusive() if not shard.rule.locked else nullcontext()
             with gate, shard.cond:
                 version, arrays, header = shard.state_copy(copy=not live)
                 members = _members_body(shard, False)
@@ -489,11 +489,6 @@ class WriteAheadLog:
                 self.outage.began(exc)
             return False
         return True
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 _REPLICAS: dict[Path, ReplicaLink] = {}
