@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -194,15 +194,21 @@ class ShardClient:
         if self.delay is not None:
             self.delay.wait()
 
+    def _unary(
+        self, method: str, request: Any, *, retry: bool = True, timeout: float | None = None
+    ) -> Any:
+        """The answer of unary RPC ``method`` to ``request`` (:meth:`_call`'s retries)."""
+        rpc = getattr(self.link.stub, method)
+        return self._call(
+            method,
+            lambda: rpc(request, timeout=timeout or self.timeout, metadata=self.link.metadata),
+            retry=retry,
+        )
+
     # -- RPCs -----------------------------------------------------------------------------------
     def info(self, *, retry: bool = True) -> pb.InfoResponse:
         """The shard's state (registered, version, pieces, membership counters)."""
-        request = pb.InfoRequest(header=self.link.header)
-        return self._call(
-            "Info",
-            lambda: self.link.stub.Info(request, timeout=self.timeout, metadata=self.link.metadata),
-            retry=retry,
-        )
+        return self._unary("Info", pb.InfoRequest(header=self.link.header), retry=retry)
 
     def register(
         self,
@@ -378,36 +384,20 @@ class ShardClient:
 
     def checkpoint(self, name: str) -> pb.CheckpointResponse:
         """Ask the shard to write its state under checkpoint ``name``."""
-        request = pb.CheckpointRequest(header=self.link.header, name=name)
-        return self._call(
-            "Checkpoint",
-            lambda: self.link.stub.Checkpoint(
-                request, timeout=self.timeout, metadata=self.link.metadata
-            ),
-        )
+        return self._unary("Checkpoint", pb.CheckpointRequest(header=self.link.header, name=name))
 
     def join(self, *, retry: bool = True, claim: bool = False) -> pb.MembershipResponse:
         """Announce this worker as a member of the shard (protocol 4): epoch and members.
         ``claim``: take the worker index as a new one (RemoteError, refusal TAKEN, if it is or
         was in use in this run)."""
         request = pb.JoinRequest(header=self.link.header, claim=claim)
-        return self._call(
-            "Join",
-            lambda: self.link.stub.Join(request, timeout=self.timeout, metadata=self.link.metadata),
-            retry=retry,
-        )
+        return self._unary("Join", request, retry=retry)
 
     def heartbeat(self, *, timeout: float | None = None) -> pb.MembershipResponse:
         """Tell the shard this worker is alive: epoch and members. Not retried; RemoteError
         with refusal NOT_MEMBER when the shard no longer counts this worker (join again)."""
         request = pb.HeartbeatRequest(header=self.link.header)
-        return self._call(
-            "Heartbeat",
-            lambda: self.link.stub.Heartbeat(
-                request, timeout=timeout or self.timeout, metadata=self.link.metadata
-            ),
-            retry=False,
-        )
+        return self._unary("Heartbeat", request, retry=False, timeout=timeout)
 
     def lease_work(self, done: Sequence[tuple[int, int]] = (), want: int = 0) -> pb.LeaseResponse:
         """Report the work units ``done`` (epoch, unit) and hold up to ``want`` (protocol 5):
@@ -418,12 +408,7 @@ class ShardClient:
             done=[pb.WorkUnit(epoch=e, unit=u) for e, u in done],
             want=want,
         )
-        return self._call(
-            "LeaseWork",
-            lambda: self.link.stub.LeaseWork(
-                request, timeout=self.timeout, metadata=self.link.metadata
-            ),
-        )
+        return self._unary("LeaseWork", request)
 
     # -- moving pieces (the launcher; see "Moving pieces" in the .proto) -------------------------
     def export_pieces(
@@ -492,23 +477,11 @@ class ShardClient:
             version=version,
             receipt=receipt,
         )
-        return self._call(
-            "FinishMove",
-            lambda: self.link.stub.FinishMove(
-                request, timeout=self.timeout, metadata=self.link.metadata
-            ),
-            retry=False,
-        )
+        return self._unary("FinishMove", request, retry=False)
 
     def leave(self) -> int:
         """Tell the shard this worker has finished; returns the shard's version."""
-        request = pb.LeaveRequest(header=self.link.header)
-        return self._call(
-            "Leave",
-            lambda: self.link.stub.Leave(
-                request, timeout=self.timeout, metadata=self.link.metadata
-            ),
-        ).version
+        return self._unary("Leave", pb.LeaveRequest(header=self.link.header)).version
 
 
 def _push_result(reply: pb.PushResponse) -> PushResult:
