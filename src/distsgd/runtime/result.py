@@ -49,15 +49,9 @@ class TrainResult:
 def result_fields(result: TrainResult) -> dict[str, Any]:
     """result.json's fields: ``work`` and ``left`` only where they say something."""
     fields = asdict(result)
-    if fields["work"] is None:
-        del fields["work"]
-    if not fields["left"]:
-        del fields["left"]
-    if not fields["metrics"]:
-        del fields["metrics"]
-    for flag in ("stalled", "unclear"):
-        if not fields[flag]:
-            del fields[flag]
+    for key in ("work", "left", "metrics", "stalled", "unclear"):
+        if not fields[key]:  # None, False or {} (``work``, when given, is never empty)
+            del fields[key]
     return fields
 
 
@@ -86,20 +80,11 @@ def recorded_result(files: RunFiles) -> TrainResult | None:
 def work_counts(status: Any) -> dict[str, Any]:
     """result.json's ``work``: the queue's per-epoch counts (a ``WorkStatus``) and their
     totals."""
+    counts = ("epochs", "units_per_epoch", "unit_size", "samples", "total_units", "units_done")
+    kinds = ("trained_once", "trained_twice", "never_trained")
     return {
-        "epochs": int(status.epochs),
-        "units_per_epoch": int(status.units_per_epoch),
-        "unit_size": int(status.unit_size),
-        "samples": int(status.samples),
-        "total_units": int(status.total_units),
-        "units_done": int(status.units_done),
+        **{name: int(getattr(status, name)) for name in counts},
         "finished": bool(status.finished),
-        "trained_once": sum(status.trained_once),
-        "trained_twice": sum(status.trained_twice),
-        "never_trained": sum(status.never_trained),
-        "per_epoch": {
-            "trained_once": list(status.trained_once),
-            "trained_twice": list(status.trained_twice),
-            "never_trained": list(status.never_trained),
-        },
+        **{kind: sum(getattr(status, kind)) for kind in kinds},
+        "per_epoch": {kind: list(getattr(status, kind)) for kind in kinds},
     }
