@@ -29,27 +29,18 @@ def resolve_cluster(
     else None. ``DISTSGD_HOST_ALIASES`` (a hosts override) then maps any source's addresses.
     """
     env = os.environ if environ is None else environ
-    spec, task = _resolve_source(cluster_file, ps_hosts, worker_hosts, env)
-    return apply_host_aliases(spec, env), task
-
-
-def _resolve_source(
-    cluster_file: str | None,
-    ps_hosts: str | None,
-    worker_hosts: str | None,
-    env: Mapping[str, str],
-) -> tuple[ClusterSpec, TaskId | None]:
+    task = None
     if cluster_file:
-        return ClusterSpec.from_file(cluster_file), None
-    if (ps_hosts and ps_hosts.strip()) or (worker_hosts and worker_hosts.strip()):
-        return ClusterSpec.from_flags(ps_hosts=ps_hosts, worker_hosts=worker_hosts), None
-    tf_config = env.get("TF_CONFIG", "")
-    if tf_config.strip():
-        return parse_tf_config(tf_config)
-    pod = cluster_from_jobset(env)
-    if pod is not None:
-        return pod
-    raise ClusterSpecError(
-        "cluster: no cluster given; pass --cluster FILE, --ps-hosts/--worker-hosts, "
-        "set TF_CONFIG, or run in a JobSet pod (JOBSET_NAME)"
-    )
+        spec = ClusterSpec.from_file(cluster_file)
+    elif (ps_hosts and ps_hosts.strip()) or (worker_hosts and worker_hosts.strip()):
+        spec = ClusterSpec.from_flags(ps_hosts=ps_hosts, worker_hosts=worker_hosts)
+    elif env.get("TF_CONFIG", "").strip():
+        spec, task = parse_tf_config(env["TF_CONFIG"])
+    elif (pod := cluster_from_jobset(env)) is not None:
+        spec, task = pod
+    else:
+        raise ClusterSpecError(
+            "cluster: no cluster given; pass --cluster FILE, --ps-hosts/--worker-hosts, "
+            "set TF_CONFIG, or run in a JobSet pod (JOBSET_NAME)"
+        )
+    return apply_host_aliases(spec, env), task

@@ -169,30 +169,23 @@ def _address_key(address: str, field: str) -> tuple[str, int]:
     return host.lower(), port
 
 
-@dataclass(frozen=True)
-class _JobList:
-    field: str  # prefix for the error message, e.g. "cluster.worker"
-    job: str  # short name used in "also used by ps[0]"
-    addresses: tuple[str, ...]
-    offset: int = 0  # index of the first address in the named job
-
-
-def _check_jobs(jobs: Sequence[_JobList], *, no_worker: str) -> None:
-    """Validate every address and their uniqueness; ``no_worker`` is the message if none."""
+def _check_jobs(jobs: Sequence[tuple[str, str, tuple[str, ...]]], *, no_worker: str) -> None:
+    """Validate every address and their uniqueness; ``no_worker`` is the message if none.
+    ``jobs``: (prefix for the error message, e.g. "cluster.worker"; short name used in "also
+    used by ps[0]"; addresses) of each job."""
     seen: dict[tuple[str, int], str] = {}
-    for job in jobs:
-        for i, address in enumerate(job.addresses):
-            index = job.offset + i
-            key = _address_key(address, f"{job.field}[{index}]")
+    for field, job, addresses in jobs:
+        for index, address in enumerate(addresses):
+            key = _address_key(address, f"{field}[{index}]")
             if key[1] == 0:
                 continue
             if key in seen:
                 raise ClusterSpecError(
-                    f"{job.field}[{index}]: address {address} is also used by {seen[key]}; "
+                    f"{field}[{index}]: address {address} is also used by {seen[key]}; "
                     "give each task its own port"
                 )
-            seen[key] = f"{job.job}[{index}]"
-    if not any(job.addresses for job in jobs if job.job in ("worker", _CHIEF)):
+            seen[key] = f"{job}[{index}]"
+    if not any(addresses for _, job, addresses in jobs if job in ("worker", _CHIEF)):
         raise ClusterSpecError(no_worker)
 
 
@@ -239,7 +232,7 @@ class ClusterSpec:
         object.__setattr__(self, "ps", ps)
         object.__setattr__(self, "worker", worker)
         _check_jobs(
-            [_JobList("cluster.ps", "ps", ps), _JobList("cluster.worker", "worker", worker)],
+            [("cluster.ps", "ps", ps), ("cluster.worker", "worker", worker)],
             no_worker=f"cluster.worker: no worker task; {_DICT_WORKER_HINT}",
         )
 
@@ -327,8 +320,8 @@ class ClusterSpec:
                 f"{name}: unknown cluster file type {shown}; use a .toml or .json file"
             )
         try:
-            with open(name, "rb") as fh:
-                raw = fh.read()
+            with open(name, encoding="utf-8", newline="") as fh:
+                text = fh.read()
         except FileNotFoundError:
             raise ClusterSpecError(
                 f"{name}: cluster file not found; check the path passed to --cluster"
@@ -338,8 +331,6 @@ class ClusterSpec:
             raise ClusterSpecError(
                 f"{name}: cannot read cluster file ({reason}); check the path and permissions"
             ) from None
-        try:
-            text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise ClusterSpecError(
                 f"{name}: cluster file is not UTF-8 text; save it as UTF-8"
@@ -361,7 +352,7 @@ class ClusterSpec:
         ps = _split_hosts(ps_hosts)
         worker = _split_hosts(worker_hosts)
         _check_jobs(
-            [_JobList("--ps-hosts", "ps", ps), _JobList("--worker-hosts", "worker", worker)],
+            [("--ps-hosts", "ps", ps), ("--worker-hosts", "worker", worker)],
             no_worker=f"--worker-hosts: no worker task; {_FLAG_WORKER_HINT}",
         )
         return cls(ps=ps, worker=worker)
@@ -444,9 +435,9 @@ def _parse_mapping(data: object, *, source: str) -> _Parsed:
             )
     _check_jobs(
         [
-            _JobList(f"{source}.ps", "ps", ps),
-            _JobList(f"{source}.chief", _CHIEF, chief),
-            _JobList(f"{source}.worker", "worker", worker),
+            (f"{source}.ps", "ps", ps),
+            (f"{source}.chief", _CHIEF, chief),
+            (f"{source}.worker", "worker", worker),
         ],
         no_worker=f"{source}.worker: no worker task; {_DICT_WORKER_HINT}",
     )
