@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 from pathlib import Path
-
-import grpc
 
 from distsgd.ps.data_plane import DataPlane
 from distsgd.ps.member_plane import MembershipPlane, WorkPlane
@@ -33,7 +30,6 @@ from distsgd.ps.shard import Shard
 from distsgd.ps.shard_holder import ShardHolder
 from distsgd.ps.shared_plane import SharedPlane
 from distsgd.transport.codec import CHUNK_BYTES
-from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -43,6 +39,17 @@ def segment_record(checkpoint_dir: Path | None, shard_index: int) -> Path | None
     """The file where ps ``shard_index`` records the names of the segments it creates: in its
     checkpoint folder (the run's, under ``distsgd run``), or None without one."""
     return None if checkpoint_dir is None else checkpoint_dir / f"ps{shard_index}.segments"
+
+
+ROUTES = {
+    "registration": ("Info", "Register", "Checkpoint"),
+    "data": ("Pull", "Push"),
+    "shared": ("Attach", "PullShared", "PushShared"),
+    "moves": ("ExportPieces", "ImportPieces", "FinishMove"),
+    "members": ("Join", "Heartbeat", "Leave"),
+    "work": ("LeaseWork",),
+}
+"""The plane attribute of :class:`ParameterService` that serves each RPC."""
 
 
 class ParameterService(pb_grpc.ParameterServerServicer):
@@ -114,6 +121,9 @@ class ParameterService(pb_grpc.ParameterServerServicer):
         self.moves = MovePlane(self.holder, self._segments, chunk_bytes=chunk_bytes)
         self.members = MembershipPlane(self.holder)
         self.work = WorkPlane(self.holder)
+        for plane, methods in ROUTES.items():  # each RPC served by its plane's method
+            for method in methods:
+                setattr(self, method, getattr(getattr(self, plane), method))
         self._ticker = threading.Thread(
             target=self._tick, name=f"ps{shard_index}-tick", daemon=True
         )
@@ -174,65 +184,3 @@ class ParameterService(pb_grpc.ParameterServerServicer):
                 if shard.wal is not None:
                     shard.wal.maybe_compact(shard)
             self._segments.purge()
-
-    # -- RPCs, each routed to its plane ---------------------------------------------------------
-    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
-        return self.registration.Info(request, context)
-
-    def Register(
-        self, request_iterator: Iterator[pb.RegisterRequest], context: grpc.ServicerContext
-    ) -> pb.RegisterResponse:
-        return self.registration.Register(request_iterator, context)
-
-    def Checkpoint(
-        self, request: pb.CheckpointRequest, context: grpc.ServicerContext
-    ) -> pb.CheckpointResponse:
-        return self.registration.Checkpoint(request, context)
-
-    def Pull(
-        self, request: pb.PullRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.PullResponse]:
-        return self.data.Pull(request, context)
-
-    def Push(
-        self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext
-    ) -> pb.PushResponse:
-        return self.data.Push(request_iterator, context)
-
-    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
-        return self.shared.Attach(request, context)
-
-    def PullShared(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullHeader:
-        return self.shared.PullShared(request, context)
-
-    def PushShared(self, request: pb.PushHeader, context: grpc.ServicerContext) -> pb.PushResponse:
-        return self.shared.PushShared(request, context)
-
-    def ExportPieces(
-        self, request: pb.MoveRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.ExportResponse]:
-        return self.moves.ExportPieces(request, context)
-
-    def ImportPieces(
-        self, request_iterator: Iterator[pb.ImportRequest], context: grpc.ServicerContext
-    ) -> pb.MoveResponse:
-        return self.moves.ImportPieces(request_iterator, context)
-
-    def FinishMove(self, request: pb.MoveRequest, context: grpc.ServicerContext) -> pb.MoveResponse:
-        return self.moves.FinishMove(request, context)
-
-    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.MembershipResponse:
-        return self.members.Join(request, context)
-
-    def Heartbeat(
-        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
-    ) -> pb.MembershipResponse:
-        return self.members.Heartbeat(request, context)
-
-    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
-        return self.members.Leave(request, context)
-
-    def LeaseWork(
-        self, request: pb.LeaseRequest, context: grpc.ServicerContext
-    ) -> pb.LeaseResponse:
-        return self.work.LeaseWork(request, context)
