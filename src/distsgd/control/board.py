@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from distsgd.control.folder import TENSORBOARD_DIR
+from distsgd.control.folder import TENSORBOARD_DIR, write_all
 from distsgd.control.timing import COMM_PHASES, PHASES, split_from_metrics
 from distsgd.util import open_private, private_dir
 
@@ -406,7 +406,8 @@ class BoardWriter:
                 data = self._session_start(points) + data
             if self._fd is None:
                 data = self._open(wall_time) + data
-            _write_all(self._fd, data)
+            assert self._fd is not None
+            write_all(self._fd, data)
 
     def close(self) -> None:
         """Close the file; later writes are dropped."""
@@ -472,13 +473,6 @@ def _histogram(histo: Any, counts: Mapping[int, int]) -> None:
     histo.sum_squares = float(sum(k * k * n for k, n in counts.items()))
     histo.bucket_limit.extend([k + 0.5 for k in range(top)] + [float(max(counts)) + 0.5])
     histo.bucket.extend(float(n) for n in buckets)
-
-
-def _write_all(fd: int | None, data: bytes) -> None:
-    assert fd is not None
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def open_board(run_dir: Path, task: str) -> BoardWriter | None:

@@ -80,6 +80,13 @@ def task_file(name: str) -> TaskFile:
     raise ValueError(f"{name!r} is not a file a task writes in the run folder")
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd`` (``os.write`` may write part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 class RunFiles(Protocol):
     """The run folder's files as a task reaches them: on its own disk (:class:`LocalFiles`) or
     through the launcher's run control (``control/remote_files.py``). ``name`` is relative to
@@ -118,9 +125,7 @@ class LocalFiles:
     def append(self, name: str, data: bytes) -> None:
         fd = open_private(self._path(name), os.O_WRONLY | os.O_APPEND)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_all(fd, data)
         finally:
             os.close(fd)
 

@@ -50,15 +50,11 @@ class MetricsWriter:
         if remote is not None:
             path = None
         self._fd = None if path is None else open_private(path, os.O_WRONLY | os.O_APPEND)
-        self._board: BoardWriter | None = None if path is None else open_board(path.parent, task)
+        self.board: BoardWriter | None = None if path is None else open_board(path.parent, task)
+        """The TensorBoard writer of this task (None: no events are written)."""
         self.dropped = 0
         """Lines dropped because the disk was full."""
         self._torn = self._dropping = False
-
-    @property
-    def board(self) -> BoardWriter | None:
-        """The TensorBoard writer of this task (None: no events are written)."""
-        return self._board
 
     def log(self, **fields: Any) -> None:
         if self._fd is None and self._remote is None:
@@ -70,7 +66,7 @@ class MetricsWriter:
             self._remote.append(METRICS_FILE, line)  # buffered: sent by a thread of its own
             return
         self._append(line)
-        board = self._board
+        board = self.board
         if board is not None:
             try:
                 board.write(record, now)
@@ -78,7 +74,7 @@ class MetricsWriter:
                 log.warning(
                     "%s: no more TensorBoard events (%s: %s)", self.task, type(exc).__name__, exc
                 )
-                self._board = None
+                self.board = None
                 board.close()
 
     def _append(self, line: bytes) -> None:
@@ -106,5 +102,5 @@ class MetricsWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if self._board is not None:
-            self._board.close()
+        if self.board is not None:
+            self.board.close()

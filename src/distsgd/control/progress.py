@@ -91,9 +91,8 @@ class AloneProgress:
     ) -> None:
         now = time.monotonic()
         self.rate.see(now, samples)
-        if not last and self.shown_at is not None and now - self.shown_at < self.every:
-            return
-        if not last and self.shown_at is None and now - self.started < self.every:
+        since = self.started if self.shown_at is None else self.shown_at
+        if not last and now - since < self.every:
             return
         self.shown_at = now
         elapsed = now - self.started

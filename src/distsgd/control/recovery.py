@@ -313,7 +313,7 @@ def plan_restart(
     if run.collective:
         why = "collective schemes restart every worker"
         return restart_all(store, why, furthest=failure.furthest, attempt=attempt, wait=wait)
-    state = store.newest_worker(task.index) if run.checkpointing else None
+    state = _own_newest(task, run, store)
     return Restart(
         task=task, resume=state, continue_at=failure.reached, attempt=attempt, backoff=wait
     )
