@@ -13,14 +13,14 @@ import numpy as np
 
 from distsgd.ps import checks
 from distsgd.ps.checks import push_nbytes
-from distsgd.ps.move_plane import push_response
+from distsgd.ps.move_plane import moved_owners
 from distsgd.ps.pull_encoding import encode_pull
 from distsgd.ps.rules import PushMeta
 from distsgd.ps.service_errors import abort, guarded
 from distsgd.ps.shard import Shard
 from distsgd.ps.shard_holder import ShardHolder
 from distsgd.transport.codec import header_then_chunks
-from distsgd.transport.errors import Refusal
+from distsgd.transport.errors import PushReject, Refusal
 from distsgd.transport.proto import distsgd_pb2 as pb
 
 
@@ -144,7 +144,8 @@ class DataPlane:
 def apply_push(
     shard: Shard, head: pb.PushHeader, lr_scale: float, payload: dict[str, np.ndarray]
 ) -> pb.PushResponse:
-    """Apply a checked push's ``payload`` to ``shard``: its answer."""
+    """Apply a checked push's ``payload`` to ``shard``: its answer (a MOVED one says where its
+    pieces went)."""
     meta = PushMeta(
         lr_scale=lr_scale,
         worker=head.header.worker,
@@ -153,8 +154,13 @@ def apply_push(
         sequence=head.sequence,
     )
     outcome, version = shard.push(payload, meta)
-    reply = push_response(
-        shard, outcome.accepted, version, outcome.reason, outcome.reject, list(payload)
+    reply = pb.PushResponse(
+        accepted=outcome.accepted,
+        version=version,
+        reason=outcome.reason,
+        reject=outcome.reject.wire_name,
+        duplicate=outcome.duplicate,
     )
-    reply.duplicate = outcome.duplicate
+    if outcome.reject is PushReject.MOVED:
+        reply.moved.extend(moved_owners(shard, list(payload)))
     return reply

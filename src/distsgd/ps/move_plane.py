@@ -15,7 +15,6 @@ from distsgd.ps.load import PieceCounts
 from distsgd.ps.segments import SegmentTable
 from distsgd.ps.service_errors import abort, clip, guarded
 from distsgd.transport.codec import header_then_chunks, specs_of
-from distsgd.transport.errors import PushReject
 from distsgd.transport.proto import distsgd_pb2 as pb
 
 if TYPE_CHECKING:
@@ -147,15 +146,3 @@ class MovePlane:
             "committed" if request.commit else "undone",
         )
         return pb.MoveResponse(version=shard.version, pieces=changed)
-
-
-def push_response(
-    shard: Shard, accepted: bool, version: int, reason: str, reject: PushReject, keys: list[str]
-) -> pb.PushResponse:
-    """A push's answer; a MOVED one says where its pieces went."""
-    reply = pb.PushResponse(
-        accepted=accepted, version=version, reason=reason, reject=reject.wire_name
-    )
-    if reject is PushReject.MOVED:
-        reply.moved.extend(moved_owners(shard, keys))
-    return reply
