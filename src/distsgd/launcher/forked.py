@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from distsgd.control.task import ENV_VAR as TASK_ENV
-from distsgd.launcher.lifeline import PARENT_ENV
+from distsgd.launcher.lifeline import PARENT_ENV, alive
 from distsgd.launcher.template import TEMPLATE_ENV, ask
 from distsgd.launcher.zygote import (
     FORKABLE,
@@ -216,13 +216,7 @@ class ForkServer:
             code = self._exits.get(pid)
             if code is not None or not self._gone:
                 return code
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return 1
-        except PermissionError:  # pragma: no cover - the PID now belongs to someone else
-            return 1
-        return None
+        return None if alive(pid) else 1
 
     def wait(self, pid: int, timeout: float | None) -> int | None:
         """Task ``pid``'s exit code once it has ended, or None after ``timeout`` seconds."""

@@ -35,12 +35,11 @@ def set_death_signal() -> None:
             libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` is there (and ours to signal)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - a PID reused by another user's process
+    except (ProcessLookupError, PermissionError):  # PermissionError: a PID reused by another user
         return False
     return True
 
@@ -63,7 +62,7 @@ def tie_to_parent(environ: dict[str, str] | None = None) -> None:
         os._exit(1)
 
     def gone() -> bool:
-        return os.getppid() != parent or (parent != launcher and not _alive(launcher))
+        return os.getppid() != parent or (parent != launcher and not alive(launcher))
 
     if gone():
         os._exit(1)
