@@ -264,21 +264,20 @@ class RayTask:
 
     def kill(self) -> None:
         """SIGKILL the task's process group on its node (its actor stays, as a parent would)."""
-        import ray
-
-        ray.get(self.actor.signal.remote(int(signal.SIGKILL)), timeout=RAY_TIMEOUT)
+        self._signal(signal.SIGKILL)
 
     def terminate(self) -> None:
         """SIGTERM to the task's process group on its node."""
-        import ray
-
-        ray.get(self.actor.signal.remote(int(signal.SIGTERM)), timeout=RAY_TIMEOUT)
+        self._signal(signal.SIGTERM)
 
     def interrupt(self) -> None:
         """SIGINT to the task's process group on its node (stop and save)."""
+        self._signal(signal.SIGINT)
+
+    def _signal(self, signum: signal.Signals) -> None:
         import ray
 
-        ray.get(self.actor.signal.remote(int(signal.SIGINT)), timeout=RAY_TIMEOUT)
+        ray.get(self.actor.signal.remote(int(signum)), timeout=RAY_TIMEOUT)
 
 
 class RaySupervisor:
