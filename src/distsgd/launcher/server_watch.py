@@ -57,6 +57,12 @@ class ServerWatch:
             note=state.console.note,
         )
 
+    @property
+    def _auth(self) -> dict[str, Any]:
+        """The run id, secret and TLS of every call to a server."""
+        state = self.state
+        return {"run_id": state.run_id, "secret": state.secret, "tls": state.config.hosting.tls}
+
     def poll(self) -> None:
         """About once a second: each live server's version (see :attr:`seen_versions`)."""
         if self.state.collective or time.monotonic() < self._next_poll:
@@ -75,10 +81,7 @@ class ServerWatch:
         task = state.supervisor.tasks.get(f"ps{index}")
         if task is None or task.poll() is not None:
             return None
-        address = self.address_of(index)
-        reply = read_info(
-            address, run_id=state.run_id, secret=state.secret, tls=state.config.hosting.tls
-        )
+        reply = read_info(self.address_of(index), **self._auth)
         if reply is not None and reply.registered:
             self.seen_versions[index] = max(self.seen_versions.get(index, 0), reply.version)
             self.shard_loads.see(index, reply, time.monotonic(), state.progress.step)
@@ -92,16 +95,8 @@ class ServerWatch:
         it about those that have finished since (their processes are gone and cannot): the
         ones done now, and each one that exits later (it may have left the dead process just
         before the kill, or the restored one while the launcher was restarting it)."""
-        state = self.state
-        failed = tell_finished(
-            self.address_of(index),
-            finished,
-            run_id=state.run_id,
-            secret=state.secret,
-            tls=state.config.hosting.tls,
-        )
-        for worker, exc in failed:
-            state.console.note(
+        for worker, exc in tell_finished(self.address_of(index), finished, **self._auth):
+            self.state.console.note(
                 f"[distsgd] could not tell ps{index} that worker{worker} left: {exc}"
             )
 
@@ -114,13 +109,7 @@ class ServerWatch:
             return 0
         applied = []
         for index in range(state.num_ps):
-            reply = read_info(
-                self.address_of(index),
-                run_id=state.run_id,
-                secret=state.secret,
-                tls=state.config.hosting.tls,
-                worker=worker,
-            )
+            reply = read_info(self.address_of(index), worker=worker, **self._auth)
             if reply is None or not reply.registered:
                 return 0
             applied.append(steps_applied(reply.applied_sequence))
