@@ -116,10 +116,7 @@ class Console:
     def final(self, text: str) -> None:
         """Print a line even when quiet (results and errors)."""
         self.clear_status()
-        with self._lock:
-            self.stream.write(text + "\n")
-            self.stream.flush()
-            self._keep(text)
+        self._show(text, keep=True)
 
 
 class Progress:
