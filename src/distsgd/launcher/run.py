@@ -135,7 +135,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
         if keep:
             console.close()
         raise
-    supervisor = local.supervisor
+    supervisor = local.state.supervisor
     previous: dict[signal.Signals, Any] = {}
     caught: list[int] = []  # the signals that stopped the run, first first
 
@@ -150,7 +150,7 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
         saved = "" if local.saved_step is None else f" (saved at step {local.saved_step})"
         console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks{saved}")
         finished = (run_dir / RESULT_FILE).exists()  # --resume refuses a finished run
-        if not finished and latest_checkpoint(local.ckpt_root)[0] is not None:
+        if not finished and latest_checkpoint(local.state.ckpt_root)[0] is not None:
             console.final(f"distsgd: continue it with: distsgd run --resume {run_dir}")
         return interrupted_outcome(run_dir, caught)
     except RunFailed as exc:
@@ -186,8 +186,8 @@ def _run(local: LocalRun) -> RunOutcome:
     except OSError as exc:
         if not disk_full(exc):
             raise
-        resumable = latest_checkpoint(local.ckpt_root)[0] is not None
-        line = disk_full_line(local.run_dir, exc, resumable=resumable)
+        resumable = latest_checkpoint(local.state.ckpt_root)[0] is not None
+        line = disk_full_line(local.state.run_dir, exc, resumable=resumable)
         raise RunFailed(line, reason="the disk is full") from None
 
 
@@ -259,18 +259,6 @@ class LocalRun:
         """The step of the checkpoint the workers saved when the run was stopped (None:
         none; a resume goes back to the last periodic checkpoint)."""
 
-    @property
-    def supervisor(self) -> Tasks:
-        return self.state.supervisor
-
-    @property
-    def run_dir(self) -> Path:
-        return self.state.run_dir
-
-    @property
-    def ckpt_root(self) -> Path:
-        return self.state.ckpt_root
-
     def tear_down(self) -> None:
         """Once the run ended, however: stop every task, then the run control and the
         emulated hosts; remove what only this launch reads."""
@@ -310,7 +298,7 @@ class LocalRun:
         state.console.note(
             f"[distsgd] run {state.run_dir}: scheme {config.scheme}, "
             f"{config.size.workers} workers, "
-            f"{state.num_ps} ps, {state.threads} threads per worker, "
+            f"{state.num_ps} ps, {config.threads_per_worker} threads per worker, "
             f"lr x {factor:.4g} (--lr-rule {rule})"
         )
         self.starter.write_config()

@@ -92,10 +92,6 @@ class RunState:
         return self.config.num_ps
 
     @property
-    def threads(self) -> int:
-        return self.config.threads_per_worker
-
-    @property
     def collective(self) -> bool:
         return self.config.collective
 

@@ -262,7 +262,7 @@ class TaskStarter:
         """Save the run's :class:`~distsgd.control.spec.RunSpec` as its ``config.json``."""
         state = self.state
         spec = state.config.run_spec(run_id=state.run_id)
-        assert (spec.ps, spec.threads_per_worker) == (state.num_ps, state.threads)
+        assert (spec.ps, spec.threads_per_worker) == (state.num_ps, state.config.threads_per_worker)
         spec.save(state.run_dir)
 
     def start_ps(self, index: int, *, address: str, restore: Path | None) -> TaskHandle:
