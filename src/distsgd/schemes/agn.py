@@ -63,9 +63,6 @@ SPEC = SchemeSpec(
     rules=AgnRules,
     worker="distsgd.workers.agn:AgnWorker",
     server=DownpourServer,
-    step_size=(
-        "lr",
-        "server_lr",
-    ),
+    step_size=("lr", "server_lr"),
     traffic=Traffic(kind="async", period_option="window"),
 )

@@ -148,10 +148,7 @@ SPEC = SchemeSpec(
     rules=DownpourRules,
     worker="distsgd.workers.downpour:DownpourWorker",
     server=DownpourServer,
-    step_size=(
-        "lr",
-        "server_lr",
-    ),
+    step_size=("lr", "server_lr"),
     local_optimizer=True,
     traffic=Traffic(kind="async", period_option="window", overlap_option="overlap"),
 )

@@ -20,16 +20,15 @@ one worker every gradient is fresh and DynSGD is plain SGD.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from distsgd.plan.traffic import Traffic
-from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome, SgdServerOptions, UpdateRule
+from distsgd.ps.rules import ACCEPTED, PushMeta, PushOutcome
 from distsgd.ps.shard import Shard
 from distsgd.schemes.base import WorkerRules
+from distsgd.schemes.hogwild import HogwildServer
 from distsgd.schemes.registry import SchemeSpec
 
 
@@ -38,13 +37,8 @@ class DynsgdOptions:
     """DynSGD has no options of its own; --lr and --momentum set the server's SGD."""
 
 
-class DynsgdServer(UpdateRule):
-    movable = True
-
-    def __init__(self, options: Mapping[str, Any], num_workers: int) -> None:
-        super().__init__(options, num_workers)
-        self.options = SgdServerOptions.from_json(options)
-        self.sgd = self.options.sgd()
+class DynsgdServer(HogwildServer):
+    locked = True  # under the shard's lock, so staleness is exact
 
     def apply(self, shard: Shard, payload: dict[str, np.ndarray], meta: PushMeta) -> PushOutcome:
         staleness = max(0, shard.version - meta.base_version)

@@ -94,10 +94,7 @@ SPEC = SchemeSpec(
     rules=EasgdRules,
     worker="distsgd.workers.easgd:EasgdWorker",
     server=ElasticServer,
-    step_size=(
-        "lr",
-        "alpha",
-    ),
+    step_size=("lr", "alpha"),
     local_optimizer=True,
     traffic=Traffic(kind="async", period_option="tau"),
 )

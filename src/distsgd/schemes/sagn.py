@@ -90,9 +90,6 @@ SPEC = SchemeSpec(
     rules=SagnRules,
     worker="distsgd.workers.sagn:SagnWorker",
     server=SagnServer,
-    step_size=(
-        "lr",
-        "server_lr",
-    ),
+    step_size=("lr", "server_lr"),
     traffic=Traffic(kind="sync", period_option="window"),
 )

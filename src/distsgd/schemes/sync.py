@@ -221,18 +221,17 @@ class SyncServer(UpdateRule):
                 self.deadline.allowed(),
                 missing,
             )
-            self._close(shard)
-            return
-        log.warning(
-            "shard %d: step %d closed after %.0fs with %d of %d gradients; no gradient from "
-            "worker(s) %s",
-            shard.index,
-            shard.version,
-            now - self.opened,
-            len(self.contributors),
-            self.required,
-            missing,
-        )
+        else:
+            log.warning(
+                "shard %d: step %d closed after %.0fs with %d of %d gradients; no gradient from "
+                "worker(s) %s",
+                shard.index,
+                shard.version,
+                now - self.opened,
+                len(self.contributors),
+                self.required,
+                missing,
+            )
         self._close(shard)
 
     def state_dict(self) -> dict[str, Any]:
