@@ -27,6 +27,7 @@ answer) copies the per-epoch tallies, never visiting a unit. A run has at most
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -109,14 +110,6 @@ class WorkSpec:
         if not 0 <= index < self.units_in(epoch):
             return f"unit {index} of epoch {epoch} is outside 0..{self.units_in(epoch) - 1}"
         return None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "samples": self.samples,
-            "unit_size": self.unit_size,
-            "epochs": self.epochs,
-            "seed": self.seed,
-        }
 
 
 @dataclass
@@ -281,7 +274,7 @@ class WorkQueue:
     def state_dict(self) -> dict[str, Any]:
         """Everything, as JSON-able values (the shard's checkpoint header carries it)."""
         return {
-            "spec": self.spec.to_dict(),
+            "spec": dataclasses.asdict(self.spec),
             "counts": self.counts,
             "next_fresh": self.next_fresh,
             "returned": [list(u) for u in self.returned],
