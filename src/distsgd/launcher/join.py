@@ -9,7 +9,6 @@ those three files serves, with the servers reachable from there.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from distsgd import schemes
 from distsgd.cluster import ClusterSpec, Role, TaskId
 from distsgd.control.spec import RunSpec
 from distsgd.control.task import TaskEnv
+from distsgd.launcher.lifeline import alive
 from distsgd.launcher.scale import launcher_alive
 from distsgd.transport.client import ShardClient
 from distsgd.transport.errors import Refusal, RemoteError
@@ -56,15 +56,8 @@ def _taken(run_dir: Path) -> set[int]:
             task = TaskId.parse(name)
         except ValueError:
             continue
-        if task.job != Role.WORKER or not isinstance(pid, int):
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        except PermissionError:
-            pass
-        taken.add(task.index)
+        if task.job == Role.WORKER and isinstance(pid, int) and alive(pid, others=True):
+            taken.add(task.index)
     return taken
 
 

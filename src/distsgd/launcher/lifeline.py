@@ -35,12 +35,14 @@ def set_death_signal() -> None:
             libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` is there (and ours to signal)."""
+def alive(pid: int, *, others: bool = False) -> bool:
+    """Whether process ``pid`` is there: ours to signal, or (``others``) anyone's."""
     try:
         os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):  # PermissionError: a PID reused by another user
+    except ProcessLookupError:
         return False
+    except PermissionError:  # another user's process (or a PID reused by one)
+        return others
     return True
 
 

@@ -11,13 +11,13 @@ command says when the change was made, or why not.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from distsgd.control.folder import METRICS_FILE
 from distsgd.control.spec import RunSpec
+from distsgd.launcher.lifeline import alive
 from distsgd.util import write_atomic
 
 SCALE_FILE = "scale.json"
@@ -71,13 +71,7 @@ def launcher_alive(run_dir: Path) -> bool:
         pid = int((run_dir / LAUNCHER_FILE).read_text())
     except (OSError, ValueError):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return alive(pid, others=True)
 
 
 def request_scale(run_dir: Path, workers: int, *, timeout: float = 60.0) -> dict[str, object]:
