@@ -12,7 +12,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch  # used inside methods only: a parameter server imports this module without it
@@ -134,15 +134,12 @@ class WorkerContext:
 
     def grads(self) -> dict[str, np.ndarray]:
         """The replica's gradients as numpy arrays (zeros where a parameter got none)."""
-        out = {}
-        for name, p in self.params.items():
-            g = p.grad
-            out[name] = (
-                np.zeros(tuple(p.shape), dtype=np.float32)
-                if g is None
-                else g.detach().cpu().numpy()
-            )
-        return out
+        return {
+            name: np.zeros(tuple(p.shape), np.float32)
+            if p.grad is None
+            else p.grad.detach().cpu().numpy()
+            for name, p in self.params.items()
+        }
 
     def load(self, arrays: Mapping[str, np.ndarray], *, partial: bool = False) -> None:
         """Overwrite the replica's parameters (``partial``: those in ``arrays``)."""
@@ -255,10 +252,14 @@ class WorkerContext:
     ) -> tuple[int, dict[str, np.ndarray]]:
         """The servers' parameters (not loaded into the replica): (version, arrays);
         ``names``: only those parameters, from the shards that hold them."""
+        return self._timed_pull(min_version=min_version, names=names)
+
+    def _timed_pull(self, **pull: Any) -> tuple[int, dict[str, np.ndarray]]:
+        """``ps.pull(**pull)``, its time split into ``wait`` and ``pull``; the version seen."""
         if self.faults is not None:
             self.faults.wait_partition()  # a partitioned worker's pulls retry until it heals
         began = time.perf_counter()
-        version, arrays = self.ps.pull(min_version=min_version, names=names)
+        version, arrays = self.ps.pull(**pull)
         waited = self.ps.last_waited
         self.clock.add("wait", waited)
         self.clock.add("pull", time.perf_counter() - began - waited)
@@ -291,16 +292,8 @@ class WorkerContext:
             version, arrays = self.pull_arrays(min_version=min_version, names=names)
             self.load(arrays, partial=names is not None)
             return version
-        if self.faults is not None:
-            self.faults.wait_partition()
-        began = time.perf_counter()
         with torch.no_grad():  # written in place: no autograd graph holds the parameters now
-            version, _ = self.ps.pull(min_version=min_version, into=views, names=names)
-        waited = self.ps.last_waited
-        self.clock.add("wait", waited)
-        self.clock.add("pull", time.perf_counter() - began - waited)
-        self.global_step = max(self.global_step, version)
-        return version
+            return self._timed_pull(min_version=min_version, into=views, names=names)[0]
 
     def _param_views(self) -> dict[str, np.ndarray] | None:
         """Numpy views of the parameters' memory (CPU, contiguous), for pulls that write the
@@ -418,8 +411,6 @@ class WorkerContext:
     def _grads_in_push_area(self) -> None:
         """Point every ``param.grad`` at its place in the push areas (again after a new
         segment); leave them where they are when there is no such place."""
-        if self._ps is None:
-            return
         buffers = self.push_buffers()
         if buffers is None:
             return
