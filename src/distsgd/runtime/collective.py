@@ -111,6 +111,12 @@ def _gloo_options(host: str, address: str) -> Any:
     return options
 
 
+def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``tensors``, in place."""
+    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        t.copy_(piece.view_as(t))
+
+
 class PendingMean:
     """A mean over workers that :meth:`Collective.start_mean` started; :meth:`wait` ends it."""
 
@@ -139,11 +145,7 @@ class PendingMean:
             assert self.frames is not None
             mean = self.codec.mean([f.cpu().numpy() for f in self.frames], flat.numel())
             flat = torch.from_numpy(mean).to(flat.device, flat.dtype)
-        offset = 0
-        for t in self.tensors:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        _unflatten(flat, self.tensors)
 
 
 class Collective:
@@ -240,11 +242,7 @@ class Collective:
             return
         flat = torch.cat([t.reshape(-1) for t in tensors])
         dist.broadcast(flat, src=src)
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+        _unflatten(flat, tensors)
 
     def leave(self) -> None:
         """The normal end: wait until every rank is done, then leave the group as it is.
