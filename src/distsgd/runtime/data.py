@@ -217,6 +217,18 @@ def fetch(dataset: Dataset[Any], indices: torch.Tensor) -> Any:
     return default_collate([dataset[int(i)] for i in indices])
 
 
+def shard_size(n: int, world: int, batch_size: int) -> int:
+    """The samples of each of ``world`` workers' equal shards of ``n``; ValueError when that
+    is not even one batch."""
+    per = n // world
+    if per < batch_size:
+        raise ValueError(
+            f"batch_size {batch_size} is larger than each worker's shard of {per} samples "
+            f"({n} samples / {world} workers); lower --batch-size or use fewer workers"
+        )
+    return per
+
+
 class ShardedBatches:
     """Endless batches from worker ``rank``'s shard; every worker gets the same number per epoch.
 
@@ -228,12 +240,7 @@ class ShardedBatches:
         self, dataset: Dataset[Any], *, rank: int, world: int, batch_size: int, seed: int
     ) -> None:
         n = len(dataset)  # type: ignore[arg-type]
-        per = n // world
-        if per < batch_size:
-            raise ValueError(
-                f"batch_size {batch_size} is larger than each worker's shard of {per} samples "
-                f"({n} samples / {world} workers); lower --batch-size or use fewer workers"
-            )
+        per = shard_size(n, world, batch_size)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         self.dataset = dataset
         self.indices = perm[rank * per : (rank + 1) * per]

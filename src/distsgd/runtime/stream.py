@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from distsgd.control.config import TrainConfig
 from distsgd.control.errors import SetupError
-from distsgd.runtime.data import ShardedBatches
+from distsgd.runtime.data import ShardedBatches, shard_size
 from distsgd.runtime.shards import ShardFolder
 from distsgd.util.libc import die_with_parent
 
@@ -75,7 +75,12 @@ def data_part() -> tuple[int, int]:
     from distsgd.control.task import TaskEnv
 
     env = TaskEnv.from_environ()
-    rank, world = (0, 1) if env is None else (env.task_index, env.num_workers)
+    return _reader_part(*((0, 1) if env is None else (env.task_index, env.num_workers)))
+
+
+def _reader_part(rank: int, world: int) -> tuple[int, int]:
+    """``(part, parts)`` of this reader (a DataLoader worker of worker ``rank``, or the worker
+    itself) among every reader of a run of ``world`` workers."""
     info = get_worker_info()
     if info is None:
         return rank, world
@@ -95,9 +100,7 @@ class _Part(IterableDataset[Any]):
         items = iter(self.dataset)
         if self.own:
             return items
-        info = get_worker_info()
-        loaders, loader = (1, 0) if info is None else (info.num_workers, info.id)
-        part, parts = self.rank * loaders + loader, self.world * loaders
+        part, parts = _reader_part(self.rank, self.world)
         return itertools.islice(items, part, None, parts)
 
 
@@ -197,14 +200,7 @@ class WindowedBatches(ShardedBatches):
     def __init__(
         self, dataset: ShardFolder, *, rank: int, world: int, batch_size: int, seed: int
     ) -> None:
-        n = len(dataset)
-        self.per = n // world
-        if self.per < batch_size:
-            raise ValueError(
-                f"batch_size {batch_size} is larger than each worker's shard of {self.per} "
-                f"samples ({n} samples / {world} workers); lower --batch-size or use fewer "
-                "workers"
-            )
+        self.per = shard_size(len(dataset), world, batch_size)
         self.dataset = self.folder = dataset
         self.rank = rank
         self.window = dataset.window
