@@ -17,17 +17,14 @@ import sys
 import threading
 import time
 
-from distsgd.launcher.lifeline import PARENT_ENV, PR_SET_PDEATHSIG
-from distsgd.util.libc import libc
+from distsgd.launcher.lifeline import PARENT_ENV, set_death_signal
 from distsgd.util.signals import setter
 
 
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - not ours any more
+    except (ProcessLookupError, PermissionError):  # PermissionError: not ours any more
         return False
     return True
 
@@ -61,9 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     woken = threading.Event()
     signal.signal(signal.SIGTERM, setter(woken))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    set_death_signal()
     while group_alive(pgid):
         if woken.wait(0.5) or os.getppid() != parent:
             end_group(pgid)
