@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from distsgd.control.folder import TENSORBOARD_DIR, write_all
-from distsgd.control.timing import COMM_PHASES, PHASES, split_from_metrics
+from distsgd.control.timing import COMM_PHASES, PHASES, as_number, split_from_metrics
 from distsgd.util import open_private, private_dir
 
 log = logging.getLogger(__name__)
@@ -113,12 +113,6 @@ class Points:
     """Counts by integer value (the staleness histogram of ``finished_steps``)."""
 
 
-def _number(value: object) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
-
-
 def _counts(value: object) -> dict[int, int]:
     """A ``{"0": 12, "1": 30}`` histogram as ints; {} for anything else."""
     if not isinstance(value, Mapping):
@@ -162,20 +156,16 @@ class Series:
             # An evaluation's line (test_loss, accuracy) has only eval/ series; a training
             # line's other numbers (scheme counters too) are train/<field>.
             evaluation = "loss" not in record and ("test_loss" in record or "accuracy" in record)
-            group, skip = ("eval", {"step"}) if evaluation else ("train", set())
+            group, skip = ("eval", {"step", step_field}) if evaluation else ("train", {step_field})
+            skip |= _NOT_SERIES | _PHASE_FIELDS  # the phase fields: below, with the shares
             for key, value in record.items():
-                number = _number(value)
-                if number is None or key in _NOT_SERIES or key == step_field or key in skip:
-                    continue
-                if key in _PHASE_FIELDS:
-                    continue  # below, with the shares
-                out.scalars[FIELD_TAGS.get(key, f"{group}/{key}")] = number
+                if (number := as_number(value)) is not None and key not in skip:
+                    out.scalars[FIELD_TAGS.get(key, f"{group}/{key}")] = number
             self._rates(record, wall_time, out)
             user = record.get("user")  # worker.log(...) and train(metrics=...): user/<name>
             if isinstance(user, Mapping):
                 for name, value in user.items():
-                    number = _number(value)
-                    if number is not None:
+                    if (number := as_number(value)) is not None:
                         out.scalars[f"user/{name}"] = number
         else:
             self._event(str(kind), record, out)
@@ -188,22 +178,22 @@ class Series:
     def _step_field(self, record: Mapping[str, Any]) -> str | None:
         """Sets this record's step: ``local_step``; the global ``step`` in a task that logs no
         local steps (the launcher); else the step before. Returns the field used."""
-        local = _number(record.get("local_step"))
+        local = as_number(record.get("local_step"))
         if local is not None:
             self._local_steps = True
             self._step = int(local)
             return "local_step"
-        step = _number(record.get("step"))
+        step = as_number(record.get("step"))
         if step is not None and not self._local_steps:
             self._step = int(step)
             return "step"
         return None
 
     def _rates(self, record: Mapping[str, Any], wall_time: float, out: Points) -> None:
-        samples = _number(record.get("samples"))
+        samples = as_number(record.get("samples"))
         if samples is None:
             return
-        sent = _number(record.get("bytes_sent"))
+        sent = as_number(record.get("bytes_sent"))
         before, self._line = self._line, (wall_time, samples, sent)
         if before is None:
             return
@@ -244,13 +234,13 @@ class Series:
             shard, epoch, members = record.get("ps"), record.get("epoch"), record.get("members")
             if isinstance(shard, int) and isinstance(members, list):
                 out.scalars[f"membership/ps{shard}/workers"] = float(len(members))
-                if (number := _number(epoch)) is not None:
+                if (number := as_number(epoch)) is not None:
                     out.scalars[f"membership/ps{shard}/epoch"] = number
-        elif kind == "scale" and (workers := _number(record.get("workers"))) is not None:
+        elif kind == "scale" and (workers := as_number(record.get("workers"))) is not None:
             out.scalars["membership/workers"] = workers
         elif kind == "shard_load" and isinstance(shard := record.get("ps"), int):
             for key, value in record.items():  # series, not a line of text every 5 s
-                number = _number(value)
+                number = as_number(value)
                 if number is not None and key not in ("ps", "step", "seconds", "time"):
                     out.scalars[f"load/ps{shard}/{key}"] = number
             return

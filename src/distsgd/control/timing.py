@@ -84,14 +84,17 @@ class PhaseClock:
         return {f"{phase}_s": round(s, 4) for phase, s in self.totals().items()}
 
 
+def as_number(value: object) -> float | None:
+    """A metrics field's number as a float; None for anything else (a bool included)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
 def split_from_metrics(record: Mapping[str, object]) -> dict[str, float]:
     """The phase seconds a metrics record carries (``<phase>_s`` fields), by phase."""
-    out: dict[str, float] = {}
-    for phase in PHASES:
-        value = record.get(f"{phase}_s")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[phase] = float(value)
-    return out
+    split = {phase: as_number(record.get(f"{phase}_s")) for phase in PHASES}
+    return {phase: seconds for phase, seconds in split.items() if seconds is not None}
 
 
 def split_line(seconds: Mapping[str, float]) -> str:

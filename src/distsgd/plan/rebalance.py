@@ -133,7 +133,6 @@ def piece_rates(
 
 def summary(move: Move, sizes: Sequence[int] | None = None) -> str:
     """One line for the console."""
-    before = ", ".join(f"{x / 1e6:.1f}" for x in move.before)
-    after = ", ".join(f"{x / 1e6:.1f}" for x in move.after)
+    before, after = (", ".join(f"{x / 1e6:.1f}" for x in xs) for xs in (move.before, move.after))
     what = f"{len(move.keys)} piece(s)" + (f", {sum(sizes) / 1e6:.2f} MB" if sizes else "")
     return f"moving {what} ps{move.source} -> ps{move.dest}; MB/s per server {before} -> {after}"
