@@ -249,7 +249,7 @@ def check_certificate_names(tls: TlsConfig, hosts: Sequence[str], *, where: str)
     missing = [host for host in dict.fromkeys(hosts) if not _names(names, host)]
     if not missing:
         return
-    alt = ",".join(f"IP:{h}" if _is_ip(h) else f"DNS:{h}" for h in dict.fromkeys(hosts))
+    alt = ",".join(f"IP:{h}" if _ip(h) is not None else f"DNS:{h}" for h in dict.fromkeys(hosts))
     raise ValueError(
         f"--tls-cert {tls.cert} does not name {', '.join(missing)}, where clients dial {where} "
         f"(it names {', '.join(names) or 'nothing'}): clients would refuse it; make a "
@@ -257,20 +257,18 @@ def check_certificate_names(tls: TlsConfig, hosts: Sequence[str], *, where: str)
     )
 
 
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` (brackets allowed) as an IP address; None for a name."""
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+
+
 def _canonical(host: str) -> str:
     """An address in one spelling (``::1`` for ``0:0:0:0:0:0:0:1``), a name in lower case."""
-    try:
-        return str(ipaddress.ip_address(host.strip("[]")))
-    except ValueError:
-        return host.lower()
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return False
-    return True
+    ip = _ip(host)
+    return host.lower() if ip is None else str(ip)
 
 
 # ----------------------------------------------------------------------------------- exposure
@@ -279,12 +277,8 @@ def _is_ip(host: str) -> bool:
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (a name or an IP, brackets allowed) is this machine's loopback only."""
     host = host.strip().strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    ip = _ip(host)
+    return host.lower() == "localhost" or (ip is not None and ip.is_loopback)
 
 
 def trusted_network(environ: Mapping[str, str] | None = None) -> bool:

@@ -142,12 +142,10 @@ class AsyncDilocoWorker(AsyncDilocoRules, WorkerScheme):
         self, ctx: WorkerContext, results: list[PushResult], bases: list[int], steps: int
     ) -> None:
         """(DyLU) the next round's H_i from a push's results (the arrivals since ``bases``)."""
-        if self.options.dylu and results and results[0].accepted:
-            self._adjust(ctx, arrivals=max(0, results[0].version - 1 - bases[0]), steps=steps)
-
-    def _adjust(self, ctx: WorkerContext, *, arrivals: int, steps: int) -> None:
+        if not (self.options.dylu and results and results[0].accepted):
+            return
         pace = Pace(**self.pace)
-        pace.update(arrivals=arrivals, steps=steps)
+        pace.update(arrivals=max(0, results[0].version - 1 - bases[0]), steps=steps)
         self.round_steps = pace.next_round(
             self.round_steps, self.options.inner_steps, ctx.live_workers - 1
         )
