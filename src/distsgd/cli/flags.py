@@ -7,16 +7,15 @@ import argparse
 import dataclasses
 import inspect
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
+from distsgd.compare.entries import kind_of
 from distsgd.control.config import TrainConfig
 from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS
 from distsgd.launcher.config import DEMO_SCRIPT as DEMO_SCRIPT  # where it was first named
-
-_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
 
 """The script of ``distsgd demo``, and of ``compare`` and ``k8s render`` without SCRIPT."""
 
@@ -33,28 +32,18 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     return None
 
 
-def add_dataclass_flags(
-    group: argparse._ArgumentGroup, cls: type, seen: set[str], dest_prefix: str
-) -> None:
-    for f in dataclasses.fields(cls):
-        if f.name in seen:
-            continue
-        seen.add(f.name)
-        kind = _TYPES.get(str(f.type), str)
+def add_training_flags(parser: argparse.ArgumentParser) -> None:
+    """--batch-size, --epochs, --lr ...: override the script's TrainConfig."""
+    group = parser.add_argument_group("training (override the script's distsgd.TrainConfig)")
+    for f in dataclasses.fields(TrainConfig):
         group.add_argument(
             _flag(f.name),
-            dest=dest_prefix + f.name,
-            type=kind,
+            dest="train." + f.name,
+            type=kind_of(f),
             default=argparse.SUPPRESS,
             metavar=f.name.upper(),
             help=f"{f.metadata.get('help', '')} (default {_default(f)})",
         )
-
-
-def add_training_flags(parser: argparse.ArgumentParser) -> None:
-    """--batch-size, --epochs, --lr ...: override the script's TrainConfig."""
-    group = parser.add_argument_group("training (override the script's distsgd.TrainConfig)")
-    add_dataclass_flags(group, TrainConfig, set(), "train.")
 
 
 def add_scheme_flags(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +64,7 @@ def _owners() -> dict[str, list[tuple[str, dataclasses.Field[Any]]]]:
 
 
 def _flag_type(fields: list[dataclasses.Field[Any]]) -> type:
-    kinds = {_TYPES.get(str(f.type), str) for f in fields}
+    kinds = {kind_of(f) for f in fields}
     if len(kinds) == 1:
         return kinds.pop()
     return float if kinds == {int, float} else str
@@ -106,22 +95,13 @@ def add_scheme_option_flags(parser: argparse.ArgumentParser) -> None:
         else:
             where = group("", "options of several schemes (each scheme has its own default)")
             text = f"{', '.join(s for s, _ in owned)}: {_shared_help(owned)}"
-        if all(str(f.type) == "bool" for _, f in owned):  # a switch: --overlap
-            where.add_argument(
-                _flag(option),
-                dest="scheme." + option,
-                action="store_true",
-                default=argparse.SUPPRESS,
-                help=text,
-            )
-            continue
+        kind: dict[str, Any] = (
+            {"action": "store_true"}  # a switch: --overlap
+            if all(str(f.type) == "bool" for _, f in owned)
+            else {"type": _flag_type([f for _, f in owned]), "metavar": option.upper()}
+        )
         where.add_argument(
-            _flag(option),
-            dest="scheme." + option,
-            type=_flag_type([f for _, f in owned]),
-            default=argparse.SUPPRESS,
-            metavar=option.upper(),
-            help=text,
+            _flag(option), dest="scheme." + option, default=argparse.SUPPRESS, help=text, **kind
         )
 
 
@@ -226,20 +206,15 @@ def collect(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
 def scheme_options(args: argparse.Namespace) -> dict[str, Any]:
     """The scheme flags given, checked to belong to ``args.scheme``."""
     given = collect(args, "scheme.")
-    spec = schemes.get(args.scheme)
-    own = {f.name for f in dataclasses.fields(spec.options)}
+    own = {f.name for f in dataclasses.fields(schemes.get(args.scheme).options)}
     for name in given:
         if name not in own:
-            owners = [s for s in schemes.names() if name in _field_names(schemes.get(s).options)]
+            owners = [scheme for scheme, _ in _owners()[name]]
             raise ValueError(
                 f"{_flag(name)} is an option of {', '.join(owners)}, not of {args.scheme}; "
                 f"drop it or pick --scheme {owners[0]}"
             )
     return given
-
-
-def _field_names(cls: type) -> Iterable[str]:
-    return (f.name for f in dataclasses.fields(cls))
 
 
 def checkpoint_every(text: str | None) -> tuple[int, float]:

@@ -84,16 +84,13 @@ def _malformed(text: str, cause: str, fix: str = f"write {FORM}") -> ValueError:
 def _field(scheme: str, key: str) -> tuple[dataclasses.Field[Any], bool] | None:
     """The options field (True) or TrainConfig field (False) that ``key`` names."""
     name = key.replace("-", "_")
-    for f in dataclasses.fields(schemes.get(scheme).options):
-        if f.name == name:
-            return f, True
-    for f in dataclasses.fields(TrainConfig):
-        if f.name == name:
-            return f, False
-    return None
+    found = [(f, True) for f in dataclasses.fields(schemes.get(scheme).options) if f.name == name]
+    found += [(f, False) for f in dataclasses.fields(TrainConfig) if f.name == name]
+    return found[0] if found else None
 
 
-def _kind(f: dataclasses.Field[Any]) -> type:
+def kind_of(f: dataclasses.Field[Any]) -> type:
+    """The type a config field's value is read as from text (``int``, ``float``, else ``str``)."""
     return _KINDS.get(str(f.type), str)
 
 
@@ -163,7 +160,7 @@ def _settings(label: str, name: str, inner: str) -> list[_Setting]:
     found: list[_Setting] = []
     for piece in (p.strip() for p in inner.split(",")):
         if "=" not in piece:
-            if found and piece and _kind(found[-1][0]) is str and not _BARE_NAME.fullmatch(piece):
+            if found and piece and kind_of(found[-1][0]) is str and not _BARE_NAME.fullmatch(piece):
                 f, is_option, value = found[-1]  # a str value holding commas goes on
                 found[-1] = (f, is_option, f"{value},{piece}")
                 continue
@@ -217,7 +214,7 @@ def _unknown_key(label: str, name: str, key: str) -> ValueError:
 
 
 def _converted(label: str, f: dataclasses.Field[Any], value: str) -> Any:
-    kind = _kind(f)
+    kind = kind_of(f)
     try:
         return kind(value)
     except ValueError:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distsgd import schemes
+from distsgd.compare.entries import kind_of
 from distsgd.control.config import TrainConfig
 
 FORM = "lr=0.03,0.1,0.3"
@@ -40,9 +41,6 @@ NOT_TUNABLE = {
 
 DEFAULT_VALIDATION = 0.2
 """Fraction of the training set the tuning runs hold out, unless ``--validation`` says."""
-
-_KINDS: dict[str, type] = {"int": int, "float": float, "str": str}
-
 
 STALLED = "did not learn"
 """A tuning run's status when it ended at chance while its parameters barely moved (a setting
@@ -128,7 +126,7 @@ def parse_tune(texts: Sequence[str], scheme_names: Sequence[str]) -> tuple[TuneK
                 f"--tune {text!r}: an empty value; give values separated by single commas, "
                 f"e.g. {name}=0.03,0.1,0.3"
             )
-        values = tuple(_convert(name, _KINDS.get(str(f.type), str), p) for p in pieces)
+        values = tuple(_convert(name, kind_of(f), p) for p in pieces)
         if len(set(values)) != len(values):
             raise ValueError(f"--tune {text!r}: a value is listed twice; give each value once")
         keys.append(TuneKey(name=name, values=values, option=option))
