@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from distsgd.compare.summary import histogram_quantile
 from distsgd.plan.choices import LINK_PAYLOAD
 from distsgd.plan.cost import Path, Prediction
 from distsgd.plan.simulate import SimResult
@@ -130,15 +131,6 @@ def simulation_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _quantiles(histogram: dict[str, int]) -> str:
-    total = sum(histogram.values())
-    if not total:
-        return "—"
-    out, seen = [], 0
-    marks = iter((0.5, 0.99))
-    mark: float | None = next(marks)
-    for key, count in sorted(((int(k), v) for k, v in histogram.items())):
-        seen += count
-        while mark is not None and seen >= mark * total:
-            out.append(str(key))
-            mark = next(marks, None)
-    return ", ".join(out)
+    counts = {int(k): v for k, v in histogram.items()}
+    marks = [histogram_quantile(counts, q) for q in (0.5, 0.99)]
+    return "—" if marks[0] is None else ", ".join(map(str, marks))

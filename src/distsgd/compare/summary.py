@@ -277,11 +277,8 @@ def build_curves(records: Sequence[dict[str, Any]]) -> Curves:
     smooth = _moving_average(raw_loss, max(1, len(raw_loss) // 40))
     keep = _thin(len(smooth), LOSS_POINTS)
     thin_bytes = _thin(len(curves.bytes_sent), LOSS_POINTS)
-    return Curves(
-        eval_seconds=curves.eval_seconds,
-        eval_samples=curves.eval_samples,
-        accuracy=curves.accuracy,
-        test_loss=curves.test_loss,
+    return replace(
+        curves,
         loss_seconds=[curves.loss_seconds[i] for i in keep],
         loss_samples=[curves.loss_samples[i] for i in keep],
         train_loss=[smooth[i] for i in keep],
@@ -331,15 +328,20 @@ def staleness_quantile(result: dict[str, Any], q: float) -> int | None:
                 merged[int(key)] = merged.get(int(key), 0) + int(count)
             except (TypeError, ValueError):
                 continue
-    total = sum(merged.values())
+    return histogram_quantile(merged, q)
+
+
+def histogram_quantile(counts: dict[int, int], q: float) -> int | None:
+    """The ``q`` quantile of a histogram (value -> count); None where it counts nothing."""
+    total = sum(counts.values())
     if total <= 0:
         return None
     seen = 0
-    for value in sorted(merged):
-        seen += merged[value]
+    for value in sorted(counts):
+        seen += counts[value]
         if seen >= q * total:
             return value
-    return max(merged)
+    return max(counts)
 
 
 def seconds_to(curves: Curves, target: float | None) -> float | None:
