@@ -172,10 +172,7 @@ class CompareConfig:
 
     def entry(self, label: str) -> SchemeEntry:
         """The entry of ``--schemes`` written ``label``."""
-        for entry in self.entries:
-            if entry.label == label:
-                return entry
-        raise KeyError(label)
+        return {entry.label: entry for entry in self.entries}[label]
 
     def options_for(self, entry: SchemeEntry | str) -> dict[str, Any]:
         """The scheme options of an entry (or label): the global ones its scheme has, then its

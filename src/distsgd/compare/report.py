@@ -11,6 +11,7 @@ in ``compare.json``'s ``entries``). Every row ends with the entry's effective se
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -148,12 +149,10 @@ def tuning_text(run: SchemeRun) -> str:
     return f"**{chosen}** ({tried})"
 
 
-def _mean(values: Sequence[float | None], digits: int, many: bool) -> str:
+def _mean(values: Sequence[float | None], digits: int) -> str:
     got = spread(values)
     if got is None:
         return "n/a"
-    if not many:
-        return f"{got.mean:.{digits}f}"
     return f"{got.mean:.{digits}f} ± {got.std:.{digits}f}"
 
 
@@ -221,9 +220,7 @@ def _row(group: Sequence[SchemeRun], target: float | None, workers: int | None =
 
 
 def _status(group: Sequence[SchemeRun]) -> str:
-    counts: dict[str, int] = {}
-    for run in group:
-        counts[run.status] = counts.get(run.status, 0) + 1
+    counts = Counter(run.status for run in group)
     rolled = sum(1 for run in group if run.rollbacks)
     if set(counts) == {"ok"}:
         return f"ok ({len(group)} runs{f', {rolled} rolled back' if rolled else ''})"
@@ -239,7 +236,7 @@ def _group_row(group: Sequence[SchemeRun], target: float | None, tail: list[str]
     else:
         reached = [r.seconds_to_target for r in done if r.seconds_to_target is not None]
         reach = (
-            f"{_mean(reached, 1, True)} ({len(reached)}/{len(group)} reached)"
+            f"{_mean(reached, 1)} ({len(reached)}/{len(group)} reached)"
             if reached
             else "not reached"
         )
@@ -248,10 +245,10 @@ def _group_row(group: Sequence[SchemeRun], target: float | None, tail: list[str]
     cells = [
         f"`{group[0].label}`",
         _status(group),
-        _mean([r.final_accuracy for r in done], 4, True),
-        _mean([r.final_test_loss for r in done], 4, True),
+        _mean([r.final_accuracy for r in done], 4),
+        _mean([r.final_test_loss for r in done], 4),
         reach,
-        _mean([r.train_seconds for r in done], 1, True),
+        _mean([r.train_seconds for r in done], 1),
         _megabytes(None if sent is None else round(sent.mean)),
         "n/a" if stale is None else f"{stale.mean:.2f}",
         _steps(done[0]) if done else "n/a",

@@ -229,33 +229,6 @@ class Comparison:
     ) -> SchemeRun:
         """One run of an entry into ``OUT/folder``; the first run of a comparison without a
         planned ``eval_every`` calibrates it (and is repeated if it must)."""
-        run = self._launch(entry, where, folder, setting=setting, extra=extra)
-        if run.status == "ok" and not self.calibrated:
-            self.calibrated = True
-            steps = run.local_steps or 0
-            better = _calibrated(steps, self.eval_every, self.config.points)
-            if better is not None:
-                self._say(
-                    f"{entry.label} ran {steps} local steps per worker: evaluating every "
-                    f"{self.eval_every} gave {steps // self.eval_every} points; running it "
-                    f"again evaluating every {better} (use --eval-every to skip this)"
-                )
-                pilot = self.out / "pilot" / folder.relative_to(folder.parts[0])
-                pilot.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(run.run_dir, pilot)
-                self.eval_every = better
-                run = self._launch(entry, where, folder, setting=setting, extra=extra)
-        return run
-
-    def _launch(
-        self,
-        entry: SchemeEntry,
-        where: str,
-        folder: Path,
-        *,
-        setting: dict[str, Any],
-        extra: dict[str, Any],
-    ) -> SchemeRun:
         c = self.config
         run_dir = self.out / folder
         launch_config = c.launch_config(
@@ -294,6 +267,21 @@ class Comparison:
         )
         run = dataclasses.replace(run, baseline=entry.baseline, workers=launch_config.size.workers)
         self._say(f"{where}: {_outcome(run, validation='validation' in extra)}")
+        if run.status == "ok" and not self.calibrated:
+            self.calibrated = True
+            steps = run.local_steps or 0
+            better = _calibrated(steps, self.eval_every, c.points)
+            if better is not None:
+                self._say(
+                    f"{entry.label} ran {steps} local steps per worker: evaluating every "
+                    f"{self.eval_every} gave {steps // self.eval_every} points; running it "
+                    f"again evaluating every {better} (use --eval-every to skip this)"
+                )
+                pilot = self.out / "pilot" / folder.relative_to(folder.parts[0])
+                pilot.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(run.run_dir, pilot)
+                self.eval_every = better
+                return self._run(entry, where, folder, setting=setting, extra=extra)
         return run
 
     def _write_reports(self) -> None:
