@@ -55,9 +55,7 @@ def add_command(sub: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``distsgd elastic ACTION``."""
-    if args.elastic_command == "scale":
-        return _scale(args)
-    return _join(args)
+    return _scale(args) if args.elastic_command == "scale" else _join(args)
 
 
 def _scale(args: argparse.Namespace) -> int:

@@ -89,10 +89,6 @@ def add_command(sub: Any, add_launch_flags: AddFlags) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    return _render(args)
-
-
-def _render(args: argparse.Namespace) -> int:
     from distsgd.cli.flags import checkpoint_every, collect, scheme_options
     from distsgd.launcher.config import (
         DEMO_SCRIPT,

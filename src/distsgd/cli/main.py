@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from distsgd import schemes
+from distsgd.cli import elastic, k8s, plan
 from distsgd.cli.flags import checkpoint_every, collect, scheme_options
 from distsgd.cli.parser import build_parser, parse_argv
 from distsgd.cli.tasks import run_task
@@ -394,18 +395,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 def _dispatch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run the parsed command."""
-    if args.command in ("run", "demo"):
-        if args.command == "demo":
-            return _cmd_run(args, str(DEMO_SCRIPTS[args.model]), [])
+    if args.command == "demo":
+        return _cmd_run(args, str(DEMO_SCRIPTS[args.model]), [])
+    if args.command == "run":
         return _cmd_run(args, args.script, args.script_args)
     if args.command == "compare":
         return _cmd_compare(args, argv)
-    if args.command in ("server", "worker"):
-        return _cmd_server(args) if args.command == "server" else _cmd_worker(args)
-    if args.command == "elastic":
-        from distsgd.cli import elastic
-
-        return elastic.main(args)
     if args.command == "agent":
         from distsgd.cli.agent import main as agent_main
 
@@ -414,15 +409,14 @@ def _dispatch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from distsgd.cli.inspect import inspect
 
         return inspect(args.path)
-    if args.command == "k8s":
-        from distsgd.cli import k8s
-
-        return k8s.main(args)
-    if args.command == "plan":
-        from distsgd.cli import plan
-
-        return plan.main(args)
-    raise AssertionError(f"a command without a handler: {args.command}")
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = {
+        "server": _cmd_server,
+        "worker": _cmd_worker,
+        "elastic": elastic.main,
+        "k8s": k8s.main,
+        "plan": plan.main,
+    }
+    return handlers[args.command](args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

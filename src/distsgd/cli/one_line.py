@@ -40,9 +40,7 @@ class OneLineParser(argparse.ArgumentParser):
         given them (``distsgd run: error: unrecognized arguments: --bogus; see distsgd run
         --help``), not on ``distsgd``."""
         parsed, extras = self.parse_known_args(args, namespace)
-        prog = getattr(parsed, _LEFT_BY, self.prog)
-        if hasattr(parsed, _LEFT_BY):
-            delattr(parsed, _LEFT_BY)
+        prog = vars(parsed).pop(_LEFT_BY, self.prog)
         if extras:
             self._fail(prog, f"unrecognized arguments: {' '.join(extras)}")
         return parsed

@@ -73,10 +73,7 @@ def add_launch_flags(parser: argparse.ArgumentParser, *, compare: bool = False) 
         _add_elastic_flags(parser)
     add_tls_flags(parser)
     add_help_scheme_flag(parser)
-    if compare:
-        add_scheme_option_flags(parser)
-    else:
-        add_scheme_flags(parser)
+    (add_scheme_option_flags if compare else add_scheme_flags)(parser)
     add_training_flags(parser)
 
 
@@ -99,7 +96,6 @@ def _add_fault_tolerance_flags(parser: argparse.ArgumentParser, *, compare: bool
             "on another host, so that a lost host loses none (default on; local: no replica; "
             "see docs/fault-tolerance.md)",
         )
-    if not compare:
         ft.add_argument(
             "--rebalance",
             choices=("off", "auto"),
