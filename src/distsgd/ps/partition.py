@@ -95,9 +95,6 @@ class PartitionPlan:
                 Piece(param=p, start=0, stop=p.numel, shard=i % num_shards)
                 for i, p in enumerate(params)
             ]
-            self.shard_bytes = [
-                sum(x.nbytes for x in self.shard_pieces(s)) for s in range(num_shards)
-            ]
             return
         total = sum(p.nbytes for p in params)
         fair = max(1, math.ceil(total / num_shards))
@@ -121,7 +118,6 @@ class PartitionPlan:
         self.pieces = [
             Piece(param=p, start=a, stop=b, shard=assigned[i]) for i, (p, a, b) in enumerate(cuts)
         ]
-        self.shard_bytes = load
 
     @classmethod
     def from_arrays(
@@ -145,10 +141,12 @@ class PartitionPlan:
         plan.pieces = [
             replace(piece, shard=owners.get(piece.key, piece.shard)) for piece in self.pieces
         ]
-        plan.shard_bytes = [
-            sum(x.nbytes for x in plan.shard_pieces(s)) for s in range(self.num_shards)
-        ]
         return plan
+
+    @property
+    def shard_bytes(self) -> list[int]:
+        """Bytes of the pieces each shard holds."""
+        return [sum(x.nbytes for x in self.shard_pieces(s)) for s in range(self.num_shards)]
 
     def shard_pieces(self, shard: int) -> list[Piece]:
         return [piece for piece in self.pieces if piece.shard == shard]
