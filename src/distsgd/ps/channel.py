@@ -94,21 +94,18 @@ def serve(
             context = ChannelContext(seconds)
             try:
                 reply, arrays = handle(kind, body, context)
-            except Aborted:
-                _answer_error(sock, context, seconds)
-                return
-            except NotLogged as exc:  # nothing of the push applied: the client sends it again
-                context.set_trailing_metadata(((ERROR_KEY, Refusal.NOT_LOGGED.value),))
-                context.code, context.message = grpc.StatusCode.UNAVAILABLE, str(exc)
-                _answer_error(sock, context, seconds)
-                return
-            except Exception as exc:  # a bug: answered as gRPC answers it, then closed
-                log.error("%s failed with an unexpected error (a bug)", name, exc_info=exc)
-                context.code = grpc.StatusCode.INTERNAL
-                context.message = (
-                    f"{name}: internal error in the parameter server ({type(exc).__name__}); "
-                    "see the server's log"
-                )
+            except Exception as exc:  # answered as gRPC answers it, then closed
+                # NotLogged: nothing of the push applied: the client sends it again
+                if isinstance(exc, NotLogged):
+                    context.set_trailing_metadata(((ERROR_KEY, Refusal.NOT_LOGGED.value),))
+                    context.code, context.message = grpc.StatusCode.UNAVAILABLE, str(exc)
+                elif not isinstance(exc, Aborted):  # a bug
+                    log.error("%s failed with an unexpected error (a bug)", name, exc_info=exc)
+                    context.code = grpc.StatusCode.INTERNAL
+                    context.message = (
+                        f"{name}: internal error in the parameter server ({type(exc).__name__}); "
+                        "see the server's log"
+                    )
                 _answer_error(sock, context, seconds)
                 return
             bulk.send_frame(sock, kind, reply.SerializeToString(), seconds)
