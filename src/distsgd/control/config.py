@@ -159,16 +159,8 @@ class LrScaling:
         return line
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "lr": self.lr,
-            "rule": self.rule,
-            "workers": self.workers,
-            "factor": self.factor,
-            "effective_lr": self.effective_lr,
-            "by_default": self.by_default,
-            "momentum": self.momentum,
-            "effective_momentum": self.effective_momentum,
-        }
+        names = "lr rule workers factor effective_lr by_default momentum effective_momentum"
+        return {name: getattr(self, name) for name in names.split()}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,7 @@ file over its size) raises :class:`ControlError` at once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -77,13 +78,14 @@ class RemoteFiles:
         self._sender = threading.Thread(target=self._send_loop, name="run-files", daemon=True)
         self._sender.start()
 
-    def _call(self, what: str, call: Callable[[float], object], seconds: float) -> object:
-        """``call(remaining)`` until it answers, retrying UNAVAILABLE until ``seconds`` passed."""
+    def _call(self, what: str, call: Callable[..., object], seconds: float) -> object:
+        """``call(timeout=remaining)`` until it answers, retrying UNAVAILABLE until ``seconds``
+        passed."""
         deadline = time.monotonic() + seconds
         while True:
             remaining = deadline - time.monotonic()
             try:
-                return call(max(0.1, remaining))
+                return call(timeout=max(0.1, remaining))
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 if code != grpc.StatusCode.UNAVAILABLE or remaining <= 0.5:
@@ -140,13 +142,8 @@ class RemoteFiles:
     def remove(self, name: str) -> None:
         task_file(name)
         request = pb.RunFileChunk(header=self._header, name=name)
-        self._call(
-            f"remove {name}",
-            lambda timeout: self._stub.RemoveFile(
-                request, timeout=timeout, metadata=self._metadata
-            ),
-            self.timeout,
-        )
+        remove = functools.partial(self._stub.RemoveFile, request, metadata=self._metadata)
+        self._call(f"remove {name}", remove, self.timeout)
 
     def flush(self) -> None:
         """Send the buffered appends now (dropped, with a warning, if the launcher does not

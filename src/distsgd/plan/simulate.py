@@ -350,8 +350,7 @@ class _Run:
             if len(self.pending) == self.n:
                 self._close_round()
             return
-        for gap in self.versions - self.base[w]:
-            self.stale[int(gap)] += 1
+        self.stale.update((self.versions - self.base[w]).astype(int).tolist())
         self.versions += 1
         self._next(w, float(np.max(applied)))
 
@@ -369,8 +368,7 @@ class _Run:
         for at, w in group:
             sent = max(self.machine.cpu(at, self.cost.cpu_up), pushed)
             applied = self.machine.apply(np.full(self.m, sent), self.cost.apply_s)
-            for gap in self.versions - self.base[w]:
-                self.stale[int(gap)] += 1
+            self.stale.update((self.versions - self.base[w]).astype(int).tolist())
             self.versions += 1
             pushed = max(pushed, float(np.max(applied)))
         pulled = self.machine.wire_together(pushed, self.cost.down / self.m, k)
