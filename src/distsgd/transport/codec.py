@@ -9,6 +9,7 @@ anything out of range, out of order, or incomplete.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -72,12 +73,9 @@ def specs_of(arrays: Mapping[str, np.ndarray]) -> list[pb.TensorSpec]:
 
 def nbytes_of(spec: pb.TensorSpec) -> int:
     """Size in bytes of the tensor a spec describes."""
-    count = 1
-    for dim in spec.shape:
-        if dim < 0:
-            raise WireError(f"{spec.key}: negative dimension in shape {list(spec.shape)}")
-        count *= dim
-    return count * wire_dtype(spec.dtype, spec.key).itemsize
+    if any(dim < 0 for dim in spec.shape):
+        raise WireError(f"{spec.key}: negative dimension in shape {list(spec.shape)}")
+    return math.prod(spec.shape) * wire_dtype(spec.dtype, spec.key).itemsize
 
 
 def is_encoded(spec: pb.TensorSpec) -> bool:
@@ -171,26 +169,21 @@ class ChunkAssembler:
 
     def add(self, chunk: pb.TensorChunk) -> None:
         """Take one chunk, checking it lands exactly where the tensor continues."""
-        if chunk.index >= len(self._specs):
-            raise WireError(
-                f"chunk for tensor #{chunk.index}, but the header lists {len(self._specs)}"
-            )
-        key, size, filled = (
-            self._specs[chunk.index].key,
-            self._sizes[chunk.index],
-            self._filled[chunk.index],
-        )
+        i = chunk.index
+        if i >= len(self._specs):
+            raise WireError(f"chunk for tensor #{i}, but the header lists {len(self._specs)}")
+        key, size, filled = self._specs[i].key, self._sizes[i], self._filled[i]
         if chunk.offset != filled:
             raise WireError(f"{key}: chunk at byte {chunk.offset}, expected byte {filled}")
         end = filled + len(chunk.data)
         if end > size:
             raise WireError(f"{key}: chunk ends at byte {end}, past the tensor's {size} bytes")
-        buf = self._buffers[chunk.index]
+        buf = self._buffers[i]
         if isinstance(buf, np.ndarray):
             buf[filled:end] = np.frombuffer(chunk.data, np.uint8)
         else:
             buf += chunk.data
-        self._filled[chunk.index] = end
+        self._filled[i] = end
 
     def finish(self) -> dict[str, np.ndarray]:
         """The complete tensors by key, or :class:`WireError` naming a truncated one."""

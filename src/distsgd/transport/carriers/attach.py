@@ -23,7 +23,7 @@ from distsgd.transport.carriers.attached import AttachedCarrier
 from distsgd.transport.carriers.base import CarrierFailed
 from distsgd.transport.carriers.segment import SegmentCarrier
 from distsgd.transport.carriers.tensor_socket import SocketCarrier
-from distsgd.transport.codec import wire_dtype
+from distsgd.transport.codec import nbytes_of, wire_dtype
 from distsgd.transport.errors import remote_error
 from distsgd.transport.link import Link
 from distsgd.transport.proto import distsgd_pb2 as pb
@@ -194,12 +194,8 @@ def _socket_buffers(specs: Iterable[pb.TensorSpec]) -> dict[str, np.ndarray]:
     buffers: dict[str, np.ndarray] = {}
     total = 0
     for spec in specs:
-        dtype = wire_dtype(spec.dtype, spec.key)
-        shape = tuple(spec.shape)
-        if any(d < 0 for d in shape):
-            raise ValueError(f"{spec.key}: negative dimension")
-        total += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        total += nbytes_of(spec)  # WireError, a ValueError, for a bad dtype or shape
         if total > MAX_SOCKET_BYTES:
             raise ValueError("the server announces more than 64 GiB of pieces")
-        buffers[spec.key] = np.empty(shape, dtype)
+        buffers[spec.key] = np.empty(tuple(spec.shape), wire_dtype(spec.dtype, spec.key))
     return buffers
