@@ -454,18 +454,8 @@ class Worker:
         and the metrics, evaluation and checkpoints of this step follow. An exception inside
         leaves the step untaken."""
         step = Step(self._session.module)
-        self._session.begin_step()
-        try:
+        with self._session.forward_backward():
             yield step
-        except RuntimeError as exc:
-            self._session.abandon_step()
-            explained = self._session.explain(exc)
-            if explained is None:
-                raise
-            raise explained from exc
-        except BaseException:
-            self._session.abandon_step()
-            raise
         self._session.end_step(step.loss, step.samples)
 
     def log(self, **values: float | torch.Tensor) -> None:

@@ -60,16 +60,9 @@ def run_worker(
         session.open()
         for raw in session.batches():
             batch = split_batch(raw, batch_fn).to(session.device)
-            session.begin_step()
-            try:
+            with session.forward_backward():
                 loss = loss_fn(batch.forward(session.module), batch.target)
                 loss.backward()
-            except RuntimeError as exc:
-                session.abandon_step()
-                explained = session.explain(exc)
-                if explained is None:
-                    raise
-                raise explained from exc
             session.end_step(loss)
         return session.finish()
     except BaseException as exc:

@@ -29,6 +29,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -348,14 +349,19 @@ class WorkerSession:
         self._forwards_at_begin = self._forwards
         self._in_step = True
 
-    def explain(self, exc: RuntimeError) -> RuntimeError | None:
-        """The error forward or backward raised, with the scheme's hint added (None: none)."""
-        hint = self.scheme.explain(exc)
-        return None if hint is None else RuntimeError(f"{exc}; {hint}")
-
-    def abandon_step(self) -> None:
-        """Forward or backward failed: the step did not happen."""
-        self._in_step = self._prepared = False
+    @contextmanager
+    def forward_backward(self) -> Iterator[None]:
+        """:meth:`begin_step`, then the loop's forward and backward; if they raise, the step did
+        not happen, and a RuntimeError comes with the scheme's hint added (where it has one)."""
+        self.begin_step()
+        try:
+            yield
+        except BaseException as exc:
+            self._in_step = self._prepared = False
+            hint = self.scheme.explain(exc) if isinstance(exc, RuntimeError) else None
+            if hint is None:
+                raise
+            raise RuntimeError(f"{exc}; {hint}") from exc
 
     def end_step(self, loss: float | torch.Tensor | None, samples: int | None = None) -> None:
         """After backward, gradients in ``param.grad``: the scheme's ``after_backward`` (push,
