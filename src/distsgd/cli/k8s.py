@@ -17,6 +17,12 @@ from distsgd.cli.one_line import OneLineParser
 
 AddFlags = Callable[[argparse.ArgumentParser], None]
 
+WHERE = (
+    *("name", "namespace", "image", "port", "worker_cpu", "worker_memory", "ps_cpu"),
+    *("ps_memory", "storage", "storage_class", "shared_volume"),
+)
+"""The ``kubernetes`` flags of ``render``: the :class:`K8sConfig` fields of the same names."""
+
 
 class _OutDirFirst(OneLineParser):
     """A parser whose first argument is OUT_DIR, taken before the flags are parsed.
@@ -131,21 +137,8 @@ def main(args: argparse.Namespace) -> int:
         ),
         hosting=Hosting(threads=args.threads),
     )
-    config = K8sConfig(
-        launch=launch,
-        data_files=data,
-        name=args.name,
-        namespace=args.namespace,
-        image=args.image,
-        port=args.port,
-        worker_cpu=args.worker_cpu,
-        worker_memory=args.worker_memory,
-        ps_cpu=args.ps_cpu,
-        ps_memory=args.ps_memory,
-        storage=args.storage,
-        storage_class=args.storage_class,
-        shared_volume=args.shared_volume,
-    )
+    where = {name: getattr(args, name) for name in WHERE}
+    config = K8sConfig(launch=launch, data_files=data, **where)
     written = render(config, args.out_dir, force=args.force)
     print(f"distsgd: wrote {len(written)} files into {args.out_dir}:")
     for path in written:

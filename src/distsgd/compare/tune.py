@@ -74,11 +74,8 @@ class Trial:
 
 
 def _option_fields(names: Sequence[str]) -> dict[str, dataclasses.Field[Any]]:
-    found: dict[str, dataclasses.Field[Any]] = {}
-    for name in names:
-        for f in dataclasses.fields(schemes.get(name).options):
-            found.setdefault(f.name, f)
-    return found
+    # the first listed scheme's field of a name wins: it is written last
+    return {f.name: f for n in reversed(names) for f in dataclasses.fields(schemes.get(n).options)}
 
 
 def _convert(key: str, kind: type, text: str) -> Any:
