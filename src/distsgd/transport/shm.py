@@ -157,11 +157,6 @@ class Segment:
             raise SegmentError(0, f"bytes {offset}..{end} are not inside segment {self.name}")
         return self._buffer[offset:end].view(dtype).reshape(shape)
 
-    def raw(self, offset: int, nbytes: int) -> np.ndarray:
-        """A writable uint8 view of ``nbytes`` bytes at ``offset``."""
-        self._inside(offset, nbytes)
-        return self._buffer[offset : offset + nbytes]
-
     def _inside(self, offset: int, nbytes: int, start: int = HEADER_BYTES) -> None:
         if offset < start or nbytes < 0 or offset + nbytes > self.size:
             raise SegmentError(0, f"bytes {offset}..{offset + nbytes} are not inside {self.name}")
