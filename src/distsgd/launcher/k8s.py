@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from distsgd import __version__
 from distsgd.cluster import kube
+from distsgd.launcher.lifeline import thread_env
 from distsgd.transport.security import SECRET_FILE_ENV, TRUSTED_NETWORK_ENV, new_secret
 from distsgd.util import write_atomic, write_bytes_atomic
 
@@ -325,9 +326,7 @@ def _env(config: K8sConfig, *, threads: int, identity: bool = True) -> list[dict
         # loopback without TLS, authenticated by the run secret (docs/kubernetes.md).
         {"name": TRUSTED_NETWORK_ENV, "value": "1"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
-        {"name": "DISTSGD_THREADS", "value": str(threads)},
-        {"name": "OMP_NUM_THREADS", "value": str(threads)},
-        {"name": "MKL_NUM_THREADS", "value": str(threads)},
+        *({"name": name, "value": value} for name, value in thread_env(threads).items()),
     ]
     return env
 

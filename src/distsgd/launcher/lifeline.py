@@ -79,6 +79,13 @@ def tie_to_parent(environ: dict[str, str] | None = None) -> None:
     threading.Thread(target=watch, name="lifeline", daemon=True).start()
 
 
+def thread_env(threads: int) -> dict[str, str]:
+    """A task's thread budget as its environment says it: distsgd's, OpenMP's and MKL's."""
+    return {
+        name: str(threads) for name in ("DISTSGD_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    }
+
+
 def limit_threads(environ: dict[str, str] | None = None) -> None:
     """Apply the launcher's per-task thread budget (``DISTSGD_THREADS``) to torch."""
     env = os.environ if environ is None else environ

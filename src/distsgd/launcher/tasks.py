@@ -29,7 +29,7 @@ from distsgd.launcher.emulated import Host, Hosts
 from distsgd.launcher.engines import engine_for
 from distsgd.launcher.errors import RunFailed
 from distsgd.launcher.keras_env import keras_environment
-from distsgd.launcher.lifeline import PARENT_ENV
+from distsgd.launcher.lifeline import PARENT_ENV, thread_env
 from distsgd.launcher.replicas import Replicas
 from distsgd.launcher.run_state import RunState
 from distsgd.launcher.supervisor import TaskHandle, Tasks
@@ -97,30 +97,11 @@ def wait_for_address(task: TaskHandle, path: Path, timeout: float) -> str:
 
 def task_envs(secret_file: Path, threads: int) -> tuple[dict[str, str], dict[str, str]]:
     """The environments of a run's workers and of its servers (and replicas)."""
-    env = dict(os.environ)
-    env.pop(ENV_VAR, None)
-    env.pop(SECRET_ENV, None)
-    env.update(
-        {
-            PARENT_ENV: str(os.getpid()),
-            "PYTHONUNBUFFERED": "1",
-            SECRET_FILE_ENV: str(secret_file.resolve()),
-        }
-    )
-    worker_env = {
-        **env,
-        "DISTSGD_THREADS": str(threads),
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-    }
-    ps_env = {
-        **env,
-        "DISTSGD_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",  # parameter servers stay on CPU (and import no torch)
-    }
-    return worker_env, ps_env
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_VAR, SECRET_ENV)}
+    env.update({PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
+    env[SECRET_FILE_ENV] = str(secret_file.resolve())
+    # parameter servers stay on CPU (and import no torch)
+    return {**env, **thread_env(threads)}, {**env, **thread_env(1), "CUDA_VISIBLE_DEVICES": ""}
 
 
 class TaskStarter:
