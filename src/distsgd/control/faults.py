@@ -59,14 +59,6 @@ _USAGE = (
 )
 
 
-def parse_duration(text: str) -> float:
-    match = _DURATION.match(text)
-    if not match:
-        raise ValueError(f"bad duration {text!r}; write e.g. 200ms or 10s")
-    value = float(match.group(1))
-    return value / 1000.0 if match.group(2) == "ms" else value
-
-
 @dataclass(frozen=True, kw_only=True)
 class Fault:
     """One parsed ``--inject-fault`` spec."""
@@ -144,12 +136,13 @@ def _check_shape(
 
 
 def _seconds(text: str, duration: str | None) -> float:
-    try:
-        return 0.0 if duration is None else parse_duration(duration)
-    except ValueError:
+    match = _DURATION.match("0s" if duration is None else duration)
+    if not match:
         raise ValueError(
             f"bad --inject-fault {text!r}: bad duration {duration!r}; write e.g. 200ms or 10s"
-        ) from None
+        )
+    value = float(match.group(1))
+    return value / 1000.0 if match.group(2) == "ms" else value
 
 
 def _rate(text: str, value: str | None) -> int:
