@@ -193,9 +193,7 @@ def scheme_help(name: str) -> str:
 
 
 def _module_doc(obj: Any) -> str:
-    module = sys.modules.get(getattr(obj, "__module__", "") or "")
-    if module is None:
-        module = inspect.getmodule(obj)
+    module = inspect.getmodule(obj)
     return inspect.cleandoc(module.__doc__ or "") if module is not None else ""
 
 

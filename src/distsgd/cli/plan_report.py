@@ -91,8 +91,6 @@ def prediction_table(args: argparse.Namespace, parts: Parts, rows: Sequence[Row]
 
 def simulated_run(label: str, workers: int, ps: int, got: SimResult, took: float) -> dict[str, Any]:
     """One simulated run as ``--json`` prints it (``took``: the seconds it took to play)."""
-    busy = got.server_busy
-    links = got.link_busy
     return {
         "scheme": label,
         "workers": workers,
@@ -100,8 +98,8 @@ def simulated_run(label: str, workers: int, ps: int, got: SimResult, took: float
         "rate": got.rate,
         "seconds": got.seconds,
         "worker_steps": got.worker_steps,
-        "server_busy": list(busy),
-        "link_busy": list(links),
+        "server_busy": list(got.server_busy),
+        "link_busy": list(got.link_busy),
         "staleness": {str(k): v for k, v in got.staleness.items()},
         "staleness_mean": got.staleness_mean(),
         "wall_s": took,
