@@ -75,7 +75,9 @@ class Membership:
         """The members' worker indexes, ascending."""
         return sorted(self.members)
 
-    def _add(self, worker: int, incarnation: int) -> bool:
+    def join(self, worker: int, incarnation: int) -> bool:
+        """Make ``worker`` a member (again, after a leave or an eviction); True if the set
+        changed. The caller has checked ``0 <= worker < max_workers``."""
         member = self.members.get(worker)
         now = self.clock()
         if member is not None:
@@ -89,11 +91,6 @@ class Membership:
         self.epoch += 1
         return True
 
-    def join(self, worker: int, incarnation: int) -> bool:
-        """Make ``worker`` a member (again, after a leave or an eviction); True if the set
-        changed. The caller has checked ``0 <= worker < max_workers``."""
-        return self._add(worker, incarnation)
-
     def claim(self, worker: int, incarnation: int) -> bool:
         """Take ``worker`` as a new member: True if the index was never in use here (or this
         claim is a retry: the member has this nonzero incarnation), else False and nothing
@@ -101,23 +98,20 @@ class Membership:
         if worker in self.used or worker in self.left or worker in self.members:  # the last
             member = self.members.get(worker)  # two as a write-ahead log's replay sets them
             return member is not None and incarnation != 0 and member.incarnation == incarnation
-        return self._add(worker, incarnation)
+        return self.join(worker, incarnation)
 
     def see(self, worker: int, incarnation: int) -> bool:
         """A call of ``worker`` (a pull or push): implicit membership; a worker that left stays
         out, tools (-1) are no members. True if the set changed."""
         if worker < 0 or worker in self.left:
             return False
-        return self._add(worker, incarnation)
+        return self.join(worker, incarnation)
 
     def heartbeat(self, worker: int, incarnation: int) -> bool:
         """Refresh a member's last-seen time; False if ``worker`` is not a member."""
-        member = self.members.get(worker)
-        if member is None:
+        if worker not in self.members:
             return False
-        member.last_seen = self.clock()
-        if incarnation:
-            member.incarnation = incarnation
+        self.join(worker, incarnation)  # a member: refreshed, the set unchanged
         return True
 
     def leave(self, worker: int) -> bool:
