@@ -148,19 +148,15 @@ class StoreView(Protocol):
 
     def latest(self) -> Checkpoint | None:
         """The newest complete checkpoint."""
-        ...
 
     def newest_worker(self, index: int) -> WorkerStateRef | None:
         """Worker ``index``'s newest usable state."""
-        ...
 
     def newest_shard(self, index: int) -> ShardRef | None:
         """Shard ``index``'s newest intact file."""
-        ...
 
     def has_wal(self, index: int) -> bool:
         """Whether ps ``index`` left a write-ahead log it can come back from."""
-        ...
 
 
 @dataclass(frozen=True, kw_only=True)
