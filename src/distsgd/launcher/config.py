@@ -469,16 +469,15 @@ class LaunchConfig:
 def _check_hosts(config: LaunchConfig) -> None:
     """--hosts, --link and --placement against the engine and the tasks (the plan is made once,
     to check them, and the certificate's names against its servers' addresses)."""
-    hosting = config.hosting
+    hosting, engine = config.hosting, engine_for(config)
     if not hosting.hosts:
-        placed = engine_for(config).places_tasks  # Ray places its tasks by --placement
+        placed = engine.places_tasks  # Ray places its tasks by --placement
         if hosting.links or (hosting.placement != "spread" and not placed):
             raise ValueError(
                 "--link and --placement shape emulated hosts (--placement also Ray's, "
                 "with --ray); add --hosts N"
             )
         return
-    engine = engine_for(config)
     if engine.places_tasks:
         raise ValueError(
             "--hosts places local processes in network namespaces, "
