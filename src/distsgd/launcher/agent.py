@@ -305,8 +305,7 @@ class Agent:
     def _over(self) -> bool:
         """This machine's workers have all finished, and its servers (if any) say the run is
         over; asked of the servers at most once a second."""
-        workers = [t for t in self.config.tasks if t.job == Role.WORKER]
-        if any(t.name not in self.done for t in workers):
+        if any(t.job == Role.WORKER and t.name not in self.done for t in self.config.tasks):
             return False
         servers = [
             t for t in self.config.tasks if t.job == Role.PS and t.name not in self.done
