@@ -356,7 +356,7 @@ class RaySupervisor:
             return [(list(bundles), "STRICT_PACK")]
         servers = [n for n in bundles if n.startswith("ps")]
         workers = [n for n in bundles if n not in servers]
-        nodes = sum(1 for node in self.ray.nodes() if node.get("Alive"))
+        nodes = len(self._alive())
         own = "STRICT_SPREAD" if 2 <= len(servers) <= nodes else "SPREAD"
         if len(servers) > nodes > 1:
             log.warning("%d servers on %d nodes: some share a node", len(servers), nodes)
