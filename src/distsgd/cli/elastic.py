@@ -48,7 +48,6 @@ def add_command(sub: Any) -> None:
     join.add_argument(
         "--task",
         type=int,
-        default=None,
         help="this worker's index (default: the highest one the launcher has not started)",
     )
 

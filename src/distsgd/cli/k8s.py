@@ -77,7 +77,7 @@ def add_command(sub: Any, add_launch_flags: AddFlags) -> None:
     where.add_argument("--ps-cpu", default="1", help="CPU request per ps (default 1)")
     where.add_argument("--ps-memory", default="512Mi", help="memory per ps (default 512Mi)")
     where.add_argument("--storage", default="1Gi", help="size of the run folder's volume")
-    where.add_argument("--storage-class", default=None, help="its StorageClass")
+    where.add_argument("--storage-class", help="its StorageClass")
     where.add_argument(
         "--shared-volume",
         action="store_true",

@@ -38,14 +38,11 @@ def add_launch_flags(parser: argparse.ArgumentParser, *, compare: bool = False) 
     --run-dir and --quiet (its runs' output goes to their launcher.log)."""
     parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
     parser.add_argument(
-        "--ps", type=int, default=None, help="parameter-server tasks (default 1; 0 for allreduce)"
+        "--ps", type=int, help="parameter-server tasks (default 1; 0 for allreduce)"
     )
     if not compare:
         parser.add_argument(
-            "--run-dir",
-            type=Path,
-            default=None,
-            help="run folder (default ./distsgd-runs/<time>-<scheme>)",
+            "--run-dir", type=Path, help="run folder (default ./distsgd-runs/<time>-<scheme>)"
         )
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads per worker (default cores/workers)"
@@ -54,7 +51,6 @@ def add_launch_flags(parser: argparse.ArgumentParser, *, compare: bool = False) 
         parser.add_argument("--quiet", action="store_true", help="hide task log lines")
         parser.add_argument(
             "--ray",
-            default=None,
             metavar="ADDRESS",
             help="run the tasks as Ray actors (pip install 'distsgd[ray]'): --ray alone on a "
             "local Ray instance on 127.0.0.1, --ray=ADDRESS on the Ray cluster there ('auto', "
@@ -82,7 +78,6 @@ def _add_fault_tolerance_flags(parser: argparse.ArgumentParser, *, compare: bool
     ft.add_argument(
         "--checkpoint-every",
         metavar="N|Ns",
-        default=None,
         help="checkpoint every N steps of each worker, or every N seconds with 's' (e.g. 50, "
         f"30s; default {DEFAULT_CHECKPOINT_SECONDS:.0f}s, 0 = off)",
     )
@@ -218,15 +213,11 @@ def _add_compare(sub: Any) -> None:
         "name and its settings joined by '_' (downpour_server_lr=1)",
     )
     compare.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="output folder, new or empty (default ./distsgd-compare/<time>)",
+        "--out", type=Path, help="output folder, new or empty (default ./distsgd-compare/<time>)"
     )
     compare.add_argument(
         "--target",
         type=float,
-        default=None,
         metavar="ACC",
         help="report seconds to this test accuracy (default 95%% of the best final accuracy)",
     )
@@ -328,7 +319,6 @@ def _add_run(sub: Any) -> None:
     run.add_argument(
         "--resume",
         type=Path,
-        default=None,
         metavar="RUN_DIR",
         help="continue an earlier run from its last complete checkpoint (same script, options)",
     )

@@ -84,7 +84,6 @@ def add_command(sub: Any) -> None:
     plan.add_argument("--ps", type=int, help="M servers (default 1; 2 with --simulate)")
     plan.add_argument(
         "--link",
-        default=None,
         metavar="RATE",
         help="every host's link (1gbit, 100mbit): each task on a host of its own; default: "
         "one host, no link",
@@ -92,12 +91,11 @@ def add_command(sub: Any) -> None:
     plan.add_argument(
         "--cores",
         type=float,
-        default=None,
         help="cores the tasks share (default: this machine's without --link, none with it; "
         "give this machine's for emulated hosts, --hosts)",
     )
-    plan.add_argument("--step-ms", type=float, default=None, help="a step's compute, ms")
-    plan.add_argument("--model-mb", type=float, default=None, help="the model's float32 MB")
+    plan.add_argument("--step-ms", type=float, help="a step's compute, ms")
+    plan.add_argument("--model-mb", type=float, help="the model's float32 MB")
     plan.add_argument(
         "--assume",
         action="store_true",

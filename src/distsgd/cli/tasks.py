@@ -49,9 +49,7 @@ def _add_server(sub: Any) -> None:
         "assembling --run-dir from what the tasks given --control send (the control pod of "
         "distsgd k8s render)",
     )
-    server.add_argument(
-        "--task", "--task_index", dest="task", type=int, default=None, help="ps task index"
-    )
+    server.add_argument("--task", "--task_index", dest="task", type=int, help="ps task index")
     server.add_argument(
         "--address", help="listen on HOST:PORT instead of the spec's address (port 0 = any)"
     )
@@ -120,14 +118,9 @@ def _add_server(sub: Any) -> None:
 def _add_worker(sub: Any) -> None:
     worker = sub.add_parser("worker", help="run a training script as one worker task of a cluster")
     worker.add_argument(
-        "--task",
-        "--task_index",
-        dest="task",
-        type=int,
-        default=None,
-        help="worker index (0 = chief)",
+        "--task", "--task_index", dest="task", type=int, help="worker index (0 = chief)"
     )
-    worker.add_argument("--run-dir", type=Path, default=None, help="folder for metrics and results")
+    worker.add_argument("--run-dir", type=Path, help="folder for metrics and results")
     worker.add_argument(
         "--control",
         metavar="HOST:PORT",
@@ -144,7 +137,6 @@ def _add_worker(sub: Any) -> None:
     worker.add_argument(
         "--checkpoint-every",
         metavar="N|Ns",
-        default=None,
         help="checkpoint into RUN_DIR/checkpoints every N steps, or every N seconds with 's' "
         "(default off; give the servers --checkpoint-dir RUN_DIR/checkpoints)",
     )
