@@ -79,7 +79,7 @@ class PsConnection(Connection):
                     scheme=env.scheme,
                     options=server_options(scheme, config),
                     num_workers=env.num_workers,
-                    work=None if work is None else _work_spec(work, config),
+                    work=None if work is None else work_spec(work, config),
                 )
                 log.info(
                     "registered %d parameters on %d ps (bytes per shard: %s)",
@@ -205,13 +205,4 @@ def _client(env: TaskEnv, config: TrainConfig, plan: PartitionPlan) -> Parameter
         topk=config.topk,
         tls=env.tls,
         link_delays=[LinkDelay(round_trip_s=rtt, jitter_s=jit) for rtt, jit in env.ps_link_delays],
-    )
-
-
-def _work_spec(work: Dataset[Any], config: TrainConfig) -> pb.WorkSpec:
-    return work_spec(
-        len(work),  # type: ignore[arg-type]
-        batch_size=config.batch_size,
-        epochs=config.epochs,
-        seed=config.seed,
     )

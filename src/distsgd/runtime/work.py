@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from distsgd.control.config import TrainConfig
 from distsgd.ps.client import ParameterClient
 from distsgd.ps.work import MAX_LEASE, Unit
 from distsgd.runtime.data import fetch
@@ -38,14 +39,17 @@ LEASE_AHEAD = 3
 units (reporting those trained meanwhile), not once a step."""
 
 
-def work_spec(samples: int, *, batch_size: int, epochs: float, seed: int) -> pb.WorkSpec:
+def work_spec(work: Dataset[Any], config: TrainConfig) -> pb.WorkSpec:
     """The work spec the chief registers with shard 0 (one unit = one batch)."""
+    samples, batch_size = len(work), config.batch_size  # type: ignore[arg-type]
     if batch_size > samples:
         raise ValueError(
             f"batch_size {batch_size} is larger than the training set's {samples} samples; "
             "lower --batch-size"
         )
-    return pb.WorkSpec(samples=samples, unit_size=batch_size, epochs=epochs, seed=seed)
+    return pb.WorkSpec(
+        samples=samples, unit_size=batch_size, epochs=config.epochs, seed=config.seed
+    )
 
 
 def epoch_order(samples: int, seed: int, epoch: int) -> torch.Tensor:
