@@ -263,14 +263,18 @@ def _unsafe_globals(path: Path) -> list[str]:
         return []
 
 
-def _read_worker_state(path: Path, *, mmap: bool) -> dict[str, Any]:
-    """Load and check a worker state without running anything in it (``mmap``: the tensors
-    stay on disk until touched, for a check that does not need them)."""
+def load_worker_state(path: Path) -> dict[str, Any]:
+    """A worker's state as :func:`save_worker_state` was given it (numpy arrays back).
+
+    Read with ``torch.load(weights_only=True)``: :class:`UnsafeFileError` for a file holding
+    Python objects (it is never loaded), :class:`CheckpointError` for a damaged one or one
+    without the keys and types of a worker state.
+    """
     found = _unsafe_globals(path)
     if found:
         raise refuse_code(path, found)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # weights_only refused what the file holds
         if zipfile.is_zipfile(path):
             raise refuse_code(path, []) from None
@@ -281,16 +285,6 @@ def _read_worker_state(path: Path, *, mmap: bool) -> dict[str, Any]:
     if problem is not None:
         raise CheckpointError(f"{path}: not a distsgd worker state ({problem})")
     return {key: value if key == "model" else _decode(value) for key, value in state.items()}
-
-
-def load_worker_state(path: Path) -> dict[str, Any]:
-    """A worker's state as :func:`save_worker_state` was given it (numpy arrays back).
-
-    Read with ``torch.load(weights_only=True)``: :class:`UnsafeFileError` for a file holding
-    Python objects (it is never loaded), :class:`CheckpointError` for a damaged one or one
-    without the keys and types of a worker state.
-    """
-    return _read_worker_state(path, mmap=False)
 
 
 class Checkpointer:
@@ -410,14 +404,19 @@ class Checkpointer:
         before the worker leaves), after any write still running."""
         self._settle(local_step)
         path = worker_file(self.root, self.rank, local_step)
+        if self._write_in_loop(path, lambda: save_worker_state(path, state)):
+            prune_worker_files(self.root, self.rank, self.num_workers)
+
+    def _write_in_loop(self, path: Path, write: Callable[[], None]) -> bool:
+        """``write()`` the state file ``path``; whether it was (False: skipped, the disk full)."""
         try:
-            save_worker_state(path, state)
+            write()
         except OSError as exc:
             if outcome_of(exc) is not WriteOutcome.NO_SPACE:
                 raise
             self._written(path, WriteOutcome.NO_SPACE)
-            return
-        prune_worker_files(self.root, self.rank, self.num_workers)
+            return False
+        return True
 
     def _start_save(self, state: dict[str, Any], local_step: int) -> bool:
         """Snapshot ``state`` and have it written (in the background where possible);
@@ -428,12 +427,7 @@ class Checkpointer:
             private_dir(path.parent)
             self._writing = BackgroundWrite(path, encoded, self._background_done)
             return True
-        try:
-            state_writer.write_state_file(path, encoded)
-        except OSError as exc:
-            if outcome_of(exc) is not WriteOutcome.NO_SPACE:
-                raise
-            self._written(path, WriteOutcome.NO_SPACE)
+        if not self._write_in_loop(path, lambda: state_writer.write_state_file(path, encoded)):
             return False
         self._written(path, WriteOutcome.WRITTEN)
         self.count += 1
@@ -459,11 +453,8 @@ class Checkpointer:
         every worker saved its state of this checkpoint (a consistent cut: the shards hold
         every push the states counted; the later ones a resumed worker skips, as the servers
         tell it) and complete the manifest."""
-        if self.writer is None or self.due_step is None:
-            return
-        name = f"ckpt-{self.due_step:08d}"
-        private_dir(self.root / name)
-        self.writer.complete(name, self.due_step, shard_checkpoint or [], extra)
+        if self.due_step is not None:
+            self._complete(self.due_step, shard_checkpoint, extra)
 
     def checkpoint_on_stop(
         self, local_step: int, shard_checkpoint: Any, extra: dict[str, Any]
@@ -473,12 +464,17 @@ class Checkpointer:
         push those states counted, and nothing later: the workers stopped), named after the
         chief's ``local_step``; its manifest says ``"stopped": true``. :meth:`close`
         completes it."""
+        self._complete(local_step, shard_checkpoint, {**extra, "stopped": True}, newest=True)
+
+    def _complete(
+        self, step: int, shard_checkpoint: Any, extra: dict[str, Any], newest: bool = False
+    ) -> None:
+        """(Chief) have the manifest writer complete the checkpoint ``ckpt-<step>``."""
         if self.writer is None:
             return
-        name = f"ckpt-{local_step:08d}"
+        name = f"ckpt-{step:08d}"
         private_dir(self.root / name)
-        shards = shard_checkpoint or []
-        self.writer.complete(name, local_step, shards, {**extra, "stopped": True}, newest=True)
+        self.writer.complete(name, step, shard_checkpoint or [], extra, newest=newest)
 
     def close(self, timeout: float = 5.0) -> None:
         """(After the other workers finished) complete what checkpoints can be completed, give
