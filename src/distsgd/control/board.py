@@ -372,8 +372,6 @@ class BoardWriter:
 
     def __init__(self, directory: Path, protos: _Protos) -> None:
         self.directory = directory
-        self.path: Path | None = None
-        """The event file, once made."""
         self._protos = protos
         self._series = Series()
         self._fd: int | None = None
@@ -413,9 +411,7 @@ class BoardWriter:
         private_dir(self.directory)
         host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
         name = f"events.out.tfevents.{int(wall_time):010d}.{host}.{os.getpid()}.{next(_files)}"
-        path = self.directory / name
-        self._fd = open_private(path, os.O_WRONLY | os.O_APPEND | os.O_EXCL)
-        self.path = path
+        self._fd = open_private(self.directory / name, os.O_WRONLY | os.O_APPEND | os.O_EXCL)
         version = self._protos.event.Event(wall_time=wall_time, file_version="brain.Event:2")
         return _framed(version.SerializeToString())
 
