@@ -3,8 +3,6 @@ the PyTorch hooks its workers run around each step."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from distsgd.runtime.context import WorkerContext
@@ -14,6 +12,8 @@ from distsgd.schemes.hogwild import HogwildOptions, HogwildRules
 
 class HogwildWorker(HogwildRules, WorkerScheme):
     replica_from_servers = True  # it pulls before every step
+    transient = ("inflight", "fetched", "base")
+    """An exchange in flight is not state: its push reaches the servers anyway."""
     options: HogwildOptions
 
     def before_step(self, ctx: WorkerContext) -> None:
@@ -53,12 +53,3 @@ class HogwildWorker(HogwildRules, WorkerScheme):
     def finish(self, ctx: WorkerContext) -> None:
         self._land(ctx)
         self.__dict__.pop("fetched", None)
-
-    def state_dict(self) -> dict[str, Any]:
-        saved: dict[str, Any] = {
-            k: self.__dict__.pop(k) for k in ("inflight", "fetched", "base") if k in self.__dict__
-        }
-        try:  # an exchange in flight is not state: its push reaches the servers anyway
-            return super().state_dict()
-        finally:
-            self.__dict__.update(saved)
