@@ -22,7 +22,6 @@ from distsgd.control.errors import SetupErrorRecord
 from distsgd.control.rendezvous import host_store
 from distsgd.control.task import ENV_VAR
 from distsgd.launcher.argv import server_argv, worker_argv, worker_task
-from distsgd.launcher.config import LaunchConfig
 from distsgd.launcher.control import ControlServer
 from distsgd.launcher.durability import disk_full
 from distsgd.launcher.emulated import Host, Hosts
@@ -134,12 +133,9 @@ class TaskStarter:
         """The servers' log replicas on other machines (launcher/replicas.py; None: none)."""
 
     @property
-    def config(self) -> LaunchConfig:
-        return self.state.config
-
-    @property
-    def supervisor(self) -> Tasks:
-        return self.state.supervisor
+    def default_host(self) -> str:
+        """The address a task binds off the emulated hosts: its engine node's, else ``--host``."""
+        return self.state.supervisor.node_host or self.state.config.hosting.host
 
     # -- the run control and the log replicas ---------------------------------------------------
     def _control(self) -> ControlServer | None:
@@ -196,7 +192,7 @@ class TaskStarter:
                 "[distsgd] --tls: the servers' logs stay on their own hosts (no replica)"
             )
             return None
-        node = state.supervisor.node_host or config.hosting.host
+        node = self.default_host
         place = self.hosts.replica_place()
         return Replicas(
             place=place if place is not None else lambda ps: (node, None),
@@ -215,7 +211,7 @@ class TaskStarter:
     def task_host(self, task: TaskId) -> str:
         """The address ``task`` binds: its emulated host's (``--hosts``), else ``--host``."""
         host = self.hosts.task_host(task)
-        return host if host is not None else self.supervisor.node_host or self.config.hosting.host
+        return host if host is not None else self.default_host
 
     def ps_address(self, index: int) -> str:
         """ps ``index``'s address as the launcher knows it."""
@@ -229,9 +225,9 @@ class TaskStarter:
 
     def unbound_spec(self) -> ClusterSpec:
         """Every task at its address with port 0 (each server picks its port when it starts)."""
-        c, num_ps = self.config, self.state.num_ps
+        c, num_ps = self.state.config, self.state.num_ps
         if not self.hosts.emulated:
-            host = self.supervisor.node_host or c.hosting.host
+            host = self.default_host
             return ClusterSpec.local(num_workers=c.size.highest_workers, num_ps=num_ps, host=host)
         ps = [self.task_host(TaskId(job=Role.PS, index=i)) for i in range(num_ps)]
         workers = range(c.size.highest_workers)
@@ -328,13 +324,13 @@ class TaskStarter:
         return self.start_task(f"worker{index}", worker_argv(c), env)
 
     def _new_rendezvous(self) -> None:
-        config = self.config
-        if self.state.collective and config.size.workers > 1:
+        state, config = self.state, self.state.config
+        if state.collective and config.size.workers > 1:
             # under --hosts the launcher is reached over the management link, on Ray at the
             # driver's node address
-            host = self.hosts.control_host(self.supervisor.control_host) or config.hosting.host
+            host = self.hosts.control_host(state.supervisor.control_host) or config.hosting.host
             what = "torch to load: the launcher hosts the all-reduce rendezvous store"
-            with said_while_slow(self.state.console.note, what):
+            with said_while_slow(state.console.note, what):
                 self.store, port = host_store(host, timedelta(seconds=config.wait_timeout))
             self.rendezvous = f"{host}:{port}"
 
@@ -345,7 +341,7 @@ class TaskStarter:
         state = self.state
         self.clear_logs()
         if state.active:  # its imports go on beside the launcher's (the rendezvous store's)
-            self.supervisor.prepare(self.worker_env)
+            state.supervisor.prepare(self.worker_env)
         if state.config.durability.wal and state.num_ps:
             make_private_dir(state.wal_root)
         if self.replicas is not None:  # before the servers, which are told their addresses
@@ -372,4 +368,4 @@ class TaskStarter:
         write_atomic(
             state.run_dir / "cluster.json", json.dumps(self.spec.to_dict(), indent=2) + "\n"
         )
-        write_tasks(state.run_dir, self.supervisor)
+        write_tasks(state.run_dir, state.supervisor)
