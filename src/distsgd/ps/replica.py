@@ -46,6 +46,7 @@ from typing import BinaryIO, TypeVar
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
+from distsgd.ps import wal_files
 from distsgd.ps.wal_files import SNAPSHOT, generations, log_path, make_private_dir, remove_before
 from distsgd.transport import bulk
 from distsgd.transport.proto import distsgd_pb2 as pb
@@ -61,7 +62,6 @@ CHUNK_BYTES = 8 << 20
 MAX_GENERATION = 1 << 32
 MAX_END = 1 << 40
 """A record or file past this offset is refused (1 TiB)."""
-_IOV_MAX = 512
 
 
 UNAVAILABLE = 14
@@ -146,14 +146,7 @@ def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
 
 def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
     """Send every byte of ``views`` (``sendmsg``, resumed after a short send)."""
-    pending = [v for v in views if v.nbytes]
-    while pending:
-        sent = sock.sendmsg(pending[:_IOV_MAX])
-        while pending and sent >= pending[0].nbytes:
-            sent -= pending[0].nbytes
-            pending.pop(0)
-        if sent:
-            pending[0] = pending[0][sent:]
+    wal_files.write_all(lambda pending, _: sock.sendmsg(pending), views)
 
 
 M = TypeVar("M", bound=Message)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -60,10 +60,18 @@ def pwrite_all(fd: int, parts: list[memoryview], offset: int) -> None:
     or more than the system's limit of views, resumes)."""
     if len(parts) <= _IOV_MAX and os.pwritev(fd, parts, offset) == sum(p.nbytes for p in parts):
         return  # the usual case: one call
+    write_all(lambda views, done: os.pwritev(fd, views, offset + done), parts)
+
+
+def write_all(write: Callable[[list[memoryview], int], int], parts: Sequence[memoryview]) -> None:
+    """Every byte of ``parts`` through ``write(views, done)`` (a ``pwritev`` or ``sendmsg`` of
+    at most the system's limit of views, ``done`` bytes written before it; it returns how many
+    it wrote), resumed after a short write."""
     views = [v for v in parts if v.nbytes]
+    done = 0
     while views:
-        written = os.pwritev(fd, views[:_IOV_MAX], offset)
-        offset += written
+        written = write(views[:_IOV_MAX], done)
+        done += written
         while views and written >= views[0].nbytes:
             written -= views[0].nbytes
             views.pop(0)
