@@ -172,10 +172,9 @@ def read_shard_arrays(path: Path, header: ShardHeader) -> tuple[list[ArrayInfo],
     return arrays, rule
 
 
-def shard_file_intact(path: Path) -> bool:
-    """Whether every member of the shard file ``path`` passes its zip checksum and its
-    contents the checks a server makes before it serves them (:mod:`snapshot_check`)."""
-    return snapshot_check.file_intact(path)
+shard_file_intact = snapshot_check.file_intact
+"""Whether every member of a shard file passes its zip checksum and its contents the checks a
+server makes before it serves them (:mod:`snapshot_check`)."""
 
 
 # -- the whole state, as the shard writes and reads it -------------------------------------------
