@@ -34,7 +34,7 @@ from distsgd.runtime.evaluate import LossFn, MetricFns, check_metric_names
 from distsgd.runtime.first_step import try_first_step
 from distsgd.runtime.modules import as_torch_module
 from distsgd.runtime.scheme import WorkerScheme
-from distsgd.runtime.session import WorkerSession
+from distsgd.runtime.session import WorkerSession, setup_errors
 from distsgd.runtime.validation import split_validation
 from distsgd.util import private_dir
 
@@ -101,18 +101,6 @@ def task() -> TaskInfo:
     return TaskEnv.standalone().info(standalone=True) if env is None else env.info()
 
 
-@contextmanager
-def _setup_errors() -> Iterator[None]:
-    """A ValueError raised while a task sets itself up is a user mistake: a
-    :class:`SetupError`, which the launcher reports in one line and does not restart."""
-    try:
-        yield
-    except SetupError:
-        raise
-    except ValueError as exc:
-        raise SetupError(str(exc)) from exc
-
-
 def _prepare(
     model: nn.Module,
     train_data: Any,
@@ -123,7 +111,10 @@ def _prepare(
 ) -> tuple[TaskEnv, TrainConfig, WorkerScheme, Any, Any]:
     """This task's environment, its config (the command line's flags over the script's),
     its scheme's worker half, and the data sets checked against the model; a mistake in them
-    raises ValueError (under :func:`_setup_errors`: a :class:`SetupError`)."""
+    raises ValueError (under :func:`setup_errors`: a :class:`SetupError`)."""
+    global calls, trained
+    calls += 1  # the bootstrap checks that the script called train or made a Worker
+    trained = False
     env = TaskEnv.from_environ() or _alone()
     config = (config or TrainConfig()).replace(**env.overrides)
     spec = schemes.get(env.scheme)
@@ -219,10 +210,7 @@ def train(
     Returns:
         This worker's :class:`TrainResult`; on the chief it carries the test scores.
     """
-    global calls, trained
-    calls += 1
-    trained = False
-    with _setup_errors():
+    with setup_errors():
         env, config, scheme, train_set, test_set = _prepare(
             model, train_data, test_data, config, batch_fn, metrics
         )
@@ -246,6 +234,7 @@ def train(
         if not env.standalone_run or getattr(exc, "distsgd_said", False):
             raise
         raise _interrupted(env.run_dir) from None
+    global trained
     trained = True
     return result
 
@@ -355,10 +344,7 @@ class Worker:
                 "Worker(test_data=..., loss_fn=...): the chief evaluates test_data with "
                 "loss_fn; pass both or neither"
             )
-        global calls, trained
-        calls += 1
-        trained = False
-        with _setup_errors():
+        with setup_errors():
             env, self.config, scheme, train_set, test_set = _prepare(
                 model, train_data, test_data, config, batch_fn, metrics
             )

@@ -50,7 +50,6 @@ from distsgd.runtime.callbacks import Callback, StepInfo, check_user_values
 from distsgd.runtime.checkpoint import Checkpointer, replica_state
 from distsgd.runtime.chief import Chief, log_work
 from distsgd.runtime.connection import Connection
-from distsgd.runtime.context import WorkerContext
 from distsgd.runtime.data import BatchFn
 from distsgd.runtime.evaluate import LossFn, MetricFns
 from distsgd.runtime.modules import as_torch_module
@@ -171,10 +170,6 @@ class WorkerSession:
 
     # -- start ----------------------------------------------------------------------------------
     @property
-    def ctx(self) -> WorkerContext:
-        return self._ctx
-
-    @property
     def device(self) -> torch.device:
         return self._ctx.device
 
@@ -196,12 +191,8 @@ class WorkerSession:
         """
         assert not self._opened, "a session opens once"
         self._opened = True
-        try:
+        with setup_errors():
             self._open()
-        except SetupError:
-            raise
-        except ValueError as exc:
-            raise SetupError(str(exc)) from exc
 
     def _open(self) -> None:
         env = self.env = self.env.with_ps_addresses(self.env.startup_timeout, files=self.files)
@@ -322,9 +313,8 @@ class WorkerSession:
             self._prepare()
             raw = next(source, None)
             if raw is None:  # leased: the queue has no more work for this worker
-                self.left = self.stop is not None and self.stop.is_set()
                 self._prepared = False
-                return
+                break
             yield raw
         self.left = self.stop is not None and self.stop.is_set()
 
@@ -525,6 +515,18 @@ class WorkerSession:
         self.metrics.close()
         if self.files is not None:
             self.files.close()
+
+
+@contextmanager
+def setup_errors() -> Iterator[None]:
+    """A ValueError raised while a task sets itself up is a user mistake: a
+    :class:`SetupError`, which the launcher reports in one line and does not restart."""
+    try:
+        yield
+    except SetupError:
+        raise
+    except ValueError as exc:
+        raise SetupError(str(exc)) from exc
 
 
 def _run_folder(env: TaskEnv, name: str) -> tuple[RunFiles | None, MetricsWriter]:
