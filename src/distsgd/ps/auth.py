@@ -27,6 +27,14 @@ UNAUTHENTICATED_MESSAGE = (
     "missing or wrong run secret; tasks of one run share DISTSGD_SECRET or DISTSGD_SECRET_FILE"
 )
 
+MAKE_HANDLER: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+"""What makes the handler of a kind of method: (requests streamed, responses streamed)."""
+
 
 def _digest(value: str | bytes) -> bytes:
     raw = value.encode() if isinstance(value, str) else value
@@ -84,16 +92,8 @@ class SecretInterceptor(grpc.ServerInterceptor):
         An unknown method is refused too, so strangers cannot probe which methods exist.
         """
 
-        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        def refuse(request: Any, context: grpc.ServicerContext) -> Any:
             self._refuse(method, context)
 
-        def streaming(request_iterator: Any, context: grpc.ServicerContext) -> Any:
-            self._refuse(method, context)
-
-        if handler is not None and handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(streaming)
-        if handler is not None and handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(streaming)
-        if handler is not None and handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(unary)
-        return grpc.unary_unary_rpc_method_handler(unary)
+        streams = handler is not None and (handler.request_streaming, handler.response_streaming)
+        return MAKE_HANDLER[streams or (False, False)](refuse)

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from distsgd.ps.auth import MAKE_HANDLER
 from distsgd.ps.channel import Aborted
 from distsgd.transport.proto import distsgd_pb2 as pb
 
@@ -77,12 +78,7 @@ def _handler(method: Any, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler
             return behavior(message, context)
 
         wrapped = unary
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(bool(method.client_streaming), bool(method.server_streaming))]
+    make = MAKE_HANDLER[(bool(method.client_streaming), bool(method.server_streaming))]
     return make(
         wrapped,
         request_deserializer=_deserializer(request),
