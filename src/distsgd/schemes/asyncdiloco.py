@@ -93,6 +93,7 @@ from distsgd.ps.rules import (
 )
 from distsgd.ps.shard import Shard
 from distsgd.schemes.base import WorkerRules
+from distsgd.schemes.diloco import check_rounds
 from distsgd.schemes.registry import SchemeSpec
 
 STALENESS_WEIGHTS = ("none", "inverse")
@@ -145,13 +146,7 @@ class AsyncDilocoOptions:
     )
 
     def __post_init__(self) -> None:
-        if self.inner_steps < 1:
-            raise ValueError(f"inner_steps must be at least 1, got {self.inner_steps}")
-        if not 1 <= self.fragments <= self.inner_steps:
-            raise ValueError(
-                f"fragments must be between 1 and inner_steps ({self.inner_steps}), "
-                f"got {self.fragments}"
-            )
+        check_rounds(self.inner_steps, self.fragments)
         if self.fragments > 1 and self.dylu:
             raise ValueError(
                 "dylu measures a round by whole-model pushes and cannot pace fragments; "

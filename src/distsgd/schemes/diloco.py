@@ -87,13 +87,7 @@ class DilocoOptions:
     )
 
     def __post_init__(self) -> None:
-        if self.inner_steps < 1:
-            raise ValueError(f"inner_steps must be at least 1, got {self.inner_steps}")
-        if self.fragments < 1 or self.fragments > self.inner_steps:
-            raise ValueError(
-                f"fragments must be between 1 and inner_steps ({self.inner_steps}), "
-                f"got {self.fragments}"
-            )
+        check_rounds(self.inner_steps, self.fragments)
         if not 0 <= self.overlap_steps <= self.inner_steps:
             raise ValueError(
                 f"overlap_steps must be between 0 and inner_steps ({self.inner_steps}), "
@@ -113,6 +107,16 @@ class DilocoOptions:
             raise ValueError(f"weight_decay must be 0 or more, got {self.weight_decay}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+
+
+def check_rounds(inner_steps: int, fragments: int) -> None:
+    """Refuse H and P (DiLoCo's and asynchronous DiLoCo's) that cannot hold."""
+    if inner_steps < 1:
+        raise ValueError(f"inner_steps must be at least 1, got {inner_steps}")
+    if not 1 <= fragments <= inner_steps:
+        raise ValueError(
+            f"fragments must be between 1 and inner_steps ({inner_steps}), got {fragments}"
+        )
 
 
 def few_steps(steps: int, inner_steps: int, *, took: bool = False) -> str:
