@@ -11,14 +11,13 @@ method added there is served here without an edit.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
 from distsgd.ps.auth import MAKE_HANDLER
-from distsgd.ps.channel import Aborted
+from distsgd.ps.service_errors import abort
 from distsgd.transport.proto import distsgd_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"]
@@ -43,13 +42,12 @@ def _deserializer(message: Any) -> Callable[[bytes], Any]:
 
 def _refuse(context: grpc.ServicerContext, name: str) -> None:
     """Answer INVALID_ARGUMENT for an unparseable ``name`` message; raises :class:`Aborted`."""
-    with contextlib.suppress(Exception):  # abort sets the status, then raises a bare Exception
-        context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"a malformed {name}: its bytes are not that protocol message; "
-            "run the same distsgd version on every task",
-        )
-    raise Aborted(grpc.StatusCode.INVALID_ARGUMENT.name)
+    abort(
+        context,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"a malformed {name}: its bytes are not that protocol message; "
+        "run the same distsgd version on every task",
+    )
 
 
 def _checked(messages: Iterator[Any], context: grpc.ServicerContext, name: str) -> Iterator[Any]:

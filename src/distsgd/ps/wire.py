@@ -112,7 +112,4 @@ def hooks() -> dict[str, str]:
 def named(name: str) -> WireEncoding:
     """The encoding called ``name``; KeyError when there is none (the flags' checks say which
     names a use allows, in one line)."""
-    for entry in TABLE:
-        if entry.name == name:
-            return entry
-    raise KeyError(name)
+    return {entry.name: entry for entry in TABLE}[name]
