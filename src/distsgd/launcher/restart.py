@@ -167,8 +167,8 @@ class PlanExecutor:
             self._diverged(task, code, step)
             return
         self._fault(task.name, code, step, "stop")
+        said = SetupErrorRecord.load(state.run_dir, TaskId.parse(task.name))
         if plan.reason == "setup_error":
-            said = SetupErrorRecord.load(state.run_dir, TaskId.parse(task.name))
             cause = said.message if said is not None else "see its log"
             raise RunFailed(f"{task.name}: {cause}", status=RunStatus.SETUP_ERROR)
         tail = "\n".join(f"    {line}" for line in task.tail)
@@ -179,7 +179,6 @@ class PlanExecutor:
         )
         resume = f"\nresume with: distsgd run --resume {state.run_dir}" if plan.resumable else ""
         head = f"task {task.name} failed (exit code {code}){how}"
-        said = SetupErrorRecord.load(state.run_dir, TaskId.parse(task.name))
         error = f": {said.message}" if said is not None and said.kind == "crash" else ""
         raise RunFailed(
             f"{head}{error}; its last log lines:\n{tail}\nfull logs: {state.run_dir / 'logs'}"
@@ -219,11 +218,9 @@ class PlanExecutor:
         the run at its end (:meth:`script_failed`); the chief's record stays as it is."""
         self._fault(name, code, step, "none", after_training=plan.after_training)
         self.mark_done(name)
-        run_dir = self.state.run_dir
-        said = SetupErrorRecord.load(run_dir, plan.task) if plan.after_training else None
         if plan.after_training:
-            message = said.message if said is not None else "see its log"
-            self.after_training[name] = message
+            said = SetupErrorRecord.load(self.state.run_dir, plan.task)
+            self.after_training[name] = said.message if said is not None else "see its log"
         else:
             self.state.console.note(
                 f"[distsgd] {name} ended (exit code {code}) after the run's result was "
@@ -317,6 +314,7 @@ class PlanExecutor:
         filed = -1 if shard is None else shard.version
         info = watch.read_version(index)
         restored = filed if info is None else int(info.restored_version)
+        lost = (step if seen is None else seen) - restored
         source = "wal" if shard is None or restored > filed else shard.path.parent.name
         self._fault(
             f"ps{index}",
@@ -326,9 +324,9 @@ class PlanExecutor:
             resumed_from=source,
             restored_version=restored,
             seen_version=seen,
-            lost_updates=max(0, (step if seen is None else seen) - restored),
+            lost_updates=max(0, lost),
         )
-        watch.durability.lost_updates(index, (step if seen is None else seen) - restored)
+        watch.durability.lost_updates(index, lost)
         watch.seen_versions[index] = restored
         state.restored_ps.add(index)
         watch.tell_finished(index, sorted(TaskId.parse(name).index for name in state.done))
