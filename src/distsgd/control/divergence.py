@@ -166,22 +166,12 @@ class DivergenceMonitor:
             self._first_variance = statistics.variance(self.first)
         return math.sqrt((self._first_variance + statistics.variance(self.last)) / self.window)
 
-    @property
-    def start_loss(self) -> float | None:
-        return sum(self.first) / len(self.first) if self.first else None
-
-    @property
-    def end_loss(self) -> float | None:
-        return sum(self.last) / len(self.last) if self.last else None
-
     def loss_verdict(self, *, left: bool = False) -> str | None:
         """Why the run counts as diverged by its loss, or None. Needs two full windows, and a
         worker that trained until the run's end (``left``: it left mid-run, scaled down)."""
-        start, end = self.start_loss, self.end_loss
-        if start is None or end is None or not self.from_start or left:
+        if not self.from_start or left or self.seen < 2 * self.window:
             return None
-        if self.seen < 2 * self.window:
-            return None
+        start, end = sum(self.first) / self.window, sum(self.last) / self.window
         if end > start + SIGMAS * self._spread():
             return (
                 f"{self.name}: the training loss ended at {end:.4g}, above where it started "

@@ -67,16 +67,11 @@ class PhaseClock:
             self._loop_seconds += time.perf_counter() - self._loop_started
             self._loop_started = None
 
-    @property
-    def loop_seconds(self) -> float:
-        running = 0.0 if self._loop_started is None else time.perf_counter() - self._loop_started
-        return self._loop_seconds + running
-
     def totals(self) -> dict[str, float]:
         """Seconds per phase so far, compute included (phases never entered are left out)."""
-        other = sum(self.seconds.values())
-        out = {"compute": max(0.0, self.loop_seconds - other)}
-        out.update(self.seconds)
+        running = 0.0 if self._loop_started is None else time.perf_counter() - self._loop_started
+        loop = self._loop_seconds + running
+        out = {"compute": max(0.0, loop - sum(self.seconds.values())), **self.seconds}
         return {phase: out[phase] for phase in PHASES if phase in out}
 
     def metrics(self) -> dict[str, float]:
