@@ -15,7 +15,6 @@ checks the server's certificate against the same CA. See ``docs/security.md``.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
 import secrets
@@ -26,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from distsgd.util.atomic import write_bytes_atomic
 
 SECRET_ENV = "DISTSGD_SECRET"
 """Environment variable holding the run secret itself."""
@@ -78,22 +79,8 @@ def write_secret_file(path: Path | str) -> str:
     The file is created under a temporary name beside ``path`` with ``O_EXCL`` and mode 0600
     from the start (never briefly readable by others), then renamed over ``path``.
     """
-    path = Path(path)
     secret = new_secret()
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    try:
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask did
-            os.write(fd, (secret + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
+    write_bytes_atomic(Path(path), (secret + "\n").encode())  # mkstemp: O_EXCL, 0600
     return secret
 
 
