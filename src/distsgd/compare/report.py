@@ -64,24 +64,15 @@ def groups(runs: Sequence[SchemeRun]) -> list[list[SchemeRun]]:
     return list(by_label.values())
 
 
-def _option_defaults(scheme: str) -> dict[str, Any]:
+def _spec(scheme: str) -> schemes.SchemeSpec | None:
     try:
-        options = schemes.get(scheme).options
+        return schemes.get(scheme)
     except ValueError:
-        return {}
-    return {f.name: f.default for f in fields(options)}
+        return None
 
 
 def _short(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def _step_size(scheme: str) -> tuple[str, ...]:
-    """The settings that set how far the scheme's updates move (``SchemeSpec.step_size``)."""
-    try:
-        return schemes.get(scheme).step_size
-    except ValueError:
-        return ("lr",)
 
 
 def rate_text(run: SchemeRun, star: str = "") -> str:
@@ -104,7 +95,9 @@ def settings_text(run: SchemeRun, workers: int | None = None) -> str:
     fields and options given that differ from the scheme's defaults, the workers; a tuned value
     is marked with ``*``."""
     config = {**run.train_config}
-    step_size = _step_size(run.scheme)
+    spec = _spec(run.scheme)
+    # the settings that set how far the scheme's updates move (``SchemeSpec.step_size``)
+    step_size = spec.step_size if spec else ("lr",)
     unused = set() if "lr" in step_size else {"lr", "momentum"}
     given = {k: v for k, v in run.overrides.items() if k not in _HIDDEN | unused}
     star = {key: "*" if key in run.tuned else "" for key in {*given, *run.scheme_options, "lr"}}
@@ -118,7 +111,7 @@ def settings_text(run: SchemeRun, workers: int | None = None) -> str:
     for key, value in given.items():
         if key not in _SHOWN:
             parts.append(f"{key}={_short(value)}{star[key]}")
-    defaults = _option_defaults(run.scheme)
+    defaults = {f.name: f.default for f in fields(spec.options)} if spec else {}
     for key in step_size:  # what sets the step is shown whether given or not
         value = run.scheme_options.get(key, defaults.get(key))
         if key not in _SHOWN and value is not None:
