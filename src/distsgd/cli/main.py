@@ -4,6 +4,7 @@ line (:mod:`distsgd.cli.parser`) and turns an error into one line and an exit co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
@@ -264,11 +265,8 @@ def _announcer(control: str, task: str, secret: str | None) -> Callable[[str], N
     from distsgd.control.remote_files import RemoteFiles
 
     def announce(bound: str) -> None:
-        files = RemoteFiles(control, secret=secret)
-        try:
+        with contextlib.closing(RemoteFiles(control, secret=secret)) as files:
             files.put(f"{task}.address", (bound + "\n").encode())
-        finally:
-            files.close()
 
     return announce
 
