@@ -111,7 +111,7 @@ def test_the_wait_for_the_fork_server_is_said(tmp_path: Path) -> None:
     )
     supervisor._server = Importing()  # type: ignore[assignment]
     task = supervisor._fork("worker0", BOOTSTRAP, {}, cwd=tmp_path, log_path=tmp_path / "w.log")
-    assert task is not None and task.forked_pid == 424242
+    assert task is not None and task.pid == 424242
     task.stream.close()
     assert said.lines[0].startswith(
         "[distsgd] waiting for the fork server to import torch before it starts worker0"

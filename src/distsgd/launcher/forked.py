@@ -275,23 +275,19 @@ class ForkedTask:
 
     name: str
     server: ForkServer
-    forked_pid: int
+    pid: int
     log_path: Path
     stream: IO[bytes]
     """The read end of the task's stdout and stderr."""
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
     reader: threading.Thread | None = None
 
-    @property
-    def pid(self) -> int:
-        return self.forked_pid
-
     def poll(self) -> int | None:
-        return self.server.exit_code(self.forked_pid)
+        return self.server.exit_code(self.pid)
 
     def wait(self, timeout: float | None = None) -> int | None:
         """The exit code once the task has ended, or None after ``timeout`` seconds."""
-        return self.server.wait(self.forked_pid, timeout)
+        return self.server.wait(self.pid, timeout)
 
     def kill(self) -> None:
         """SIGKILL the task (``--inject-fault kill``)."""
@@ -306,4 +302,4 @@ class ForkedTask:
     def _signal(self, signum: signal.Signals) -> None:
         if self.poll() is None:  # not a PID the server has reaped (and may be reused)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.forked_pid, signum)
+                os.kill(self.pid, signum)

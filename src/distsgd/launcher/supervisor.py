@@ -237,9 +237,7 @@ class Supervisor:
         finally:
             os.close(write_fd)
         stream = os.fdopen(read_fd, "rb")
-        return ForkedTask(
-            name=name, server=self._server, forked_pid=pid, log_path=log_path, stream=stream
-        )
+        return ForkedTask(name=name, server=self._server, pid=pid, log_path=log_path, stream=stream)
 
     def prepare(self, env: Mapping[str, str]) -> None:
         """Start the fork server (it imports in the background) unless it runs already, or
