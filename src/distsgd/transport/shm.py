@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from distsgd.util.atomic import open_private, private_dir
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
@@ -239,9 +241,8 @@ def record_name(record: Path, name: str) -> None:
     ``O_APPEND`` write, so servers sharing a file never mix their lines. :class:`SegmentError`
     if it cannot."""
     try:
-        record.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-        fd = os.open(record, flags, 0o600)
+        private_dir(record.parent)
+        fd = open_private(record, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
         try:
             os.write(fd, f"{name}\n".encode())
         finally:
