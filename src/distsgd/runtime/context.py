@@ -320,7 +320,8 @@ class WorkerContext:
         step = getattr(self._exchange_step, "step", self.push_step)
         with self.clock.measure("push"):
             results = self.ps.push(arrays, base_version=bases, lr_scale=self.lr_scale, step=step)
-        for base, result in zip(self._per_shard(bases), results, strict=True):
+        per_shard = [bases] * len(self.ps.versions) if isinstance(bases, int) else bases
+        for base, result in zip(per_shard, results, strict=True):
             if result.accepted and result.sent:  # it made result.version (or joined its step)
                 self.applied_pushes += 1
                 gap = max(0, result.version - 1 - base)
@@ -371,9 +372,6 @@ class WorkerContext:
     def mean_staleness(self) -> float:
         """Mean staleness of this worker's accepted pushes so far (see ``staleness_sum``)."""
         return self.staleness_sum / max(1, self.applied_pushes)
-
-    def _per_shard(self, version: int | Sequence[int]) -> list[int]:
-        return [version] * len(self.ps.versions) if isinstance(version, int) else list(version)
 
     def release_grads(self) -> None:
         """Free the replica's gradients until the next backward makes them again (a scheme

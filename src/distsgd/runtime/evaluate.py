@@ -65,9 +65,7 @@ def evaluate(
                 classified = False
     finally:
         model.train(was_training)
-    result = {"loss": total_loss / max(1, n)}
-    for name, total in sums.items():
-        result[name] = total / max(1, n)
+    result = {name: total / max(1, n) for name, total in {"loss": total_loss, **sums}.items()}
     if classified and n:
         result["accuracy"] = correct / n
         if counts is not None:
