@@ -140,14 +140,9 @@ class BackgroundWrite:
         if self._pidfd >= 0:
             os.close(self._pidfd)
             self._pidfd = -1
-        if self.abandoned:
-            self.outcome = WriteOutcome.HUNG
-        elif self.exit_code == 0:
-            self.outcome = WriteOutcome.WRITTEN
-        elif self.exit_code in _NO_SPACE:
-            self.outcome = WriteOutcome.NO_SPACE
-        else:
-            self.outcome = WriteOutcome.FAILED
+        by_code = {0: WriteOutcome.WRITTEN, **dict.fromkeys(_NO_SPACE, WriteOutcome.NO_SPACE)}
+        failed = WriteOutcome.FAILED
+        self.outcome = WriteOutcome.HUNG if self.abandoned else by_code.get(self.exit_code, failed)
         self._on_done(self)
 
     @property
