@@ -224,9 +224,7 @@ class ParameterClient:
         parameters, from the shards that hold a piece of them (the version is the least of
         theirs; the others' recorded versions stay).
         """
-        mins = (
-            [min_version] * len(self.shards) if isinstance(min_version, int) else list(min_version)
-        )
+        mins = _per_shard(min_version, len(self.shards))
 
         def attempt() -> list[tuple[int, dict[str, np.ndarray]] | None]:
             keys: list[list[str]] = [[] for _ in self.shards]
@@ -288,15 +286,8 @@ class ParameterClient:
         sent again, not lost, when its server dies and comes back. None: no number (a tool)."""
         seq = 0 if step is None else push_sequence(step, self.last_sequence)
         self.last_sequence = max(self.last_sequence, seq)
-        bases = (
-            self.versions
-            if base_version is None
-            else (
-                [base_version] * len(self.shards)
-                if isinstance(base_version, int)
-                else list(base_version)
-            )
-        )
+        n = len(self.shards)
+        bases = self.versions if base_version is None else _per_shard(base_version, n)
         partial = set(arrays) != self.plan.names
         parts = self.plan.split(arrays, partial=partial)
         payloads = [Payload.raw({}) for _ in parts]
@@ -442,6 +433,11 @@ def _payload(
         )
         encoded[key] = (spec, piece.parts)
     return Payload.of_encoded(encoded)
+
+
+def _per_shard(value: int | Sequence[int], count: int) -> list[int]:
+    """One value per shard: ``value`` for each of ``count``, or the sequence given."""
+    return [value] * count if isinstance(value, int) else list(value)
 
 
 def _registered_infos(shards: Sequence[ShardClient], timeout: float) -> list[pb.InfoResponse]:
