@@ -4,7 +4,7 @@ A task whose launcher hands it a run control address (``TaskEnv.control``, ``dis
 --control``) writes and reads the run folder's files through it ("Run control" in the
 ``.proto``; the server is ``launcher/control.py``) instead of on its own disk, which another
 host's launcher cannot see. :class:`RemoteFiles` is the :class:`~distsgd.control.folder.RunFiles`
-of such a task; :func:`open_run_files` picks it or the local folder.
+of such a task; :func:`from_environ` picks it or the local folder.
 
 Appended lines (the metrics) are buffered and sent by a thread of their own at most every
 :data:`FLUSH_SECONDS`, so no training step waits for the network; a launcher that does not
@@ -198,19 +198,14 @@ class RemoteFiles:
         self._channel.close()
 
 
-def open_run_files(*, control: str, run_dir: str | Path, secret: str | None) -> RunFiles | None:
-    """A task's run folder: through the run control at ``control`` when given, else the folder
-    ``run_dir`` on this disk, else None (a task that writes no run folder)."""
-    if control:
-        return RemoteFiles(control, secret=secret)
-    if run_dir:
-        return LocalFiles(Path(run_dir))
-    return None
-
-
 def from_environ(
     run_dir: str | Path = "", control: str = "", environ: Mapping[str, str] | None = None
 ) -> RunFiles | None:
-    """:func:`open_run_files` with the run secret of ``environ`` (default: this process's)."""
-    secret = load_secret(os.environ if environ is None else environ) if control else None
-    return open_run_files(control=control, run_dir=run_dir, secret=secret)
+    """A task's run folder: through the run control at ``control`` when given, with the run
+    secret of ``environ`` (default: this process's), else the folder ``run_dir`` on this disk,
+    else None (a task that writes no run folder)."""
+    if control:
+        return RemoteFiles(control, secret=load_secret(os.environ if environ is None else environ))
+    if run_dir:
+        return LocalFiles(Path(run_dir))
+    return None

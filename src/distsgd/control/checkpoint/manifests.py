@@ -19,11 +19,10 @@ from distsgd.control.checkpoint.store import (
     checkpoint_bytes,
     checkpoint_dirs,
     keep_count,
-    sha256_file,
     worker_files,
     worker_state_step,
 )
-from distsgd.util import write_atomic
+from distsgd.util import file_digest, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +140,7 @@ class ManifestWriter:
             workers.append(
                 {
                     "file": target.name,
-                    "sha256": sha256_file(target),
+                    "sha256": file_digest(target)[0],
                     "bytes": target.stat().st_size,
                     "step": worker_state_step(source),
                 }

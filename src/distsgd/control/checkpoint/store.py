@@ -85,11 +85,6 @@ WORKER_FILE = re.compile(r"worker(\d+)-(\d+)\.pt")
 """``workers/worker<i>-<step>.pt``: a worker's saved state (step zero-padded to 8 digits)."""
 
 
-def sha256_file(path: Path) -> str:
-    """A file's SHA-256 in hex (:func:`distsgd.util.file_digest`)."""
-    return file_digest(path)[0]
-
-
 # -- worker files -------------------------------------------------------------------------------
 def worker_file(root: Path, rank: int, step: int) -> Path:
     """Where worker ``rank`` saves its state of local step ``step`` under ``root``."""
@@ -153,7 +148,7 @@ def check_worker_file(path: Path) -> None:
     if found:
         raise refuse_code(path, found)
     if digest:
-        if path.stat().st_size != size or sha256_file(path) != digest:
+        if path.stat().st_size != size or file_digest(path)[0] != digest:
             raise CheckpointError(f"{path}: damaged (size or SHA-256 differs from its sidecar)")
         return
     if not _zip_intact(path):
@@ -243,7 +238,7 @@ def _check_entries(path: Path, manifest: dict[str, Any]) -> None:
         file = path / entry["file"]
         if not file.exists():
             raise CheckpointError(f"{file}: missing")
-        if file.stat().st_size != entry["bytes"] or sha256_file(file) != entry["sha256"]:
+        if file.stat().st_size != entry["bytes"] or file_digest(file)[0] != entry["sha256"]:
             raise CheckpointError(f"{file}: damaged (size or SHA-256 differs from the manifest)")
     # The checksums only say the files are the ones the manifest names (whoever wrote one
     # could write the other): each worker state's pickle is also read for Python objects.
