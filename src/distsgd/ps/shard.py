@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,11 +64,7 @@ class ShardCounts:
 
     def header(self) -> dict[str, int]:
         """The counters as the shard file's header holds them."""
-        return {
-            "pushes_accepted": self.pushes_accepted,
-            "pushes_rejected": self.pushes_rejected,
-            "nonfinite_rejected": self.nonfinite_rejected,
-        }
+        return {k: v for k, v in asdict(self).items() if k != "restored_version"}
 
     @classmethod
     def from_header(cls, header: Mapping[str, Any]) -> ShardCounts:
