@@ -29,12 +29,10 @@ class EamsgdWorker(EamsgdRules, EasgdWorker):
     def after_backward(self, ctx: WorkerContext) -> None:
         lr = ctx.config.lr * ctx.lr_scale
         with torch.no_grad():
-            if ctx.skip_update:  # the gradient is not finite: back to x_i, velocity as it was
-                for p, x in zip(ctx.params.values(), self.x, strict=True):
-                    p.copy_(x)
-                self.x = []
-                return
             for p, x, v in zip(ctx.params.values(), self.x, self.velocity, strict=True):
+                if ctx.skip_update:  # the gradient is not finite: back to x_i, velocity as it was
+                    p.copy_(x)
+                    continue
                 v.mul_(self.delta)
                 if p.grad is not None:
                     v.add_(p.grad, alpha=-lr)
