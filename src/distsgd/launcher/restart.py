@@ -257,7 +257,7 @@ class PlanExecutor:
         index = plan.task.index
         state.active.discard(index)
         state.done.add(name)
-        for shard in range(state.num_ps):  # it cannot leave itself: its work goes back now
+        for shard in range(state.config.num_ps):  # it cannot leave itself: its work goes back now
             self.watch.tell_finished(shard, [index])
         state.console.note(
             f"[distsgd] {name} failed (exit code {code}) with no restarts left; the "

@@ -298,7 +298,7 @@ class LocalRun:
         state.console.note(
             f"[distsgd] run {state.run_dir}: scheme {config.scheme}, "
             f"{config.size.workers} workers, "
-            f"{state.num_ps} ps, {config.threads_per_worker} threads per worker, "
+            f"{config.num_ps} ps, {config.threads_per_worker} threads per worker, "
             f"lr x {factor:.4g} (--lr-rule {rule})"
         )
         self.starter.write_config()
@@ -353,7 +353,7 @@ class LocalRun:
             and task.poll() is None
         ]
         saves = config.durability.checkpoint_every or config.durability.checkpoint_seconds
-        if state.collective or not workers or not saves:
+        if config.collective or not workers or not saves:
             return
         state.stop.clear()
         state.console.final(
@@ -384,7 +384,7 @@ class LocalRun:
         if state.progress.samples:
             return None
         names = ", ".join(f"worker{i}" for i in sorted(state.active))
-        joining = ", joining the all-reduce rendezvous" if state.collective else ""
+        joining = ", joining the all-reduce rendezvous" if state.config.collective else ""
         return (
             f"the first step of {names} (importing, loading data{joining}; "
             f"their logs: {state.run_dir / 'logs'})"

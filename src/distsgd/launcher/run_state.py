@@ -88,14 +88,6 @@ class RunState:
         )
 
     @property
-    def num_ps(self) -> int:
-        return self.config.num_ps
-
-    @property
-    def collective(self) -> bool:
-        return self.config.collective
-
-    @property
     def checkpointing(self) -> bool:
         return bool(
             self.config.durability.checkpoint_every or self.config.durability.checkpoint_seconds
@@ -116,7 +108,7 @@ class RunState:
 
     def topology(self) -> RunTopology:
         return RunTopology(
-            collective=self.collective,
+            collective=self.config.collective,
             workers=len(self.active),
             min_workers=self.config.size.lowest_workers,
             elastic=self.config.size.elastic,

@@ -50,7 +50,7 @@ class Scaler:
             )
             return
         before = len(state.active)
-        if state.collective:
+        if state.config.collective:
             self._scale_collective(request.workers)
         else:
             self._scale_ps(request.workers)

@@ -48,7 +48,7 @@ class ServerWatch:
         if state.config.rebalance != "auto":
             return None
         return Rebalancer(
-            num_ps=state.num_ps,
+            num_ps=state.config.num_ps,
             address_of=self.address_of,
             run_id=state.run_id,
             secret=state.secret,
@@ -65,10 +65,10 @@ class ServerWatch:
 
     def poll(self) -> None:
         """About once a second: each live server's version (see :attr:`seen_versions`)."""
-        if self.state.collective or time.monotonic() < self._next_poll:
+        if self.state.config.collective or time.monotonic() < self._next_poll:
             return
         self._next_poll = time.monotonic() + 1.0
-        for index in range(self.state.num_ps):
+        for index in range(self.state.config.num_ps):
             if self.hosts.cut_off(TaskId(job=Role.PS, index=index)):
                 continue  # its host is cut off (partition:): it would keep us waiting 2 s
             self.read_version(index)
@@ -105,10 +105,10 @@ class ServerWatch:
         as it starts again, :meth:`ParameterClient.steps_applied`); 0 for a collective run
         or where a server does not answer (the metrics line's step stands then)."""
         state = self.state
-        if state.collective or state.num_ps == 0:
+        if state.config.collective or state.config.num_ps == 0:
             return 0
         applied = []
-        for index in range(state.num_ps):
+        for index in range(state.config.num_ps):
             reply = read_info(self.address_of(index), worker=worker, **self._auth)
             if reply is None or not reply.registered:
                 return 0
@@ -124,7 +124,7 @@ class ServerWatch:
             return None
         rebalancer.join()
         applies: dict[str, int] = {}
-        for index in range(self.state.num_ps):
+        for index in range(self.state.config.num_ps):
             reply = self.read_version(index)
             if reply is None:
                 continue

@@ -185,7 +185,7 @@ class TaskStarter:
         state, config = self.state, self.state.config
         machines = self.hosts.machines(state.supervisor.machines)
         durability = config.durability
-        if machines < 2 or not (durability.wal and durability.replicate and state.num_ps):
+        if machines < 2 or not (durability.wal and durability.replicate and config.num_ps):
             return None
         if config.hosting.tls is not None:  # its connection is plaintext: not under mutual TLS
             state.console.note(
@@ -225,11 +225,11 @@ class TaskStarter:
 
     def unbound_spec(self) -> ClusterSpec:
         """Every task at its address with port 0 (each server picks its port when it starts)."""
-        c, num_ps = self.state.config, self.state.num_ps
+        c = self.state.config
         if not self.hosts.emulated:
             host = self.default_host
-            return ClusterSpec.local(num_workers=c.size.highest_workers, num_ps=num_ps, host=host)
-        ps = [self.task_host(TaskId(job=Role.PS, index=i)) for i in range(num_ps)]
+            return ClusterSpec.local(num_workers=c.size.highest_workers, num_ps=c.num_ps, host=host)
+        ps = [self.task_host(TaskId(job=Role.PS, index=i)) for i in range(c.num_ps)]
         workers = range(c.size.highest_workers)
         worker = [self.task_host(TaskId(job=Role.WORKER, index=i)) for i in workers]
         return ClusterSpec(ps=tuple(f"{a}:0" for a in ps), worker=tuple(f"{a}:0" for a in worker))
@@ -237,9 +237,9 @@ class TaskStarter:
     # -- starting tasks -------------------------------------------------------------------------
     def write_config(self) -> None:
         """Save the run's :class:`~distsgd.control.spec.RunSpec` as its ``config.json``."""
-        state = self.state
-        spec = state.config.run_spec(run_id=state.run_id)
-        assert (spec.ps, spec.threads_per_worker) == (state.num_ps, state.config.threads_per_worker)
+        state, config = self.state, self.state.config
+        spec = config.run_spec(run_id=state.run_id)
+        assert (spec.ps, spec.threads_per_worker) == (config.num_ps, config.threads_per_worker)
         spec.save(state.run_dir)
 
     def start_ps(self, index: int, *, address: str, restore: Path | None) -> TaskHandle:
@@ -304,14 +304,14 @@ class TaskStarter:
             run_dir=state.run_dir,
             run_id=state.run_id,
             rendezvous=self.rendezvous,
-            ps_address_files=[self.ps_address_file(i) for i in range(state.num_ps)],
+            ps_address_files=[self.ps_address_file(i) for i in range(state.config.num_ps)],
             active=len(state.active),
             resume=resume,
             continue_at=continue_at,
             reshard=reshard,
             rollbacks_left=state.rollbacks_left,
             control=self.control_address,
-            link_delays=self.hosts.link_delays(index, state.num_ps),
+            link_delays=self.hosts.link_delays(index, state.config.num_ps),
         )
         state.done.discard(f"worker{index}")
         SetupErrorRecord.clear(state.run_dir, TaskId(job=Role.WORKER, index=index))
@@ -325,7 +325,7 @@ class TaskStarter:
 
     def _new_rendezvous(self) -> None:
         state, config = self.state, self.state.config
-        if state.collective and config.size.workers > 1:
+        if config.collective and config.size.workers > 1:
             # under --hosts the launcher is reached over the management link, on Ray at the
             # driver's node address
             host = self.hosts.control_host(state.supervisor.control_host) or config.hosting.host
@@ -342,13 +342,13 @@ class TaskStarter:
         self.clear_logs()
         if state.active:  # its imports go on beside the launcher's (the rendezvous store's)
             state.supervisor.prepare(self.worker_env)
-        if state.config.durability.wal and state.num_ps:
+        if state.config.durability.wal and state.config.num_ps:
             make_private_dir(state.wal_root)
         if self.replicas is not None:  # before the servers, which are told their addresses
             with said_while_slow(state.console.note, "the servers' log replicas to listen"):
-                self.replicas.start(state.num_ps)
+                self.replicas.start(state.config.num_ps)
         servers = []
-        for i in range(state.num_ps):
+        for i in range(state.config.num_ps):
             address = (
                 f"{self.task_host(TaskId(job=Role.PS, index=i))}:0"
                 if fresh_ports
