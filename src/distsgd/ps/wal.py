@@ -149,22 +149,14 @@ def _members_body(shard: Shard, hook: bool) -> bytes:
 class WriteAheadLog:
     """The log of one shard; create it with :meth:`start`. Thread-safe."""
 
-    def __init__(
-        self,
-        folder: Path,
-        generation: int,
-        fd: int,
-        keys: list[str],
-        bound: int,
-        shard: Shard | None = None,
-    ) -> None:
+    def __init__(self, folder: Path, generation: int, fd: int, shard: Shard) -> None:
         self.folder = folder
         self.generation = generation
-        self.bound = bound
+        self.bound = compact_bound(sum(v.nbytes for v in shard.values.values()))
         self.file = LogFile(fd, str(folder))
         """The current generation's log file (changed under ``_lock``)."""
         self._lock = threading.Lock()
-        self._keys = PushIndex(keys)
+        self._keys = PushIndex(list(shard.values))
         self._compacting = threading.Lock()
         self._shard = shard
         self._due = threading.Event()
@@ -199,7 +191,6 @@ class WriteAheadLog:
         _, arrays, header = shard.state_copy(copy=False)  # not serving yet
         snapshot = folder / f"snapshot-{generation:08d}.npz"
         _write_snapshot(snapshot, _packer(arrays, header))
-        nbytes = sum(v.nbytes for v in shard.values.values())
         fd = _open_log(folder, generation, truncate=fresh)
         if fresh:
             _open_log(folder, generation + 1, truncate=True, keep=False)
@@ -210,7 +201,7 @@ class WriteAheadLog:
             except OSError:
                 os.close(fd)
                 raise
-        wal = cls(folder, generation, fd, list(shard.values), compact_bound(nbytes), shard)
+        wal = cls(folder, generation, fd, shard)
         with shard.cond:
             wal._write(Kind.MEMBERS, shard.version, [_members_body(shard, False)])
         _remove_before(folder, generation)
@@ -281,7 +272,7 @@ class WriteAheadLog:
             replica=self.replica,
         )
         self.records += 1
-        if kind is Kind.PUSH and self.file.offset >= self.bound and self._shard is not None:
+        if kind is Kind.PUSH and self.file.offset >= self.bound:
             self._compact_soon()
 
     def _compact_soon(self) -> None:
@@ -298,15 +289,13 @@ class WriteAheadLog:
         self._due.set()
 
     def _compact_when_due(self) -> None:
-        shard = self._shard
-        assert shard is not None
         while True:
             self._due.wait()
             self._due.clear()
             if self._closed:
                 return
             try:
-                self.maybe_compact(shard)
+                self.maybe_compact(self._shard)
             except Exception:  # a bug; the ticker compacts too (every 0.5 s)
                 log.exception("write-ahead log %s: compacting failed", self.folder)
 
@@ -537,10 +526,7 @@ def begin(folder: Path, shard: Shard, after: int = -1) -> WriteAheadLog:
         generation = max(next_generation(folder), generation)
         return WriteAheadLog.start(folder, shard, generation)
     except OSError as exc:
-        nbytes = sum(v.nbytes for v in shard.values.values())
-        wal = WriteAheadLog(
-            folder, generation - 1, -1, list(shard.values), compact_bound(nbytes), shard
-        )
+        wal = WriteAheadLog(folder, generation - 1, -1, shard)
         with wal._lock:
             wal.outage.began(exc)
         shard.wal = wal
