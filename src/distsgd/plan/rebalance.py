@@ -57,14 +57,6 @@ class Decision:
     why: str
 
 
-def loads_of(rates: Mapping[str, float], owner: Mapping[str, int], num_shards: int) -> list[float]:
-    """Each shard's load: the sum of its pieces' rates."""
-    out = [0.0] * num_shards
-    for key, rate in rates.items():
-        out[owner[key]] += rate
-    return out
-
-
 def decide(
     rates: Mapping[str, float],
     owner: Mapping[str, int],
@@ -77,7 +69,9 @@ def decide(
     (``rates``, bytes/s) and its shard (``owner``)."""
     if num_shards < 2:
         return Decision(move=None, why="one server: nowhere to move to")
-    loads = loads_of(rates, owner, num_shards)
+    loads = [0.0] * num_shards  # each shard's: the sum of its pieces' rates
+    for key, rate in rates.items():
+        loads[owner[key]] += rate
     total = sum(loads)
     if total <= 0:
         return Decision(move=None, why="no load measured yet")
