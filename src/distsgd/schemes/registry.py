@@ -134,7 +134,7 @@ def register(spec: SchemeSpec) -> SchemeSpec:
     )
     known = {f.name for f in dataclasses.fields(spec.options)}
     assert set(spec.step_size) <= known | _TRAIN_FIELDS, f"{spec.name}: unknown step_size names"
-    clash = {f.name for f in dataclasses.fields(spec.options)} & _TRAIN_FIELDS
+    clash = known & _TRAIN_FIELDS
     assert not clash, f"scheme {spec.name}: options {sorted(clash)} clash with TrainConfig fields"
     _SCHEMES[spec.name] = spec
     return spec
