@@ -110,8 +110,7 @@ class LocalRay:
     def _start(self, cpus: int, gpus: int) -> None:
         # Ray's token authentication, with a token of this run's (not ~/.ray/auth_token)
         token = self.scratch / "auth_token"
-        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
+        with os.fdopen(open_private(token, os.O_WRONLY | os.O_EXCL), "w") as out:
             out.write(secrets.token_hex(32))
         self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
         """What a driver of this instance needs in its environment to authenticate."""
