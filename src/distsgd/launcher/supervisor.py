@@ -211,7 +211,7 @@ class Supervisor:
         """The task forked by the fork server, or None where it is to be a new process (no
         server, not a worker's command line, or the server is gone or refused it)."""
         server_log = self.fork_server_log
-        command = forkable(argv) if server_log is not None else None
+        command = forkable(argv)
         if command is None or server_log is None:
             return None
         self.prepare(env)
