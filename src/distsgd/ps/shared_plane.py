@@ -183,16 +183,7 @@ class SharedPlane:
             )
         token = bulk.new_token() if self.offers_channels else b""
         entry = self.segments.add(worker, segment, layout, token)
-        return pb.AttachResponse(
-            segment=entry.id,
-            name=segment.name,
-            size=segment.size,
-            tensors=list(layout.specs),
-            pull_offsets=list(layout.pull),
-            push_offsets=list(layout.push),
-            port=self._listener().port if token else 0,
-            token=token,
-        )
+        return _attach_reply(entry, self._listener().port if token else 0)
 
     def _confirm_attach(
         self, request: pb.AttachRequest, worker: int, context: grpc.ServicerContext
@@ -236,15 +227,7 @@ class SharedPlane:
         listener = self._listener()
         token = bulk.new_token()
         entry = self.segments.add(worker, None, layout, token)
-        return pb.AttachResponse(
-            segment=entry.id,
-            size=layout.size,
-            tensors=list(layout.specs),
-            pull_offsets=list(layout.pull),
-            push_offsets=list(layout.push),
-            port=listener.port,
-            token=token,
-        )
+        return _attach_reply(entry, listener.port)
 
     def _own_entry(
         self,
@@ -418,6 +401,22 @@ class SharedPlane:
             payload = _pieces(request.tensors, _cut(raw, sizes))
             payload = checks.decode(request.tensors, payload, context)
             return apply_push(shard, request, lr_scale, payload)
+
+
+def _attach_reply(entry: Attached, port: int) -> pb.AttachResponse:
+    """An Attach's answer for ``entry``: where its pieces are, and where its data channel
+    connects (``port`` 0: none offered)."""
+    segment, layout = entry.segment, entry.layout
+    return pb.AttachResponse(
+        segment=entry.id,
+        name="" if segment is None else segment.name,
+        size=layout.size if segment is None else segment.size,
+        tensors=list(layout.specs),
+        pull_offsets=list(layout.pull),
+        push_offsets=list(layout.push),
+        port=port,
+        token=entry.token,
+    )
 
 
 def _cut(
