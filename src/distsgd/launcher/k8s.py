@@ -249,11 +249,8 @@ def _value_flags(values: Mapping[str, Any]) -> list[str]:
     """``{"lr": 0.1, "overlap": True}`` -> ``["--lr", "0.1", "--overlap"]`` (CLI flag names)."""
     out: list[str] = []
     for key, value in values.items():
-        if isinstance(value, bool):
-            if value:
-                out.append(_flag(key))
-            continue
-        out += [_flag(key), _text(value)]
+        if value is not False:  # a flag that is on stands alone, one that is off is left out
+            out += [_flag(key)] if value is True else [_flag(key), _text(value)]
     return out
 
 
