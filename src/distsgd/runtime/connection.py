@@ -66,9 +66,13 @@ class Connection:
 
     def settle(self, outcomes: deque[tuple[int, bool]]) -> None:
         """Before a step: the leased work units whose pushes landed are done."""
+        if self.leased is not None:
+            self.leased.settle(outcomes)
 
     def trained(self, pushes_started: int) -> None:
         """After a step's backward: its leased unit's update is in the pushes begun after."""
+        if self.leased is not None:
+            self.leased.trained(pushes_started)
 
     def after_step(self, ctx: WorkerContext) -> None:
         """After a step: the cluster's step count as far as this worker knows it (here its
@@ -82,7 +86,7 @@ class Connection:
     def work_report(self, outcomes: deque[tuple[int, bool]]) -> pb.WorkStatus | None:
         """At the end: report the leased units still held; the queue's status (None: no
         leased work)."""
-        return None
+        return None if self.leased is None else self.leased.report(outcomes)
 
     def leave(self) -> None:
         """This worker is done with its steps: tell the servers (before the chief waits)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -128,22 +127,11 @@ class PsConnection(Connection):
     def shard_checkpoint(self) -> Callable[[str], list[dict[str, Any]]] | None:
         return self.ps.checkpoint
 
-    def settle(self, outcomes: deque[tuple[int, bool]]) -> None:
-        if self.leased is not None:
-            self.leased.settle(outcomes)
-
-    def trained(self, pushes_started: int) -> None:
-        if self.leased is not None:
-            self.leased.trained(pushes_started)
-
     def after_step(self, ctx: WorkerContext) -> None:
         """The servers' version, as the scheme's last exchange heard it, stays."""
 
     def step_fields(self, ctx: WorkerContext) -> dict[str, Any]:
         return {"mean_staleness": round(ctx.mean_staleness, 4)}
-
-    def work_report(self, outcomes: deque[tuple[int, bool]]) -> pb.WorkStatus | None:
-        return None if self.leased is None else self.leased.report(outcomes)
 
     def leave(self) -> None:
         if self.heartbeat is not None:
