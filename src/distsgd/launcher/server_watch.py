@@ -50,11 +50,9 @@ class ServerWatch:
         return Rebalancer(
             num_ps=state.config.num_ps,
             address_of=self.address_of,
-            run_id=state.run_id,
-            secret=state.secret,
-            tls=state.config.hosting.tls,
             event=state.events.log,
             note=state.console.note,
+            **self._auth,
         )
 
     @property
