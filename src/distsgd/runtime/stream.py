@@ -169,12 +169,11 @@ class StreamBatches:
             served = False
             for batch in loader:
                 served = True
+                self.batch += 1
                 if self.skip:
                     self.skip -= 1
-                    self.batch += 1
-                    continue
-                self.batch += 1
-                yield batch
+                else:
+                    yield batch
             if not served:  # (a SetupError: the same data would fail the same way again)
                 raise SetupError(
                     f"train_data's part for this worker yields fewer than {self.batch_size} "
@@ -327,17 +326,9 @@ def make_batches(
                 "read in the worker itself; use --loader-workers 0, or --steps"
             )
         return None
-    common: dict[str, Any] = {
-        "rank": rank,
-        "world": world,
-        "batch_size": config.batch_size,
-        "seed": config.seed,
-    }
-    batches = (
-        WindowedBatches(dataset, **common)
-        if isinstance(dataset, ShardFolder) and dataset.window
-        else ShardedBatches(dataset, **common)
-    )
+    windowed = isinstance(dataset, ShardFolder) and dataset.window
+    kind: type[ShardedBatches] = WindowedBatches if windowed else ShardedBatches
+    batches = kind(dataset, rank=rank, world=world, batch_size=config.batch_size, seed=config.seed)
     log.info(
         "worker%d: %s, %d loader processes", rank, type(batches).__name__, config.loader_workers
     )
