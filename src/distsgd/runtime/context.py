@@ -279,21 +279,16 @@ class WorkerContext:
         of the model's size) once they are in the replica, for a scheme that pulls seldom: the
         next pull takes it again. Not for a model under :data:`RELEASE_BYTES`."""
         try:
-            return self._pull_into_replica(min_version, names)
+            views = self._param_views()
+            if views is None:
+                version, arrays = self.pull_arrays(min_version=min_version, names=names)
+                self.load(arrays, partial=names is not None)
+                return version
+            with torch.no_grad():  # written in place: no autograd graph holds the parameters now
+                return self._timed_pull(min_version=min_version, into=views, names=names)[0]
         finally:
             if release and self._ps is not None and self.model_bytes >= RELEASE_BYTES:
                 self._ps.release_pulled()
-
-    def _pull_into_replica(
-        self, min_version: int | Sequence[int], names: Collection[str] | None
-    ) -> int:
-        views = self._param_views()
-        if views is None:
-            version, arrays = self.pull_arrays(min_version=min_version, names=names)
-            self.load(arrays, partial=names is not None)
-            return version
-        with torch.no_grad():  # written in place: no autograd graph holds the parameters now
-            return self._timed_pull(min_version=min_version, into=views, names=names)[0]
 
     def _param_views(self) -> dict[str, np.ndarray] | None:
         """Numpy views of the parameters' memory (CPU, contiguous), for pulls that write the

@@ -106,7 +106,7 @@ class EncodedMean:
             )
         size = wire_nbytes(self.encoding, np.float32, count, nnz)
         try:
-            values = decode(
+            return decode(
                 frame[HEADER : HEADER + size],
                 encoding=self.encoding,
                 scale=float(head["scale"]),
@@ -116,4 +116,3 @@ class EncodedMean:
             )
         except ValueError as error:
             raise CorruptFrame(f"rank {rank}: {error}") from None
-        return values
