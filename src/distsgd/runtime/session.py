@@ -314,9 +314,8 @@ class WorkerSession:
             raw = next(source, None)
             if raw is None:  # leased: the queue has no more work for this worker
                 self._prepared = False
-                break
+                return
             yield raw
-        self.left = self.stop is not None and self.stop.is_set()
 
     def begin_step(self) -> None:
         """Just before forward: the scheme's ``before_step`` (e.g. pull fresh parameters), the
@@ -445,7 +444,7 @@ class WorkerSession:
             raise RuntimeError("finish() inside a step: end the step first")
         self._finished = True
         ctx, conn, ckpt = self._ctx, self._conn, self._ckpt
-        self.left = self.left or (self.stop is not None and self.stop.is_set())
+        self.left = self.stop is not None and self.stop.is_set()  # (stop is never cleared)
         ctx.push_step = ctx.local_step
         self.scheme.finish(ctx)
         ctx.clock.stop_loop()
