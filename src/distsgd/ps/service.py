@@ -162,11 +162,6 @@ class ParameterService(pb_grpc.ParameterServerServicer):
     def tls(self, value: bool) -> None:
         self.shared.tls = value
 
-    @property
-    def closing(self) -> bool:
-        """Whether :meth:`close` was called (the server is stopping)."""
-        return self.holder.closing
-
     def close(self) -> None:
         """Stop the background ticker and wake every waiting Pull (they answer UNAVAILABLE)."""
         self.holder.stop.set()
