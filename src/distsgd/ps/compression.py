@@ -195,7 +195,7 @@ def encode(piece: np.ndarray, encoding: Encoding, topk: float = 0.0) -> EncodedP
     x = _flat_piece(piece)
     n = x.size
     k = topk_count(n, topk)
-    if k and _sparse_pays(encoding, x.dtype, n, k):
+    if k and wire_nbytes(encoding, x.dtype, n, k) < wire_nbytes(encoding, x.dtype, n, 0):
         if n > MAX_SPARSE_COUNT:
             raise ValueError(
                 f"a piece of {n} elements cannot be sent top-k (indices are uint32, at most "
@@ -451,10 +451,6 @@ def _wire_dtype(encoding: Encoding, dtype: np.dtype) -> np.dtype:
     if encoding is Encoding.BF16:
         return np.dtype("<u2")
     return np.dtype(np.int8) if encoding is Encoding.INT8 else np.dtype(np.uint8)
-
-
-def _sparse_pays(encoding: Encoding, dtype: np.dtype, count: int, nnz: int) -> bool:
-    return wire_nbytes(encoding, dtype, count, nnz) < wire_nbytes(encoding, dtype, count, 0)
 
 
 def _compress(x: np.ndarray, encoding: Encoding) -> tuple[Encoding, float, np.ndarray]:

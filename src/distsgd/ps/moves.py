@@ -210,7 +210,7 @@ def export(shard: Shard, keys: Sequence[str], peer: int, now: float | None = Non
             raise MoveRefused(None, f"shard {shard.index} holds no piece {missing[0]!r}")
         if any(k in shard.move_book.frozen for k in keys):
             raise MoveRefused(Refusal.NOT_FROZEN, "another move holds these pieces")
-        if _importing(shard, keys):
+        if any(k in step.keys for step in shard.move_book.imports.values() for k in keys):
             raise MoveRefused(Refusal.MOVE_MISMATCH, "a move into this shard is not confirmed")
         arrays = {k: shard.values[k].copy() for k in keys}
         arrays.update(
@@ -223,10 +223,6 @@ def export(shard: Shard, keys: Sequence[str], peer: int, now: float | None = Non
         if all(k in shard.move_book.frozen for k in keys):
             shard.move_book.exports[out.move_id] = step
     return out
-
-
-def _importing(shard: Shard, keys: Sequence[str]) -> bool:
-    return any(k in step.keys for step in shard.move_book.imports.values() for k in keys)
 
 
 def _check_import(

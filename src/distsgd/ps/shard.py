@@ -208,7 +208,9 @@ class Shard:
         was laid out) is left out; the next request on ``out`` is refused."""
         with self.cond if self.rule.locked else nullcontext():
             version = self.version
-            _copy_into(out, self.values)
+            for key, value in self.values.items():
+                if (write := out.get(key)) is not None:
+                    write(value)
             return version
 
     def see(self, worker: int, incarnation: int) -> None:
@@ -464,12 +466,6 @@ def _kept(value: np.ndarray, own: bool) -> np.ndarray:
     """``value`` as the shard keeps it: itself when ``own`` and writable and contiguous."""
     keep = own and value.flags.writeable and value.flags.c_contiguous
     return value if keep else np.array(value, copy=True)
-
-
-def _copy_into(out: Mapping[str, Callable[[np.ndarray], object]], values: Mapping) -> None:
-    for key, value in values.items():
-        if (write := out.get(key)) is not None:
-            write(value)
 
 
 def _state_header(shard: Shard, rule_state: Mapping[str, Any]) -> dict[str, Any]:
