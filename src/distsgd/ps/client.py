@@ -266,7 +266,16 @@ class ParameterClient:
         :attr:`startup_seconds`, the start-up wait, not only a call's."""
         if self._waited_once or not any(mins):
             return attempt()
-        results = _patiently(attempt, self.startup_seconds, self.worker)
+        give_up = time.monotonic() + self.startup_seconds
+        while True:
+            try:
+                results = attempt()
+                break
+            except RemoteError as exc:
+                if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() > give_up:
+                    raise
+                log.info("worker %d: waiting for the other workers' first updates", self.worker)
+                time.sleep(0.05)
         self._waited_once = True
         return results
 
@@ -457,20 +466,6 @@ def _registered_infos(shards: Sequence[ShardClient], timeout: float) -> list[pb.
             time.sleep(0.05)
         infos.append(info)
     return infos
-
-
-def _patiently(attempt: Callable[[], _Pulled], seconds: float, worker: int) -> _Pulled:
-    """``attempt()``, tried again while it times out waiting (DEADLINE_EXCEEDED), for up to
-    ``seconds``."""
-    give_up = time.monotonic() + seconds
-    while True:
-        try:
-            return attempt()
-        except RemoteError as exc:
-            if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() > give_up:
-                raise
-            log.info("worker %d: waiting for the other workers' first updates", worker)
-            time.sleep(0.05)
 
 
 def _pull_decoder(pull_dtype: str) -> PullDecoder | None:
