@@ -228,14 +228,11 @@ class ReplicaLink:
                     f"{self.address} is no replica of this run (it cannot show the run secret)",
                     code=16,
                 )
-        except ReplicaError:
+        except BaseException as exc:
             sock.close()
-            raise
-        except (OSError, ValueError) as exc:  # it closed, stalled, or answered nonsense
-            sock.close()
-            raise ReplicaError(f"replica {self.address}: {exc}") from None
-        except BaseException:
-            sock.close()
+            # an OSError or ValueError: it closed, stalled, or answered nonsense
+            if isinstance(exc, (OSError, ValueError)) and not isinstance(exc, ReplicaError):
+                raise ReplicaError(f"replica {self.address}: {exc}") from None
             raise
         self._sock, self._seeded = sock, False
         return sock
