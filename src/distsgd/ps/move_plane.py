@@ -50,10 +50,6 @@ class MovePlane:
         self.segments = segments
         self.chunk_bytes = chunk_bytes
 
-    @property
-    def shard_index(self) -> int:
-        return self.holder.index
-
     def _move_request(self, request: pb.MoveRequest, context: grpc.ServicerContext) -> Shard:
         self.holder.check(request.header, context)
         shard = self.holder.registered(context)
@@ -82,7 +78,7 @@ class MovePlane:
             self._refused(exc, context)
         log.info(
             "shard %d: exporting %d piece(s) to shard %d at version %d",
-            self.shard_index,
+            self.holder.index,
             len(request.keys),
             request.peer_shard,
             out.version,
@@ -102,7 +98,7 @@ class MovePlane:
     ) -> pb.MoveResponse:
         head = self.holder.stream_head(request_iterator, context)
         shard = self.holder.registered(context)
-        if head.header.worker != -1 or head.from_shard == self.shard_index:
+        if head.header.worker != -1 or head.from_shard == self.holder.index:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, "an import from the launcher only")
         checks.check_register_specs(head.tensors, context)
         arrays = checks.assemble(head.tensors, request_iterator, context)
@@ -116,7 +112,7 @@ class MovePlane:
             self._refused(moves.MoveRefused(refusal, str(exc)), context)
         self.segments.retire()  # the layout changed: workers attach again
         log.info(
-            "shard %d: took %d piece(s) from shard %d", self.shard_index, taken, head.from_shard
+            "shard %d: took %d piece(s) from shard %d", self.holder.index, taken, head.from_shard
         )
         return pb.MoveResponse(version=shard.version, pieces=taken, receipt=receipt)
 
@@ -139,7 +135,7 @@ class MovePlane:
             self.segments.retire()
         log.info(
             "shard %d: move %s of %d piece(s) with shard %d %s",
-            self.shard_index,
+            self.holder.index,
             request.move_id[:8],
             len(request.keys),
             request.peer_shard,

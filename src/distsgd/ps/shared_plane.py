@@ -77,10 +77,6 @@ class SharedPlane:
         self._bulk: bulk.Listener | None = None
         self._bulk_lock = threading.Lock()
 
-    @property
-    def shard_index(self) -> int:
-        return self.holder.index
-
     def close(self) -> None:
         """Close the tensor sockets' listener, if one was opened."""
         if self._bulk is not None:
@@ -94,7 +90,7 @@ class SharedPlane:
             abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"ps{self.shard_index} holds no confirmed segment {segment_id} of worker "
+                f"ps{self.holder.index} holds no confirmed segment {segment_id} of worker "
                 f"{header.worker}; attach again (or send over the stream)",
                 Refusal.NO_SEGMENT,
             )
@@ -102,7 +98,7 @@ class SharedPlane:
             abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"ps{self.shard_index}'s pieces moved since segment {segment_id} was attached; "
+                f"ps{self.holder.index}'s pieces moved since segment {segment_id} was attached; "
                 "attach again",
                 Refusal.NO_SEGMENT,
             )
@@ -145,7 +141,7 @@ class SharedPlane:
             closing=lambda: self.holder.closing,
             seconds=RPC_BYTES_SECONDS,
             on_close=lambda: self.segments.remove(entry),
-            name=f"ps{self.shard_index} data channel of worker {entry.worker}",
+            name=f"ps{self.holder.index} data channel of worker {entry.worker}",
         )
 
     @guarded
@@ -164,7 +160,7 @@ class SharedPlane:
             abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"ps{self.shard_index} has no shared memory ({shm.SHM_DIR}); use the stream",
+                f"ps{self.holder.index} has no shared memory ({shm.SHM_DIR}); use the stream",
                 Refusal.NO_SHARED_MEMORY,
             )
         try:
@@ -178,7 +174,7 @@ class SharedPlane:
             abort(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"ps{self.shard_index}: {exc.strerror or exc}; using the stream instead",
+                f"ps{self.holder.index}: {exc.strerror or exc}; using the stream instead",
                 Refusal.TOO_LARGE,
             )
         token = bulk.new_token() if self.offers_channels else b""
@@ -194,7 +190,7 @@ class SharedPlane:
             abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"ps{self.shard_index} holds no segment {request.confirm} of worker {worker}"
+                f"ps{self.holder.index} holds no segment {request.confirm} of worker {worker}"
                 "; attach again",
                 Refusal.NO_SEGMENT,
             )
@@ -219,7 +215,7 @@ class SharedPlane:
             abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"ps{self.shard_index} offers no tensor socket "
+                f"ps{self.holder.index} offers no tensor socket "
                 f"({'its data is encrypted by TLS' if self.tls else 'no address'}); "
                 "use the stream",
                 Refusal.NO_SHARED_MEMORY,
