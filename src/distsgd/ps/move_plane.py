@@ -25,10 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def piece_loads(counts: dict[str, PieceCounts]) -> list[pb.PieceLoad]:
-    return [
-        pb.PieceLoad(key=k, push_bytes=c.push_bytes, pull_bytes=c.pull_bytes, applies=c.applies)
-        for k, c in counts.items()
-    ]
+    return [pb.PieceLoad(key=k, **vars(c)) for k, c in counts.items()]  # the same fields
 
 
 def moved_owners(shard: Shard, keys: Iterator[str] | list[str]) -> list[pb.PieceOwner]:
