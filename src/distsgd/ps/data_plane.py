@@ -53,10 +53,6 @@ class DataPlane:
             self._waiting += 1
             return True
 
-    def _stop_waiting(self) -> None:
-        with self._waiting_lock:
-            self._waiting -= 1
-
     def check_pull(
         self, request: pb.PullRequest, context: grpc.ServicerContext
     ) -> tuple[Shard, float]:
@@ -93,7 +89,8 @@ class DataPlane:
             shard.see(request.header.worker, request.header.incarnation)
             reached = shard.wait_for(request.min_version, wait)
         finally:
-            self._stop_waiting()
+            with self._waiting_lock:
+                self._waiting -= 1
             waited = time.monotonic() - began
         holder.unless_closing(context)
         if not reached:

@@ -109,9 +109,6 @@ class Attached:
             }
         return self._pull_writers
 
-    def push_offset(self, key: str) -> int:
-        return self.layout.push_at[key]
-
 
 class ScratchPool:
     """Server-private buffers where pushes land before they are checked and applied (a

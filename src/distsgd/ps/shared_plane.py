@@ -331,7 +331,7 @@ class SharedPlane:
             # checked (finite, decodable) are the bytes applied.
             parts = _cut(scratch, sizes, shm.align)
             for spec, part in zip(request.tensors, parts, strict=True):
-                entry.segment.read_into(entry.push_offset(spec.key), part)
+                entry.segment.read_into(entry.layout.push_at[spec.key], part)
             payload = checks.decode(request.tensors, _pieces(request.tensors, parts), context)
             return apply_push(shard, request, lr_scale, payload)
 
