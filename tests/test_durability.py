@@ -142,8 +142,9 @@ def test_a_launcher_write_that_finds_no_room_stops_the_run_in_one_line(
     from distsgd.launcher.tasks import write_tasks
 
     class Local:
-        run_dir = tmp_path
-        ckpt_root = tmp_path / "checkpoints"
+        class state:  # noqa: N801 - stands in for LocalRun.state (a RunState)
+            run_dir = tmp_path
+            ckpt_root = tmp_path / "checkpoints"
 
         def run(self) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "x.json"))
