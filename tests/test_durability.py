@@ -142,7 +142,7 @@ def test_a_launcher_write_that_finds_no_room_stops_the_run_in_one_line(
     from distsgd.launcher.tasks import write_tasks
 
     class Local:
-        class state:  # noqa: N801 - stands in for LocalRun.state (a RunState)
+        class state:  # stands in for LocalRun.state (a RunState)
             run_dir = tmp_path
             ckpt_root = tmp_path / "checkpoints"
 
