@@ -111,7 +111,8 @@ class _FakeRay:
         self.alive = alive
 
     def nodes(self) -> list[dict[str, object]]:
-        return [{"Alive": True}] * self.alive + [{"Alive": False}]
+        alive = [{"NodeID": f"node{i}", "Alive": True} for i in range(self.alive)]
+        return [*alive, {"NodeID": "gone", "Alive": False}]
 
 
 def _plan(alive: int, bundles: list[str], spread: bool = True) -> list[tuple[list[str], str]]:
