@@ -50,7 +50,7 @@ def _raw_put(control: ControlServer, first: pb.RunFileChunk, *data: bytes, secre
     """A PutFile as a peer may send it, past the client's own checks."""
     with grpc.insecure_channel(control.address) as channel:
         stub = pb_grpc.RunControlStub(channel)
-        chunks = [first, *(pb.RunFileChunk(data=d) for d in data)]
+        chunks = [first, *(pb.RunFileChunk(data=d) for d in data), pb.RunFileChunk(last=True)]
         return stub.PutFile(iter(chunks), timeout=5, metadata=((METADATA_KEY, secret),))
 
 
@@ -153,6 +153,23 @@ def test_a_replacement_cut_short_leaves_the_old_file(control: ControlServer) -> 
         time.sleep(0.01)
     assert (run / "result.json").read_text() == '{"old": true}\n'
     assert [p.name for p in run.iterdir()] == ["result.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize("name", ["result.json", "metrics.jsonl"])
+def test_a_stream_that_ends_without_its_last_chunk_writes_nothing(
+    control: ControlServer, name: str
+) -> None:
+    """A cancelled call can end the server's reading as a whole stream would (seen under
+    load: a cut-short replacement was renamed into place). Only a stream whose final chunk
+    says ``last`` is written; one that just ends is CANCELLED and changes nothing."""
+    write = pb.RUN_FILE_WRITE_APPEND if name.endswith(".jsonl") else pb.RUN_FILE_WRITE_REPLACE
+    with grpc.insecure_channel(control.address) as channel:
+        stub = pb_grpc.RunControlStub(channel)
+        chunks = iter([_first(name, write), pb.RunFileChunk(data=b'{"cut": true}\\n')])
+        with pytest.raises(grpc.RpcError) as cut:
+            stub.PutFile(chunks, timeout=5, metadata=((METADATA_KEY, SECRET),))
+    assert cut.value.code() == grpc.StatusCode.CANCELLED
+    assert list(control.service.run_dir.iterdir()) == []
 
 
 def test_appends_to_a_launcher_that_is_gone_are_dropped_not_raised(tmp_path: Path) -> None:

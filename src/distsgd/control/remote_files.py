@@ -176,6 +176,7 @@ class RemoteFiles:
             for block in blocks:
                 for start in range(0, len(block), CHUNK):
                     yield pb.RunFileChunk(data=block[start : start + CHUNK])
+            yield pb.RunFileChunk(last=True)  # the stream is whole (see the .proto)
 
         return lambda timeout: self._stub.PutFile(
             messages(), timeout=timeout, metadata=self._metadata

@@ -55,6 +55,21 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -
     raise AssertionError("unreachable")  # abort raises
 
 
+def _whole(
+    first: pb.RunFileChunk, rest: Iterator[pb.RunFileChunk], context: grpc.ServicerContext
+) -> Iterator[pb.RunFileChunk]:
+    """The chunks after ``first`` up to the one marked ``last``; a stream that ends before it
+    was cut short (a cancelled call can end the reading here as a whole stream would), and
+    is refused, so that nothing of it is written."""
+    if first.last:
+        return
+    for chunk in rest:
+        yield chunk
+        if chunk.last:
+            return
+    _abort(context, grpc.StatusCode.CANCELLED, f"{first.name}: the stream was cut short")
+
+
 class RunControl(pb_grpc.RunControlServicer):
     """The servicer: files of ``run_dir`` by the table's rules."""
 
@@ -114,7 +129,7 @@ class RunControl(pb_grpc.RunControlServicer):
         context: grpc.ServicerContext,
     ) -> bytes:
         parts, size = [first.data], len(first.data)
-        for chunk in rest:
+        for chunk in _whole(first, rest, context):
             size += len(chunk.data)
             if size > entry.limit:
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"over {entry.limit} bytes")
@@ -146,7 +161,7 @@ class RunControl(pb_grpc.RunControlServicer):
         try:
             size = 0
             with os.fdopen(fd, "wb") as out:
-                for piece in itertools.chain((first,), rest):
+                for piece in itertools.chain((first,), _whole(first, rest, context)):
                     size += len(piece.data)
                     if size > entry.limit:
                         _abort(

@@ -637,18 +637,20 @@ class ReplicaAck(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., written: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class RunFileChunk(_message.Message):
-    __slots__ = ("header", "name", "write", "data", "found")
+    __slots__ = ("header", "name", "write", "data", "found", "last")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     WRITE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     name: str
     write: RunFileWrite
     data: bytes
     found: bool
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., name: _Optional[str] = ..., write: _Optional[_Union[RunFileWrite, str]] = ..., data: _Optional[bytes] = ..., found: _Optional[bool] = ...) -> None: ...
+    last: bool
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., name: _Optional[str] = ..., write: _Optional[_Union[RunFileWrite, str]] = ..., data: _Optional[bytes] = ..., found: _Optional[bool] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class RunFileDone(_message.Message):
     __slots__ = ("written",)
