@@ -631,3 +631,15 @@ def test_distsgd_server_exits_within_a_second_of_sigterm(spawn, tmp_path: Path) 
     assert proc.returncode == 0
     assert elapsed < 1.5, f"the ps took {elapsed:.2f}s to exit"
     assert isinstance(results[0], RemoteError) and results[0].code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_every_rpc_of_the_proto_is_routed_to_a_plane() -> None:
+    """``ParameterService`` serves each RPC by its plane's method (``ROUTES``): an RPC added to
+    the ``.proto`` and to no plane would answer UNIMPLEMENTED; one routed twice, or routed but
+    not in the ``.proto``, is a mistake of the table."""
+    from distsgd.ps.service import ROUTES
+    from distsgd.transport.proto import distsgd_pb2
+
+    service = distsgd_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+    routed = [method for methods in ROUTES.values() for method in methods]
+    assert sorted(routed) == sorted(m.name for m in service.methods)
