@@ -29,6 +29,10 @@ EMULATE = Path(__file__).resolve().parents[1] / "emulate"
 """The folder holding ``distsgd_emulate``, the emulators: above distsgd, which reaches it only
 through :data:`SEAM` (issue 39)."""
 SEAM = "distsgd.launcher.emulated"
+EXTRAS = Path(__file__).resolve().parents[1] / "extras"
+"""The folder holding ``distsgd_rebalance`` (``--rebalance auto``): above distsgd, which reaches
+it only through :data:`REBALANCE_SEAM`."""
+REBALANCE_SEAM = "distsgd.launcher.server_watch"
 
 
 @dataclass(frozen=True)
@@ -206,29 +210,41 @@ def describe(circle: list[Edge]) -> str:
 
 
 def test_no_import_circles() -> None:
-    modules, edges = build_graph(SRC, EMULATE)
+    modules, edges = build_graph(SRC, EMULATE, EXTRAS)
     assert "distsgd_emulate.netns" in modules and SEAM in modules
+    assert "distsgd_rebalance.mover" in modules
     found = cycles(modules, edges)
     for circle in found:
         print(describe(circle))
     assert not found, f"{len(found)} import circle(s):\n" + "\n".join(map(describe, found))
 
 
+def _through_seam(package: str, seam: str, folder: Path) -> set[str]:
+    """No module of distsgd imports ``package`` but ``seam``, and it only inside its functions
+    (or for types): what ``seam`` imports of it."""
+    _, edges = build_graph(SRC, folder)
+    into = [e for e in edges if e.target.split(".")[0] == package]
+    outside = [e for e in into if e.source.split(".")[0] == "distsgd" and e.source != seam]
+    assert outside == [], f"import {package} only in {seam}: {outside}"
+    path = PACKAGE.joinpath(*seam.split(".")[1:]).with_suffix(".py")
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    top = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not [n for n in top if package in ast.unparse(n)], "imported at load time"
+    return {e.target for e in into if e.source == seam}
+
+
 def test_distsgd_reaches_the_emulators_only_through_its_seam() -> None:
-    """No module of distsgd imports distsgd_emulate but launcher/emulated.py, and it only inside
-    its functions (or for types): a run without emulated hosts never loads the emulators."""
-    _, edges = build_graph(SRC, EMULATE)
-    into = [e for e in edges if e.target.split(".")[0] == "distsgd_emulate"]
-    outside = [e for e in into if e.source.split(".")[0] == "distsgd" and e.source != SEAM]
-    assert outside == [], f"import distsgd_emulate only in {SEAM}: {outside}"
-    seam = ast.parse((PACKAGE / "launcher" / "emulated.py").read_text(encoding="utf-8"))
-    top = [n for n in seam.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    assert not [n for n in top if "distsgd_emulate" in ast.unparse(n)], "imported at load time"
-    assert {e.target for e in into if e.source == SEAM} >= {
+    """A run without emulated hosts never loads the emulators."""
+    assert _through_seam("distsgd_emulate", SEAM, EMULATE) >= {
         "distsgd_emulate.driver",
         "distsgd_emulate.hosts",
         "distsgd_emulate.link_probe",
     }
+
+
+def test_distsgd_reaches_the_rebalancer_only_through_its_seam() -> None:
+    """A run without ``--rebalance auto`` never loads distsgd_rebalance."""
+    assert _through_seam("distsgd_rebalance", REBALANCE_SEAM, EXTRAS) == {"distsgd_rebalance"}
 
 
 def test_the_graph_sees_imports_in_functions_and_relative_ones(tmp_path: Path) -> None:

@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from distsgd.launcher.rebalance import Rebalancer
 from distsgd.ps import moves, start_server, stop_server
 from distsgd.ps.client import ParameterClient
 from distsgd.ps.partition import PartitionPlan
 from distsgd.schemes import make_server_rule
 from distsgd.transport.client import ShardClient
 from distsgd.transport.errors import PushReject, Refusal, RemoteError
+from distsgd_rebalance import Rebalancer
 
 
 def _model() -> dict[str, np.ndarray]:

@@ -1,9 +1,10 @@
-"""``--rebalance``: the pure decision (plan/rebalance.py) and the launcher's flag checks (the
-mover on real servers: tests/test_moves.py)."""
+"""``--rebalance``: the pure decision (distsgd_rebalance/policy.py) and the launcher's flag
+checks (the mover on real servers: tests/test_moves.py)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,8 @@ import pytest
 from conftest import ROOT, alive, metrics, run_distsgd, task_pids
 
 from distsgd.launcher.config import ClusterSize, LaunchConfig
-from distsgd.plan import rebalance as rb
+from distsgd.util.optional import installed
+from distsgd_rebalance import policy as rb
 
 MB = 1e6
 
@@ -120,3 +122,19 @@ def test_rebalance_auto_under_a_synchronous_scheme_is_a_one_line_error(tmp_path:
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--rebalance auto" in lines[0], done.stderr
+
+
+def test_a_package_outside_the_core_that_is_missing_is_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--rebalance auto`` (or emulated hosts) without its package: ValueError naming it and
+    the fix; a module missing inside the package is not hidden."""
+    monkeypatch.setitem(sys.modules, "distsgd_rebalance", None)
+    package, what = "distsgd_rebalance", "--rebalance auto"
+    with (
+        pytest.raises(ValueError, match=f"{what} needs the {package} package"),
+        installed(package, what),
+    ):
+        from distsgd_rebalance import Rebalancer  # noqa: F401
+    with pytest.raises(ModuleNotFoundError), installed(package, what):
+        import distsgd_no_such_module  # type: ignore[import-not-found]  # noqa: F401

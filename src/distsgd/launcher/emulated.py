@@ -8,10 +8,11 @@ loads it: its collaborators see :class:`NoHosts`.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from distsgd.util.optional import installed
 
 if TYPE_CHECKING:
     from distsgd.cluster import TaskId
@@ -29,28 +30,12 @@ __all__ = [
     "NoHosts",
     "check_hosts",
     "host_plan",
-    "installed",
     "probe_link",
     "start_hosts",
 ]
 
 PACKAGE = "distsgd_emulate"
 """The emulators' package (``emulate/distsgd_emulate`` in a checkout)."""
-
-
-@contextlib.contextmanager
-def installed() -> Iterator[None]:
-    """Around an import of :mod:`distsgd_emulate`: ValueError (one line) where the package is
-    not installed."""
-    try:
-        yield
-    except ModuleNotFoundError as e:
-        if e.name != PACKAGE:
-            raise
-        raise ValueError(
-            f"emulated hosts need the {PACKAGE} package, which is not installed; install "
-            "distsgd with it (pip install -e . in a checkout installs both)"
-        ) from None
 
 
 class Host(Protocol):
@@ -215,7 +200,7 @@ def host_plan(config: LaunchConfig) -> HostPlan:
     hosting = config.hosting
     if not hosting.hosts:
         raise ValueError("this run has no emulated hosts; use --hosts N")
-    with installed():
+    with installed(PACKAGE, "emulated hosts"):
         from distsgd_emulate.hosts import parse_links, plan_hosts
     count, links = hosting.hosts, parse_links(hosting.links)
     return plan_hosts(count=count, tasks=config.tasks, policy=hosting.placement, links=links)
@@ -247,6 +232,6 @@ def start_hosts(config: LaunchConfig, run_dir: Path) -> Hosts:
 def probe_link(rate: str, nbytes: int, *, workers: int) -> LinkProbe:
     """A link of ``rate`` measured on emulated hosts (``distsgd_emulate.link_probe``);
     ValueError (one line) where they cannot be made here."""
-    with installed():
+    with installed(PACKAGE, "emulated hosts"):
         from distsgd_emulate.link_probe import probe_link as probe
     return probe(rate, nbytes, workers=workers)

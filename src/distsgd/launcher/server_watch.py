@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distsgd.cluster import Role, TaskId
 from distsgd.launcher.durability import DurabilityWatch
 from distsgd.launcher.emulated import Hosts
-from distsgd.launcher.rebalance import Rebalancer
 from distsgd.launcher.run_state import RunState
 from distsgd.launcher.servers import read_info, tell_finished
 from distsgd.launcher.shard_load import ShardLoadLog
 from distsgd.ps.sequence import steps_applied
 from distsgd.transport.proto import distsgd_pb2 as pb
+from distsgd.util.optional import installed
+
+if TYPE_CHECKING:
+    from distsgd_rebalance import Rebalancer
 
 
 class ServerWatch:
@@ -40,13 +43,16 @@ class ServerWatch:
         )
         """Each server's write-ahead log as the Info polls find it (launcher/durability.py)."""
         self.rebalancer = self._rebalancer()
-        """``--rebalance auto``: moves pieces between servers (launcher/rebalance.py)."""
+        """``--rebalance auto``: moves pieces between servers (:mod:`distsgd_rebalance`)."""
 
     def _rebalancer(self) -> Rebalancer | None:
-        """``--rebalance auto``'s mover (None: off)."""
+        """``--rebalance auto``'s mover (None: off), from the package outside the core."""
         state = self.state
         if state.config.rebalance != "auto":
             return None
+        with installed("distsgd_rebalance", "--rebalance auto"):
+            from distsgd_rebalance import Rebalancer
+
         return Rebalancer(
             num_ps=state.config.num_ps,
             address_of=self.address_of,
@@ -114,26 +120,8 @@ class ServerWatch:
         return min(applied)
 
     def rebalance_summary(self) -> dict[str, Any] | None:
-        """(``--rebalance auto``) the moves made and each piece's updates over the run, summed
-        over the servers (a moved piece's count moves with it): equal for every piece when
-        no update was lost."""
-        rebalancer = self.rebalancer
-        if rebalancer is None:
+        """(``--rebalance auto``) the moves made and each piece's updates over the run
+        (:meth:`distsgd_rebalance.Rebalancer.result`); None where it is off."""
+        if self.rebalancer is None:
             return None
-        rebalancer.join()
-        applies: dict[str, int] = {}
-        for index in range(self.state.config.num_ps):
-            reply = self.read_version(index)
-            if reply is None:
-                continue
-            held = {t.key for t in reply.tensors}
-            for piece in reply.load.pieces:
-                if piece.key in held:
-                    applies[piece.key] = applies.get(piece.key, 0) + piece.applies
-        counts = list(applies.values()) or [0]
-        return {
-            "moves": rebalancer.moves,
-            "failed": rebalancer.failed,
-            "applies_min": min(counts),
-            "applies_max": max(counts),
-        }
+        return self.rebalancer.result(self.read_version)

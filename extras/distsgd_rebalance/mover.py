@@ -1,5 +1,5 @@
 """``--rebalance auto``: the launcher reads each server's per-piece load from its Info polls,
-asks :func:`distsgd.plan.rebalance.decide` whether a move evens it, and carries the move out
+asks :func:`distsgd_rebalance.policy.decide` whether a move evens it, and carries the move out
 (export, import, commit, confirm: :mod:`distsgd.ps.moves`, each step naming the move's id) on
 a thread of its own, so the launcher's loop never waits on it. Each move, made or failed, is a
 ``rebalance`` event in metrics.jsonl with the loads before and after (after: as predicted from
@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from distsgd.plan.rebalance import Decision, Move, decide, piece_rates, summary
 from distsgd.transport.client import ShardClient
 from distsgd.transport.codec import nbytes_of
 from distsgd.transport.errors import Refusal, RemoteError
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.security import TlsConfig
+from distsgd_rebalance.policy import Decision, Move, decide, piece_rates, summary
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,29 @@ class Rebalancer:
         """Wait for a move in flight (the run is ending)."""
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def result(self, read_info: Callable[[int], pb.InfoResponse | None]) -> dict[str, Any]:
+        """The run's end (``result.json``'s ``rebalance``): the moves made and each piece's
+        updates over the run, summed over the servers (``read_info(I)``: ps I's Info, None
+        where it does not answer; a moved piece's count moves with it): equal for every piece
+        when no update was lost."""
+        self.join()
+        applies: dict[str, int] = {}
+        for index in range(self.num_ps):
+            reply = read_info(index)
+            if reply is None:
+                continue
+            held = {t.key for t in reply.tensors}
+            for piece in reply.load.pieces:
+                if piece.key in held:
+                    applies[piece.key] = applies.get(piece.key, 0) + piece.applies
+        counts = list(applies.values()) or [0]
+        return {
+            "moves": self.moves,
+            "failed": self.failed,
+            "applies_min": min(counts),
+            "applies_max": max(counts),
+        }
 
     def _quiet(self, decision: Decision) -> None:
         if decision.why != self._last_why:

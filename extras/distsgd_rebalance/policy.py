@@ -1,5 +1,5 @@
 """When and what to move between parameter servers (``--rebalance auto``): a pure decision on
-measured per-piece load; the launcher carries it out (:mod:`distsgd.launcher.rebalance`) and
+measured per-piece load; the launcher carries it out (:mod:`distsgd_rebalance.mover`) and
 the servers move the pieces (:mod:`distsgd.ps.moves`).
 
 The load a piece brings its server is the bytes it moves there per second, pushes and pulls
