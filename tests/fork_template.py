@@ -1,4 +1,4 @@
-"""One fork-server template per test process (:mod:`distsgd.launcher.template`): every local run
+"""One fork-server template per test process (:mod:`distsgd_emulate.fork_template`): every local run
 a test starts gets its fork server forked from it, torch imported already, instead of starting
 one (over 2 CPU-seconds a run, a few hundred runs in the suite: a third of its CPU).
 
@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from distsgd.launcher.template import TEMPLATE_ENV
+from distsgd.launcher.forked import TEMPLATE_ENV
 
 START_TIMEOUT = 120.0
 """Seconds the template may take to import torch and listen (a loaded machine is slow)."""
@@ -39,7 +39,7 @@ def running(folder: Path) -> Iterator[subprocess.Popen[bytes]]:
     path = folder / "template.sock"
     with open(folder / "template.log", "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "distsgd.launcher.template", str(path)],
+            [sys.executable, "-m", "distsgd_emulate.fork_template", str(path)],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -1,7 +1,7 @@
-"""The fork-server template (:mod:`distsgd.launcher.template`): a launcher that finds one gets its
-fork server forked from it, that server ends with its launcher (a killed one too) and takes its
-tasks with it, the template refuses what is not a request and serves on, and a launcher that
-cannot reach it starts its own server."""
+"""The fork-server template (:mod:`distsgd_emulate.fork_template`): a launcher that finds one
+gets its fork server forked from it, that server ends with its launcher (a killed one too) and
+takes its tasks with it, the template refuses what is not a request and serves on, and a
+launcher that cannot reach it starts its own server."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ import psutil
 import pytest
 from conftest import SCRIPTS, alive, metrics, task_pids, wait_for
 
-from distsgd.launcher.forked import Adopted, ForkServer
-from distsgd.launcher.template import TEMPLATE_ENV
+from distsgd.launcher.forked import TEMPLATE_ENV, Adopted, ForkServer
 
 BLOBS = str(SCRIPTS / "blobs.py")
 
@@ -109,7 +108,7 @@ def test_a_folder_others_may_enter_is_refused(tmp_path: Path) -> None:
     folder.mkdir(mode=0o755)
     folder.chmod(0o755)
     done = loadclock.run(
-        [sys.executable, "-m", "distsgd.launcher.template", str(folder / "t.sock")],
+        [sys.executable, "-m", "distsgd_emulate.fork_template", str(folder / "t.sock")],
         capture_output=True,
         text=True,
         timeout=60,

@@ -23,7 +23,6 @@ from typing import IO
 
 from distsgd.control.task import ENV_VAR as TASK_ENV
 from distsgd.launcher.lifeline import PARENT_ENV, alive
-from distsgd.launcher.template import TEMPLATE_ENV, ask
 from distsgd.launcher.zygote import (
     FORKABLE,
     MAX_MESSAGE,
@@ -33,7 +32,9 @@ from distsgd.launcher.zygote import (
     ProtocolError,
     Report,
     encode,
+    int_field,
     launcher_watch,
+    load_message,
     parse_report,
 )
 from distsgd.transport.security import SECRET_ENV
@@ -49,6 +50,26 @@ REPLY_TIMEOUT = 120.0
 server counts as gone, and is ended)."""
 SERVER_ENV_DROP = (TASK_ENV, SECRET_ENV, "DISTSGD_THREADS", "CUDA_VISIBLE_DEVICES")
 """Task settings the server itself is started without (each task gets its whole environment)."""
+TEMPLATE_ENV = "DISTSGD_FORK_TEMPLATE"
+"""The path of a fork-server template's socket (:mod:`distsgd_emulate.fork_template`), for
+launchers to find it by (unset: none is used)."""
+ASK_TIMEOUT = 10.0
+"""Seconds a launcher waits for the template's answer (a fork takes milliseconds)."""
+
+
+def ask(path: str, launcher: int, title: str, server_fd: int, out_fd: int) -> int:
+    """(In the launcher) have the template at ``path`` fork a fork server for ``launcher``
+    that talks on ``server_fd`` and writes to ``out_fd``; its PID. :class:`OSError` where
+    the template cannot be reached or refuses (the launcher then starts a server itself)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+        conn.settimeout(ASK_TIMEOUT)
+        conn.connect(path)
+        message = encode({"launcher": launcher, "title": title})
+        socket.send_fds(conn, [message], [server_fd, out_fd])
+        answer = load_message(conn.recv(MAX_MESSAGE))
+    if set(answer) == {"pid"}:
+        return int_field(answer, "pid", low=1)
+    raise OSError(f"the fork-server template at {path} refused: {answer.get('error', answer)}")
 
 
 class ForkServerGone(RuntimeError):
@@ -245,7 +266,7 @@ class ForkServer:
 
 
 class Adopted:
-    """A fork server forked from a template (:mod:`distsgd.launcher.template`): not this
+    """A fork server forked from a template (:mod:`distsgd_emulate.fork_template`): not this
     process's child, so its end is watched through a pidfd (its exit code is the template's
     to collect; it reports its tasks' own)."""
 

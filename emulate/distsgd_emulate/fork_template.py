@@ -4,9 +4,10 @@ ready fork server for each launcher that asks.
 A local run's fork server (:mod:`distsgd.launcher.zygote`) spends one to three CPU-seconds
 importing torch (and what ``torch.optim`` needs) before it forks its first worker; a machine
 that starts many runs one after another (a test suite, a script of runs) pays that for every
-run. A template, started once as ``python -m distsgd.launcher.template PATH``, does those
+run. A template, started once as ``python -m distsgd_emulate.fork_template PATH``, does those
 imports and listens on the Unix socket PATH, in a folder of its user's own (mode 0700). A
-launcher that finds PATH in ``$DISTSGD_FORK_TEMPLATE`` (:data:`TEMPLATE_ENV`) asks it for its
+launcher that finds PATH in ``$DISTSGD_FORK_TEMPLATE``
+(:data:`distsgd.launcher.forked.TEMPLATE_ENV`) asks it (:func:`distsgd.launcher.forked.ask`) for its
 fork server instead of starting one: the server forked from the template serves that launcher
 alone, through the socket pair the launcher made, and ends with it, as one it started would
 (it watches the launcher's PID through a pidfd, as it is not the launcher's child). Where the
@@ -35,31 +36,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from distsgd.launcher import zygote
+from distsgd.launcher.forked import ASK_TIMEOUT
 from distsgd.launcher.lifeline import set_death_signal
 from distsgd.util.proctitle import set_title
 
 log = logging.getLogger(__name__)
 
-TEMPLATE_ENV = "DISTSGD_FORK_TEMPLATE"
-"""The path of a template's socket, for launchers to find it by (unset: none is used)."""
-ASK_TIMEOUT = 10.0
-"""Seconds a launcher waits for the template's answer (a fork takes milliseconds)."""
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-def ask(path: str, launcher: int, title: str, server_fd: int, out_fd: int) -> int:
-    """(In the launcher) have the template at ``path`` fork a fork server for ``launcher``
-    that talks on ``server_fd`` and writes to ``out_fd``; its PID. :class:`OSError` where
-    the template cannot be reached or refuses (the launcher then starts a server itself)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
-        conn.settimeout(ASK_TIMEOUT)
-        conn.connect(path)
-        message = zygote.encode({"launcher": launcher, "title": title})
-        socket.send_fds(conn, [message], [server_fd, out_fd])
-        answer = zygote.load_message(conn.recv(zygote.MAX_MESSAGE))
-    if set(answer) == {"pid"}:
-        return zygote.int_field(answer, "pid", low=1)
-    raise OSError(f"the fork-server template at {path} refused: {answer.get('error', answer)}")
 
 
 def _listen(path: str) -> socket.socket:
@@ -165,7 +148,7 @@ def _become_server(launcher: int, title: str, server_fd: int, out_fd: int) -> so
 def main(argv: Sequence[str] | None = None) -> Any:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m distsgd.launcher.template SOCKET_PATH", file=sys.stderr)
+        print("usage: python -m distsgd_emulate.fork_template SOCKET_PATH", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     parent = os.getppid()
