@@ -15,7 +15,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from distsgd.control.config import TrainConfig
 from distsgd.control.folder import CONFIG_FILE
@@ -62,9 +62,10 @@ def _whole(name: str, value: object, low: int) -> None:
         raise ValueError(f"{name} must be a whole number of at least {low}, got {value!r}")
 
 
-class WorkerBounds:
-    """The worker counts of a run as both its launch settings and its saved :class:`RunSpec`
-    read them (0 for a bound: ``workers``)."""
+class WorkerBounds(Protocol):
+    """The worker counts of a run as both its launch settings
+    (:class:`~distsgd.launcher.config.ClusterSize`) and its saved :class:`RunSpec` read them
+    (0 for a bound: ``workers``); each subclasses it for these properties."""
 
     workers: int
     min_workers: int

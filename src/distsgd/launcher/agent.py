@@ -37,9 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 from distsgd.cluster import ClusterSpec, Role, TaskId
 from distsgd.control.outcome import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED
@@ -61,7 +59,7 @@ from distsgd.launcher.supervisor import Supervisor, TaskHandle
 from distsgd.launcher.tasks import write_tasks
 from distsgd.transport.security import TlsConfig
 from distsgd.util import private_dir, write_atomic
-from distsgd.util.signals import setter
+from distsgd.util.signals import stopping
 
 log = logging.getLogger(__name__)
 
@@ -370,20 +368,13 @@ def run_agent(config: AgentConfig, console: Console | None = None) -> int:
         run_over=RunEnd(secret=config.secret, tls=config.tls),
     )
     caught: list[int] = []
-    previous: dict[signal.Signals, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(
-                sig, setter(agent.stop, before=partial(caught.append, sig))
-            )
-    try:
-        return agent.run()
-    except Interrupted:
-        console.final(f"distsgd agent: interrupted; stopped {len(agent.supervisor.tasks)} tasks")
-        return EXIT_TERMINATED if caught[:1] == [signal.SIGTERM] else EXIT_INTERRUPTED
-    except RunFailed as exc:
-        console.error(f"distsgd agent: error: {exc}")
-        return EXIT_FAILED
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with stopping(agent.stop, caught):
+        try:
+            return agent.run()
+        except Interrupted:
+            stopped = len(agent.supervisor.tasks)
+            console.final(f"distsgd agent: interrupted; stopped {stopped} tasks")
+            return EXIT_TERMINATED if caught[:1] == [signal.SIGTERM] else EXIT_INTERRUPTED
+        except RunFailed as exc:
+            console.error(f"distsgd agent: error: {exc}")
+            return EXIT_FAILED

@@ -19,7 +19,7 @@ from distsgd.control.config import TrainConfig, lr_multiplier
 from distsgd.control.faults import Fault
 from distsgd.control.folder import RESULT_FILE, new_run_folder, runs_root
 from distsgd.control.rollback import MAX_ROLLBACKS
-from distsgd.control.spec import RunSpec, check_worker_bounds
+from distsgd.control.spec import RunSpec, WorkerBounds, check_worker_bounds
 from distsgd.launcher.emulated import check_hosts
 from distsgd.launcher.engines import engine_for
 from distsgd.transport.security import TlsConfig
@@ -42,7 +42,7 @@ PLACEMENTS = ("spread", "pack")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ClusterSize:
+class ClusterSize(WorkerBounds):
     """How many tasks a run has: its workers (fixed, or elastic between two bounds) and
     parameter servers, and how long a silent worker stays a member."""
 
@@ -84,21 +84,6 @@ class ClusterSize:
             )
         if self.ps is not None and self.ps < 0:
             raise ValueError(f"--ps must be 0 or more, got {self.ps}")
-
-    @property
-    def lowest_workers(self) -> int:
-        """``min_workers``, or ``workers`` when not given."""
-        return self.min_workers or self.workers
-
-    @property
-    def highest_workers(self) -> int:
-        """``max_workers``, or ``workers`` when not given."""
-        return self.max_workers or self.workers
-
-    @property
-    def elastic(self) -> bool:
-        """Whether the run may change size while it runs (``distsgd elastic scale``)."""
-        return self.lowest_workers != self.highest_workers
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,14 +16,13 @@ Torch-free.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from pathlib import Path
 
 from distsgd.launcher.control import ControlServer
 from distsgd.transport.security import TRUSTED_NETWORK_ENV, is_loopback, trusted_network
 from distsgd.util import private_dir, write_atomic
-from distsgd.util.signals import setter
+from distsgd.util.signals import stopping
 
 __all__ = ["serve_control", "split_host_port"]
 
@@ -49,25 +48,23 @@ def serve_control(
     """Serve the run control of ``run_dir`` on ``address`` (port 0: any; the bound address goes
     to ``address_file``), requiring ``secret``, until SIGINT/SIGTERM or ``stop``."""
     stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, setter(stop))
-    host, port = split_host_port(address)
-    private_dir(run_dir)
-    server = ControlServer(run_dir, host=host, port=port, secret=secret)
-    try:
-        log.info("run control on %s for %s (run secret required)", server.address, run_dir)
-        if not is_loopback(host) and not trusted_network():
-            log.warning(
-                "run control listening on non-loopback %s without TLS: the run secret and the "
-                "run folder's files cross the network in plaintext; listen on a network meant "
-                "for this run only (%s=1 says it is)",
-                server.address,
-                TRUSTED_NETWORK_ENV,
-            )
-        if address_file is not None:
-            write_atomic(address_file, server.address + "\n")
-        stop.wait()
-        log.info("run control stopping (%d bytes written for tasks)", server.service.written)
-    finally:
-        server.close()
+    with stopping(stop):
+        host, port = split_host_port(address)
+        private_dir(run_dir)
+        server = ControlServer(run_dir, host=host, port=port, secret=secret)
+        try:
+            log.info("run control on %s for %s (run secret required)", server.address, run_dir)
+            if not is_loopback(host) and not trusted_network():
+                log.warning(
+                    "run control listening on non-loopback %s without TLS: the run secret and the "
+                    "run folder's files cross the network in plaintext; listen on a network meant "
+                    "for this run only (%s=1 says it is)",
+                    server.address,
+                    TRUSTED_NETWORK_ENV,
+                )
+            if address_file is not None:
+                write_atomic(address_file, server.address + "\n")
+            stop.wait()
+            log.info("run control stopping (%d bytes written for tasks)", server.service.written)
+        finally:
+            server.close()

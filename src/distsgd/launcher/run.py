@@ -18,7 +18,6 @@ import shutil
 import signal
 import threading
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,7 @@ from distsgd.launcher.tasks import write_tasks as _write_tasks
 from distsgd.launcher.waits import Reminder
 from distsgd.transport import shm
 from distsgd.util import private_dir, write_atomic
-from distsgd.util.signals import setter
+from distsgd.util.signals import stopping
 
 log = logging.getLogger(__name__)
 
@@ -136,46 +135,40 @@ def launch(config: LaunchConfig, console: Console | None = None) -> RunOutcome:
             console.close()
         raise
     supervisor = local.state.supervisor
-    previous: dict[signal.Signals, Any] = {}
     caught: list[int] = []  # the signals that stopped the run, first first
-
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, setter(stop, before=partial(caught.append, sig)))
     launcher_file = run_dir / LAUNCHER_FILE
-    try:
-        write_atomic(launcher_file, f"{os.getpid()}\n")  # distsgd elastic scale checks it runs
-        return _run(local)
-    except Interrupted:
-        saved = "" if local.saved_step is None else f" (saved at step {local.saved_step})"
-        console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks{saved}")
-        finished = (run_dir / RESULT_FILE).exists()  # --resume refuses a finished run
-        if not finished and latest_checkpoint(local.state.ckpt_root)[0] is not None:
-            console.final(f"distsgd: continue it with: distsgd run --resume {run_dir}")
-        return interrupted_outcome(run_dir, caught)
-    except RunFailed as exc:
-        console.error(f"distsgd: error: {exc}")
-        return RunOutcome(
-            status=exc.status, run_dir=run_dir, reason=exc.reason, log_tail=exc.log_tail
-        )
-    except RunDiverged as exc:
-        console.error(_divergence_line(exc, schemes.get(config.scheme)))
-        result_path = run_dir / RESULT_FILE
-        return RunOutcome(
-            status=RunStatus.STALLED if exc.stalled else RunStatus.DIVERGED,
-            run_dir=run_dir,
-            reason=str(exc),
-            result_path=result_path if result_path.exists() else None,
-            result=_read_result(result_path),
-        )
-    finally:
-        launcher_file.unlink(missing_ok=True)
-        local.tear_down()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _write_tasks(run_dir, supervisor)
-        if keep:
-            console.close()
+    with stopping(stop, caught):
+        try:
+            write_atomic(launcher_file, f"{os.getpid()}\n")  # distsgd elastic scale checks it runs
+            return _run(local)
+        except Interrupted:
+            saved = "" if local.saved_step is None else f" (saved at step {local.saved_step})"
+            console.final(f"distsgd: interrupted; stopping {len(supervisor.tasks)} tasks{saved}")
+            finished = (run_dir / RESULT_FILE).exists()  # --resume refuses a finished run
+            if not finished and latest_checkpoint(local.state.ckpt_root)[0] is not None:
+                console.final(f"distsgd: continue it with: distsgd run --resume {run_dir}")
+            return interrupted_outcome(run_dir, caught)
+        except RunFailed as exc:
+            console.error(f"distsgd: error: {exc}")
+            return RunOutcome(
+                status=exc.status, run_dir=run_dir, reason=exc.reason, log_tail=exc.log_tail
+            )
+        except RunDiverged as exc:
+            console.error(_divergence_line(exc, schemes.get(config.scheme)))
+            result_path = run_dir / RESULT_FILE
+            return RunOutcome(
+                status=RunStatus.STALLED if exc.stalled else RunStatus.DIVERGED,
+                run_dir=run_dir,
+                reason=str(exc),
+                result_path=result_path if result_path.exists() else None,
+                result=_read_result(result_path),
+            )
+        finally:
+            launcher_file.unlink(missing_ok=True)
+            local.tear_down()
+            _write_tasks(run_dir, supervisor)
+            if keep:
+                console.close()
 
 
 def _run(local: LocalRun) -> RunOutcome:

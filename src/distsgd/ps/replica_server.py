@@ -15,7 +15,6 @@ import logging
 import os
 import secrets
 import select
-import signal
 import socket
 import threading
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from distsgd.ps.replica import (
 from distsgd.ps.wal_files import log_path, make_private_dir, remove_before
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.util import write_atomic
-from distsgd.util.signals import setter
+from distsgd.util.signals import stopping
 
 log = logging.getLogger(__name__)
 
@@ -266,19 +265,17 @@ def serve_replica(
     bound address goes to ``address_file`` and to ``announce``, the launcher's run control),
     until SIGINT/SIGTERM or ``stop``."""
     stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, setter(stop))
-    host, port = split_address(address)
-    server = ReplicaServer(
-        folder, host=host, port=port, run_id=run_id, shard=shard, secret=secret
-    ).start()
-    try:
-        log.info("replica of shard %d listening on %s (%s)", shard, server.address, folder)
-        if address_file is not None:
-            write_atomic(address_file, server.address + "\n")
-        if announce is not None:
-            announce(server.address)
-        stop.wait()
-    finally:
-        server.close()
+    with stopping(stop):
+        host, port = split_address(address)
+        server = ReplicaServer(
+            folder, host=host, port=port, run_id=run_id, shard=shard, secret=secret
+        ).start()
+        try:
+            log.info("replica of shard %d listening on %s (%s)", shard, server.address, folder)
+            if address_file is not None:
+                write_atomic(address_file, server.address + "\n")
+            if announce is not None:
+                announce(server.address)
+            stop.wait()
+        finally:
+            server.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import signal
 import socket
 import threading
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from distsgd.transport.security import (
     trusted_network,
 )
 from distsgd.util import write_atomic
-from distsgd.util.signals import setter
+from distsgd.util.signals import stopping
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -199,29 +198,27 @@ def serve(
     signal).
     """
     stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, setter(stop))
-    server, bound, service = start_server(
-        address=address, shard_index=shard_index, rule_factory=rule_factory, **args
-    )
-    secret, tls = args.get("secret"), args.get("tls")
-    try:
-        log.info(
-            "parameter server ps%d listening on %s (%s, %s)",
-            shard_index,
-            bound,
-            "run secret required" if secret is not None else "no run secret",
-            "mutual TLS" if tls is not None else "plaintext",
+    with stopping(stop):
+        server, bound, service = start_server(
+            address=address, shard_index=shard_index, rule_factory=rule_factory, **args
         )
-        warning = exposure_warning(bound, secret=secret, tls=tls)
-        if warning is not None and not (secret and trusted_network()):
-            log.warning("%s", warning)
-        if address_file is not None:
-            write_atomic(address_file, bound + "\n")
-        if announce is not None:
-            announce(bound)
-        stop.wait()
-        log.info("parameter server ps%d stopping", shard_index)
-    finally:
-        stop_server(server, service)
+        secret, tls = args.get("secret"), args.get("tls")
+        try:
+            log.info(
+                "parameter server ps%d listening on %s (%s, %s)",
+                shard_index,
+                bound,
+                "run secret required" if secret is not None else "no run secret",
+                "mutual TLS" if tls is not None else "plaintext",
+            )
+            warning = exposure_warning(bound, secret=secret, tls=tls)
+            if warning is not None and not (secret and trusted_network()):
+                log.warning("%s", warning)
+            if address_file is not None:
+                write_atomic(address_file, bound + "\n")
+            if announce is not None:
+                announce(bound)
+            stop.wait()
+            log.info("parameter server ps%d stopping", shard_index)
+        finally:
+            stop_server(server, service)
