@@ -323,6 +323,7 @@ RUN_FLAGS = (
     "--max-rollbacks",
     "--max-workers",
     "--merge",
+    "--metrics-address",
     "--min-workers",
     "--momentum",
     "--nesterov-period",

@@ -60,6 +60,7 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
             hosts=args.hosts,
             links=tuple(args.link),
             placement=args.placement,
+            metrics_address=args.metrics_address,
         ),
     }
     bounds: dict[str, Any] = {

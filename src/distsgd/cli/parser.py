@@ -26,6 +26,7 @@ from distsgd.launcher.config import (
     DEFAULT_MAX_RESTARTS,
     FORK_SERVER_DEFAULT,
 )
+from distsgd.launcher.metrics_endpoint import DEFAULT_ADDRESS as DEFAULT_METRICS_ADDRESS
 
 DESCRIPTION = (
     "The ``distsgd`` command: run, demo, compare, plan, server, worker, agent, elastic, "
@@ -159,6 +160,18 @@ def _add_host_flags(parser: argparse.ArgumentParser) -> None:
         "ps1->host1, worker0->host2, ...); pack: contiguous blocks; default spread. With "
         "--ray, over the Ray cluster's nodes: spread puts each server on a node of its own "
         "where there are enough and spreads the workers; pack puts every task on one node",
+    )
+
+
+def _add_metrics_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-address",
+        default=DEFAULT_METRICS_ADDRESS,
+        metavar="HOST:PORT|off",
+        help="where the launcher serves GET /metrics for Prometheus (an IP address or "
+        "localhost; port 0: a free one, written to RUN_DIR/metrics.address; a non-loopback "
+        "address is reachable by anyone who can reach this machine); off: none; default "
+        f"{DEFAULT_METRICS_ADDRESS}",
     )
 
 
@@ -316,6 +329,7 @@ def _add_run(sub: Any) -> None:
     run = sub.add_parser("run", help="train a script on a local cluster of N workers and M ps")
     add_launch_flags(run)
     _add_host_flags(run)
+    _add_metrics_flag(run)
     run.add_argument(
         "--resume",
         type=Path,
@@ -340,6 +354,7 @@ def _add_demo(sub: Any) -> None:
     )
     add_launch_flags(demo)
     _add_host_flags(demo)
+    _add_metrics_flag(demo)
 
 
 def _add_inspect(sub: Any) -> None:

@@ -22,6 +22,9 @@ from distsgd.control.rollback import MAX_ROLLBACKS
 from distsgd.control.spec import RunSpec, WorkerBounds, check_worker_bounds
 from distsgd.launcher.emulated import check_hosts
 from distsgd.launcher.engines import engine_for
+from distsgd.launcher.metrics_endpoint import DEFAULT_ADDRESS as DEFAULT_METRICS_ADDRESS
+from distsgd.launcher.metrics_endpoint import OFF as METRICS_OFF
+from distsgd.launcher.metrics_endpoint import parse_address
 from distsgd.transport.security import TlsConfig
 
 DEMO_SCRIPT = Path(__file__).resolve().parents[1] / "demo" / "digits.py"
@@ -195,6 +198,15 @@ class Hosting:
         },
     )
 
+    metrics_address: str = field(
+        default=DEFAULT_METRICS_ADDRESS,
+        metadata={
+            "help": "where the launcher serves GET /metrics in Prometheus's text format "
+            "(HOST:PORT, an IP address or localhost; port 0: a free one; the address it got is "
+            "written to RUN_DIR/metrics.address), or 'off'; default loopback, a free port"
+        },
+    )
+
     def __post_init__(self) -> None:
         """The checks that need no other record (the task count, the engine and the
         certificate's names are :class:`LaunchConfig`'s)."""
@@ -209,6 +221,8 @@ class Hosting:
             )
         if self.threads < 0:
             raise ValueError(f"--threads must be 0 or more, got {self.threads}")
+        if self.metrics_address != METRICS_OFF:
+            parse_address(self.metrics_address)  # ValueError naming the fix
 
 
 @dataclass(frozen=True, kw_only=True)

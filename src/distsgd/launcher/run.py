@@ -35,6 +35,7 @@ from distsgd.launcher.emulated import Hosts, NoHosts, start_hosts
 from distsgd.launcher.engines import engine_for
 from distsgd.launcher.errors import Interrupted, RunDiverged, RunFailed
 from distsgd.launcher.fault_driver import FaultDriver
+from distsgd.launcher.metrics_endpoint import start_endpoint
 from distsgd.launcher.progress import Console
 from distsgd.launcher.replicas import is_replica
 from distsgd.launcher.restart import PlanExecutor, RunStore
@@ -248,6 +249,7 @@ class LocalRun:
         self.executor = PlanExecutor(state, self.starter, self.watch, self.store)
         self.scaler = Scaler(state, self.starter, self.executor, self.store)
         self.faults = FaultDriver(state, self.watch, self.hosts, faults)
+        self.metrics = start_endpoint(run_dir, config.hosting.metrics_address, console.note)
         self.saved_step: int | None = None
         """The step of the checkpoint the workers saved when the run was stopped (None:
         none; a resume goes back to the last periodic checkpoint)."""
@@ -257,6 +259,8 @@ class LocalRun:
         emulated hosts; remove what only this launch reads."""
         state = self.state
         state.supervisor.close()
+        if self.metrics is not None:  # the metrics endpoint (GET /metrics)
+            self.metrics.close()
         self.starter.close_control()
         self.hosts.close(state.progress.step)  # heal, count, take down (and their disks)
         shutil.rmtree(state.wal_root, ignore_errors=True)  # only a restart in this launch reads it
