@@ -40,6 +40,9 @@ class PhaseClock:
         self._owner = threading.get_ident()
         self._loop_started: float | None = None
         self._loop_seconds = 0.0
+        self.doing: tuple[str, float] | None = None
+        """The phase the loop's thread is in now and since when (``time.monotonic()``); None
+        between exchanges (computing). Read by ``distsgd doctor``, never by the loop."""
 
     def add(self, phase: str, seconds: float) -> None:
         """Count ``seconds`` (clamped at 0) to ``phase``."""
@@ -53,9 +56,24 @@ class PhaseClock:
         """Time the block into ``phase``."""
         started = time.perf_counter()
         try:
-            yield
+            with self.within(phase):
+                yield
         finally:
             self.add(phase, time.perf_counter() - started)
+
+    @contextmanager
+    def within(self, phase: str) -> Iterator[None]:
+        """Within: the loop's thread is in ``phase`` (:attr:`doing`; other threads: no
+        change). Two attribute writes: nothing is timed or logged here."""
+        if threading.get_ident() != self._owner:
+            yield
+            return
+        before = self.doing
+        self.doing = (phase, time.monotonic())
+        try:
+            yield
+        finally:
+            self.doing = before
 
     def start_loop(self) -> None:
         """The training loop starts now: compute is counted from here."""

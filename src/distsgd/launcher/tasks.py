@@ -36,6 +36,8 @@ from distsgd.launcher.waits import said_while_slow
 from distsgd.transport.security import SECRET_ENV, SECRET_FILE_ENV
 from distsgd.util import write_atomic
 from distsgd.util.atomic import private_dir as make_private_dir
+from distsgd.util.probe import DIR_ENV as DOCTOR_DIR_ENV
+from distsgd.util.probe import FOLDER as DOCTOR_FOLDER
 from distsgd.util.proctitle import TITLE_ENV, task_title
 
 log = logging.getLogger(__name__)
@@ -94,11 +96,13 @@ def wait_for_address(task: TaskHandle, path: Path, timeout: float) -> str:
     raise RunFailed(f"{task.name} did not report its address within {timeout:.0f}s")
 
 
-def task_envs(secret_file: Path, threads: int) -> tuple[dict[str, str], dict[str, str]]:
-    """The environments of a run's workers and of its servers (and replicas)."""
+def task_envs(run_dir: Path, threads: int) -> tuple[dict[str, str], dict[str, str]]:
+    """The environments of a run's workers and of its servers (and replicas): the run
+    secret's file, and the folder of the doctor's pointers (:mod:`distsgd.util.probe`)."""
     env = {k: v for k, v in os.environ.items() if k not in (ENV_VAR, SECRET_ENV)}
     env.update({PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
-    env[SECRET_FILE_ENV] = str(secret_file.resolve())
+    env[SECRET_FILE_ENV] = str((run_dir / "secret").resolve())
+    env[DOCTOR_DIR_ENV] = str((run_dir / DOCTOR_FOLDER).resolve())
     # parameter servers stay on CPU (and import no torch)
     return {**env, **thread_env(threads)}, {**env, **thread_env(1), "CUDA_VISIBLE_DEVICES": ""}
 

@@ -4,9 +4,12 @@ calls (:mod:`distsgd.ps.shared_plane`) reuse its checks, its wait and its apply.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -37,21 +40,49 @@ class DataPlane:
         self.holder = holder
         self.chunk_bytes = chunk_bytes
         self.max_waiting_pulls = max_waiting_pulls
-        self._waiting = 0
+        self._waiting: dict[int, tuple[int, int, float]] = {}
+        """Each waiting Pull's (worker, version it waits for, ``time.monotonic()`` it began)."""
         self._waiting_lock = threading.Lock()
+        self._serving: dict[int, tuple[str, int, float]] = {}
+        """Each Pull and Push being answered: (method, worker, ``time.monotonic()`` begun)."""
+        self._keys = itertools.count()
 
     @property
     def waiting_pulls(self) -> int:
         """How many Pulls are waiting for a version now."""
-        return self._waiting
+        return len(self._waiting)
 
-    def _start_waiting(self) -> bool:
-        """Take one of the ``max_waiting_pulls`` places; False when all are taken."""
+    def waiters(self) -> list[dict[str, Any]]:
+        """The Pulls waiting now, longest first (what ``distsgd doctor`` reads)."""
+        now = time.monotonic()
+        waiting = sorted(list(self._waiting.values()), key=lambda w: w[2])
+        return [{"worker": w, "for_version": v, "age_s": round(now - t, 3)} for w, v, t in waiting]
+
+    def serving(self) -> list[dict[str, Any]]:
+        """The Pulls and Pushes this server is answering now, by worker (what ``distsgd
+        doctor`` reads: a call a worker has in flight that its server does not list never
+        reached it)."""
+        now = time.monotonic()
+        calls = sorted(list(self._serving.values()), key=lambda c: c[2])
+        return [{"method": m, "worker": w, "age_s": round(now - t, 3)} for m, w, t in calls]
+
+    @contextlib.contextmanager
+    def _served(self, method: str, worker: int) -> Iterator[None]:
+        key = next(self._keys)
+        self._serving[key] = (method, worker, time.monotonic())
+        try:
+            yield
+        finally:
+            del self._serving[key]
+
+    def _start_waiting(self, worker: int, version: int) -> int | None:
+        """Take one of the ``max_waiting_pulls`` places (its key); None when all are taken."""
         with self._waiting_lock:
-            if self._waiting >= self.max_waiting_pulls:
-                return False
-            self._waiting += 1
-            return True
+            if len(self._waiting) >= self.max_waiting_pulls:
+                return None
+            key = next(self._keys)
+            self._waiting[key] = (worker, version, time.monotonic())
+            return key
 
     def check_pull(
         self, request: pb.PullRequest, context: grpc.ServicerContext
@@ -76,7 +107,8 @@ class DataPlane:
         if restarted or shard.version >= request.min_version:
             shard.see(request.header.worker, request.header.incarnation)
             return 0.0
-        if not self._start_waiting():
+        key = self._start_waiting(request.header.worker, request.min_version)
+        if key is None:
             abort(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -90,7 +122,7 @@ class DataPlane:
             reached = shard.wait_for(request.min_version, wait)
         finally:
             with self._waiting_lock:
-                self._waiting -= 1
+                del self._waiting[key]
             waited = time.monotonic() - began
         holder.unless_closing(context)
         if not reached:
@@ -106,36 +138,38 @@ class DataPlane:
     def Pull(
         self, request: pb.PullRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.PullResponse]:
-        shard, wait = self.check_pull(request, context)
-        encoding = checks.pull_encoding(request.encoding, context)
-        keys = checks.pull_keys(request.keys, context)
-        waited = self.await_version(shard, wait, request, context)
-        # A locked rule's values are copied under its lock (one version); an unlocked rule's
-        # are streamed as they are, each chunk copied (or encoded) as it goes, as its readers
-        # expect.
-        version, values = shard.snapshot(keys) if shard.rule.locked else shard.live(keys)
-        specs, arrays = encode_pull(values, encoding)
-        shard.load.pulled({spec.key: a.nbytes for spec, a in zip(specs, arrays, strict=True)})
-        header = pb.PullHeader(
-            version=version,
-            tensors=specs,
-            server_incarnation=self.holder.incarnation,
-            waited_seconds=waited,
-        )
-        yield from header_then_chunks(pb.PullResponse, header, arrays, self.chunk_bytes)
+        with self._served("Pull", request.header.worker):
+            shard, wait = self.check_pull(request, context)
+            encoding = checks.pull_encoding(request.encoding, context)
+            keys = checks.pull_keys(request.keys, context)
+            waited = self.await_version(shard, wait, request, context)
+            # A locked rule's values are copied under its lock (one version); an unlocked rule's
+            # are streamed as they are, each chunk copied (or encoded) as it goes, as its readers
+            # expect.
+            version, values = shard.snapshot(keys) if shard.rule.locked else shard.live(keys)
+            specs, arrays = encode_pull(values, encoding)
+            shard.load.pulled({spec.key: a.nbytes for spec, a in zip(specs, arrays, strict=True)})
+            header = pb.PullHeader(
+                version=version,
+                tensors=specs,
+                server_incarnation=self.holder.incarnation,
+                waited_seconds=waited,
+            )
+            yield from header_then_chunks(pb.PullResponse, header, arrays, self.chunk_bytes)
 
     @guarded
     def Push(
         self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext
     ) -> pb.PushResponse:
         head = self.holder.stream_head(request_iterator, context)
-        shard = self.holder.registered(context)
-        lr_scale = checks.lr_scale(head.lr_scale, context)
-        checks.push_sequence(head.sequence, context)
-        checks.check_push_specs(shard, head.tensors, context)
-        payload = checks.assemble(head.tensors, request_iterator, context, push_nbytes)
-        payload = checks.decode(head.tensors, payload, context)
-        return apply_push(shard, head, lr_scale, payload)
+        with self._served("Push", head.header.worker):
+            shard = self.holder.registered(context)
+            lr_scale = checks.lr_scale(head.lr_scale, context)
+            checks.push_sequence(head.sequence, context)
+            checks.check_push_specs(shard, head.tensors, context)
+            payload = checks.assemble(head.tensors, request_iterator, context, push_nbytes)
+            payload = checks.decode(head.tensors, payload, context)
+            return apply_push(shard, head, lr_scale, payload)
 
 
 def apply_push(

@@ -337,6 +337,11 @@ class UpdateRule(ABC):
         """Called about twice a second under the shard's lock (timeouts, e.g. a dead worker),
         and by a pull waiting for a version once :meth:`deadline_at` has passed."""
 
+    def waiting_for(self, shard: Shard) -> dict[str, Any]:
+        """(``distsgd doctor``) what the rule holds back until workers push, e.g. a
+        synchronous step open for those missing; {} for a rule that never waits."""
+        return {}
+
     def deadline_at(self) -> float | None:
         """The ``time.monotonic()`` at which the rule wants :meth:`tick` sooner than the
         ticker's half second (a synchronous round's learned deadline); None: no such time."""

@@ -34,6 +34,7 @@ from distsgd.transport.security import (
     trusted_network,
 )
 from distsgd.util import write_atomic
+from distsgd.util.probe import start_probe
 from distsgd.util.signals import stopping
 
 if TYPE_CHECKING:
@@ -203,6 +204,9 @@ def serve(
             address=address, shard_index=shard_index, rule_factory=rule_factory, **args
         )
         secret, tls = args.get("secret"), args.get("tls")
+        probe = start_probe(f"ps{shard_index}")  # distsgd doctor's way in ($DISTSGD_DOCTOR_DIR)
+        if probe is not None:
+            probe.add("server", lambda: {"address": bound, **service.diagnose()})
         try:
             log.info(
                 "parameter server ps%d listening on %s (%s, %s)",
@@ -221,4 +225,6 @@ def serve(
             stop.wait()
             log.info("parameter server ps%d stopping", shard_index)
         finally:
+            if probe is not None:
+                probe.close()
             stop_server(server, service)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 from distsgd.ps.data_plane import DataPlane
 from distsgd.ps.member_plane import MembershipPlane, WorkPlane
@@ -161,6 +162,25 @@ class ParameterService(pb_grpc.ParameterServerServicer):
     @tls.setter
     def tls(self, value: bool) -> None:
         self.shared.tls = value
+
+    def diagnose(self) -> dict[str, Any]:
+        """What ``distsgd doctor`` reads of this server: its version, the Pulls waiting for a
+        later one (whose workers wait on it) and what its rule waits for (a synchronous step
+        open for the workers that have not pushed)."""
+        shard = self.holder.shard
+        if shard is None:
+            return {"shard": self.shard_index, "registered": False}
+        return {
+            "shard": self.shard_index,
+            "registered": True,
+            "version": shard.version,
+            "members": sorted(shard.membership.members),
+            "finished": sorted(shard.finished),
+            "waiting_pulls": self.data.waiters(),
+            "serving": self.data.serving(),
+            "rule": type(shard.rule).__name__,
+            "waits_for": shard.rule.waiting_for(shard),
+        }
 
     def close(self) -> None:
         """Stop the background ticker and wake every waiting Pull (they answer UNAVAILABLE)."""

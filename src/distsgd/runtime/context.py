@@ -259,7 +259,8 @@ class WorkerContext:
         if self.faults is not None:
             self.faults.wait_partition()  # a partitioned worker's pulls retry until it heals
         began = time.perf_counter()
-        version, arrays = self.ps.pull(**pull)
+        with self.clock.within("pull"):
+            version, arrays = self.ps.pull(**pull)
         waited = self.ps.last_waited
         self.clock.add("wait", waited)
         self.clock.add("pull", time.perf_counter() - began - waited)

@@ -65,6 +65,8 @@ from distsgd.runtime.setup import UNBOUNDED, checkpointer, open_worker, stop_on,
 from distsgd.runtime.step_log import StepLog
 from distsgd.runtime.stream import Batches  # streaming
 from distsgd.runtime.work import LeasedBatches
+from distsgd.transport.inflight import CALLS
+from distsgd.util.probe import FOLDER, Probe, start_probe
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +169,8 @@ class WorkerSession:
         self._forwards = self._forwards_at_begin = 0  # through self.module: all / at begin
         self._opened = self._finished = False
         self._log = StepLog(self.metrics, alone=env.standalone_run)
+        self._stepped = time.monotonic()  # when its last step ended (distsgd doctor reads it)
+        self._probe: Probe | None = None
 
     # -- start ----------------------------------------------------------------------------------
     @property
@@ -195,6 +199,10 @@ class WorkerSession:
             self._open()
 
     def _open(self) -> None:
+        local = self.run_dir if isinstance(self.files, LocalFiles) else None
+        self._probe = start_probe(self.name, None if local is None else local / FOLDER)
+        if self._probe is not None:
+            self._probe.add("worker", self._doctor_state)
         env = self.env = self.env.with_ps_addresses(self.env.startup_timeout, files=self.files)
         if self.dynamic and self.stop is not None:
             self._restores.append(stop_on_sigterm(self.stop))
@@ -311,7 +319,8 @@ class WorkerSession:
         source = iter(self._batches)
         while not self.done:
             self._prepare()
-            raw = next(source, None)
+            with self._ctx.clock.within("data"):
+                raw = next(source, None)
             if raw is None:  # leased: the queue has no more work for this worker
                 self._prepared = False
                 return
@@ -377,6 +386,7 @@ class WorkerSession:
         ctx.push_step = ctx.local_step + 1  # its push holds this step's update
         self._update()
         ctx.local_step += 1
+        self._stepped = time.monotonic()
         self.samples += config.batch_size if samples is None else int(samples)
         self._conn.after_step(ctx)
         if ctx.local_step % config.log_every == 0 or ctx.local_step == self.steps:
@@ -501,8 +511,28 @@ class WorkerSession:
         if isinstance(exc, Diverged):
             self.metrics.log(event="diverged", reason=str(exc), good_until=exc.good_until)
 
+    def _doctor_state(self) -> dict[str, Any]:
+        """What ``distsgd doctor`` reads of this worker (:mod:`distsgd.util.probe`)."""
+        ctx = getattr(self, "_ctx", None)
+        doing = None if ctx is None else ctx.clock.doing
+        now = time.monotonic()
+        return {
+            "scheme": self.env.scheme,
+            "opened": ctx is not None,
+            "step": None if ctx is None else ctx.local_step,
+            "steps": self.steps,
+            "since_step_s": round(now - self._stepped, 3),
+            "phase": ("opening" if ctx is None else "compute") if doing is None else doing[0],
+            "phase_s": None if doing is None else round(now - doing[1], 3),
+            "collective": self._conn.collective is not None,
+            "servers": list(self.env.cluster.get("ps", [])),
+            "calls": CALLS.snapshot(),
+        }
+
     def close(self) -> None:
         """Always, after finish or a failure: signal handler, heartbeat, sockets, files."""
+        if self._probe is not None:
+            self._probe.close()
         while self._restores:
             restore = self._restores.pop()
             if restore is not None:

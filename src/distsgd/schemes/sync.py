@@ -201,6 +201,17 @@ class SyncServer(UpdateRule):
         if self.dynamic:
             self._maybe_close(shard)
 
+    def waiting_for(self, shard: Shard) -> dict[str, Any]:
+        """The step open on this shard: who pushed for it, who it still waits for (the members,
+        or every registered worker, less those that pushed or finished)."""
+        everyone = shard.membership.members if self.dynamic else range(self.num_workers)
+        return {
+            "step": shard.version,
+            "open_s": round(time.monotonic() - self.opened, 3) if self.contributors else None,
+            "pushed": sorted(self.contributors),
+            "missing": sorted(set(everyone) - self.contributors - shard.finished),
+        }
+
     def deadline_at(self) -> float | None:
         """When the open step closes without the workers still missing (None: none open)."""
         return self.opened + self.deadline.allowed() if self.contributors else None

@@ -37,6 +37,7 @@ from distsgd.transport.errors import (
     RemoteError,
     remote_error,
 )
+from distsgd.transport.inflight import CALLS, Call
 from distsgd.transport.link import Link, PullDecoding
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.proto import distsgd_pb2_grpc as pb_grpc
@@ -171,10 +172,20 @@ class ShardClient:
 
     # -- plumbing -------------------------------------------------------------------------------
     def _call(
-        self, method: str, fn: Callable[[], T], *, retry: bool = True, delayed: bool = False
+        self,
+        method: str,
+        fn: Callable[[], T],
+        *,
+        retry: bool = True,
+        delayed: bool = False,
+        call: Call | None = None,
     ) -> T:
         """``fn()``, retried while its error is retryable; after the link's delay unless
-        ``delayed`` (the caller waited it)."""
+        ``delayed`` (the caller waited it). In flight (:mod:`~distsgd.transport.inflight`) as
+        ``call`` where the caller tracks it already, else as a call of its own."""
+        if call is None:
+            with CALLS.track(self.address, method) as call:
+                return self._call(method, fn, retry=retry, delayed=delayed, call=call)
         if not delayed:
             self._wait_link()
         give_up = time.monotonic() + self.retry_seconds
@@ -186,6 +197,7 @@ class ShardClient:
                 err = remote_error(self.address, method, exc)
                 if not (retry and err.retryable) or time.monotonic() + delay > give_up:
                     raise err from None
+                call.retried(err.code.name)
                 log.debug("%s; retrying in %.2fs", err, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, MAX_RETRY_DELAY)
@@ -264,19 +276,23 @@ class ShardClient:
         if math.isnan(wait) or wait < 0:
             raise ValueError(f"wait_seconds must be 0 or more, got {wait}")
         wait = min(wait, MAX_WAIT_SECONDS)
-        self._wait_link()
-        attached = None if keys else self._attacher.carrier()
-        if attached is not None:
-            try:
-                pulled = self._pull_by(attached, min_version, wait)
-            except CarrierFailed as failed:  # abandoned; the stream then (or its error raised)
-                self._attacher.abandon(failed)
-            else:
-                self._attacher.succeeded()
-                return pulled
-        return self._call(
-            "Pull", lambda: self._pull_by(self._stream, min_version, wait, keys), delayed=True
-        )
+        with CALLS.track(self.address, "Pull") as call:
+            self._wait_link()
+            attached = None if keys else self._attacher.carrier()
+            if attached is not None:
+                try:
+                    pulled = self._pull_by(attached, min_version, wait)
+                except CarrierFailed as failed:  # abandoned; the stream then (or its error)
+                    self._attacher.abandon(failed)
+                else:
+                    self._attacher.succeeded()
+                    return pulled
+            return self._call(
+                "Pull",
+                lambda: self._pull_by(self._stream, min_version, wait, keys),
+                delayed=True,
+                call=call,
+            )
 
     def _pull_by(
         self, carrier: Carrier, min_version: int, wait: float, keys: Sequence[str] = ()
@@ -322,22 +338,24 @@ class ShardClient:
         payload = tensors if isinstance(tensors, Payload) else Payload.raw(tensors)
         give_up = time.monotonic() + self.retry_seconds
         delay = 0.05
-        while True:
-            try:
-                return self._push_once(payload, base_version, lr_scale, sequence)
-            except RemoteError as err:
-                if not (sequence and err.retryable) or time.monotonic() + delay > give_up:
-                    raise
-                (log.warning if delay == 0.05 else log.debug)(
-                    "%s; sending the push (sequence %d) again until the server answers",
-                    err,
-                    sequence,
-                )
-                time.sleep(delay)
-                delay = min(delay * 2, MAX_RETRY_DELAY)
+        with CALLS.track(self.address, "Push") as call:
+            while True:
+                try:
+                    return self._push_once(payload, base_version, lr_scale, sequence, call)
+                except RemoteError as err:
+                    if not (sequence and err.retryable) or time.monotonic() + delay > give_up:
+                        raise
+                    call.retried(err.code.name)
+                    (log.warning if delay == 0.05 else log.debug)(
+                        "%s; sending the push (sequence %d) again until the server answers",
+                        err,
+                        sequence,
+                    )
+                    time.sleep(delay)
+                    delay = min(delay * 2, MAX_RETRY_DELAY)
 
     def _push_once(
-        self, payload: Payload, base_version: int, lr_scale: float, sequence: int
+        self, payload: Payload, base_version: int, lr_scale: float, sequence: int, call: Call
     ) -> PushResult:
         self._wait_link()
         attached = self._attacher.carrier()
@@ -347,12 +365,12 @@ class ShardClient:
                 reply = attached.push(header, payload)
             except CarrierFailed as failed:  # abandoned; sent again (or its error raised)
                 self._attacher.abandon(failed)
-                return self._push_once(payload, base_version, lr_scale, sequence)
+                return self._push_once(payload, base_version, lr_scale, sequence, call)
             self._attacher.succeeded()
             return _push_result(reply)
         header = self._push_header(self._stream, payload, base_version, lr_scale, sequence)
         reply = self._call(
-            "Push", lambda: self._stream.push(header, payload), retry=False, delayed=True
+            "Push", lambda: self._stream.push(header, payload), retry=False, delayed=True, call=call
         )
         return _push_result(reply)
 
