@@ -282,7 +282,7 @@ def test_a_refused_or_unreachable_server_is_an_error_not_a_bug(
         raise RemoteError("127.0.0.1:9", "Register", grpc.StatusCode[code], message)
 
     monkeypatch.setattr(cli_main, "_dispatch", fails)
-    assert cli_main.main(["inspect", "run"]) == 1
+    assert cli_main.main(["doctor", "run"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("distsgd: error: Register on parameter server 127.0.0.1:9 failed")
     assert says in err and "a bug" not in err and err.count("\n") == 1
@@ -296,6 +296,7 @@ RUN_FLAGS = (
     "--checkpoint-every",
     "--delta",
     "--device",
+    "--doctor-after",
     "--dylu",
     "--dynamic-graph",
     "--epochs",
@@ -381,7 +382,7 @@ COMMANDS = (
     "worker",
     "agent",
     "elastic",
-    "inspect",
+    "doctor",
     "k8s",
 )
 """Every subcommand of ``distsgd``, in its --help's order: at most 10, and one added or removed

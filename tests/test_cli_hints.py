@@ -11,9 +11,9 @@ from distsgd.cli.parser import build_parser, parse_argv
     ("argv", "prog", "extra"),
     [
         (["run", "--placment", "pack", "x.py"], "distsgd run", "--placment"),
-        (["inspect", "run", "extra"], "distsgd inspect", "extra"),
+        (["doctor", "run", "extra"], "distsgd doctor", "extra"),
         (["elastic", "join", "run", "extra"], "distsgd elastic join", "extra"),
-        (["--bogus", "inspect", "run"], "distsgd", "--bogus"),  # the top level's own flag
+        (["--bogus", "doctor", "run"], "distsgd", "--bogus"),  # the top level's own flag
     ],
 )
 def test_unrecognized_arguments_point_at_the_subcommands_help(
@@ -40,6 +40,6 @@ def test_the_emulators_command_points_at_its_subcommands_help(
 
 
 def test_a_good_command_line_leaves_no_note_behind() -> None:
-    args = parse_argv(build_parser(), ["inspect", "run"])
-    assert args.command == "inspect"
+    args = parse_argv(build_parser(), ["doctor", "run"])
+    assert args.command == "doctor"
     assert not [name for name in vars(args) if name.startswith("_")]

@@ -128,7 +128,7 @@ def test_kill_during_checkpoint_writes_then_resume(tmp_path: Path) -> None:
     resumes = [r for r in metrics(run_dir) if r.get("event") == "resumed"]
     assert {r["task"] for r in resumes} == {"worker0", "worker1"}
     assert all(30 <= r["local_step"] < 80 for r in resumes), resumes
-    inspected = run_distsgd(["inspect", str(run_dir)])
+    inspected = run_distsgd(["doctor", str(run_dir)])
     assert inspected.returncode == 0 and "MANIFEST.json verified" in inspected.stdout
 
 

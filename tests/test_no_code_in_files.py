@@ -119,7 +119,7 @@ def test_inspect_of_a_crafted_file_is_one_line(tmp_path: Path) -> None:
     marker = tmp_path / "MARKER"
     path = tmp_path / "evil.pt"
     path.write_bytes(_crafted(marker))
-    line = _error_line(run_distsgd(["inspect", str(path)], timeout=120))
+    line = _error_line(run_distsgd(["doctor", str(path)], timeout=120))
     assert line.startswith(f"distsgd: error: {path}: not a distsgd worker state (it holds Python")
     assert "distsgd never loads those" in line
     assert not marker.exists()
@@ -209,7 +209,7 @@ def test_inspect_of_a_run_folder_with_a_crafted_worker_file(tmp_path: Path) -> N
     marker = tmp_path / "MARKER"
     run_dir = _run_folder(tmp_path, marker)
     crafted = run_dir / "checkpoints" / "ckpt-00000010" / "worker0.pt"
-    line = _error_line(run_distsgd(["inspect", str(run_dir)], timeout=120))
+    line = _error_line(run_distsgd(["doctor", str(run_dir)], timeout=120))
     assert f"{crafted}: not a distsgd worker state (it holds Python objects" in line
     assert "to use an older checkpoint" in line
     assert not marker.exists()
@@ -235,7 +235,7 @@ def test_a_real_run_folder_with_a_crafted_checkpoint(tmp_path: Path) -> None:
     args += ["--run-dir", str(run_dir), str(SCRIPTS / "blobs.py"), "--steps", "20"]
     done = run_distsgd(args)  # its exit code may also judge the training: not this test's subject
     assert (run_dir / "result.json").exists(), done.stdout[-3000:] + done.stderr[-3000:]
-    inspected = run_distsgd(["inspect", str(run_dir)])
+    inspected = run_distsgd(["doctor", str(run_dir)])
     # saved between windows (every 5 steps, window 5): the window's start is the replica's
     assert inspected.returncode == 0 and "scheme state: optimizer, pending" in inspected.stdout
     newest = sorted((run_dir / "checkpoints").glob("ckpt-*"))[-1]
@@ -247,7 +247,7 @@ def test_a_real_run_folder_with_a_crafted_checkpoint(tmp_path: Path) -> None:
     manifest = json.loads((newest / MANIFEST).read_text())
     manifest["workers"][0].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
     (newest / MANIFEST).write_text(json.dumps(manifest))
-    line = _error_line(run_distsgd(["inspect", str(run_dir)]))
+    line = _error_line(run_distsgd(["doctor", str(run_dir)]))
     assert f"{crafted}: not a distsgd worker state (it holds Python objects" in line
     (run_dir / "result.json").unlink()  # as a run stopped before its end: one to resume
     line = _error_line(run_distsgd(["run", "--resume", str(run_dir), "--quiet"]))
@@ -261,7 +261,7 @@ def test_inspect_of_a_state_without_model_is_one_line(tmp_path: Path) -> None:
     state = _state()
     del state["model"]
     torch.save({"format": 2, **state}, path)
-    line = _error_line(run_distsgd(["inspect", str(path)], timeout=120))
+    line = _error_line(run_distsgd(["doctor", str(path)], timeout=120))
     assert line == f"distsgd: error: {path}: not a distsgd worker state (no 'model')"
 
 
@@ -273,7 +273,7 @@ def test_inspect_of_a_state_without_model_is_one_line(tmp_path: Path) -> None:
 def test_inspect_of_junk_npz_is_one_line(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "junk.npz"
     path.write_bytes(content)
-    line = _error_line(run_distsgd(["inspect", str(path)], timeout=120))
+    line = _error_line(run_distsgd(["doctor", str(path)], timeout=120))
     assert line.startswith(f"distsgd: error: {path}: not a distsgd shard checkpoint (")
     assert line.endswith("; give a psN.npz of a checkpoint") and "allow_pickle" not in line
 
@@ -495,12 +495,12 @@ def test_inspect_of_a_run_without_a_complete_checkpoint_says_why_and_what_to_rea
 ) -> None:
     run_dir = tmp_path / "short"
     (run_dir / "checkpoints" / "workers").mkdir(parents=True)
-    line = _error_line(run_distsgd(["inspect", str(run_dir)], timeout=120))
+    line = _error_line(run_distsgd(["doctor", str(run_dir)], timeout=120))
     assert line == (
         f"distsgd: error: {run_dir}: no complete checkpoint (a run shorter than "
         "--checkpoint-every, 30 s by default, has none)"
     )
     state = run_dir / "checkpoints" / "workers" / "worker0-00000066.pt"
     torch.save({"format": 2, **_state()}, state)
-    line = _error_line(run_distsgd(["inspect", str(run_dir)], timeout=120))
+    line = _error_line(run_distsgd(["doctor", str(run_dir)], timeout=120))
     assert line.endswith(f"has none); inspect one of its files, e.g. {state}")

@@ -1,4 +1,5 @@
-"""``distsgd inspect PATH``: what a checkpoint holds, read without starting anything."""
+"""What a checkpoint holds, read without starting anything (``distsgd doctor PATH`` of a
+checkpoint, or of a run folder no task runs in: :mod:`distsgd.cli.doctor`)."""
 
 from __future__ import annotations
 

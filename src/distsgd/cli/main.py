@@ -47,6 +47,7 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
         max_rollbacks=args.max_rollbacks,
         wal=args.wal != "off",
         replicate=args.wal == "on",
+        doctor_after=args.doctor_after,
     )
     common: dict[str, Any] = {
         "quiet": args.quiet,
@@ -404,10 +405,10 @@ def _dispatch(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from distsgd.cli.agent import main as agent_main
 
         return agent_main(args)
-    if args.command == "inspect":
-        from distsgd.cli.inspect import inspect
+    if args.command == "doctor":
+        from distsgd.cli.doctor import doctor
 
-        return inspect(args.path)
+        return doctor(args.path, watch=args.watch, stall=args.stall)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "server": _cmd_server,
         "worker": _cmd_worker,

@@ -21,16 +21,18 @@ from distsgd.cli.flags import (
 )
 from distsgd.cli.one_line import OneLineParser
 from distsgd.control.rollback import MAX_ROLLBACKS
+from distsgd.control.waitfor import STALL_S
 from distsgd.launcher.config import (
     DEFAULT_CHECKPOINT_SECONDS,
     DEFAULT_MAX_RESTARTS,
+    DOCTOR_AFTER,
     FORK_SERVER_DEFAULT,
 )
 from distsgd.launcher.metrics_endpoint import DEFAULT_ADDRESS as DEFAULT_METRICS_ADDRESS
 
 DESCRIPTION = (
     "The ``distsgd`` command: run, demo, compare, plan, server, worker, agent, elastic, "
-    "inspect, k8s."
+    "doctor, k8s."
 )
 
 
@@ -282,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_command(sub)
     tasks.add_commands(sub)  # server, worker, agent
     elastic.add_command(sub)
-    _add_inspect(sub)
+    _add_doctor(sub)
     k8s.add_command(sub, add_launch_flags)
     return parser
 
@@ -330,6 +332,7 @@ def _add_run(sub: Any) -> None:
     add_launch_flags(run)
     _add_host_flags(run)
     _add_metrics_flag(run)
+    _add_doctor_flag(run)
     run.add_argument(
         "--resume",
         type=Path,
@@ -355,12 +358,41 @@ def _add_demo(sub: Any) -> None:
     add_launch_flags(demo)
     _add_host_flags(demo)
     _add_metrics_flag(demo)
+    _add_doctor_flag(demo)
 
 
-def _add_inspect(sub: Any) -> None:
-    inspect = sub.add_parser("inspect", help="show what a checkpoint holds")
-    inspect.add_argument(
+def _add_doctor(sub: Any) -> None:
+    doctor = sub.add_parser(
+        "doctor",
+        help="say which task holds a running run up and at which frame; --watch it live; or "
+        "show what a checkpoint holds",
+    )
+    doctor.add_argument(
         "path", type=Path, help="a run folder, a checkpoint folder, or a psN.npz / worker file"
+    )
+    doctor.add_argument(
+        "--watch",
+        action="store_true",
+        help="a live view of the run's tasks (rate, phase split, staleness, servers' load, "
+        "stragglers), redrawn every second until Ctrl-C",
+    )
+    doctor.add_argument(
+        "--stall",
+        type=float,
+        default=STALL_S,
+        metavar="SECONDS",
+        help=f"a worker that has not stepped for this long is stuck (default {STALL_S:g})",
+    )
+
+
+def _add_doctor_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--doctor-after",
+        type=float,
+        default=DOCTOR_AFTER,
+        metavar="SECONDS",
+        help="seconds without progress after which the launcher runs distsgd doctor on the "
+        f"run by itself and prints the culprit (0: never); default {DOCTOR_AFTER:g}",
     )
 
 

@@ -40,6 +40,8 @@ FORK_SERVER_DEFAULT = sys.platform.startswith("linux") and hasattr(os, "fork")
 """Whether workers are forked from a fork server by default: on Linux (elsewhere, forking a
 process that has loaded torch and system frameworks is not safe, and there is no
 parent-death signal)."""
+DOCTOR_AFTER = 60.0
+"""``--doctor-after``'s default: seconds without progress before the launcher's own doctor."""
 PLACEMENTS = ("spread", "pack")
 """``--placement``'s choices: how tasks go on emulated hosts, or on a Ray cluster's nodes."""
 
@@ -137,8 +139,20 @@ class Durability:
             "restart backoff and budget are reset"
         },
     )
+    doctor_after: float = field(
+        default=DOCTOR_AFTER,
+        metadata={
+            "help": "seconds without progress after which the launcher asks every task what it "
+            "waits on and names the culprit (distsgd doctor; the report goes to RUN/doctor/); "
+            "0 = never by itself"
+        },
+    )
 
     def __post_init__(self) -> None:
+        if self.doctor_after < 0:
+            raise ValueError(
+                f"--doctor-after must be 0 (off) or more seconds, got {self.doctor_after}"
+            )
         if self.checkpoint_every < 0 or self.checkpoint_seconds < 0:
             raise ValueError("--checkpoint-every must be 0 or more steps (N) or seconds (Ns)")
         for flag, value in (("restarts", self.max_restarts), ("rollbacks", self.max_rollbacks)):
@@ -197,7 +211,6 @@ class Hosting:
             "the workers spread) or pack (every task on one node)"
         },
     )
-
     metrics_address: str = field(
         default=DEFAULT_METRICS_ADDRESS,
         metadata={
@@ -433,7 +446,7 @@ class LaunchConfig:
             raise ValueError(
                 f"run {run_dir} already finished (its chief wrote {RESULT_FILE}), so there is "
                 f"nothing to resume; start a new run (distsgd run {spec.script} ...), or read "
-                f"it with distsgd inspect {run_dir}"
+                f"it with distsgd doctor {run_dir}"
             )
         steps, seconds = cadence or (spec.checkpoint_every, spec.checkpoint_seconds)
         size = ClusterSize(

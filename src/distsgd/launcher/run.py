@@ -43,6 +43,7 @@ from distsgd.launcher.run_state import RunState, run_identity
 from distsgd.launcher.scale import LAUNCHER_FILE
 from distsgd.launcher.scaler import Scaler
 from distsgd.launcher.server_watch import ServerWatch
+from distsgd.launcher.stall_watch import StallWatch
 from distsgd.launcher.supervisor import Tasks
 from distsgd.launcher.tasks import TaskStarter, task_envs, worker_gpus
 from distsgd.launcher.tasks import write_tasks as _write_tasks
@@ -231,7 +232,7 @@ class LocalRun:
         hosts: Hosts | None = None,
     ) -> None:
         run_id, secret = run_identity(config, run_dir)
-        worker_env, ps_env = task_envs(run_dir / "secret", config.threads_per_worker)
+        worker_env, ps_env = task_envs(run_dir, config.threads_per_worker)
         hands_out = engine_for(config).assigns_devices  # Ray: the GPUs its bundles reserved
         gpus = [] if hands_out else worker_gpus(config.device, os.environ)
         state = RunState.open(
@@ -249,6 +250,7 @@ class LocalRun:
         self.executor = PlanExecutor(state, self.starter, self.watch, self.store)
         self.scaler = Scaler(state, self.starter, self.executor, self.store)
         self.faults = FaultDriver(state, self.watch, self.hosts, faults)
+        self.stall = StallWatch(state)  # the launcher's probe; the doctor when nothing moves
         self.metrics = start_endpoint(run_dir, config.hosting.metrics_address, console.note)
         self.saved_step: int | None = None
         """The step of the checkpoint the workers saved when the run was stopped (None:
@@ -258,6 +260,7 @@ class LocalRun:
         """Once the run ended, however: stop every task, then the run control and the
         emulated hosts; remove what only this launch reads."""
         state = self.state
+        self.stall.close()
         state.supervisor.close()
         if self.metrics is not None:  # the metrics endpoint (GET /metrics)
             self.metrics.close()
@@ -315,6 +318,7 @@ class LocalRun:
                 raise Interrupted
             state.progress.poll()
             self.watch.poll()
+            self.stall.poll()
             self.faults.poll()
             if self.starter.replicas is not None:
                 self.starter.replicas.restart_dead(state.progress.step)
