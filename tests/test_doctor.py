@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -253,3 +254,22 @@ def _lines(run_dir: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return out
+
+
+def test_a_run_whose_tasks_are_gone_is_not_examined(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pointers a killed run left behind: the doctor says no task runs, and reads its
+    checkpoint instead (none here: a one-line error)."""
+    from distsgd.cli.main import main
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / "doctor").mkdir()
+    pointer = {"task": "worker0", "pid": gone.pid, "socket": str(tmp_path / "x.sock")}
+    (tmp_path / "doctor" / "worker0.json").write_text(json.dumps(pointer))
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert main(["doctor", str(tmp_path)]) == 2  # a bad input: exit 2
+    captured = capsys.readouterr()
+    assert "no task of it is running" in captured.out
+    assert "no checkpoints" in captured.err or "neither a run folder" in captured.err

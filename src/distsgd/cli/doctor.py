@@ -20,7 +20,7 @@ from distsgd.cli.inspect import inspect
 from distsgd.control.folder import METRICS_FILE
 from distsgd.control.run_top import watch as watch_run
 from distsgd.control.waitfor import STALL_S
-from distsgd.launcher.doctor import examine, pointers
+from distsgd.launcher.doctor import examine, pointers, process_state
 
 
 def doctor(path: Path, *, watch: bool = False, stall: float = STALL_S) -> int:
@@ -35,7 +35,8 @@ def doctor(path: Path, *, watch: bool = False, stall: float = STALL_S) -> int:
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the view
             watch_run(path, sys.stdout)
         return 0
-    if path.is_dir() and pointers(path):
+    running = pointers(path) if path.is_dir() else []  # a SIGKILLed task's stays behind
+    if any(process_state(int(p["pid"])) not in ("gone", "zombie") for p in running):
         found = examine(path, stall_s=stall)
         for line in found.lines(path):
             print(line)
