@@ -273,3 +273,10 @@ def test_a_run_whose_tasks_are_gone_is_not_examined(
     captured = capsys.readouterr()
     assert "no task of it is running" in captured.out
     assert "no checkpoints" in captured.err or "neither a run folder" in captured.err
+
+
+def test_a_stopped_server_is_named_before_the_workers_count_as_stuck() -> None:
+    seen = [_worker(0, since=1.0, calls=[_call(1, "Push", age=1.5)]), _server(0)]
+    stopped = TaskSeen(task="ps1", pid=201, process="stopped")
+    assert diagnose([*seen, stopped]).culprit == "ps1"
+    assert diagnose([*seen, TaskSeen(task="ps1", pid=201, process="sleeping")]).culprit is None

@@ -42,6 +42,8 @@ STALL_S = 5.0
 """A worker that has not stepped for this long is stuck (seconds; :func:`diagnose` takes
 another)."""
 NETWORK_ERRORS = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+DOWN = ("stopped", "gone", "zombie")
+"""What ``/proc`` says of a task that cannot be running: no stall time is waited for."""
 TRACKED = ("Pull", "Push")
 """The calls a server lists while it answers them (``serving``, ``waiting_pulls``)."""
 """The status codes of a call that did not reach its server."""
@@ -91,7 +93,8 @@ class Diagnosis:
     """What :func:`diagnose` found."""
 
     stuck: tuple[str, ...]
-    """The workers that have not stepped for the stall time (or do not answer)."""
+    """The workers that have not stepped for the stall time or do not answer, and any task
+    stopped or gone (it holds the run up from the moment it stops, not the stall time after)."""
     culprit: str | None
     cause: str
     """Why the culprit holds the run up, in a few words."""
@@ -118,7 +121,8 @@ def diagnose(seen: Sequence[TaskSeen], *, stall_s: float = STALL_S) -> Diagnosis
     """The wait-for graph of the tasks ``seen`` and its culprit (see the module docstring)."""
     by_name = {t.task: t for t in seen}
     waits = _waits(seen, stall_s)
-    stuck = tuple(sorted(t.task for t in seen if _stuck(t, stall_s)))
+    down = {t.task for t in seen if t.report is None and t.process in DOWN}
+    stuck = tuple(sorted({t.task for t in seen if _stuck(t, stall_s)} | down))
     blocked = {w.task: _frame(by_name[w.task], own=False) for w in waits if w.task in by_name}
     if not stuck:
         return Diagnosis(stuck=(), culprit=None, cause="every worker is stepping", frame="")
