@@ -123,7 +123,9 @@ def test_render_has_every_family_with_its_values(tmp_path: Path) -> None:
     for name in FAMILIES:
         kind = "counter" if name.endswith("_total") else "gauge"
         assert f"# TYPE {name} {kind}\n" in text and f"# HELP {name} " in text, name
-    assert "distsgd_straggler_score" not in text  # no detector has looked
+    # the live view's straggler detector has looked, and names none in this even run
+    assert "# TYPE distsgd_straggler_score gauge\n" in text
+    assert "distsgd_straggler_score{" not in text
     got = _samples(text)
     w0 = 'run="run",task="worker0"'
     assert got[f"distsgd_last_step_timestamp_seconds{{{w0}}}"] == NOW

@@ -336,6 +336,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
         max_workers=args.max_workers,
         evict_after=args.evict_after,
         wal_dir=wal_dir,
+        inject_delay=args.inject_delay,
         announce=None
         if not args.control
         else _announcer(_control_address(args.control), f"ps{index}", secret),

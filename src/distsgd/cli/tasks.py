@@ -111,6 +111,13 @@ def _add_server(sub: Any) -> None:
         default=0,
         help="worker indexes up to this may join (default 0: the registered number)",
     )
+    server.add_argument(
+        "--inject-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help=argparse.SUPPRESS,  # distsgd run --inject-fault delay:ps:N=DURATION (a slow server)
+    )
     add_cluster_flags(server)
     add_tls_flags(server)
 

@@ -186,7 +186,7 @@ def _row(group: Sequence[SchemeRun], target: float | None, workers: int | None =
         return _group_row(group, target, tail)
     if run.status not in ("ok", "diverged"):
         why = f"{run.status}: {run.reason}" if run.reason else run.status
-        cells = [f"`{run.label}`", f"**{why}**", *["" for _ in range(7)], *tail]
+        cells = [f"`{run.label}`", f"**{why}**", *["" for _ in range(7)], *tail, ""]
         return "| " + " | ".join(_cell(c) for c in cells) + " |"
     if target is None:
         reach = "n/a (no accuracy)"
@@ -208,8 +208,15 @@ def _row(group: Sequence[SchemeRun], target: float | None, workers: int | None =
         _staleness(run),
         _steps(run),
         *tail,
+        _stragglers([run]),
     ]
     return "| " + " | ".join(_cell(c) for c in cells) + " |"
+
+
+def _stragglers(runs: Sequence[SchemeRun]) -> str:
+    """The stragglers named in these runs (``worker2 (compute)``, each once), or none."""
+    named = list(dict.fromkeys(s for run in runs for s in run.stragglers))
+    return ", ".join(named) if named else "none"
 
 
 def _status(group: Sequence[SchemeRun]) -> str:
@@ -246,6 +253,7 @@ def _group_row(group: Sequence[SchemeRun], target: float | None, tail: list[str]
         "n/a" if stale is None else f"{stale.mean:.2f}",
         _steps(done[0]) if done else "n/a",
         *tail,
+        _stragglers(done),
     ]
     return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
@@ -314,6 +322,7 @@ def markdown(context: Context, runs: Sequence[SchemeRun]) -> str:
         "steps (global / per worker)",
         "settings (* = tuned)",
         f"tuned on validation ({context.validation:g} of train)" if context.tune else "tuned",
+        "stragglers",
     ]
     fair = []
     if many:
@@ -360,7 +369,8 @@ def markdown(context: Context, runs: Sequence[SchemeRun]) -> str:
         "mean staleness = updates applied between a worker's pull and its push, "
         "averaged over pushes, and p99 its 99th percentile over every push (parameter-server "
         "schemes only); steps = global updates / "
-        "local steps of worker0",
+        "local steps of worker0; stragglers = the tasks the launcher named slow, with their "
+        "cause (docs/guide/slow-or-stuck.md)",
         *fair,
         "",
         *(["![curves](compare.png)", ""] if context.figure else []),

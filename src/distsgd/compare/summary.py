@@ -114,6 +114,9 @@ class SchemeRun:
     rollbacks: int = 0
     """Times the run went back to its last good state at a lower rate after a divergence
     (``result.json``'s ``rollbacks``; docs/fault-tolerance.md)."""
+    stragglers: list[str] = field(default_factory=list)
+    """The stragglers the launcher named (its ``straggler`` events), each ``task (cause)`` once,
+    in the order first named; empty: none named (or a run without the detector)."""
     curves: Curves = field(default_factory=Curves)
 
     def __post_init__(self) -> None:
@@ -406,8 +409,18 @@ def summarize(
         seed=config.get("seed") if isinstance(config, dict) else None,
         train_config=dict(config) if isinstance(config, dict) else {},
         lr_scaling=dict(scaling) if isinstance(scaling := result.get("lr_scaling"), dict) else {},
+        stragglers=stragglers_named(records),
         curves=curves,
     )
+
+
+def stragglers_named(records: Iterable[dict[str, Any]]) -> list[str]:
+    """``["worker2 (compute)", ...]``: each task and cause a ``straggler`` event named, once."""
+    named: dict[str, None] = {}
+    for r in records:
+        if r.get("event") == "straggler" and r.get("state") in ("named", "chronic"):
+            named.setdefault(f"{r.get('target')} ({r.get('cause')})")
+    return list(named)
 
 
 def with_target(run: SchemeRun, target: float | None) -> SchemeRun:

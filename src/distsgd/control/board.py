@@ -29,7 +29,8 @@ histogram ``comm/staleness`` (a worker's pushes by staleness, at its last step);
 line before); ``eval/test_loss``, ``eval/accuracy``; ``membership/ps<N>/workers``,
 ``membership/ps<N>/epoch``, ``membership/workers`` (the launcher's after a scale);
 ``load/ps<N>/<rate>`` (the launcher's ``shard_load`` events: pushes and pulls per second, their
-MB/s, ``busy``);
+MB/s, ``busy``); ``stragglers/<task>/score`` (the launcher's ``straggler`` events: the score,
+0 once cleared);
 ``events/<event>`` (how many so far in this process) and the text ``events`` (each event's
 fields). Any other number of a training line is ``train/<field>`` (scheme counters such as
 ``dropped``); the user's values (``worker.log``, ``train(metrics=...)``) are ``user/<name>``.
@@ -238,6 +239,10 @@ class Series:
                     out.scalars[f"membership/ps{shard}/epoch"] = number
         elif kind == "scale" and (workers := as_number(record.get("workers"))) is not None:
             out.scalars["membership/workers"] = workers
+        elif kind == "straggler" and isinstance(target := record.get("target"), str):
+            score = as_number(record.get("score"))  # 0 once cleared: a step down in the chart
+            cleared = record.get("state") == "cleared"
+            out.scalars[f"stragglers/{target}/score"] = 0.0 if cleared else (score or 0.0)
         elif kind == "shard_load" and isinstance(shard := record.get("ps"), int):
             for key, value in record.items():  # series, not a line of text every 5 s
                 number = as_number(value)

@@ -5,7 +5,11 @@ owns the processes and the links); what a process must do to itself is :class:`F
 Spec forms::
 
     kill:worker:1@step=50               SIGKILL worker 1 once the run reaches global step 50
-    delay:worker:2=200ms                every step of worker 2 takes 200 ms longer
+    delay:worker:2=200ms                every step of worker 2 takes 200 ms longer (compute)
+    delay-data:worker:2=200ms           every batch worker 2 fetches takes 200 ms longer (a
+                                        slow data loader: counted as its ``data`` phase)
+    delay:ps:1=20ms                     ps 1 answers every pull and push 20 ms later (a slow
+                                        server: counted in its ``busy`` load)
     partition:worker:1@step=40,for=10s  from global step 40, cut worker 1 off for 10 s
                                         (also written ``@step=40+10s``)
     partition:ps:0@step=40,for=10s      the same for a parameter server (--hosts only)
@@ -39,12 +43,14 @@ from distsgd.util.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
-KINDS = ("kill", "delay", "partition", "slow", "lose-host")
+KINDS = ("kill", "delay", "delay-data", "partition", "slow", "lose-host")
 """The kinds of fault ``--inject-fault`` knows."""
 KILL_KINDS = ("kill", "lose-host")
 """The kinds the launcher lands at a step by killing processes (workers hold still for them)."""
 NETWORK_KINDS = ("partition", "slow")
 """The kinds that act on a host's link under ``--hosts``."""
+DELAY_KINDS = ("delay", "delay-data")
+"""The kinds that slow a process down by a duration it sleeps (``=DURATION``)."""
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s)$")
 _SPEC = re.compile(
     r"^(?P<kind>[a-z]+(?:-[a-z]+)?):(?P<job>ps|worker):(?P<index>\d+)"
@@ -54,7 +60,8 @@ _SPEC = re.compile(
     r"(?:,for=(?P<for2>[^,=]*))?$"
 )
 _USAGE = (
-    "use kill:worker:1@step=50, delay:worker:2=200ms, partition:worker:0@step=30,for=10s "
+    "use kill:worker:1@step=50, delay:worker:2=200ms, delay-data:worker:2=200ms, "
+    "delay:ps:0=20ms, partition:worker:0@step=30,for=10s "
     "slow:ps:0@step=40=10mbit[,for=10s] or lose-host:ps:0@step=40"
 )
 
@@ -64,7 +71,7 @@ class Fault:
     """One parsed ``--inject-fault`` spec."""
 
     kind: str
-    """kill, delay, partition or slow (:data:`KINDS`)."""
+    """kill, delay, delay-data, partition, slow or lose-host (:data:`KINDS`)."""
     job: str
     """The target's job: ps or worker."""
     index: int
@@ -72,7 +79,8 @@ class Fault:
     step: int | None = None
     """The global step from which it applies; None: from the start (delay)."""
     seconds: float = 0.0
-    """delay: added to each step; partition: how long it lasts; slow: how long (0: to the end)."""
+    """delay: added to each step (a server's: to each pull and push it answers); delay-data:
+    to each batch fetched; partition: how long it lasts; slow: how long (0: to the end)."""
     rate_bits: int | None = None
     """slow: the rate the target's host's link is shaped to, bits/s; None for other kinds."""
 
@@ -105,7 +113,7 @@ class Fault:
         kind, step, value = match["kind"], match["step"], match["value"]
         length = next((match[g] for g in ("plus", "for1", "for2") if match[g] is not None), None)
         _check_shape(text, kind, has_step=step is not None, value=value, length=length)
-        seconds = _seconds(text, value if kind == "delay" else length)
+        seconds = _seconds(text, value if kind in DELAY_KINDS else length)
         if kind in NETWORK_KINDS and length is not None and seconds <= 0:
             raise ValueError(f"bad --inject-fault {text!r}: for= must be above 0s; {_USAGE}")
         return cls(
@@ -125,10 +133,10 @@ def _check_shape(
     bad = f"bad --inject-fault {text!r}"
     if kind in KILL_KINDS and (not has_step or value is not None or length is not None):
         raise ValueError(f"{bad}: {kind} needs @step=N only; {_USAGE}")
-    if kind == "delay" and (value is None or has_step or length is not None):
-        raise ValueError(f"{bad}: delay needs =DURATION only; {_USAGE}")
-    if kind == "delay" and text.split(":")[1] != Role.WORKER:
-        raise ValueError(f"{bad}: only workers can be delayed; {_USAGE}")
+    if kind in DELAY_KINDS and (value is None or has_step or length is not None):
+        raise ValueError(f"{bad}: {kind} needs =DURATION only; {_USAGE}")
+    if kind == "delay-data" and text.split(":")[1] != Role.WORKER:
+        raise ValueError(f"{bad}: only a worker's data loading can be delayed; {_USAGE}")
     if kind == "partition" and (not has_step or length is None or value is not None):
         raise ValueError(f"{bad}: partition needs @step=N,for=DURATION; {_USAGE}")
     if kind == "slow" and (not has_step or value is None):
@@ -209,6 +217,12 @@ class FaultInjector:
         self.files = files
         self.partition_until = 0.0
         self._done: set[int] = set()
+
+    def before_fetch(self) -> None:
+        """Before the loop fetches its next batch: a ``delay-data`` fault's sleep."""
+        for fault in self.faults:
+            if fault.kind == "delay-data":
+                time.sleep(fault.seconds)
 
     def before_step(self, global_step: int) -> None:
         for kill in list(self.kills):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from distsgd.control.stragglers import StragglerDetector
 from distsgd.control.timing import PHASES, as_number, split_from_metrics
 
 WINDOW_SECONDS = 30.0
@@ -181,7 +182,8 @@ class RunView:
     """The first ``diverged`` event's reason (None: none)."""
     stragglers: list[Straggler] | None = None
     """The slot a straggler detector fills (None: no detector has looked; []: it found none).
-    Nothing in this module sets it; the renderers show it where it is not None."""
+    :class:`LiveView` fills it (:mod:`distsgd.control.stragglers`); the renderers show it where
+    it is not None."""
 
     def fold(self, records: Iterable[Mapping[str, Any]]) -> None:
         for record in records:
@@ -243,12 +245,26 @@ class RunView:
 
 class LiveView:
     """A :class:`RunView` of one ``metrics.jsonl`` brought up to date on each
-    :meth:`refresh` (a scrape, a redraw), never in between."""
+    :meth:`refresh` (a scrape, a redraw), never in between.
+
+    Its :attr:`RunView.stragglers` are those of its own
+    :class:`~distsgd.control.stragglers.StragglerDetector`, fed the same records: the rule the
+    launcher's progress line and ``straggler`` events follow, so a run started by hand (no
+    launcher) has them too; its windows end at the refreshes, not at the launcher's polls, so
+    the two may name a straggler a window apart."""
 
     def __init__(self, path: Path, run: str = "") -> None:
         self.follower = MetricsFollower(path)
         self.view = RunView(run=run)
+        self.detector = StragglerDetector()
 
     def refresh(self) -> RunView:
-        self.view.fold(self.follower.poll())
+        records = self.follower.poll()
+        self.view.fold(records)
+        self.detector.see_all(records)
+        self.detector.update()
+        self.view.stragglers = [
+            Straggler(task=f.task, score=round(f.score, 2), cause=f.cause, chronic=f.chronic)
+            for f in self.detector.named
+        ]
         return self.view

@@ -1,8 +1,11 @@
-"""Where a worker's time goes: compute, pull, push, wait, all-reduce, checkpoints, evaluation.
+"""Where a worker's time goes: compute, data, pull, push, wait, all-reduce, checkpoints, evaluation.
 
 Every exchange a scheme makes goes through ``WorkerContext`` (runtime/context.py),
 which times it into a :class:`PhaseClock`; the loop times checkpoints and mid-run evaluation.
-Compute is what is left of the loop's wall time: forward, backward, local optimizer steps, data.
+Compute is what is left of the loop's wall time: forward, backward, local optimizer steps.
+``data`` is the time ``WorkerSession.batches()`` spent fetching the next batch (a loop over its
+own data counts its loading into compute); metrics written before it existed have no ``data_s``
+(read as 0).
 
 ``wait`` is time a worker spent blocked on other workers rather than moving bytes: the part of
 a pull the server spent waiting for a version (a synchronous step closing), as the server
@@ -20,7 +23,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-PHASES = ("compute", "pull", "push", "wait", "allreduce", "checkpoint", "eval")
+PHASES = ("compute", "data", "pull", "push", "wait", "allreduce", "checkpoint", "eval")
 """Every phase, in the order summaries list them."""
 
 COMM_PHASES = ("pull", "push", "wait", "allreduce")

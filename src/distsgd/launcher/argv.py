@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from distsgd.cluster import ClusterSpec, Role, TaskId
-from distsgd.control.faults import Fault
+from distsgd.control.faults import DELAY_KINDS, Fault
 from distsgd.control.task import TaskEnv
 from distsgd.launcher.config import LaunchConfig
 
@@ -48,6 +48,9 @@ def server_argv(
         argv += ["--max-workers", str(config.size.highest_workers)]
     if config.size.evict_after:
         argv += ["--evict-after", f"{config.size.evict_after:g}"]
+    delay = sum(f.seconds for f in map(Fault.parse, config.faults) if _server_delay(f, index))
+    if delay:
+        argv += ["--inject-delay", f"{delay:g}"]
     if config.hosting.tls is not None:
         tls = config.hosting.tls
         argv += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
@@ -121,4 +124,9 @@ def _worker_fault(fault: Fault, index: int, hosts: int) -> bool:
         return True
     if fault.task_id != TaskId(job=Role.WORKER, index=index):
         return False
-    return fault.kind == "delay" or (fault.kind == "partition" and not hosts)
+    return fault.kind in DELAY_KINDS or (fault.kind == "partition" and not hosts)
+
+
+def _server_delay(fault: Fault, index: int) -> bool:
+    """Whether ``fault`` delays ps ``index``'s answers (``delay:ps:N=DURATION``)."""
+    return fault.kind == "delay" and fault.task_id == TaskId(job=Role.PS, index=index)

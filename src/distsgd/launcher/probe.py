@@ -132,7 +132,8 @@ def probe_exchange(
     return ExchangeProbe(
         path="shared memory" if shared_memory else "tensor socket",
         param_bytes=per_step,
-        compute_s=per("compute_s"),
+        # the loop outside pull and push: its data loading too (data_s, where lines have it)
+        compute_s=per("compute_s") + (per("data_s") if "data_s" in done else 0.0),
         pull_s=per("pull_s"),
         push_s=per("push_s"),
         steps=steps,

@@ -1,4 +1,5 @@
-"""The live progress line: global step, loss and throughput, read from ``metrics.jsonl``."""
+"""The live progress line: global step, loss and throughput, read from ``metrics.jsonl``, and
+the stragglers the detector names from the same lines (:mod:`distsgd.control.stragglers`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 from distsgd.control.progress import Rate, format_progress
+from distsgd.control.stragglers import StragglerDetector, progress_note
 from distsgd.control.timing import split_from_metrics, split_line
 from distsgd.util import open_private
 
@@ -138,6 +140,8 @@ class Progress:
         self.fractions: dict[str, tuple[float, float]] = {}
         """Per worker, (wall time, fraction of the run done) of its last metrics line."""
         self.started = time.time()
+        self.stragglers = StragglerDetector()
+        """Fed every record read; the launcher asks it for its verdicts after each poll."""
         self.divergence: str | None = None
         """The first 'diverged' event's reason (a worker's loss went non-finite or up)."""
         self.good_until: int | None = None
@@ -163,6 +167,7 @@ class Progress:
                 record = json.loads(raw)
             except ValueError:
                 continue
+            self.stragglers.see(record)
             if self.first_record is None and "time" in record:
                 self.first_record = float(record["time"])
             self.step = max(self.step, int(record.get("step", 0)))
@@ -243,7 +248,7 @@ class Progress:
         return max(0.0, spent * (1 - fraction) / fraction)
 
     def render(self) -> str:
-        return format_progress(
+        line = format_progress(
             step=self.step,
             fraction=self.fraction,
             loss=self.loss,
@@ -252,3 +257,5 @@ class Progress:
             elapsed=self.elapsed,
             eta=self.eta(),
         )
+        note = progress_note(self.stragglers.named)  # e.g. straggler worker2 (data, 1.8x)
+        return f"{line} | {note}" if note else line

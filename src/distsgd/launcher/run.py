@@ -317,6 +317,7 @@ class LocalRun:
                 self._save_on_stop()
                 raise Interrupted
             state.progress.poll()
+            self._say_stragglers()
             self.watch.poll()
             self.stall.poll()
             self.faults.poll()
@@ -338,6 +339,16 @@ class LocalRun:
                 last_plain = now
             if not self.scaler.leaving and all(f"worker{i}" in state.done for i in state.active):
                 return
+
+    def _say_stragglers(self) -> None:
+        """The straggler detector's verdicts on the lines just read (once a window): a
+        ``straggler`` event each time one is named, turns chronic or clears."""
+        progress = self.state.progress
+        for change in progress.stragglers.update():
+            fields = change.finding.fields()
+            self.state.events.log(
+                step=progress.step, event="straggler", state=change.state, **fields
+            )
 
     def _save_on_stop(self) -> None:
         """(First Ctrl-C or SIGTERM) ask the workers of a parameter-server run with

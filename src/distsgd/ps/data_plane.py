@@ -46,6 +46,14 @@ class DataPlane:
         self._serving: dict[int, tuple[str, int, float]] = {}
         """Each Pull and Push being answered: (method, worker, ``time.monotonic()`` begun)."""
         self._keys = itertools.count()
+        self.delay = 0.0
+        """Seconds each pull and push waits before its answer (an injected slow server)."""
+
+    def set_delay(self, seconds: float) -> None:
+        """Answer every pull and push ``seconds`` later (``--inject-fault delay:ps:N=...``)."""
+        if not seconds >= 0:
+            raise ValueError(f"an injected delay must be 0 or more seconds, got {seconds}")
+        self.delay = seconds
 
     @property
     def waiting_pulls(self) -> int:
@@ -132,6 +140,7 @@ class DataPlane:
                 f"shard {holder.index} still at version {shard.version} after {wait:.1f}s "
                 f"waiting for version {request.min_version}",
             )
+        stall(shard, self.delay)
         return waited
 
     @guarded
@@ -169,14 +178,27 @@ class DataPlane:
             checks.check_push_specs(shard, head.tensors, context)
             payload = checks.assemble(head.tensors, request_iterator, context, push_nbytes)
             payload = checks.decode(head.tensors, payload, context)
-            return apply_push(shard, head, lr_scale, payload)
+            return apply_push(shard, head, lr_scale, payload, delay=self.delay)
+
+
+def stall(shard: Shard, seconds: float) -> None:
+    """An injected slow server's wait (none at 0), counted as ``shard``'s busy time."""
+    if seconds > 0:
+        time.sleep(seconds)
+        shard.load.stalled(seconds)
 
 
 def apply_push(
-    shard: Shard, head: pb.PushHeader, lr_scale: float, payload: dict[str, np.ndarray]
+    shard: Shard,
+    head: pb.PushHeader,
+    lr_scale: float,
+    payload: dict[str, np.ndarray],
+    *,
+    delay: float = 0.0,
 ) -> pb.PushResponse:
-    """Apply a checked push's ``payload`` to ``shard``: its answer (a MOVED one says where its
-    pieces went)."""
+    """Apply a checked push's ``payload`` to ``shard``, ``delay`` seconds late (an injected
+    slow server): its answer (a MOVED one says where its pieces went)."""
+    stall(shard, delay)
     meta = PushMeta(
         lr_scale=lr_scale,
         worker=head.header.worker,

@@ -45,6 +45,11 @@ class ShardLoad:
             self.push_bytes += nbytes
             self.busy_seconds += seconds
 
+    def stalled(self, seconds: float) -> None:
+        """An injected delay of ``seconds`` (a slow server's test): busy time."""
+        with self._lock:
+            self.busy_seconds += seconds
+
     def reached(self, nbytes: Mapping[str, int], *, applied: bool) -> None:
         """A push of these pieces' bytes reached the rule (``applied``: the rule took it).
         Called where the update is applied, under the lock a move's export takes, so a piece's

@@ -86,6 +86,7 @@ class ServerArgs(TypedDict, total=False):
     max_workers: int
     evict_after: float
     wal_dir: Path | None
+    inject_delay: float
 
 
 def start_server(
@@ -101,6 +102,7 @@ def start_server(
     max_workers: int = 0,
     evict_after: float = DEFAULT_EVICT_AFTER,
     wal_dir: Path | None = None,
+    inject_delay: float = 0.0,
 ) -> tuple[grpc.Server, str, ParameterService]:
     """Start serving one shard on ``address`` ("host:port", port 0 = any free port).
 
@@ -113,7 +115,9 @@ def start_server(
     with mutual TLS instead of plaintext. ``checkpoint_dir`` and ``restore`` go to
     :class:`ParameterService` (where Checkpoint writes; a shard file to start from), and so do
     ``max_workers`` and ``evict_after`` (membership: see :mod:`distsgd.ps.membership`), and
-    ``wal_dir`` (the shard's write-ahead log: see :mod:`distsgd.ps.wal`).
+    ``wal_dir`` (the shard's write-ahead log: see :mod:`distsgd.ps.wal`). ``inject_delay``:
+    seconds every pull and push waits before its answer (``--inject-fault delay:ps:N=...``,
+    a slow server; 0: none).
 
     A port in use raises :class:`OSError` with a one-line message.
     """
@@ -140,6 +144,7 @@ def start_server(
         evict_after=evict_after,
         wal_dir=wal_dir,
     )
+    service.data.set_delay(inject_delay)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix=f"ps{shard_index}"),
         options=SERVER_OPTIONS,
@@ -192,7 +197,8 @@ def serve(
     control) once the server listens.
 
     ``address``, ``shard_index``, ``rule_factory`` and ``args`` (``secret``, ``tls``,
-    ``checkpoint_dir``, ``restore``, ``max_workers``, ``evict_after``, ``wal_dir``) go to
+    ``checkpoint_dir``, ``restore``, ``max_workers``, ``evict_after``, ``wal_dir``,
+    ``inject_delay``) go to
     :func:`start_server`. A warning is logged on any address without a run secret (on loopback
     every local user can connect), and on a non-loopback one without TLS (unless it has a
     secret and ``DISTSGD_TRUSTED_NETWORK`` is 1). Returns within a second of ``stop`` (or the

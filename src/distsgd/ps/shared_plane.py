@@ -333,7 +333,7 @@ class SharedPlane:
             for spec, part in zip(request.tensors, parts, strict=True):
                 entry.segment.read_into(entry.layout.push_at[spec.key], part)
             payload = checks.decode(request.tensors, _pieces(request.tensors, parts), context)
-            return apply_push(shard, request, lr_scale, payload)
+            return apply_push(shard, request, lr_scale, payload, delay=self.data.delay)
 
     def _check_shared_push(
         self, shard: Shard, request: pb.PushHeader, context: grpc.ServicerContext
@@ -396,7 +396,7 @@ class SharedPlane:
                 )
             payload = _pieces(request.tensors, _cut(raw, sizes))
             payload = checks.decode(request.tensors, payload, context)
-            return apply_push(shard, request, lr_scale, payload)
+            return apply_push(shard, request, lr_scale, payload, delay=self.data.delay)
 
 
 def _attach_reply(entry: Attached, port: int) -> pb.AttachResponse:

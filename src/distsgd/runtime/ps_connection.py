@@ -33,6 +33,7 @@ from distsgd.runtime.modules import exchanged_parameters
 from distsgd.runtime.scheme import WorkerScheme
 from distsgd.runtime.work import LeasedBatches, wait_members_gone, work_spec
 from distsgd.transport.delay import LinkDelay
+from distsgd.transport.inflight import CALLS
 from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd.transport.security import load_secret
 
@@ -131,7 +132,14 @@ class PsConnection(Connection):
         """The servers' version, as the scheme's last exchange heard it, stays."""
 
     def step_fields(self, ctx: WorkerContext) -> dict[str, Any]:
-        return {"mean_staleness": round(ctx.mean_staleness, 4)}
+        """The mean staleness, and ``server_s``: per server, the seconds this process's pulls
+        and pushes to it took so far (``{"ps0": {"pull": 1.2, "push": 3.4}, ...}``: where the
+        straggler detector looks for a slow link or a slow server)."""
+        spent = {
+            f"ps{i}": {m.lower(): round(CALLS.spent(s.address, m), 4) for m in ("Pull", "Push")}
+            for i, s in enumerate(self.ps.shards)
+        }
+        return {"mean_staleness": round(ctx.mean_staleness, 4), "server_s": spent}
 
     def leave(self) -> None:
         if self.heartbeat is not None:

@@ -319,7 +319,8 @@ class WorkerSession:
         source = iter(self._batches)
         while not self.done:
             self._prepare()
-            with self._ctx.clock.within("data"):
+            with self._ctx.clock.measure("data"):
+                self.faults.before_fetch()
                 raw = next(source, None)
             if raw is None:  # leased: the queue has no more work for this worker
                 self._prepared = False

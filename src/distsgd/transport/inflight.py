@@ -3,7 +3,9 @@
 :class:`~distsgd.transport.client.ShardClient` enters each call (its retries included) here
 and leaves it when the call returns or fails: a dict insert and a delete, nothing more, so
 that a process asked by the doctor (:mod:`distsgd.util.probe`) can say which server it waits
-on, since when, after how many attempts and with what error.
+on, since when, after how many attempts and with what error. The seconds of its pulls and
+pushes are summed per server on the way out (:meth:`InFlight.spent`): a worker's metrics say
+which server its exchanges wait on (the straggler detector, :mod:`distsgd.control.stragglers`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+TIMED_METHODS = frozenset({"Pull", "Push"})
+"""The calls whose seconds :meth:`InFlight.spent` sums."""
 
 
 @dataclass
@@ -42,6 +47,8 @@ class InFlight:
     def __init__(self) -> None:
         self._calls: dict[int, Call] = {}
         self._ids = itertools.count()
+        self._spent: dict[tuple[str, str], float] = {}
+        self._spent_lock = threading.Lock()
 
     @contextlib.contextmanager
     def track(self, address: str, method: str) -> Iterator[Call]:
@@ -54,6 +61,16 @@ class InFlight:
             yield call
         finally:
             del self._calls[key]
+            if method in TIMED_METHODS:
+                seconds = time.monotonic() - call.began
+                with self._spent_lock:
+                    spent = self._spent.get((address, method), 0.0) + seconds
+                    self._spent[(address, method)] = spent
+
+    def spent(self, address: str, method: str) -> float:
+        """Seconds this process's calls of ``method`` (Pull or Push) to ``address`` took so far
+        (retries and each call's wait for its server included; calls on other threads too)."""
+        return self._spent.get((address, method), 0.0)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The calls in flight now, longest first."""
