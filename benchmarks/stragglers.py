@@ -1,6 +1,6 @@
 """Stragglers named, with their cause: injected slow-downs against the launcher's detector.
 
-    python benchmarks/stragglers.py [--cases compute,data,link,server] [--clean 10]
+    python benchmarks/stragglers.py [--cases compute,data,link,server] [--only ps] [--clean 10]
         [--deadline 30] [--out DIR]
     python benchmarks/stragglers.py --overhead [--pairs 2] [--before REV] [--out DIR]
 
@@ -133,6 +133,8 @@ def run_matrix(args: argparse.Namespace, procs: bench.Processes) -> dict[str, An
     root = os.geteuid() == 0
     rows = []
     for n, case in enumerate(matrix(args.cases.split(","))):
+        if not case["task"].startswith(args.only):
+            continue
         if case["hosts"] and not root:
             rows.append({**case, "skipped": "needs root (emulated hosts)"})
             continue
@@ -219,6 +221,7 @@ def run_overhead(args: argparse.Namespace, procs: bench.Processes) -> dict[str, 
         ).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True, timeout=60)
         env_a = {"PYTHONPATH": str(Path(tmp) / "src")}
+        (args.out / "runs").mkdir(parents=True, exist_ok=True)
         for n in range(args.pairs):
             for kind, env in (("A", env_a), ("B", {})):
                 run_dir = args.out / "runs" / f"overhead-{kind}{n}"
@@ -246,6 +249,7 @@ def overhead_markdown(result: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="compute,data,link,server")
+    parser.add_argument("--only", default="", help="only the cases of these tasks (ps, worker1)")
     parser.add_argument("--clean", type=int, default=10, help="runs without faults (default 10)")
     parser.add_argument("--deadline", type=float, default=30.0)
     parser.add_argument("--overhead", action="store_true", help="the throughput A B A B instead")

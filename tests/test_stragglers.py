@@ -74,12 +74,12 @@ def _lines(
     return sorted(out, key=lambda r: r["time"])
 
 
-def _feed(records: list[dict], busy: Mapping[str, float] | None = None) -> list[Change]:
+def _feed(records: list[dict], busy: Mapping[str, dict] | None = None) -> list[Change]:
     """Feed the records as the launcher does (a decision after each), with ``shard_load``
-    events of these ``busy`` shares every 5 s; every change made."""
+    events of these ``busy`` fields every 5 s; every change made."""
     detector = StragglerDetector()
     loads = [
-        {"time": T0 + t, "task": "launcher", "event": "shard_load", "ps": int(ps[2:]), "busy": b}
+        {"time": T0 + t, "task": "launcher", "event": "shard_load", "ps": int(ps[2:]), **b}
         for t in range(0, 60, 5)
         for ps, b in (busy or {}).items()
     ]
@@ -122,10 +122,22 @@ def _slow_ps1(method: str, seconds: float) -> dict[str, dict[str, dict[str, floa
     return {f"worker{i}": calls for i in range(4)}
 
 
-@pytest.mark.parametrize(("busy", "cause"), [(1.8, "server"), (0.05, "link")])
-def test_a_server_slow_for_every_worker_is_named_by_its_busy_share(busy: float, cause: str) -> None:
-    phases = _workers(**{f"worker{i}": {"pull": 0.05} for i in range(4)})
-    changes = _feed(_lines(phases, _slow_ps1("pull", 0.05)), busy={"ps0": 0.05, "ps1": busy})
+@pytest.mark.parametrize(
+    ("method", "busy", "cause"),
+    [
+        ("pull", {"busy": 1.8, "pull_busy": 1.2}, "server"),
+        ("pull", {"busy": 0.05, "pull_busy": 0.02}, "link"),
+        ("pull", {"busy": 1.8, "pull_busy": 0.02}, "link"),  # its pushes wait for its replica
+        ("push", {"busy": 1.8, "pull_busy": 0.02}, "server"),  # pulls from shared memory
+        ("push", {"busy": 0.05}, "link"),
+    ],
+)
+def test_a_server_slow_for_every_worker_is_named_by_its_busy_share(
+    method: str, busy: dict, cause: str
+) -> None:
+    phases = _workers(**{f"worker{i}": {method: 0.05} for i in range(4)})
+    fast = {k: 0.05 if k == "busy" else 0.02 for k in busy}
+    changes = _feed(_lines(phases, _slow_ps1(method, 0.05)), busy={"ps0": fast, "ps1": busy})
     assert _named(changes) == [("ps1", cause)]
     assert changes[-1].finding.chronic
 

@@ -33,7 +33,14 @@ WINDOW_LINES = 512
 """The most step lines a task's window keeps (a fast run's window spans fewer seconds)."""
 READ_LIMIT = 64 << 20
 """The most bytes one :meth:`MetricsFollower.poll` reads (the rest waits for the next call)."""
-LOAD_FIELDS = ("pushes_per_s", "pulls_per_s", "push_mb_per_s", "pull_mb_per_s", "busy")
+LOAD_FIELDS = (
+    "pushes_per_s",
+    "pulls_per_s",
+    "push_mb_per_s",
+    "pull_mb_per_s",
+    "busy",
+    "pull_busy",
+)
 """The rates of a ``shard_load`` event (launcher/shard_load.py's ``RATES``)."""
 
 

@@ -37,14 +37,17 @@ are; ``pull`` or ``push`` is its ``link`` (its exchanges are slow, and the serve
 the same server slow for every worker is that server's, below, and names no worker).
 
 **Servers**: per server ``s`` and method (pull, push), ``m[s]`` = the workers' median of
-``c[s]``; its score is ``m[s] / median(m of the other servers, same method)``, the worse of its
-pulls' and its pushes' (its pushes' only where its pulls are not faster than the others': a
-server's pushes wait for its write-ahead log's replica on another host, so a slow host slows
-the pushes of the server whose replica it holds too, not its pulls), slow and named as a
-worker's (with the same thresholds, two windows).
-Its cause is ``server`` when its ``busy`` share (its last ``shard_load``) is at least twice the
-others' median and 0.1 above it (it works slowly: an overloaded or throttled process), else
-``link`` (it waits on its network).
+``c[s]``; its score is ``m[s] / median(m of the other servers, same method)``, slow and named
+as a worker's (with the same thresholds, two windows). A server slow on its pulls is judged by
+its pulls; one slow on its pushes only, by its pushes, unless another server is slow on its
+pulls (a server's pushes wait for its write-ahead log's replica on another host: a slow host
+slows the pushes of the server whose replica it holds too). Pulls through shared memory never
+reach the server (a worker on its host reads them from the segment), so a slow server on the
+workers' own host shows in its pushes only. The cause is ``server`` when its busy share of
+those calls (its last ``shard_load``: ``pull_busy``, the time its pulls kept it working before
+their bytes went out; ``busy``, its pushes') is at least twice the others' median and 0.1
+above it (it works slowly: an overloaded or throttled process), else ``link`` (it waits on its
+network).
 
 No straggler is named with fewer than two workers reporting (nothing to compare with), and a
 collective scheme's slow link cannot be told from its peers' (the all-reduce's time is each
@@ -73,7 +76,8 @@ MIN_EXCESS_S = 0.01
 """And only when it is this many seconds a step slower than the median (no noise of a fast
 step named)."""
 SERVER_BUSY_RATIO = 2.0
-"""A slow server whose busy share is this many times the others' is slow itself (``server``)."""
+"""A slow server whose pull_busy share is this many times the others' is slow itself
+(``server``)."""
 SERVER_BUSY_MARGIN = 0.1
 """... and this much above it."""
 CAUSE_PHASES = ("compute", "data", "pull", "push", "checkpoint", "eval")
@@ -169,7 +173,8 @@ class StragglerDetector:
         self.window = window
         self._workers: dict[str, _Track] = {}
         self._servers: dict[str, _Track] = {}
-        self._busy: dict[str, float] = {}
+        self._busy: dict[tuple[str, str], float] = {}
+        """Per (server, pull or push), its last busy share of those calls."""
         self._finished: dict[str, _Rate] = {}
         """The last window of each worker that stopped reporting."""
         self._pending: list[Change] = []
@@ -194,9 +199,9 @@ class StragglerDetector:
         elif event in ("finished_steps", "worker_left", "fault"):
             self._gone(task if event == "finished_steps" else str(record.get("target", "")))
         elif event == "shard_load" and isinstance(record.get("ps"), int):
-            busy = as_number(record.get("busy"))
-            if busy is not None:
-                self._busy[f"ps{record['ps']}"] = busy
+            for method, key in (("pull", "pull_busy"), ("push", "busy")):
+                if (busy := as_number(record.get(key))) is not None:
+                    self._busy[(f"ps{record['ps']}", method)] = busy
 
     def _gone(self, task: str) -> None:
         """``task`` stopped reporting (finished, left, died): its last window stays a peer's
@@ -288,48 +293,59 @@ class StragglerDetector:
             calls[key] = statistics.median(
                 r.servers[key] for r in rates.values() if key in r.servers
             )
+        found = {
+            server: {m: self._server_method(server, m, calls) for m in ("pull", "push")}
+            for server in sorted({key.split("/")[0] for key in calls})
+        }
+        slow_pulls = {s for s, by in found.items() if _slow(by["pull"])}
         changes = []
-        for server in sorted({key.split("/")[0] for key in calls}):
+        for server, by in found.items():
             track = self._servers.setdefault(server, _Track())
-            finding = None
-            if len(rates) >= 2:
-                finding = self._server_finding(server, calls)
+            pull, push = by["pull"], by["push"]
+            finding = pull if server in slow_pulls or not _slow(push) else push
+            if slow_pulls - {server} and finding is push:
+                finding = pull  # its pushes wait for a log replica on the slow server's host
+            if len(rates) < 2:
+                finding = None
             changes += _judge(track, finding, quiet=finding is None)
         return changes
 
-    def _server_finding(self, server: str, calls: Mapping[str, float]) -> Finding | None:
-        """The server's window: its pulls and its pushes each against the other servers'
-        (the worse of the two, its pushes only where its pulls are not the faster; None with
-        no other server to compare with)."""
-        found: dict[str, Finding] = {}
-        for key, mine in calls.items():
-            name, method = key.split("/")
-            rest = [v for k, v in calls.items() if k.endswith(f"/{method}") and k != key]
-            if name != server or not rest:
-                continue
-            median = statistics.median(rest)
-            finding = Finding(
-                task=server,
-                score=_ratio(mine, median),
-                vs_fastest=_ratio(mine, min(rest)),
-                vs_best=1.0,
-                cause=self._server_cause(server),
-                chronic=False,
-            )
-            found[method] = finding if mine - median >= MIN_EXCESS_S else _calm(finding)
-        pull, push = found.get("pull"), found.get("push")
-        if pull is not None and (push is None or pull.score < 1.0 or pull.score >= push.score):
-            return pull
-        return push
+    def _server_method(
+        self, server: str, method: str, calls: Mapping[str, float]
+    ) -> Finding | None:
+        """The server's calls of ``method`` against the other servers' (None: no other
+        server, or no such calls)."""
+        mine = calls.get(f"{server}/{method}")
+        rest = [
+            v for k, v in calls.items() if k.endswith(f"/{method}") and k.split("/")[0] != server
+        ]
+        if mine is None or not rest:
+            return None
+        median = statistics.median(rest)
+        finding = Finding(
+            task=server,
+            score=_ratio(mine, median),
+            vs_fastest=_ratio(mine, min(rest)),
+            vs_best=1.0,
+            cause=self._server_cause(server, method),
+            chronic=False,
+        )
+        return finding if mine - median >= MIN_EXCESS_S else _calm(finding)
 
-    def _server_cause(self, server: str) -> str:
-        busy = self._busy.get(server)
-        rest = [b for s, b in self._busy.items() if s != server]
+    def _server_cause(self, server: str, method: str) -> str:
+        """``server`` where the server's own work on these calls is slow (its busy share of
+        them, from its last ``shard_load``, twice the others'), else ``link``."""
+        busy = self._busy.get((server, method))
+        rest = [b for (s, m), b in self._busy.items() if s != server and m == method]
         if busy is None or not rest:
             return "link"
         median = statistics.median(rest)
         slow = busy >= SERVER_BUSY_RATIO * median and busy - median >= SERVER_BUSY_MARGIN
         return "server" if slow else "link"
+
+
+def _slow(finding: Finding | None) -> bool:
+    return finding is not None and finding.score >= NAME_SCORE
 
 
 def _calls(record: Mapping[str, Any]) -> dict[str, float]:

@@ -2,7 +2,10 @@
 ``shard_load`` metrics event per server every :data:`LOAD_EVERY` seconds, with the rates of the
 interval: pushes and pulls per second, their MB/s, and ``busy``, the share of the interval its
 pushes kept it working (check, write-ahead log, update; above 1 where an unlocked rule's pushes
-overlap). TensorBoard shows them as ``load/psN/<field>`` on the launcher's run."""
+overlap), and ``pull_busy``, the share its pulls kept it working before their bytes went out
+(the straggler detector's sign of a slow server rather than a slow link: a push's busy time
+includes its wait for the write-ahead log's replica, over the network). TensorBoard shows them
+as ``load/psN/<field>`` on the launcher's run."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from distsgd.transport.proto import distsgd_pb2 as pb
 
 LOAD_EVERY = 5.0
 """Seconds between two ``shard_load`` events of one server."""
-RATES = ("pushes_per_s", "pulls_per_s", "push_mb_per_s", "pull_mb_per_s", "busy")
+RATES = ("pushes_per_s", "pulls_per_s", "push_mb_per_s", "pull_mb_per_s", "busy", "pull_busy")
 """The numbers of a ``shard_load`` event besides ``ps`` and ``seconds``."""
 
 
@@ -51,4 +54,5 @@ def rates(before: pb.ShardLoad, after: pb.ShardLoad, seconds: float) -> dict[str
         "push_mb_per_s": round((after.push_bytes - before.push_bytes) / seconds / 1e6, 3),
         "pull_mb_per_s": round((after.pull_bytes - before.pull_bytes) / seconds / 1e6, 3),
         "busy": round((after.busy_seconds - before.busy_seconds) / seconds, 4),
+        "pull_busy": round((after.pull_busy_seconds - before.pull_busy_seconds) / seconds, 4),
     }

@@ -148,6 +148,7 @@ class DataPlane:
         self, request: pb.PullRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.PullResponse]:
         with self._served("Pull", request.header.worker):
+            started = time.perf_counter()
             shard, wait = self.check_pull(request, context)
             encoding = checks.pull_encoding(request.encoding, context)
             keys = checks.pull_keys(request.keys, context)
@@ -157,7 +158,8 @@ class DataPlane:
             # expect.
             version, values = shard.snapshot(keys) if shard.rule.locked else shard.live(keys)
             specs, arrays = encode_pull(values, encoding)
-            shard.load.pulled({spec.key: a.nbytes for spec, a in zip(specs, arrays, strict=True)})
+            busy = time.perf_counter() - started - waited
+            shard.load.pulled({s.key: a.nbytes for s, a in zip(specs, arrays, strict=True)}, busy)
             header = pb.PullHeader(
                 version=version,
                 tensors=specs,
@@ -181,11 +183,13 @@ class DataPlane:
             return apply_push(shard, head, lr_scale, payload, delay=self.delay)
 
 
-def stall(shard: Shard, seconds: float) -> None:
-    """An injected slow server's wait (none at 0), counted as ``shard``'s busy time."""
+def stall(shard: Shard, seconds: float, *, push: bool = False) -> None:
+    """An injected slow server's wait (none at 0); a ``push``'s counts as ``shard``'s busy time
+    (a pull's is counted in its pull's)."""
     if seconds > 0:
         time.sleep(seconds)
-        shard.load.stalled(seconds)
+        if push:
+            shard.load.stalled(seconds)
 
 
 def apply_push(
@@ -198,7 +202,7 @@ def apply_push(
 ) -> pb.PushResponse:
     """Apply a checked push's ``payload`` to ``shard``, ``delay`` seconds late (an injected
     slow server): its answer (a MOVED one says where its pieces went)."""
-    stall(shard, delay)
+    stall(shard, delay, push=True)
     meta = PushMeta(
         lr_scale=lr_scale,
         worker=head.header.worker,

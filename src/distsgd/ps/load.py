@@ -33,6 +33,9 @@ class ShardLoad:
     busy_seconds: float = 0.0
     """Seconds spent inside :meth:`Shard.push` (overlapping where an unlocked rule lets
     pushes run side by side: then more than the wall time can pass)."""
+    pull_busy_seconds: float = 0.0
+    """Seconds spent answering pulls before their bytes go out (the wait for a version
+    excluded): unlike :attr:`busy_seconds`, never a wait for the write-ahead log's replica."""
     pieces: dict[str, PieceCounts] = field(default_factory=dict)
     """Per piece held now, by key (read under :meth:`piece_counts`)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -46,7 +49,7 @@ class ShardLoad:
             self.busy_seconds += seconds
 
     def stalled(self, seconds: float) -> None:
-        """An injected delay of ``seconds`` (a slow server's test): busy time."""
+        """An injected delay of a push of ``seconds`` (a slow server's test): busy time."""
         with self._lock:
             self.busy_seconds += seconds
 
@@ -60,10 +63,11 @@ class ShardLoad:
                 counts.push_bytes += n
                 counts.applies += applied
 
-    def pulled(self, nbytes: Mapping[str, int]) -> None:
-        """A pull of these pieces' bytes (as sent)."""
+    def pulled(self, nbytes: Mapping[str, int], busy: float = 0.0) -> None:
+        """A pull of these pieces' bytes (as sent), ``busy`` seconds answered."""
         with self._lock:
             self.pulls += 1
+            self.pull_busy_seconds += max(0.0, busy)
             self.pull_bytes += sum(nbytes.values())
             for key, n in nbytes.items():
                 self.pieces.setdefault(key, PieceCounts()).pull_bytes += n

@@ -152,6 +152,7 @@ class RegistrationPlane:
                         pulls=load.pulls,
                         pull_bytes=load.pull_bytes,
                         busy_seconds=load.busy_seconds,
+                        pull_busy_seconds=load.pull_busy_seconds,
                         pieces=piece_loads(load.piece_counts(shard.values)),
                     )
                 )

@@ -255,6 +255,7 @@ class SharedPlane:
         self, request: pb.PullRequest, context: grpc.ServicerContext, via: Attached | None
     ) -> tuple[pb.PullHeader, list[np.ndarray]]:
         """A PullShared: its answer, and (tensor socket) the values to send after it."""
+        started = time.perf_counter()
         shard, wait = self.data.check_pull(request, context)
         encoding = checks.pull_encoding(request.encoding, context)
         if request.keys:
@@ -275,10 +276,11 @@ class SharedPlane:
                 arrays = list(values.values())
                 if encoding is not Encoding.RAW:
                     specs, arrays = encode_pull(values, encoding)
+        busy = time.perf_counter() - started - waited
         if arrays:
-            shard.load.pulled({spec.key: a.nbytes for spec, a in zip(specs, arrays, strict=True)})
+            shard.load.pulled({s.key: a.nbytes for s, a in zip(specs, arrays, strict=True)}, busy)
         else:  # a segment's pull: the whole shard, raw
-            shard.load.pulled({key: value.nbytes for key, value in shard.values.items()})
+            shard.load.pulled({key: value.nbytes for key, value in shard.values.items()}, busy)
         header = pb.PullHeader(
             version=version,
             tensors=specs,

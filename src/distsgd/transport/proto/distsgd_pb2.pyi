@@ -383,20 +383,22 @@ class WalStatus(_message.Message):
     def __init__(self, down: _Optional[bool] = ..., outages: _Optional[int] = ..., down_seconds: _Optional[float] = ..., error: _Optional[str] = ..., folder: _Optional[str] = ..., generation: _Optional[int] = ..., refused_pushes: _Optional[int] = ..., unlogged: _Optional[int] = ..., replica: _Optional[bool] = ...) -> None: ...
 
 class ShardLoad(_message.Message):
-    __slots__ = ("pushes", "push_bytes", "pulls", "pull_bytes", "busy_seconds", "pieces")
+    __slots__ = ("pushes", "push_bytes", "pulls", "pull_bytes", "busy_seconds", "pieces", "pull_busy_seconds")
     PUSHES_FIELD_NUMBER: _ClassVar[int]
     PUSH_BYTES_FIELD_NUMBER: _ClassVar[int]
     PULLS_FIELD_NUMBER: _ClassVar[int]
     PULL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
+    PULL_BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     pushes: int
     push_bytes: int
     pulls: int
     pull_bytes: int
     busy_seconds: float
     pieces: _containers.RepeatedCompositeFieldContainer[PieceLoad]
-    def __init__(self, pushes: _Optional[int] = ..., push_bytes: _Optional[int] = ..., pulls: _Optional[int] = ..., pull_bytes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., pieces: _Optional[_Iterable[_Union[PieceLoad, _Mapping]]] = ...) -> None: ...
+    pull_busy_seconds: float
+    def __init__(self, pushes: _Optional[int] = ..., push_bytes: _Optional[int] = ..., pulls: _Optional[int] = ..., pull_bytes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., pieces: _Optional[_Iterable[_Union[PieceLoad, _Mapping]]] = ..., pull_busy_seconds: _Optional[float] = ...) -> None: ...
 
 class PieceLoad(_message.Message):
     __slots__ = ("key", "push_bytes", "pull_bytes", "applies")
