@@ -149,6 +149,18 @@ def test_a_server_whose_pushes_wait_for_a_slow_replica_is_not_named() -> None:
     assert _named(changes) == [("ps1", "link")]
 
 
+def test_a_server_whose_replica_sits_on_a_slow_workers_host_is_not_named() -> None:
+    """worker1's link is slow, and ps1's log replica is on worker1's host: every worker's
+    pushes to ps1 wait for it (ps1 busy), but the one to name is worker1."""
+    calls = {**CALLS, "ps1": {"pull": 0.004, "push": 0.05}}
+    slow = {**calls, "ps0": {"pull": 0.04, "push": 0.05}, "ps1": {"pull": 0.04, "push": 0.09}}
+    per_worker = {f"worker{i}": slow if i == 1 else calls for i in range(4)}
+    phases = _workers(**{f"worker{i}": {"push": 0.05} for i in range(4)})
+    phases["worker1"] = {**phases["worker1"], "pull": 0.08, "push": 0.09}
+    busy = {"ps0": {"busy": 0.05, "pull_busy": 0.02}, "ps1": {"busy": 1.5, "pull_busy": 0.02}}
+    assert _named(_feed(_lines(phases, per_worker), busy=busy)) == [("worker1", "link")]
+
+
 def test_a_one_off_stall_is_named_not_chronic_and_cleared() -> None:
     """A stall longer than a window (a shorter one is diluted by the window's other steps)."""
     changes = _feed(_lines(_workers(), seconds=60, stall=("worker1", 20.0, 8.0)))

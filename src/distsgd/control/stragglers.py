@@ -40,8 +40,9 @@ the same server slow for every worker is that server's, below, and names no work
 ``c[s]``; its score is ``m[s] / median(m of the other servers, same method)``, slow and named
 as a worker's (with the same thresholds, two windows). A server slow on its pulls is judged by
 its pulls; one slow on its pushes only, by its pushes, unless another server is slow on its
-pulls (a server's pushes wait for its write-ahead log's replica on another host: a slow host
-slows the pushes of the server whose replica it holds too). Pulls through shared memory never
+pulls or a worker slow on its exchanges (score over 1.25, cause link): a server's pushes wait
+for its write-ahead log's replica on another host, and a slow host slows the pushes of the
+server whose replica it holds too. Pulls through shared memory never
 reach the server (a worker on its host reads them from the segment), so a slow server on the
 workers' own host shows in its pushes only. The cause is ``server`` when its busy share of
 those calls (its last ``shard_load``: ``pull_busy``, the time its pulls kept it working before
@@ -178,6 +179,8 @@ class StragglerDetector:
         self._finished: dict[str, _Rate] = {}
         """The last window of each worker that stopped reporting."""
         self._pending: list[Change] = []
+        self._slow_links = False
+        """Whether a worker's exchanges were slow (cause link, over 1.25) this window."""
         self._now: float | None = None
         self._decided: float | None = None
 
@@ -275,7 +278,8 @@ class StragglerDetector:
         )
 
     def _judge_workers(self, rates: Mapping[str, _Rate]) -> list[Change]:
-        changes = []
+        changes: list[Change] = []
+        self._slow_links = False
         for task, track in self._workers.items():
             rate = rates.get(task)
             if rate is not None:
@@ -284,6 +288,7 @@ class StragglerDetector:
             finding = None
             if rate is not None and others:
                 finding = _worker_finding(task, rate, others, track.best_step_s or rate.step_s)
+                self._slow_links |= finding.cause == "link" and finding.score >= CLEAR_SCORE
             changes += _judge(track, finding, quiet=rate is None or not others)
         return changes
 
@@ -303,8 +308,8 @@ class StragglerDetector:
             track = self._servers.setdefault(server, _Track())
             pull, push = by["pull"], by["push"]
             finding = pull if server in slow_pulls or not _slow(push) else push
-            if slow_pulls - {server} and finding is push:
-                finding = pull  # its pushes wait for a log replica on the slow server's host
+            if finding is push and (slow_pulls - {server} or self._slow_links):
+                finding = pull  # its pushes wait for a log replica on the slow host
             if len(rates) < 2:
                 finding = None
             changes += _judge(track, finding, quiet=finding is None)
