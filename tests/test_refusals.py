@@ -85,12 +85,12 @@ def test_a_pull_refused_busy_makes_no_member() -> None:
     caller is not made a member."""
     with _shard() as (_, service, stub):
         service.max_waiting_pulls = 1
-        service.data._waiting = 1  # every place taken
+        service.data._waiting[-1] = (9, 5, 0.0)  # every place taken (by a worker 9)
         try:
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Pull(pb.PullRequest(header=_header(3), min_version=5), timeout=5))
         finally:
-            service.data._waiting = 0
+            service.data._waiting.clear()
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         after = stub.Info(pb.InfoRequest(header=_header(-1)), timeout=5)
         assert list(after.members) == [0] and after.membership_epoch == 0
