@@ -280,3 +280,18 @@ def test_a_stopped_server_is_named_before_the_workers_count_as_stuck() -> None:
     stopped = TaskSeen(task="ps1", pid=201, process="stopped")
     assert diagnose([*seen, stopped]).culprit == "ps1"
     assert diagnose([*seen, TaskSeen(task="ps1", pid=201, process="sleeping")]).culprit is None
+
+
+def test_a_socket_folder_others_may_enter_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another user's (or an open) folder where the probes' sockets go: no probe, no socket."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    folder = tmp_path / f"distsgd-doctor-{os.getuid()}"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    with pytest.raises(PermissionError, match="alone"):
+        Probe("worker0", tmp_path / "doctor")
+    from distsgd.util.probe import start_probe
+
+    assert start_probe("worker0", tmp_path / "doctor") is None  # the task runs without

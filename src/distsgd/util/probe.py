@@ -30,6 +30,7 @@ import linecache
 import logging
 import os
 import socket
+import stat
 import struct
 import sys
 import tempfile
@@ -59,8 +60,14 @@ _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def socket_dir() -> Path:
-    """This user's folder of probe sockets (made 0700), short enough for any socket name."""
-    return private_dir(Path(tempfile.gettempdir()) / f"distsgd-doctor-{os.getuid()}")
+    """This user's folder of probe sockets (made 0700), short enough for any socket name;
+    :class:`PermissionError` where one already there is not a folder of this user's alone
+    (another user made it first: its sockets could be swapped)."""
+    folder = private_dir(Path(tempfile.gettempdir()) / f"distsgd-doctor-{os.getuid()}")
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{folder} must be a folder of this user's alone (mode 0700)")
+    return folder
 
 
 def stacks() -> list[dict[str, Any]]:
