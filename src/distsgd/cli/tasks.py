@@ -75,26 +75,7 @@ def _add_server(sub: Any) -> None:
         help="start from this shard's newest file under --checkpoint-dir, if there is one "
         "(a restarted server: its container, or a pod)",
     )
-    server.add_argument(
-        "--wal",
-        choices=("on", "off"),
-        default="on",
-        help="log every update before applying it, so that a killed server restarted on the "
-        "same folder loses none (default on; needs --wal-dir or --checkpoint-dir)",
-    )
-    server.add_argument(
-        "--wal-dir",
-        type=Path,
-        help="the write-ahead log's folder (default CHECKPOINT_DIR/wal/psN); a server started "
-        "on a folder that holds a shard serves it",
-    )
-    server.add_argument(
-        "--replica",
-        metavar="HOST:PORT",
-        help="mirror the write-ahead log to the replica there (distsgd server --job replica on "
-        "another host): a push is acknowledged once both hold it, and a server started on an "
-        "empty --wal-dir fetches the replica's copy first",
-    )
+    _add_wal_flags(server)
     server.add_argument(
         "--run-id", default="", help="the run's id, which a replica and its server must share"
     )
@@ -120,6 +101,30 @@ def _add_server(sub: Any) -> None:
     )
     add_cluster_flags(server)
     add_tls_flags(server)
+
+
+def _add_wal_flags(server: Any) -> None:
+    """The server's write-ahead log: on or off, its folder, its replica."""
+    server.add_argument(
+        "--wal",
+        choices=("on", "off"),
+        default="on",
+        help="log every update before applying it, so that a killed server restarted on the "
+        "same folder loses none (default on; needs --wal-dir or --checkpoint-dir)",
+    )
+    server.add_argument(
+        "--wal-dir",
+        type=Path,
+        help="the write-ahead log's folder (default CHECKPOINT_DIR/wal/psN); a server started "
+        "on a folder that holds a shard serves it",
+    )
+    server.add_argument(
+        "--replica",
+        metavar="HOST:PORT",
+        help="mirror the write-ahead log to the replica there (distsgd server --job replica on "
+        "another host): a push is acknowledged once both hold it, and a server started on an "
+        "empty --wal-dir fetches the replica's copy first",
+    )
 
 
 def _add_worker(sub: Any) -> None:
