@@ -35,6 +35,13 @@ _RUNS = tempfile.mkdtemp(prefix="distsgd-test-runs-")
 os.environ["DISTSGD_RUNS"] = _RUNS
 atexit.register(shutil.rmtree, _RUNS, True)
 
+# A shell without job control starts a background command (`bash .ci/run &`, `nohup ... &`)
+# with SIGINT ignored, and every process inherits that: Python then installs no Ctrl-C handler,
+# and the tests that send SIGINT (to a script run alone, to this process) would see it ignored
+# rather than act as from a terminal. Each test process starts from Python's own handler.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 SLOW_FIRST = (
     "test_benchmarks.py::test_quick_suite_writes_every_row_and_cleans_up",
