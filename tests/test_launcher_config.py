@@ -10,7 +10,7 @@ import pytest
 from distsgd import schemes
 from distsgd.cluster import ClusterSpec
 from distsgd.launcher.argv import worker_task
-from distsgd.launcher.config import DEMO_SCRIPT, ClusterSize, LaunchConfig
+from distsgd.launcher.config import ClusterSize, LaunchConfig
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "blobs.py")
 
@@ -95,22 +95,3 @@ def test_a_resumed_fixed_run_stays_fixed(tmp_path: Path) -> None:
     run_dir = _saved(tmp_path, scheme="allreduce", workers=2)
     resumed = LaunchConfig.resumed(run_dir, min_workers=0, max_workers=0)
     assert not resumed.size.elastic and resumed.size.highest_workers == 2
-
-
-@pytest.mark.parametrize("name", schemes.names())
-def test_the_fork_server_preloads_the_optimizer_where_a_worker_builds_one(
-    name: str, tmp_path: Path
-) -> None:
-    """The bundled demo under a scheme whose servers update: no worker builds a torch optimizer,
-    so the fork server does not import torch._dynamo for them (over a CPU-second); a scheme
-    with a local optimizer, or a script of the user's own, gets it."""
-    demo = LaunchConfig(script=str(DEMO_SCRIPT), scheme=name, size=ClusterSize(workers=2))
-    script = tmp_path / "train.py"
-    script.write_text("")
-    own = LaunchConfig(script=str(script), scheme=name, size=ClusterSize(workers=2))
-    local = schemes.get(name).local_optimizer
-    assert demo.preloads_optimizer is local
-    assert own.preloads_optimizer is True
-    assert local is (
-        name in ("allreduce", "localsgd", "diloco", "asyncdiloco", "downpour", "easgd")
-    )

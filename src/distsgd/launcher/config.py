@@ -355,16 +355,6 @@ class LaunchConfig:
         return self.hosting.fork_server and not self.hosting.hosts
 
     @property
-    def preloads_optimizer(self) -> bool:
-        """Whether the fork server imports what ``torch.optim`` needs (``torch._dynamo``, over
-        a CPU-second) before forking workers: where they will build an optimizer, that is under
-        a scheme with a local one or with a script of the user's own; not for the bundled demo
-        under a scheme without (most parameter-server schemes: their servers update)."""
-        if schemes.get(self.scheme).local_optimizer:
-            return True
-        return Path(self.script).resolve() != DEMO_SCRIPT
-
-    @property
     def tasks(self) -> tuple[TaskId, ...]:
         """The tasks the run may have: servers, then workers (up to ``--max-workers``)."""
         servers = tuple(TaskId(job=Role.PS, index=i) for i in range(self.num_ps))

@@ -166,8 +166,9 @@ class Supervisor:
         self.machines = 1
         """Its tasks run on this machine (emulated hosts are the launcher's to count)."""
         self.preload_optimizer = preload_optimizer
-        """Whether the fork server imports what torch.optim needs before forking
-        (``LaunchConfig.preloads_optimizer``)."""
+        """Whether the fork server imports what torch.optim needs before forking (every
+        worker builds an optimizer, its own or :class:`~distsgd.runtime.rates.ServerRate`;
+        tests of the fork server itself leave it out)."""
         self.fork_server_log = fork_server_log
         """Where the fork server's own output goes; None: no fork server, every task is a
         process (it is started by :meth:`prepare` as the cluster starts, or with the first worker

@@ -187,7 +187,7 @@ def _request_id(data: bytes) -> int:
 # -- the server ---------------------------------------------------------------------------------
 PRELOAD_ENV = "DISTSGD_FORK_PRELOAD"
 """What the server imports before it serves: :data:`PRELOAD_OPTIMIZER` (the default) or
-:data:`PRELOAD_TORCH` (the launcher knows no worker will build an optimizer)."""
+:data:`PRELOAD_TORCH` (tests of the server alone, whose tasks build none)."""
 PRELOAD_OPTIMIZER = "optimizer"
 PRELOAD_TORCH = "torch"
 
@@ -200,7 +200,8 @@ def preload() -> None:
 
     if os.environ.get(PRELOAD_ENV, PRELOAD_OPTIMIZER) != PRELOAD_TORCH:
         # torch.optim imports this when a process makes its first optimizer (over a
-        # CPU-second, in most workers: a local optimizer of a scheme, or the user's own).
+        # CPU-second; every worker makes one: a scheme's local one, the user's own, or the
+        # ServerRate a scheduler drives).
         import torch._dynamo  # noqa: F401
 
     import distsgd.api

@@ -98,6 +98,5 @@ SPEC = SchemeSpec(
     options=AllreduceOptions,
     rules=AllreduceRules,
     worker="distsgd.workers.allreduce:AllreduceWorker",
-    local_optimizer=True,
     traffic=Traffic(kind="collective"),
 )

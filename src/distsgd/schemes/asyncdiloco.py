@@ -311,6 +311,5 @@ SPEC = SchemeSpec(
     worker="distsgd.workers.asyncdiloco:AsyncDilocoWorker",
     server=DelayedNesterovServer,
     step_size=("inner_lr", "outer_lr"),
-    local_optimizer=True,
     traffic=Traffic(kind="async", period_option="inner_steps", overlap_option="overlap"),
 )

@@ -157,6 +157,5 @@ SPEC = SchemeSpec(
     rules=DilocoRules,
     worker="distsgd.workers.diloco:DilocoWorker",
     step_size=("inner_lr", "outer_lr"),
-    local_optimizer=True,
     traffic=Traffic(kind="collective", period_option="inner_steps", overlap_option="overlap_steps"),
 )

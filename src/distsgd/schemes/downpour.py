@@ -149,6 +149,5 @@ SPEC = SchemeSpec(
     worker="distsgd.workers.downpour:DownpourWorker",
     server=DownpourServer,
     step_size=("lr", "server_lr"),
-    local_optimizer=True,
     traffic=Traffic(kind="async", period_option="window", overlap_option="overlap"),
 )

@@ -95,6 +95,5 @@ SPEC = SchemeSpec(
     worker="distsgd.workers.easgd:EasgdWorker",
     server=ElasticServer,
     step_size=("lr", "alpha"),
-    local_optimizer=True,
     traffic=Traffic(kind="async", period_option="tau"),
 )

@@ -59,6 +59,5 @@ SPEC = SchemeSpec(
     options=LocalsgdOptions,
     rules=LocalsgdRules,
     worker="distsgd.workers.localsgd:LocalsgdWorker",
-    local_optimizer=True,
     traffic=Traffic(kind="collective", period_option="period"),
 )

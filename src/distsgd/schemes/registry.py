@@ -43,10 +43,6 @@ class SchemeSpec:
     """The server half, an :class:`UpdateRule` subclass built as ``server(options, num_workers)``
     (options: the parsed JSON object; it raises ValueError naming a bad option); None for
     collective-only schemes."""
-    local_optimizer: bool = False
-    """Whether its workers build a torch optimizer (``ctx.make_optimizer``): a local run's fork
-    server then imports what ``torch.optim`` needs once, before forking them, instead of each
-    worker at its first step (over a CPU-second each)."""
     traffic: Traffic | None = None
     """What it sends, for the cost model (``distsgd plan``): ``async`` (pull, compute, push on
     its own), ``sync`` (rounds through the servers) or ``collective`` (all-reduce), every step

@@ -29,7 +29,6 @@ def _start(config: LaunchConfig, run_dir: Path, console: Console) -> Supervisor:
         echo=console.line,
         note=console.note,
         fork_server_log=server_log,
-        preload_optimizer=config.preloads_optimizer,
     )
 
 
