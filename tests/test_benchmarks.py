@@ -44,7 +44,11 @@ def test_quick_suite_writes_every_row_and_cleans_up(tmp_path: Path) -> None:
                 str(ROOT / "benchmarks" / "run.py"),
                 "--quick",
                 "--figures",
-                "1,2,3,5,6",  # not 4 (DOWNPOUR, 4 processes): CI time; its row says so
+                # Figures 2 (a parameter server against plain PyTorch), 3 (all-reduce against
+                # DDP) and 5 (the transports): every kind of run the suite makes. Not 1, 4 and
+                # 6 (more Hogwild and DOWNPOUR runs of the same kinds, a minute of the suite's
+                # 12): their rows and table say so.
+                "2,3,5",
                 "--out",
                 str(tmp_path),
             ],
@@ -81,14 +85,14 @@ def test_quick_suite_writes_every_row_and_cleans_up(tmp_path: Path) -> None:
     for row in report["rows"]:
         assert "failed" not in f"{row['distsgd']} {row['reference']}", row
     rows = {row["key"]: row for row in report["rows"]}
-    assert rows["1"]["reference"] == TF_MISSING and rows["2"]["reference"] == TF_MISSING
-    assert rows["1b"]["reference"].startswith("not measured in --quick"), rows["1b"]
-    for key in ("1", "2", "2b", "3"):
+    assert rows["2"]["reference"] == TF_MISSING
+    for key in ("1", "1b", "4"):
+        assert rows[key]["distsgd"] == rows[key]["reference"] == "not run (--figures)", key
+    for key in ("2", "2b", "3"):
         assert rows[key]["distsgd_samples"][0]["rate"] > 0, key
     for key in ("2b", "3", "4b"):  # 4b: figure 2's plain run
         assert rows[key]["reference_samples"][0]["rate"] > 0, key
         assert rows[key]["ratio"] is not None or key == "4b", key
-    assert rows["4"]["distsgd"] == rows["4"]["reference"] == "not run (--figures)"
     sizes = report["transport"]["sizes"]
     assert [round(s["megabytes"]) for s in sizes] == [1, 4]
     assert all(s["grpc_pull_gbps"] > 0 and s["grpc_push_gbps"] > 0 for s in sizes)
@@ -97,8 +101,7 @@ def test_quick_suite_writes_every_row_and_cleans_up(tmp_path: Path) -> None:
     for name, path in paths.items():
         if path["available"]:
             assert all(s[f"{name}_pull_gbps"] > 0 and s[f"{name}_push_gbps"] > 0 for s in sizes)
-    (step_row,) = report["step_sizes"]
-    assert round(step_row["megabytes"]) == 1 and step_row["distsgd_ms"] > 0
+    assert report["step_sizes"] == []
 
     text = (tmp_path / "results.md").read_text()
     for key in ROWS:
