@@ -51,12 +51,22 @@ def test_a_scheme_survives_a_partition_of_a_worker_host(
     and 6.6 s (the collective) after the cut. Spread placement: worker1 is alone on the last
     host. hogwild runs 20 epochs: at 10 its accuracy after the cut ranged 0.936-0.983 over 9
     runs (worker0 finishes during the cut, worker1 then trains alone from a stale pull); at 20,
-    0.972-0.986 over 8."""
+    0.972-0.986 over 8.
+
+    The allreduce case is also the allreduce demo on two hosts (once a run of its own in
+    tests/test_hosts_run.py): each host sends and receives over its link, and no task listens
+    on loopback in any host's namespace; so is the hogwild case."""
     run_dir = tmp_path / "run"
     args = ["--scheme", scheme, "--workers", "2", "--ps", ps, "--hosts", hosts]
     fault = ["--inject-fault", "partition:worker:1@step=40,for=5s", "--epochs", epochs]
-    done, _ = _demo(run_dir, *args, *fault)
+    done, listened = _demo(run_dir, *args, *fault)
     assert final_accuracy(done) >= 0.95
+    record = json.loads((run_dir / HOSTS_FILE).read_text())
+    assert [h["name"] for h in record["hosts"]] == [f"host{i}" for i in range(int(hosts))]
+    for name, moved in record["bytes"].items():
+        assert moved["sent"] > 1_000_000 and moved["received"] > 1_000_000, (name, moved)
+    assert listened, "no task was seen listening"
+    assert all(a.startswith("198.18.0.") for a in listened), listened
     host = f"host{int(hosts) - 1}"
     assert f"fault injected: {host} cut off (worker1) for 5s" in done.stdout
     assert f"fault healed: partition of {host}" in done.stdout

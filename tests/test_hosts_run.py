@@ -179,38 +179,29 @@ def _check_hosts_gone(record: dict[str, Any]) -> None:
 
 
 @needs_netns
-@pytest.mark.slow  # about 17 s
-def test_hogwild_demo_on_two_hosts(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    args = ["--scheme", "hogwild", "--workers", "2", "--ps", "1", "--hosts", "2"]
-    done, listened = _demo(run_dir, *args, "--link", "1gbit", "--epochs", "10")
-    assert final_accuracy(done) >= 0.95
-    record = json.loads((run_dir / HOSTS_FILE).read_text())
-    assert [h["name"] for h in record["hosts"]] == ["host0", "host1"]
-    assert [h["link"] for h in record["hosts"]] == ["1gbit", "1gbit"]
-    for name in ("host0", "host1"):
-        assert record["bytes"][name]["sent"] > 1_000_000
-        assert record["bytes"][name]["received"] > 1_000_000
-    ps = json.loads((run_dir / "cluster.json").read_text())["ps"]
-    assert ps[0].startswith("198.18.0.1:")
-    assert listened, "no task was seen listening"
-    assert all(a.startswith("198.18.0.") for a in listened), listened
-    _check_hosts_gone(record)
-
-
-@needs_netns
-@pytest.mark.slow  # about 16 s
+@pytest.mark.slow  # about 45 CPU-seconds
 def test_hogwild_demo_on_three_hosts_every_pair_exchanges_bytes(tmp_path: Path) -> None:
-    """The issue's demo (4 workers, 2 ps, 3 hosts, 1gbit links): nothing listens on loopback
-    in any host's namespace while it runs, every host sends to every other host over its link
-    (``pair_bytes``), and the hosts are gone afterwards."""
+    """The issue's demo (4 workers, 2 ps, 3 hosts, 1gbit links), one run checked for what two
+    runs checked before (this and a 2-host hogwild demo): it reaches 0.95; the hosts and their
+    links are as asked, ps0 on host0 at its address; each host sends and receives over its
+    link, and every host sends to every other host (``pair_bytes``); nothing listens on
+    loopback in any host's namespace while it runs; the hosts are gone afterwards. 15 epochs,
+    not the demo's 30 (at 10, 0.944-0.956 over 3 runs). The allreduce demo on two hosts:
+    tests/test_hosts_faults.py (its run under a partition checks the same)."""
     run_dir = tmp_path / "run"
     args = ["--scheme", "hogwild", "--workers", "4", "--ps", "2", "--hosts", "3"]
-    done, listened = _demo(run_dir, *args, "--link", "1gbit")
+    done, listened = _demo(run_dir, *args, "--link", "1gbit", "--epochs", "15")
     assert final_accuracy(done) >= 0.95
     record = json.loads((run_dir / HOSTS_FILE).read_text())
     names = [h["name"] for h in record["hosts"]]
     assert names == ["host0", "host1", "host2"]
+    assert [h["link"] for h in record["hosts"]] == ["1gbit"] * 3
+    assert "ps0" in record["hosts"][0]["tasks"]
+    ps = json.loads((run_dir / "cluster.json").read_text())["ps"]
+    assert ps[0].startswith("198.18.0.1:")
+    for name in names:
+        assert record["bytes"][name]["sent"] > 1_000_000
+        assert record["bytes"][name]["received"] > 1_000_000
     for sender in names:
         for receiver in names:
             if receiver != sender:
@@ -221,25 +212,12 @@ def test_hogwild_demo_on_three_hosts_every_pair_exchanges_bytes(tmp_path: Path) 
 
 
 @needs_netns
-@pytest.mark.slow  # about 13 s
-def test_allreduce_demo_on_two_hosts(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    args = ["--scheme", "allreduce", "--workers", "2", "--hosts", "2", "--link", "1gbit"]
-    done, listened = _demo(run_dir, *args, "--epochs", "10")
-    assert final_accuracy(done) >= 0.95
-    record = json.loads((run_dir / HOSTS_FILE).read_text())
-    for name in ("host0", "host1"):
-        assert record["bytes"][name]["sent"] > 1_000_000
-    assert listened, "no task was seen listening"
-    assert all(a.startswith("198.18.0.") for a in listened), listened
-    _check_hosts_gone(record)
-
-
-@needs_netns
 @pytest.mark.slow  # about 8 s
 def test_a_sigkilled_launcher_leaves_no_host_task_or_link(tmp_path: Path) -> None:
+    """2 workers (not 4: the tasks killed mid-start are CPU-seconds no one counts), 2 ps with
+    their log replicas, on 3 hosts."""
     run_dir = tmp_path / "run"
-    args = ["--scheme", "hogwild", "--workers", "4", "--ps", "2", "--hosts", "3", "--quiet"]
+    args = ["--scheme", "hogwild", "--workers", "2", "--ps", "2", "--hosts", "3", "--quiet"]
     argv = distsgd_cmd("demo", *args, "--run-dir", str(run_dir))
     proc = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
