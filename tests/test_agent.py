@@ -67,7 +67,10 @@ def test_a_restarted_task_starts_from_its_own_newest_state() -> None:
 
 
 def _agent(tmp: Path, *extra: str, tasks: str = "ps:0,worker:0,worker:1") -> subprocess.Popen[str]:
-    env = {**os.environ, "DISTSGD_SECRET_FILE": str(tmp / "run.secret")}
+    # one torch thread a task, as `distsgd run` gives 2 workers on 2 cores: the agent sets no
+    # budget, and its tasks' thread pools spun for half the test's CPU on a loaded machine
+    threads = {"DISTSGD_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, **threads, "DISTSGD_SECRET_FILE": str(tmp / "run.secret")}
     write_secret_file(tmp / "run.secret")
     argv = distsgd_cmd(
         "agent", "--tasks", tasks, "--dir", str(tmp / "agent"),
@@ -96,7 +99,8 @@ def test_the_agent_restarts_a_killed_worker_and_server_and_the_run_finishes(
 ) -> None:
     agent = _agent(tmp_path, "--epochs", "8")
     try:
-        assert wait_for(lambda: _stepped(tmp_path, "worker1", 20), 90)
+        # every 0.5 s: each look parses the whole metrics.jsonl
+        assert wait_for(lambda: _stepped(tmp_path, "worker1", 20), 90, interval=0.5)
         first = _pids(tmp_path)
         os.kill(first["worker1"], signal.SIGKILL)
         assert wait_for(lambda: _pids(tmp_path).get("worker1") != first["worker1"], 30)
