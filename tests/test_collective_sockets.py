@@ -138,7 +138,9 @@ def test_group_keys_under_the_run_id_and_gloo_on_loopback(one_rank_group) -> Non
 @pytest.mark.own_fork_server  # it finds the workers' sockets in the launcher's tree
 @pytest.mark.parametrize("scheme", ["allreduce"])
 def test_collective_run_listens_on_loopback_only(spawn, tmp_path: Path, scheme: str) -> None:  # type: ignore[no-untyped-def]
-    """Every LISTEN socket of the launcher and its workers, sampled through a whole run."""
+    """Every LISTEN socket of the launcher and its workers, sampled through a whole run (every
+    0.2 s: each sample walks the machine's process table for the launcher's tree; the
+    workers' gloo sockets listen from their group's start to its end, 150 paced steps)."""
     run_dir = tmp_path / "run"
     args = ["run", "--workers", "2", "--scheme", scheme, "--quiet", "--run-dir", str(run_dir)]
     launcher = spawn([*args, str(SCRIPTS / "blobs.py"), "--steps", "150", "--slow", "0.01"])
@@ -150,7 +152,7 @@ def test_collective_run_listens_on_loopback_only(spawn, tmp_path: Path, scheme: 
             break
         for proc in tree:
             seen.setdefault(proc.pid, set()).update(_listening(proc.pid))
-        time.sleep(0.05)
+        time.sleep(0.2)
     out = launcher.stdout.read() if launcher.stdout else ""
     assert launcher.returncode == 0, out[-3000:]
     exposed = {pid: a for pid, addrs in seen.items() for a in addrs if not _loopback(a[0])}

@@ -44,10 +44,10 @@ def test_a_real_probe_measures_a_link_and_leaves_no_namespace() -> None:
     patch = pytest.MonkeyPatch()
     patch.setattr(EmulatedHosts, "start", spy)
     try:
-        got = probe_link("1gbit", 512 * 1024, workers=3)
+        got = probe_link("1gbit", 512 * 1024, workers=2)  # the fewest: 3 hosts, not 4
     finally:
         patch.undo()
-    assert got.peers == 3 and got.nbytes == 512 * 1024
+    assert got.peers == 2 and got.nbytes == 512 * 1024
     assert 0 < got.alone_s < 1.0  # 0.5 MB at 1 Gbit/s: about 4 ms
     assert 0 < got.duplex <= 1 and 0 <= got.turns <= 1
     assert "1gbit" in got.describe()
