@@ -153,8 +153,7 @@ def test_pushes_during_moves_lose_no_update(two_servers: list[str], carrier: str
     """Two workers push as fast as they can while pieces move back and forth; every push of
     every piece is applied exactly once (the counters move with the pieces), on every
     carrier: a move retires the workers' segments and data channels without cutting a
-    request short, and the workers attach again. 8 moves (4 there and back; once 20): the
-    pushing threads spin for as long as the moves last."""
+    request short, and the workers attach again."""
     clients = [_client(two_servers, w, carrier=carrier) for w in range(2)]
     grads = {k: np.full_like(v, 0.001) for k, v in _model().items()}
     stop = threading.Event()
@@ -172,7 +171,7 @@ def test_pushes_during_moves_lose_no_update(two_servers: list[str], carrier: str
         t.start()
     try:
         keys = ["small1#0", "small3#0", "small5#0"]
-        for hop in range(8):
+        for hop in range(20):
             a, b = (0, 1) if hop % 2 == 0 else (1, 0)
             move(two_servers, keys, a, b)
             time.sleep(0.02)  # pushes go on between moves, as under the launcher's pace
