@@ -15,7 +15,7 @@ import pytest
 from conftest import distsgd_cmd, metrics, wait_for
 
 from distsgd.cluster import ClusterSpec, Role, TaskId
-from distsgd.launcher.agent import AgentConfig, parse_tasks, task_argv
+from distsgd.launcher.agent import Agent, AgentConfig, parse_tasks, task_argv
 from distsgd.transport import write_secret_file
 
 DIGITS = str(Path(__file__).resolve().parents[1] / "src" / "distsgd" / "demo" / "digits.py")
@@ -66,11 +66,26 @@ def test_a_restarted_task_starts_from_its_own_newest_state() -> None:
     assert "--resume-latest" in resumed
 
 
+def test_the_agent_gives_its_tasks_a_thread_budget_as_run_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without one, each worker's torch took every core, and two workers and a server on one
+    machine spun their thread pools against each other (the restart test below: 87 CPU-s
+    against 28 on a loaded 2-core machine): the cores left after one per server, shared out
+    among the workers; one for a server."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 9)
+    tasks = parse_tasks("ps:0,worker:0,worker:1")
+    agent = Agent(_config(tasks=tasks, folder=tmp_path), echo=print, note=print, run_over=bool)
+    threads = {"DISTSGD_THREADS": "4", "OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4"}
+    assert threads.items() <= agent.envs[Role.WORKER].items()
+    assert agent.envs[Role.PS]["DISTSGD_THREADS"] == "1"
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    lone = Agent(_config(tasks=tasks, folder=tmp_path), echo=print, note=print, run_over=bool)
+    assert lone.envs[Role.WORKER]["OMP_NUM_THREADS"] == "1"
+
+
 def _agent(tmp: Path, *extra: str, tasks: str = "ps:0,worker:0,worker:1") -> subprocess.Popen[str]:
-    # one torch thread a task, as `distsgd run` gives 2 workers on 2 cores: the agent sets no
-    # budget, and its tasks' thread pools spun for half the test's CPU on a loaded machine
-    threads = {"DISTSGD_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env = {**os.environ, **threads, "DISTSGD_SECRET_FILE": str(tmp / "run.secret")}
+    env = {**os.environ, "DISTSGD_SECRET_FILE": str(tmp / "run.secret")}
     write_secret_file(tmp / "run.secret")
     argv = distsgd_cmd(
         "agent", "--tasks", tasks, "--dir", str(tmp / "agent"),

@@ -2,8 +2,9 @@
 
 The agent starts this machine's tasks (``--tasks ps:0,worker:1``) with the command lines of
 ``distsgd server`` and ``distsgd worker`` that a user would type, relays their output with a
-prefix, writes each task's log under its folder (``--dir``, default ``./distsgd-agent``), and
-restarts a task that dies, in place, as the restart planner decides for tasks restarted in
+prefix, writes each task's log under its folder (``--dir``, default ``./distsgd-agent``), gives
+each task a thread budget as ``distsgd run`` does (a server one, the workers the cores left,
+shared out), and restarts a task that dies, in place, as the restart planner decides for tasks restarted in
 place (:func:`~distsgd.control.recovery.plan_restart` with ``in_place``: the planner the local
 launcher and the JobSet emulator drive too):
 
@@ -53,7 +54,7 @@ from distsgd.control.recovery import (
     plan_restart,
 )
 from distsgd.launcher.errors import Interrupted, RunFailed
-from distsgd.launcher.lifeline import PARENT_ENV
+from distsgd.launcher.lifeline import PARENT_ENV, shared_cores, thread_env
 from distsgd.launcher.progress import Console
 from distsgd.launcher.supervisor import Supervisor, TaskHandle
 from distsgd.launcher.tasks import write_tasks
@@ -177,7 +178,13 @@ class Agent:
         """Whether the server at an address says the run is over (:class:`RunEnd`)."""
         self.stop = threading.Event()
         self.supervisor = Supervisor(log_dir=config.folder / "logs", echo=echo, note=note)
-        self.env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        workers = sum(task.job == Role.WORKER for task in config.tasks)
+        threads = shared_cores(workers, len(config.tasks) - workers)
+        self.envs = {  # each task's thread budget, as `distsgd run` gives its tasks
+            Role.WORKER: {**env, **thread_env(threads)},
+            Role.PS: {**env, **thread_env(1)},
+        }
         self.restarts: dict[str, int] = {}
         self.started_at: dict[str, float] = {}
         self.done: set[str] = set()
@@ -198,7 +205,7 @@ class Agent:
             cluster=self.cluster_args,
             address=self.bound.get(task.name),
         )
-        handle = self.supervisor.start(task.name, argv, self.env)
+        handle = self.supervisor.start(task.name, argv, self.envs[task.job])
         write_tasks(self.config.folder, self.supervisor)  # DIR/tasks.json: every task's PID
         return handle
 

@@ -22,6 +22,7 @@ from distsgd.control.rollback import MAX_ROLLBACKS
 from distsgd.control.spec import RunSpec, WorkerBounds, check_worker_bounds
 from distsgd.launcher.emulated import check_hosts
 from distsgd.launcher.engines import engine_for
+from distsgd.launcher.lifeline import shared_cores
 from distsgd.launcher.metrics_endpoint import DEFAULT_ADDRESS as DEFAULT_METRICS_ADDRESS
 from distsgd.launcher.metrics_endpoint import OFF as METRICS_OFF
 from distsgd.launcher.metrics_endpoint import parse_address
@@ -386,8 +387,7 @@ class LaunchConfig:
     @property
     def threads_per_worker(self) -> int:
         """``--threads``, or the cores left after one per parameter server, shared out."""
-        cores = os.cpu_count() or 1
-        return self.hosting.threads or max(1, (cores - self.num_ps) // self.size.workers)
+        return self.hosting.threads or shared_cores(self.size.workers, self.num_ps)
 
     @property
     def device(self) -> str:

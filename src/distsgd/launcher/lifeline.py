@@ -79,6 +79,12 @@ def tie_to_parent(environ: dict[str, str] | None = None) -> None:
     threading.Thread(target=watch, name="lifeline", daemon=True).start()
 
 
+def shared_cores(workers: int, servers: int) -> int:
+    """Each of ``workers`` torch threads on one machine: the cores left after one per server
+    (a parameter server is mostly one thread), shared out, at least one."""
+    return max(1, ((os.cpu_count() or 1) - servers) // max(1, workers))
+
+
 def thread_env(threads: int) -> dict[str, str]:
     """A task's thread budget as its environment says it: distsgd's, OpenMP's and MKL's."""
     return {
