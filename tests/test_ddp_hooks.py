@@ -13,6 +13,7 @@ from conftest import SCRIPTS, metrics, run_distsgd
 from torch.utils.data import TensorDataset
 
 from distsgd import schemes
+from distsgd.cli.main import main
 from distsgd.runtime import TaskEnv, TrainConfig, run_worker
 
 BLOBS = str(SCRIPTS / "blobs.py")
@@ -76,12 +77,22 @@ def test_hooks_train_and_count_what_they_all_reduce(tmp_path: Path) -> None:
         (["--scheme", "allreduce", "--powersgd-start", "1"], "at least 2"),
     ],
 )
-def test_refusals_are_one_line(flags: list[str], needle: str, tmp_path: Path) -> None:
-    done = run_distsgd(["run", *flags, BLOBS], cwd=tmp_path)
-    assert done.returncode == 2, done.stdout + done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("distsgd: error: "), done.stderr
+def test_refusals_are_one_line(
+    flags: list[str],
+    needle: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``distsgd run`` refuses before any task starts (the CLI's main, in this process: a
+    refused command starts no process, and a command line of its own cost a CPU-second)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", *flags, BLOBS]) == 2
+    said = capsys.readouterr()
+    lines = [line for line in said.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("distsgd: error: "), said
     assert needle in lines[0]
+    assert not (tmp_path / "distsgd-runs").exists()
 
 
 @pytest.mark.parametrize("name", schemes.names())
