@@ -90,19 +90,13 @@ def test_killed_worker_stops_the_run_and_every_process(spawn, tmp_path: Path) ->
     assert alive(tree) == []
 
 
-def test_sigint_stops_every_process(spawn, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    proc, tree, _ = _start_slow_run(spawn, run_dir, scheme="allreduce")
-    proc.send_signal(signal.SIGINT)
-    out, _ = loadclock.communicate(proc, 60)
-    assert proc.returncode == 130, out[-2000:]
-    assert "interrupted" in out
-    assert alive(tree) == []
-
-
-def test_sigint_after_a_checkpoint_says_how_to_resume(spawn, tmp_path: Path) -> None:
-    """Ctrl-C once a checkpoint exists: the launcher names the command that continues the
-    run, and keeps what it said (not the tasks' lines) in the run folder's launcher.log."""
+def test_sigint_stops_every_process_and_after_a_checkpoint_says_how_to_resume(
+    spawn, tmp_path: Path
+) -> None:
+    """Ctrl-C (once a checkpoint exists) stops every process of the run with exit code 130
+    and says "interrupted"; the launcher names the command that continues the run, and keeps
+    what it said (not the tasks' lines) in the run folder's launcher.log. (One run for both
+    claims: a Ctrl-C before the first checkpoint stops the tasks the same way.)"""
     run_dir = tmp_path / "run"
     proc, tree, _ = _start_slow_run(spawn, run_dir, "allreduce", "--checkpoint-every", "5")
     checkpoints = run_dir / "checkpoints"
@@ -110,6 +104,7 @@ def test_sigint_after_a_checkpoint_says_how_to_resume(spawn, tmp_path: Path) -> 
     proc.send_signal(signal.SIGINT)
     out, _ = loadclock.communicate(proc, 60)
     assert proc.returncode == 130, out[-2000:]
+    assert "interrupted" in out
     assert f"continue it with: distsgd run --resume {run_dir}" in out
     kept = (run_dir / "launcher.log").read_text()
     assert f"[distsgd] run {run_dir}: scheme allreduce" in kept
