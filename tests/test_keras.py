@@ -380,12 +380,15 @@ def test_worker_environment_keeps_the_users_settings() -> None:
 def test_keras_cnn_trains_under_distsgd_run(scheme: str, tmp_path: Path) -> None:
     """A Keras model under a parameter-server scheme and under all-reduce (what a Keras model
     meets differs by that alone: its variables as the servers' pieces, or DDP's buckets; a
-    third scheme cost 16 CPU-seconds of the suite's 12 minutes and added no path)."""
+    third scheme cost 16 CPU-seconds of the suite's 12 minutes and added no path). Two workers,
+    5 epochs: the same 110 local steps as 4 workers for 10 epochs, at half the CPU (each worker
+    imports Keras); measured 3 times on a loaded machine: hogwild 0.9833, 0.9778, 0.9806,
+    allreduce 0.9722 each time; the evaluation at step 100 0.9722 or more)."""
     run_dir = tmp_path / "run"
     ps = "0" if scheme == "allreduce" else "1"
-    args = ["run", "--workers", "4", "--ps", ps, "--scheme", scheme, "--quiet"]
+    args = ["run", "--workers", "2", "--ps", ps, "--scheme", scheme, "--quiet"]
     args += ["--eval-every", "50"]  # and at the end (local step 110)
-    done = run_distsgd([*args, "--run-dir", str(run_dir), str(SCRIPT), "--epochs", "10"])
+    done = run_distsgd([*args, "--run-dir", str(run_dir), str(SCRIPT), "--epochs", "5"])
     accuracy = final_accuracy(done)
     assert accuracy >= 0.95, done.stdout[-2000:]
     # The evaluation at step 100 (under hogwild and sync the servers' weights in the chief's
