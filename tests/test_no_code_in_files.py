@@ -7,12 +7,14 @@ the payload does run under ``torch.load(weights_only=False)`` (what distsgd did 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import torch
 from conftest import SCRIPTS, run_distsgd
 
 from distsgd import schemes
+from distsgd.cli.main import main as cli_main
 from distsgd.control.checkpoint.errors import CheckpointError, UnsafeFileError
 from distsgd.control.checkpoint.safety import unsafe_globals
 from distsgd.control.checkpoint.store import (
@@ -77,6 +80,19 @@ def _crafted(marker: Path) -> bytes:
     return buf.getvalue()
 
 
+def _distsgd(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``distsgd ARGS`` by the CLI's main in this process, its output captured (a command line
+    of its own for each cost a CPU-second; a crafted file's code would run here all the
+    same, and leave its marker)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli_main(args)
+        except SystemExit as exc:  # argparse's exit, as the command's
+            code = exc.code if isinstance(exc.code, int) else 2
+    return subprocess.CompletedProcess(["distsgd", *args], code, out.getvalue(), err.getvalue())
+
+
 def _error_line(done: Any) -> str:
     """The one line of a failed command's stderr (asserts it is one, with no traceback)."""
     assert done.returncode != 0, done.stdout + done.stderr
@@ -119,7 +135,7 @@ def test_inspect_of_a_crafted_file_is_one_line(tmp_path: Path) -> None:
     marker = tmp_path / "MARKER"
     path = tmp_path / "evil.pt"
     path.write_bytes(_crafted(marker))
-    line = _error_line(run_distsgd(["doctor", str(path)], timeout=120))
+    line = _error_line(_distsgd(["doctor", str(path)]))
     assert line.startswith(f"distsgd: error: {path}: not a distsgd worker state (it holds Python")
     assert "distsgd never loads those" in line
     assert not marker.exists()
@@ -209,7 +225,7 @@ def test_inspect_of_a_run_folder_with_a_crafted_worker_file(tmp_path: Path) -> N
     marker = tmp_path / "MARKER"
     run_dir = _run_folder(tmp_path, marker)
     crafted = run_dir / "checkpoints" / "ckpt-00000010" / "worker0.pt"
-    line = _error_line(run_distsgd(["doctor", str(run_dir)], timeout=120))
+    line = _error_line(_distsgd(["doctor", str(run_dir)]))
     assert f"{crafted}: not a distsgd worker state (it holds Python objects" in line
     assert "to use an older checkpoint" in line
     assert not marker.exists()
@@ -219,7 +235,7 @@ def test_resume_from_a_crafted_worker_file_stops_before_starting(tmp_path: Path)
     marker = tmp_path / "MARKER"
     run_dir = _run_folder(tmp_path, marker)
     crafted = run_dir / "checkpoints" / "ckpt-00000010" / "worker0.pt"
-    done = run_distsgd(["run", "--resume", str(run_dir), "--quiet"], timeout=120)
+    done = _distsgd(["run", "--resume", str(run_dir), "--quiet"])
     line = _error_line(done)
     assert line.startswith(f"distsgd: error: {crafted}: not a distsgd worker state"), line
     assert not marker.exists()
@@ -235,7 +251,7 @@ def test_a_real_run_folder_with_a_crafted_checkpoint(tmp_path: Path) -> None:
     args += ["--run-dir", str(run_dir), str(SCRIPTS / "blobs.py"), "--steps", "20"]
     done = run_distsgd(args)  # its exit code may also judge the training: not this test's subject
     assert (run_dir / "result.json").exists(), done.stdout[-3000:] + done.stderr[-3000:]
-    inspected = run_distsgd(["doctor", str(run_dir)])
+    inspected = _distsgd(["doctor", str(run_dir)])
     # saved between windows (every 5 steps, window 5): the window's start is the replica's
     assert inspected.returncode == 0 and "scheme state: optimizer, pending" in inspected.stdout
     newest = sorted((run_dir / "checkpoints").glob("ckpt-*"))[-1]
@@ -247,10 +263,10 @@ def test_a_real_run_folder_with_a_crafted_checkpoint(tmp_path: Path) -> None:
     manifest = json.loads((newest / MANIFEST).read_text())
     manifest["workers"][0].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
     (newest / MANIFEST).write_text(json.dumps(manifest))
-    line = _error_line(run_distsgd(["doctor", str(run_dir)]))
+    line = _error_line(_distsgd(["doctor", str(run_dir)]))
     assert f"{crafted}: not a distsgd worker state (it holds Python objects" in line
     (run_dir / "result.json").unlink()  # as a run stopped before its end: one to resume
-    line = _error_line(run_distsgd(["run", "--resume", str(run_dir), "--quiet"]))
+    line = _error_line(_distsgd(["run", "--resume", str(run_dir), "--quiet"]))
     assert f"{crafted}: not a distsgd worker state" in line
     assert not marker.exists()
 
@@ -261,7 +277,7 @@ def test_inspect_of_a_state_without_model_is_one_line(tmp_path: Path) -> None:
     state = _state()
     del state["model"]
     torch.save({"format": 2, **state}, path)
-    line = _error_line(run_distsgd(["doctor", str(path)], timeout=120))
+    line = _error_line(_distsgd(["doctor", str(path)]))
     assert line == f"distsgd: error: {path}: not a distsgd worker state (no 'model')"
 
 
@@ -273,7 +289,7 @@ def test_inspect_of_a_state_without_model_is_one_line(tmp_path: Path) -> None:
 def test_inspect_of_junk_npz_is_one_line(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "junk.npz"
     path.write_bytes(content)
-    line = _error_line(run_distsgd(["doctor", str(path)], timeout=120))
+    line = _error_line(_distsgd(["doctor", str(path)]))
     assert line.startswith(f"distsgd: error: {path}: not a distsgd shard checkpoint (")
     assert line.endswith("; give a psN.npz of a checkpoint") and "allow_pickle" not in line
 
@@ -495,12 +511,12 @@ def test_inspect_of_a_run_without_a_complete_checkpoint_says_why_and_what_to_rea
 ) -> None:
     run_dir = tmp_path / "short"
     (run_dir / "checkpoints" / "workers").mkdir(parents=True)
-    line = _error_line(run_distsgd(["doctor", str(run_dir)], timeout=120))
+    line = _error_line(_distsgd(["doctor", str(run_dir)]))
     assert line == (
         f"distsgd: error: {run_dir}: no complete checkpoint (a run shorter than "
         "--checkpoint-every, 30 s by default, has none)"
     )
     state = run_dir / "checkpoints" / "workers" / "worker0-00000066.pt"
     torch.save({"format": 2, **_state()}, state)
-    line = _error_line(run_distsgd(["doctor", str(run_dir)], timeout=120))
+    line = _error_line(_distsgd(["doctor", str(run_dir)]))
     assert line.endswith(f"has none); inspect one of its files, e.g. {state}")
