@@ -2,17 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
 import signal
+import subprocess
 from pathlib import Path
 
 import loadclock
 import pytest
 from conftest import SCRIPTS, run_distsgd, wait_for
 
+from distsgd.cli.main import main as cli_main
+
 BLOBS = str(SCRIPTS / "blobs.py")
+
+
+def _distsgd(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``distsgd ARGS`` by the CLI's main in this process (in ``cwd``), its output captured: a
+    command refused before it starts anything, without a command line of its own (each cost
+    a CPU-second). test_task_index_out_of_range and
+    test_a_command_line_mistake_is_one_line_with_a_hint run the real command for theirs."""
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    try:
+        os.chdir(cwd or here)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli_main(args)
+    except SystemExit as exc:  # argparse's exit, as the command's
+        code = exc.code if isinstance(exc.code, int) else 2
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["distsgd", *args], code, out.getvalue(), err.getvalue())
 
 
 def _error_line(done) -> str:  # type: ignore[no-untyped-def]
@@ -39,7 +62,7 @@ def _error_line(done) -> str:  # type: ignore[no-untyped-def]
     ],
 )
 def test_bad_run_arguments(args: list[str], needle: str, tmp_path: Path) -> None:
-    line = _error_line(run_distsgd(args, cwd=tmp_path))
+    line = _error_line(_distsgd(args, cwd=tmp_path))
     assert needle in line
 
 
@@ -55,9 +78,7 @@ def test_bad_run_arguments(args: list[str], needle: str, tmp_path: Path) -> None
 def test_bad_cluster_spec(cluster: dict, needle: str, tmp_path: Path) -> None:
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(cluster))
-    line = _error_line(
-        run_distsgd(["server", "--job", "ps", "--task", "0", "--cluster", str(path)])
-    )
+    line = _error_line(_distsgd(["server", "--job", "ps", "--task", "0", "--cluster", str(path)]))
     assert needle in line
 
 
@@ -69,7 +90,7 @@ def test_task_index_out_of_range(tmp_path: Path) -> None:
 
 
 def test_help_scheme_alone_lists_the_catalogue() -> None:
-    done = run_distsgd(["run", "--help-scheme"])
+    done = _distsgd(["run", "--help-scheme"])
     assert done.returncode == 0
     names = [line.split()[0] for line in done.stdout.splitlines()]
     assert names == [
@@ -141,17 +162,17 @@ def test_manual_cluster_with_server_and_worker_commands(spawn, tmp_path: Path) -
 
 def test_run_folder_of_an_earlier_run_is_not_reused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    line = _error_line(run_distsgd(["run", "--run-dir", str(tmp_path), BLOBS]))
+    line = _error_line(_distsgd(["run", "--run-dir", str(tmp_path), BLOBS]))
     assert "holds an earlier run" in line and f"--resume {tmp_path}" in line
 
 
 def test_resume_refuses_options_it_would_ignore(tmp_path: Path) -> None:
-    line = _error_line(run_distsgd(["run", "--resume", str(tmp_path), "--workers", "4", BLOBS]))
+    line = _error_line(_distsgd(["run", "--resume", str(tmp_path), "--workers", "4", BLOBS]))
     assert "drop SCRIPT, --workers" in line
 
 
 def test_resume_of_a_folder_that_is_no_run(tmp_path: Path) -> None:
-    line = _error_line(run_distsgd(["run", "--resume", str(tmp_path)]))
+    line = _error_line(_distsgd(["run", "--resume", str(tmp_path)]))
     assert "not a distsgd run folder" in line
 
 
@@ -219,7 +240,7 @@ def test_a_script_that_fails_before_training_stops_the_run_without_restarts(
     ],
 )
 def test_bad_host_flags(args: list[str], needle: str, tmp_path: Path) -> None:
-    line = _error_line(run_distsgd(args, cwd=tmp_path))
+    line = _error_line(_distsgd(args, cwd=tmp_path))
     assert needle in line
 
 
