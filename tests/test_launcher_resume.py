@@ -14,8 +14,8 @@ def test_a_resumed_elastic_run_stays_elastic(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["run", "--scheme", "allreduce", "--workers", "2", "--max-workers", "3"]
     args += ["--checkpoint-every", "1", "--quiet", "--run-dir", str(run_dir)]
-    args += ["--max-restarts", "0", "--inject-fault", "kill:worker:0@step=20"]
-    args += [str(SCRIPTS / "blobs.py"), "--steps", "40", "--slow", "0.02"]
+    args += ["--max-restarts", "0", "--inject-fault", "kill:worker:0@step=5"]  # checkpoints 1-4
+    args += [str(SCRIPTS / "blobs.py"), "--steps", "10", "--slow", "0.02"]
     done = run_distsgd(args)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"distsgd run --resume {run_dir}" in done.stderr
