@@ -237,7 +237,12 @@ def test_throughput_counts_from_each_workers_first_line(tmp_path: Path) -> None:
     assert "240 samples/s" in progress.render()
 
 
-def test_a_script_run_alone_writes_a_run_folder_and_shows_progress(tmp_path: Path) -> None:
+def test_a_script_run_alone_writes_a_run_folder_and_shows_progress(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python script.py``: a run folder under $DISTSGD_RUNS and a progress line; with
+    $DISTSGD_RUNS=off none (checked in this process: a second script cost a second import of
+    torch, the same decision)."""
     script = tmp_path / "alone.py"
     script.write_text(
         "import torch, torch.nn.functional as F\n"
@@ -257,14 +262,21 @@ def test_a_script_run_alone_writes_a_run_folder_and_shows_progress(tmp_path: Pat
     assert folder.name.endswith("-alone")
     assert {"metrics.jsonl", "result.json", "final_model.pt"} <= {p.name for p in folder.iterdir()}
     assert json.loads((folder / "result.json").read_text())["local_steps"] == 30
-    off = loadclock.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        env={**env, "DISTSGD_RUNS": "off"},
-        timeout=120,
+    import distsgd
+
+    monkeypatch.chdir(tmp_path)  # where a folder named "off" (or distsgd-runs) would go
+    monkeypatch.setenv("DISTSGD_RUNS", "off")
+    x = torch.randn(64, 4)
+    y = (x[:, 0] > 0).long()
+    result = distsgd.train(
+        model=torch.nn.Linear(4, 2),
+        loss_fn=torch.nn.functional.cross_entropy,
+        train_data=(x, y),
+        config=TrainConfig(steps=3),
     )
-    assert off.returncode == 0 and len(list(runs.iterdir())) == 1
+    assert result.local_steps == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alone.py", "runs"]
+    assert len(list(runs.iterdir())) == 1
 
 
 @pytest.mark.parametrize(("width", "released"), [(64, False), (3000, True)])
