@@ -72,7 +72,7 @@ SLOW_FIRST = (
     "test_own_loop.py::test_forward_past_the_ddp_wrapper_is_named",
     "test_fault_tolerance.py::test_kill_during_checkpoint_writes_then_resume",
     "test_safe_defaults.py::",
-    "test_work_units.py::test_a_killed_worker_loses_no_unit_in_a_real_run",
+    "test_work_units.py::test_a_killed_worker_and_a_worker_sent_sigterm",
     "test_collective_sockets.py::test_collective_run_listens_on_loopback_only",
     "test_k8s.py::test_k8s_local_",
     "test_launcher.py::",

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import distsgd_cmd, final_accuracy, run_distsgd, task_pids, wait_for
+from conftest import distsgd_cmd, task_pids, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_membership import _client, _w0
@@ -44,9 +44,10 @@ from distsgd.transport.errors import Refusal, RemoteError
 from distsgd.transport.proto import distsgd_pb2 as pb
 
 DEMO = Path(__file__).resolve().parents[1] / "src" / "distsgd" / "demo" / "digits.py"
-DEMO_EPOCHS = "20"
-"""Epochs of the real runs of DEMO below (its own 30 cost a third more CPU; they still reach
-the 0.95 they assert, 0.98 measured)."""
+DEMO_EPOCHS = "15"
+"""Epochs of the real run of DEMO below (its own 30 cost twice the CPU; it still reaches the
+0.95 it asserts: hogwild demo runs of 3 workers measured 0.947 to 0.972 at 12 epochs, too
+near the bar, 0.967 to 0.981 at 20)."""
 
 
 # --------------------------------------------------------------------------- the queue itself
@@ -548,36 +549,20 @@ def test_elastic_sync_and_easgd_lose_no_unit(tmp_path: Path, scheme_name: str) -
 # --------------------------------------------------------------------------- a real run
 
 
-def test_a_killed_worker_loses_no_unit_in_a_real_run(tmp_path: Path) -> None:
-    """SIGKILL: the killed worker's unreported units are leased again (its restart shows a new
-    incarnation), so every unit is trained once and the demo still learns. (On a loaded
-    machine the kill may come before worker 1 leased anything: then nothing goes back.)"""
-    run_dir = tmp_path / "run"
-    args = ["run", "--workers", "2", "--ps", "1", "--scheme", "hogwild", "--quiet"]
-    args += ["--world-size", "dynamic", "--inject-fault", "kill:worker:1@step=300"]
-    args += ["--epochs", DEMO_EPOCHS]
-    done = run_distsgd([*args, "--run-dir", str(run_dir), str(DEMO)], timeout=120)
-    ps_log = (run_dir / "logs" / "ps0.log").read_text()
-    assert final_accuracy(done) >= 0.95, done.stdout[-2000:]
-    work = json.loads((run_dir / RESULT_FILE).read_text())["work"]
-    assert work["never_trained"] == 0 and work["trained_twice"] == 0, work
-    assert work["trained_once"] == work["total_units"] > 0
-    events = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
-    kill = next((i for i, e in enumerate(events) if e.get("event") == "fault_injected"), None)
-    assert kill is not None and any(e.get("event") == "fault" for e in events), "no kill"
-    if any(e["task"] == "worker1" and "loss" in e for e in events[:kill]):  # it was training
-        assert "restarted; " in ps_log, ps_log[-3000:]  # so its units went back to the queue
-
-
-def test_a_worker_sent_sigterm_leaves_and_its_units_are_trained_by_the_others(
+def test_a_killed_worker_and_a_worker_sent_sigterm_lose_no_unit_in_a_real_run(
     tmp_path: Path,
 ) -> None:
-    """How the launcher shrinks an elastic run: SIGTERM to a worker; it pushes, reports its
-    units, leaves with exit code 0, and the run still trains every unit exactly once."""
+    """One run of 3 workers for two ways out (two runs before: the same claims, half the CPU).
+
+    SIGTERM, how the launcher shrinks an elastic run: worker 2 pushes, reports its units,
+    leaves with exit code 0 (no restart), and the others train its units. SIGKILL: worker 1's
+    unreported units are leased again (its restart shows a new incarnation). Every unit is
+    trained once and the demo still learns. (On a loaded machine the kill may come before
+    worker 1 leased anything: then nothing goes back.)"""
     run_dir = tmp_path / "run"
     args = ["run", "--workers", "3", "--ps", "1", "--scheme", "hogwild", "--quiet"]
-    args += ["--world-size", "dynamic", "--epochs", DEMO_EPOCHS]
-    args += ["--run-dir", str(run_dir), str(DEMO)]
+    args += ["--world-size", "dynamic", "--inject-fault", "kill:worker:1@step=300"]
+    args += ["--epochs", DEMO_EPOCHS, "--run-dir", str(run_dir), str(DEMO)]
     proc = subprocess.Popen(
         distsgd_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -595,13 +580,19 @@ def test_a_worker_sent_sigterm_leaves_and_its_units_are_trained_by_the_others(
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, out[-3000:]
-    assert float(out.strip().splitlines()[-1].split(":")[1]) >= 0.95
+    assert float(out.strip().splitlines()[-1].split(":")[1]) >= 0.95, out[-2000:]
     events = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     assert [e["task"] for e in events if e.get("event") == "left"] == ["worker2"]
-    assert not [e for e in events if e.get("event") == "fault"]  # it exited 0: no restart
+    # worker 2 exited 0: no restart; worker 1's kill: one
+    assert [e["target"] for e in events if e.get("event") == "fault"] == ["worker1"], events
+    kill = next((i for i, e in enumerate(events) if e.get("event") == "fault_injected"), None)
+    assert kill is not None, "no kill"
+    if any(e["task"] == "worker1" and "loss" in e for e in events[:kill]):  # it was training
+        ps_log = (run_dir / "logs" / "ps0.log").read_text()
+        assert "restarted; " in ps_log, ps_log[-3000:]  # so its units went back to the queue
     work = json.loads((run_dir / RESULT_FILE).read_text())["work"]
     assert work["never_trained"] == 0 and work["trained_twice"] == 0, work
-    assert work["trained_once"] == work["total_units"]
+    assert work["trained_once"] == work["total_units"] > 0
 
 
 @pytest.mark.parametrize("scheme_name", ["hogwild", "sync", "easgd"])
