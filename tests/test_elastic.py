@@ -264,29 +264,3 @@ def test_join_adds_a_worker_in_its_own_process(spawn, tmp_path: Path) -> None:
     assert trained and trained[0]["local_step"] > 0
     work = json.loads((run_dir / "result.json").read_text())["work"]
     assert work["trained_twice"] == 0 and work["never_trained"] == 0, work
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("ray")
-def test_ray_run_grows_and_shrinks(spawn, tmp_path: Path) -> None:
-    """distsgd elastic scale under --ray, with two parameter servers as Ray actors: the reserved
-    bundles (up to --max-workers) take the new worker; the one asked to leave hands its work
-    back."""
-    pytest.importorskip("ray")
-    run_dir = tmp_path / "run"
-    launcher = spawn(
-        [
-            *_demo("hogwild", run_dir, "--workers", "2", "--max-workers", "3", "--ps", "2"),
-            *("--world-size", "dynamic", "--ray"),
-        ]
-    )
-    assert wait_for(lambda: _members_seen(run_dir, 2) and _progress(run_dir) > 0, STEP_TIMEOUT)
-    _scale(run_dir, 3)
-    assert wait_for(lambda: _members_seen(run_dir, 3), STEP_TIMEOUT)
-    _scale(run_dir, 2)
-    assert wait_for(lambda: len(_events(run_dir, "worker_left")) == 1, STEP_TIMEOUT)
-    assert _accuracy(_finish(launcher)) >= 0.95
-    work = json.loads((run_dir / "result.json").read_text())["work"]
-    assert work["trained_twice"] == 0 and work["never_trained"] == 0, work
-    assert {"ps0", "ps1"} <= set(task_pids(run_dir)), task_pids(run_dir)
-    assert alive(list(task_pids(run_dir).values())) == []
