@@ -132,7 +132,7 @@ COLLECTIVE_PACE = "30ms"
 """The all-reduce run's pace: worker 0's steps 30 ms longer, and so every worker's."""
 SHORT_EPOCHS = "15"
 SHORT_PACE = "80ms"
-"""The runs of this module but the Ray and sync ones (EPOCHS, PACE): 15 epochs paced by 80 ms
+"""The runs of this module but the sync one (EPOCHS, PACE): 15 epochs paced by 80 ms
 last as long as 20 paced by 60 ms and train a quarter fewer steps. Fixed runs of 3 hogwild
 workers measured 0.947 to 0.972 at 12 epochs (too near the 0.95 bar), 0.967 to 0.981 at 20."""
 POLL = 0.5
