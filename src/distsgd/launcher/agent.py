@@ -4,9 +4,9 @@ The agent starts this machine's tasks (``--tasks ps:0,worker:1``) with the comma
 ``distsgd server`` and ``distsgd worker`` that a user would type, relays their output with a
 prefix, writes each task's log under its folder (``--dir``, default ``./distsgd-agent``), gives
 each task a thread budget as ``distsgd run`` does (a server one, the workers the cores left,
-shared out), and restarts a task that dies, in place, as the restart planner decides for tasks restarted in
-place (:func:`~distsgd.control.recovery.plan_restart` with ``in_place``: the planner the local
-launcher and the JobSet emulator drive too):
+shared out), and restarts a task that dies, in place, as the restart planner decides for
+tasks restarted in place (:func:`~distsgd.control.recovery.plan_restart` with ``in_place``: the
+planner the local launcher and the JobSet emulator drive too):
 
 * a server comes back from its write-ahead log in ``DIR/wal/psJ`` on this machine's disk, or
   from its newest shard file, at the same address;
