@@ -82,6 +82,9 @@ def test_the_agent_gives_its_tasks_a_thread_budget_as_run_does(
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     lone = Agent(_config(tasks=tasks, folder=tmp_path), echo=print, note=print, run_over=bool)
     assert lone.envs[Role.WORKER]["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("DISTSGD_THREADS", "3")  # a budget the user gave stands
+    own = Agent(_config(tasks=tasks, folder=tmp_path), echo=print, note=print, run_over=bool)
+    assert own.envs[Role.WORKER]["OMP_NUM_THREADS"] == "3"
 
 
 def _agent(tmp: Path, *extra: str, tasks: str = "ps:0,worker:0,worker:1") -> subprocess.Popen[str]:

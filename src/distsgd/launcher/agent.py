@@ -4,9 +4,10 @@ The agent starts this machine's tasks (``--tasks ps:0,worker:1``) with the comma
 ``distsgd server`` and ``distsgd worker`` that a user would type, relays their output with a
 prefix, writes each task's log under its folder (``--dir``, default ``./distsgd-agent``), gives
 each task a thread budget as ``distsgd run`` does (a server one, the workers the cores left,
-shared out), and restarts a task that dies, in place, as the restart planner decides for
-tasks restarted in place (:func:`~distsgd.control.recovery.plan_restart` with ``in_place``: the
-planner the local launcher and the JobSet emulator drive too):
+shared out, or ``$DISTSGD_THREADS`` each), and restarts a task that dies, in place, as the
+restart planner decides for tasks restarted in place
+(:func:`~distsgd.control.recovery.plan_restart` with ``in_place``: the planner the local
+launcher and the JobSet emulator drive too):
 
 * a server comes back from its write-ahead log in ``DIR/wal/psJ`` on this machine's disk, or
   from its newest shard file, at the same address;
@@ -180,7 +181,9 @@ class Agent:
         self.supervisor = Supervisor(log_dir=config.folder / "logs", echo=echo, note=note)
         env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
         workers = sum(task.job == Role.WORKER for task in config.tasks)
-        threads = shared_cores(workers, len(config.tasks) - workers)
+        given = os.environ.get("DISTSGD_THREADS", "")  # the user's own budget stands
+        threads = int(given) if given.isdigit() and int(given) > 0 else 0
+        threads = threads or shared_cores(workers, len(config.tasks) - workers)
         self.envs = {  # each task's thread budget, as `distsgd run` gives its tasks
             Role.WORKER: {**env, **thread_env(threads)},
             Role.PS: {**env, **thread_env(1)},
