@@ -111,11 +111,11 @@ def _stepped(tmp: Path, task: str, step: int) -> bool:
     return any(r.get("task") == task and r.get("step", 0) >= step for r in metrics(tmp / "run"))
 
 
-@pytest.mark.slow  # about 25 s
+@pytest.mark.slow  # about 20 s
 def test_the_agent_restarts_a_killed_worker_and_server_and_the_run_finishes(
     tmp_path: Path,
 ) -> None:
-    agent = _agent(tmp_path, "--epochs", "8")
+    agent = _agent(tmp_path, "--epochs", "10")
     try:
         # every 0.5 s: each look parses the whole metrics.jsonl
         assert wait_for(lambda: _stepped(tmp_path, "worker1", 20), 90, interval=0.5)
@@ -135,7 +135,9 @@ def test_the_agent_restarts_a_killed_worker_and_server_and_the_run_finishes(
     assert "worker1: continues at local step" in out
     assert "recovered from" in out  # the server, from its log, at its port
     result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert result["test_accuracy"] >= 0.93  # 8 epochs (0.947-0.958 at 6 with both kills)
+    # 10 epochs: 0.975-0.983 alone, 0.964 and 0.972 two at once (2026-12-07); at 8 a CI run
+    # once scored 0.914, and 0.947-0.958 at 6 with both kills
+    assert result["test_accuracy"] >= 0.93
     assert not any(psutil.pid_exists(pid) for pid in _pids(tmp_path).values())
 
 
