@@ -97,19 +97,15 @@ SLOW_FIRST = (
     "test_docs.py::test_python_block_runs[",
     "test_fault_tolerance.py::",
 )
-"""Tests of about 15 s or more (pytest --durations of a whole run), longest first, the Ray
-tests spread among them (they run one at a time: :func:`_one_locked_group_test_at_a_time`): started
-before the short ones, so that no long test starts last while the other test processes have
-run out of work."""
+"""Tests of about 15 s or more (pytest --durations of a whole run), longest first (those of an
+xdist_group run in this order within their group): started before the short ones, so that no
+long test starts last while the other test process has run out of work."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests in SLOW_FIRST first, in its order; the rest as collected, except that the
-    tests of each of :data:`LOCKED_GROUPS` are spread evenly through them.
-
-    The two test processes take tests from this order nearly in turn: two tests of one locked
-    group side by side would often run at once, one of them waiting for the other's lock
-    with its process idle (18 s once, for one test on emulated hosts)."""
+    """The tests in SLOW_FIRST first, in its order; the rest as collected. (``--dist
+    loadgroup`` hands each xdist_group's tests to one test process as a whole, the largest
+    groups first, then the other tests in this order.)"""
 
     def rank(item: pytest.Item) -> int:
         path, _, name = item.nodeid.partition("::")
@@ -120,30 +116,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         )
 
     items.sort(key=rank)
-    first = [item for item in items if rank(item) < len(SLOW_FIRST)]
-    rest = [item for item in items if rank(item) == len(SLOW_FIRST)]
-    items[:] = first + _spread_locked_groups(rest)
-
-
-def _locked_group(item: pytest.Item) -> str | None:
-    groups = {m.args[0] for m in item.iter_markers("xdist_group") if m.args}
-    return next(iter(sorted(groups.intersection(LOCKED_GROUPS))), None)
-
-
-def _spread_locked_groups(items: list[pytest.Item]) -> list[pytest.Item]:
-    """``items`` with each locked group's tests moved to even intervals among the others (the
-    groups offset from each other), each group's own order kept."""
-    others = [item for item in items if _locked_group(item) is None]
-    keyed: list[tuple[float, int, pytest.Item]] = [
-        (float(i), 0, item) for i, item in enumerate(others)
-    ]
-    for g, group in enumerate(LOCKED_GROUPS, start=1):
-        members = [item for item in items if _locked_group(item) == group]
-        step = len(others) / max(1, len(members))
-        offset = g / (len(LOCKED_GROUPS) + 1)
-        keyed += [((k + offset) * step, g, item) for k, item in enumerate(members)]
-    keyed.sort(key=lambda entry: (entry[0], entry[1]))
-    return [item for _, _, item in keyed]
 
 
 LOCKED_GROUPS = ("ray", "hosts")
@@ -175,9 +147,9 @@ def _one_locked_group_test_at_a_time(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[None]:
     """The tests marked ``xdist_group(G)``, G in :data:`LOCKED_GROUPS`, one at a time per
-    group, by a lock file. The mark alone no longer does this: with pytest 9.2, ``--dist
-    loadgroup`` ignores xdist_group marks (pytest-xdist issue 1386) and schedules test by
-    test."""
+    group, by a lock file, wherever the mark alone does not do it: ``--dist loadgroup`` runs a
+    group on one test process, but another ``--dist``, or pytest 9.2 with pytest-xdist 3.8
+    (issue 1386: the marks are ignored), spreads its tests over several."""
     groups = {m.args[0] for m in request.node.iter_markers("xdist_group") if m.args}
     locked = sorted(groups.intersection(LOCKED_GROUPS))
     with contextlib.ExitStack() as stack:
