@@ -43,7 +43,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # One torch thread in each test process and in each script a test runs alone (a run's own
-# tasks get the launcher's budget): the suite's two test processes share the CI machine's two
+# tasks get the launcher's budget): the suite's three test processes share the CI machine's two
 # cores, and pools of two threads each spun against each other (test_lm_demo's short run: 75
 # CPU-s under load, 41 on one thread).
 for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):

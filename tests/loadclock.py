@@ -8,7 +8,7 @@ waits here count *fair seconds* instead: each wall second counts as the share of
 runnable thread could expect in it, ``min(1, BUSY / runnable)``, where ``runnable`` is the
 kernel's count of runnable threads (``procs_running`` in ``/proc/stat``) sampled 4 times a
 second and ``BUSY`` is what the suite itself makes runnable on an otherwise idle machine (2
-per core: two test processes and the tasks they start). On an idle machine a fair second is
+per core: the test processes and the tasks they start). On an idle machine a fair second is
 a wall second; at 16 runnable threads on 2 cores it takes 4 wall seconds. Every wait also ends
 after :data:`MAX_STRETCH` times its nominal length in wall time, so a real hang still ends.
 """

@@ -30,7 +30,7 @@ def test_the_text_reads_as_byte_sequences_and_their_next_bytes() -> None:
 
 def test_a_short_run_alone_learns_the_bytes() -> None:
     """In this process on one torch thread, as ``distsgd run`` budgets a worker of a 2-core
-    machine (the suite runs two test processes on 2 cores: two threads each spin for cores)."""
+    machine (the suite runs three test processes on 2 cores: two threads each spin for cores)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
