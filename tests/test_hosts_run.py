@@ -185,12 +185,12 @@ def test_hogwild_demo_on_three_hosts_every_pair_exchanges_bytes(tmp_path: Path) 
     runs checked before (this and a 2-host hogwild demo): it reaches 0.95; the hosts and their
     links are as asked, ps0 on host0 at its address; each host sends and receives over its
     link, and every host sends to every other host (``pair_bytes``); nothing listens on
-    loopback in any host's namespace while it runs; the hosts are gone afterwards. 15 epochs,
-    not the demo's 30 (at 10, 0.944-0.956 over 3 runs). The allreduce demo on two hosts:
-    tests/test_hosts_faults.py (its run under a partition checks the same)."""
+    loopback in any host's namespace while it runs; the hosts are gone afterwards. 20 epochs,
+    not the demo's 30 (at 10, 0.944-0.956 over 3 runs; at 15, once 0.925). The allreduce demo
+    on two hosts: tests/test_hosts_faults.py (its run under a partition checks the same)."""
     run_dir = tmp_path / "run"
     args = ["--scheme", "hogwild", "--workers", "4", "--ps", "2", "--hosts", "3"]
-    done, listened = _demo(run_dir, *args, "--link", "1gbit", "--epochs", "15")
+    done, listened = _demo(run_dir, *args, "--link", "1gbit", "--epochs", "20")
     assert final_accuracy(done) >= 0.95
     record = json.loads((run_dir / HOSTS_FILE).read_text())
     names = [h["name"] for h in record["hosts"]]
