@@ -8,8 +8,10 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -17,8 +19,11 @@ from distsgd.ps import moves, start_server, stop_server
 from distsgd.ps.client import ParameterClient
 from distsgd.ps.partition import PartitionPlan
 from distsgd.schemes import make_server_rule
+from distsgd.transport.carriers.attached import AttachedCarrier
+from distsgd.transport.carriers.base import CarrierFailed
 from distsgd.transport.client import ShardClient
 from distsgd.transport.errors import PushReject, Refusal, RemoteError
+from distsgd.transport.proto import distsgd_pb2 as pb
 from distsgd_rebalance import Rebalancer
 
 
@@ -204,6 +209,47 @@ def test_pushes_during_moves_lose_no_update(two_servers: list[str], carrier: str
         np.testing.assert_allclose(value, -0.001 * total, rtol=1e-4, err_msg=key)
     for c in clients:
         c.close()
+
+
+class _RefusingStub:
+    """A server whose shared-memory calls are refused for ``refusal``."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        self.refusal = refusal
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise RemoteError(
+            "127.0.0.1:1", "call", grpc.StatusCode.INVALID_ARGUMENT, "no", self.refusal
+        )
+
+    PullShared = PushShared = _refuse
+
+
+class _Attached(AttachedCarrier):
+    """The requests of an attached carrier (pull, and push's send), nothing of its own."""
+
+    def carries(self, payload: Any) -> bool:
+        return True
+
+    def push(self, header: pb.PushHeader, payload: Any) -> pb.PushResponse:
+        return self.send_push(header)
+
+
+@pytest.mark.parametrize("refusal", [Refusal.NO_SEGMENT, Refusal.CLOSING])
+def test_a_retired_segment_is_attached_again_without_counting_a_failure(refusal: Refusal) -> None:
+    """A move retires the workers' segments (refused NO_SEGMENT): that failure does not count
+    toward giving shared memory up (3 in a row once did under load, and a worker sent by the
+    stream for the rest of its run); any other refusal counts."""
+    link = SimpleNamespace(stub=_RefusingStub(refusal), timeout=1.0, metadata=(), address="a:1")
+    carrier = _Attached(link, 7, {}, {}, None)  # type: ignore[arg-type]
+    counts = refusal is not Refusal.NO_SEGMENT
+    with pytest.raises(CarrierFailed) as pulled:
+        carrier.pull(pb.PullRequest(), 0.0)
+    assert pulled.value.counted is counts and pulled.value.error is None
+    with pytest.raises(CarrierFailed) as pushed:
+        carrier.send_push(pb.PushHeader())
+    assert pushed.value.counted is counts
+    assert (pushed.value.error is None) is (refusal is Refusal.NO_SEGMENT)  # sent again if so
 
 
 def test_a_move_not_committed_in_time_is_undone(two_servers: list[str]) -> None:

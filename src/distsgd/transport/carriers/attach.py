@@ -5,7 +5,10 @@ server offers one, a data channel for its requests); a segment it cannot open (a
 another ``/dev/shm``) turns it to a tensor socket if allowed. With ``tensor_socket`` (never
 under TLS) it attaches a tensor socket. Each is tried at the first pull or push; after a
 failure the carrier is abandoned and the next call attaches again, until
-:data:`SHM_GIVE_UP` failures in a row send everything over the stream from then on."""
+:data:`SHM_GIVE_UP` failures in a row send everything over the stream from then on. A segment
+the server retired (its pieces moved: refused NO_SEGMENT) is attached again without counting:
+moves in quick succession on a loaded machine once retired a client's segment 3 times in a
+row, and it gave up shared memory for the rest of the run."""
 
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ class AttachedCarrier(Carrier):
             err = as_remote_error(link.address, "PullShared", exc)
             if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and err.refusal is None:
                 raise CarrierFailed(err, error=err, counted=False) from None
-            raise CarrierFailed(err) from None
+            raise CarrierFailed(err, counted=err.refusal is not Refusal.NO_SEGMENT) from None
         self._check_answer(reply)
         return reply, self.pull_views
 
@@ -134,7 +134,7 @@ class AttachedCarrier(Carrier):
         except (grpc.RpcError, RemoteError) as exc:
             err = as_remote_error(link.address, "PushShared", exc)
             if err.refusal is Refusal.NO_SEGMENT:  # the push never landed: send it again
-                raise CarrierFailed(err) from None
+                raise CarrierFailed(err, counted=False) from None
             raise CarrierFailed(err, error=err) from None
 
     # -- the data channel -------------------------------------------------------------------------
