@@ -99,7 +99,7 @@ SLOW_FIRST = (
 )
 """Tests of about 15 s or more (pytest --durations of a whole run), longest first (those of an
 xdist_group run in this order within their group): started before the short ones, so that no
-long test starts last while the other test process has run out of work."""
+long test starts last while the other test processes have run out of work."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
