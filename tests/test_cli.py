@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
 import io
 import json
 import os
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import loadclock
@@ -64,6 +66,37 @@ def _error_line(done) -> str:  # type: ignore[no-untyped-def]
 def test_bad_run_arguments(args: list[str], needle: str, tmp_path: Path) -> None:
     line = _error_line(_distsgd(args, cwd=tmp_path))
     assert needle in line
+
+
+class _Absent(importlib.abc.MetaPathFinder):
+    """Finds ``package`` (and its modules) nowhere, as where it is not installed."""
+
+    def __init__(self, package: str) -> None:
+        self.package = package
+
+    def find_spec(self, name: str, path: object, target: object = None) -> None:
+        if name.split(".")[0] == self.package:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+@pytest.mark.parametrize(
+    ("package", "args"),
+    [
+        ("distsgd_compare", ["compare", "--schemes", "sync", "--out", "o", BLOBS]),
+        ("distsgd_k8s", ["k8s", "render", "out", BLOBS]),
+    ],
+)
+def test_a_command_whose_package_is_missing_says_so_in_one_line(
+    package: str, args: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The two commands outside the core (extras/) without their package: exit 2, one line
+    naming it and the fix, and nothing written."""
+    for name in [n for n in sys.modules if n.split(".")[0] == package]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_Absent(package), *sys.meta_path])
+    line = _error_line(_distsgd(args, cwd=tmp_path))
+    assert f"needs the {package} package, which is not installed" in line
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from test_compare import _repeat_run
 
-from distsgd.compare.figure import axis_limits, legend_label, write_figure
-from distsgd.compare.report import Context
-from distsgd.compare.summary import SchemeRun
+from distsgd_compare.figure import axis_limits, legend_label, write_figure
+from distsgd_compare.report import Context
+from distsgd_compare.summary import SchemeRun
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -40,7 +40,6 @@ LAYERS = (
     "workers",
     "api",
     "launcher",
-    "compare",
     "cli",
 )
 """The layers of distsgd, lowest first."""
@@ -50,8 +49,11 @@ USER_SCRIPTS = ("demo",)
 SEAMS = {
     "distsgd_emulate": "distsgd/launcher/emulated.py",
     "distsgd_rebalance": "distsgd/launcher/server_watch.py",
+    "distsgd_compare": "distsgd/cli/main.py",
+    "distsgd_k8s": "distsgd/cli/k8s.py",
 }
-"""The packages outside the core (emulate/distsgd_emulate, extras/distsgd_rebalance) sit above
+"""The packages outside the core (emulate/distsgd_emulate; extras/distsgd_rebalance,
+distsgd_compare and distsgd_k8s) sit above
 distsgd; it imports each only in its seam, inside functions (tests/test_import_graph.py)."""
 """Packages that are user code: they may import only the top-level ``distsgd``."""
 
@@ -171,7 +173,7 @@ def test_shell_commands_in_docs_parse(path: Path) -> None:
     scheme options belong to its scheme, and its scheme lists name real schemes."""
     from distsgd.cli.flags import scheme_options
     from distsgd.cli.parser import build_parser, parse_argv
-    from distsgd.compare.entries import parse_entry, split_schemes
+    from distsgd.schemes.entries import parse_entry, split_schemes
 
     parser = build_parser()
     for line, argv in _shell_commands(path.read_text(encoding="utf-8")):

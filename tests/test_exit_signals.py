@@ -32,10 +32,10 @@ def test_compare_stopped_by_sigterm_exits_143(
 ) -> None:
     from conftest import SCRIPTS
 
-    from distsgd.compare import run as compare_module
-    from distsgd.compare.config import CompareConfig
-    from distsgd.compare.run import compare
     from distsgd.launcher.progress import Console
+    from distsgd_compare import run as compare_module
+    from distsgd_compare.config import CompareConfig
+    from distsgd_compare.run import compare
 
     def stopped(config: Any, console: Any) -> RunOutcome:  # SIGTERM reached the launch
         return interrupted_outcome(config.run_dir, [signal.SIGTERM])

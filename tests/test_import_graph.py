@@ -33,6 +33,10 @@ EXTRAS = Path(__file__).resolve().parents[1] / "extras"
 """The folder holding ``distsgd_rebalance`` (``--rebalance auto``): above distsgd, which reaches
 it only through :data:`REBALANCE_SEAM`."""
 REBALANCE_SEAM = "distsgd.launcher.server_watch"
+COMPARE_SEAM = "distsgd.cli.main"
+"""Where distsgd reaches ``distsgd_compare`` (``extras/``): ``distsgd compare``'s command."""
+K8S_SEAM = "distsgd.cli.k8s"
+"""Where distsgd reaches ``distsgd_k8s`` (``extras/``): ``distsgd k8s render``."""
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,8 @@ def describe(circle: list[Edge]) -> str:
 def test_no_import_circles() -> None:
     modules, edges = build_graph(SRC, EMULATE, EXTRAS)
     assert "distsgd_emulate.netns" in modules and SEAM in modules
-    assert "distsgd_rebalance.mover" in modules
+    assert "distsgd_rebalance.mover" in modules and "distsgd_compare.run" in modules
+    assert "distsgd_k8s.render" in modules
     found = cycles(modules, edges)
     for circle in found:
         print(describe(circle))
@@ -245,6 +250,17 @@ def test_distsgd_reaches_the_emulators_only_through_its_seam() -> None:
 def test_distsgd_reaches_the_rebalancer_only_through_its_seam() -> None:
     """A run without ``--rebalance auto`` never loads distsgd_rebalance."""
     assert _through_seam("distsgd_rebalance", REBALANCE_SEAM, EXTRAS) == {"distsgd_rebalance"}
+
+
+def test_distsgd_reaches_the_comparison_only_through_its_command() -> None:
+    """Only ``distsgd compare`` loads distsgd_compare: no run, server or worker does."""
+    assert _through_seam("distsgd_compare", COMPARE_SEAM, EXTRAS) == {"distsgd_compare.command"}
+
+
+def test_distsgd_reaches_the_manifest_renderer_only_through_its_command() -> None:
+    """Only ``distsgd k8s render`` loads distsgd_k8s: a pod's tasks and the run control, which
+    read the JobSet's variables (``distsgd.cluster.kube``), do not."""
+    assert _through_seam("distsgd_k8s", K8S_SEAM, EXTRAS) == {"distsgd_k8s.command"}
 
 
 def test_the_graph_sees_imports_in_functions_and_relative_ones(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ from pathlib import Path
 import loadclock
 import pytest
 
-from distsgd.compare.run import run_status
 from distsgd.control.outcome import (
     EXIT_DIVERGED,
     EXIT_FAILED,
@@ -17,6 +16,7 @@ from distsgd.control.outcome import (
     RunOutcome,
     RunStatus,
 )
+from distsgd_compare.run import run_status
 
 
 @pytest.mark.parametrize(

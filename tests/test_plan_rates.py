@@ -8,9 +8,9 @@ import argparse
 
 import pytest
 
-from distsgd.compare.entries import parse_entry
 from distsgd.plan.choices import ASSUMED_PATHS
 from distsgd.plan.cost import MIN_TRANSFER_SHARE, transfer_rate
+from distsgd.schemes.entries import parse_entry
 
 GLOO = ASSUMED_PATHS["gloo"].pull
 DEMO_BYTES = 153_128  # the demo's float32 model

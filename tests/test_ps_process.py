@@ -53,7 +53,7 @@ def test_the_launcher_imports_no_torch() -> None:
     (issue 39's check): ``distsgd run`` never loads it outside the workers."""
     code = (
         "import json, sys\n"
-        "import distsgd.cli.entry, distsgd.cli.main, distsgd.launcher.run, distsgd.compare.run\n"
+        "import distsgd.cli.entry, distsgd.cli.main, distsgd.launcher.run, distsgd_compare.run\n"
         "import distsgd.cli.inspect, distsgd.ps.server, distsgd.schemes\n"
         "from distsgd.schemes import make_server_rule\n"
         "print(json.dumps('torch' in sys.modules))\n"

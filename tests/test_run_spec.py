@@ -176,7 +176,7 @@ def test_task_env_carries_faults_and_tls_typed_through_its_json(tmp_path: Path) 
 
 
 def test_metrics_lines_are_routed_by_task_id_not_by_name_prefix() -> None:
-    from distsgd.compare.summary import _is_eval_line, _is_worker_line
+    from distsgd_compare.summary import _is_eval_line, _is_worker_line
 
     assert _is_worker_line({"task": "worker3", "loss": 0.5})
     assert not _is_worker_line({"task": "ps0", "loss": 0.5})

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from conftest import alive, distsgd_cmd, wait_for
 
-from distsgd.compare.summary import stragglers_named
 from distsgd.control.faults import Fault, FaultInjector
 from distsgd.control.stragglers import Change, StragglerDetector, progress_note
 from distsgd.launcher.argv import server_argv
 from distsgd.launcher.config import ClusterSize, LaunchConfig
+from distsgd_compare.summary import stragglers_named
 
 T0 = 1_700_000_000.0
 FAST = {"compute": 0.02, "data": 0.001, "pull": 0.005, "push": 0.006}

@@ -64,12 +64,12 @@ from distsgd.control.recovery import (
     plan_restart,
 )
 from distsgd.launcher.errors import Interrupted, RunFailed
-from distsgd.launcher.k8s import APP_DIR, JOBSET_FILE, SCRIPT_DIR, SECRET_FILE, _yaml
 from distsgd.launcher.lifeline import PARENT_ENV
 from distsgd.launcher.progress import Console, Progress
 from distsgd.launcher.supervisor import Supervisor, TaskHandle
 from distsgd.util import write_atomic
 from distsgd.util.signals import setter
+from distsgd_k8s.render import APP_DIR, JOBSET_FILE, SCRIPT_DIR, SECRET_FILE, _yaml
 
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 READY_TIMEOUT = 120.0

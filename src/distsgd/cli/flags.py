@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
-from distsgd.compare.entries import kind_of
 from distsgd.control.config import TrainConfig
 from distsgd.launcher.config import DEFAULT_CHECKPOINT_SECONDS
 from distsgd.launcher.config import DEMO_SCRIPT as DEMO_SCRIPT  # where it was first named
+from distsgd.schemes.entries import kind_of
 
 """The script of ``distsgd demo``, and of ``compare`` and ``k8s render`` without SCRIPT."""
 

@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import logging
 import os
-import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,9 +20,10 @@ from distsgd.cli.flags import checkpoint_every, collect, scheme_options
 from distsgd.cli.parser import build_parser, parse_argv
 from distsgd.cli.tasks import run_task
 from distsgd.cluster import ClusterSpecError, Role, resolve_cluster
-from distsgd.launcher.config import DEMO_SCRIPT, DEMO_SCRIPTS
+from distsgd.launcher.config import DEMO_SCRIPTS
 from distsgd.transport.errors import RemoteError
 from distsgd.util import private_dir
+from distsgd.util.optional import installed
 
 DEBUG_ENV = "DISTSGD_DEBUG"
 """Set to show the traceback of an unexpected error instead of its one-line summary."""
@@ -111,41 +111,9 @@ def _cmd_run(args: argparse.Namespace, script: str | None, script_args: Sequence
 
 
 def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from distsgd.compare.config import CompareConfig
-    from distsgd.compare.entries import split_schemes
-    from distsgd.compare.run import compare
-
-    steps, seconds = checkpoint_every(args.checkpoint_every)
-    script = args.script or str(DEMO_SCRIPT)
-    overrides = collect(args, "train.")
-    config = CompareConfig(
-        schemes=split_schemes(args.schemes),
-        script=script,
-        script_args=tuple(args.script_args),
-        label="digits CNN (bundled demo)" if args.script is None else Path(script).name,
-        workers=args.workers,
-        ps=args.ps,
-        scheme_options=collect(args, "scheme."),
-        overrides={k: v for k, v in overrides.items() if k != "validation"},
-        validation=float(overrides.get("validation", 0.0)),
-        tune=tuple(args.tune),
-        repeats=args.repeats,
-        baseline=args.baseline,
-        out=args.out,
-        target=args.target,
-        threads=args.threads,
-        checkpoint_every=steps,
-        checkpoint_seconds=seconds,
-        max_restarts=args.max_restarts,
-        faults=tuple(args.inject_fault),
-        tls=_tls(args),
-        command=shlex.join(["distsgd", *argv]),
-    )
-    try:
-        return compare(config)
-    except KeyboardInterrupt:  # between two runs (a run itself stops on Ctrl-C by itself)
-        print("distsgd: interrupted", file=sys.stderr)
-        return 130
+    with installed("distsgd_compare", "distsgd compare"):
+        from distsgd_compare.command import main as compare_main
+    return compare_main(args, argv)
 
 
 def _task_index(arg: int | None, tf_task: Any, job: str) -> int:

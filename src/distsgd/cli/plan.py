@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 from distsgd import schemes
 from distsgd.cli import plan_report
-from distsgd.compare.entries import SchemeEntry, parse_entry, split_schemes
 from distsgd.launcher.config import DEMO_SCRIPT
 from distsgd.plan.choices import (
     ASSUMED_PATHS,
@@ -46,6 +45,7 @@ from distsgd.plan.cost import (
     transfer_rate,
 )
 from distsgd.plan.simulate import Stragglers, simulate
+from distsgd.schemes.entries import SchemeEntry, parse_entry, split_schemes
 
 if TYPE_CHECKING:
     from distsgd.launcher.emulated import LinkProbe

@@ -8,10 +8,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from distsgd.compare.summary import histogram_quantile
 from distsgd.plan.choices import LINK_PAYLOAD
 from distsgd.plan.cost import Path, Prediction
-from distsgd.plan.simulate import SimResult
+from distsgd.plan.simulate import SimResult, histogram_quantile
 
 if TYPE_CHECKING:
     from distsgd.cli.plan import Parts

@@ -436,3 +436,16 @@ class _Draws:
             mu = -(self.sigma**2) / 2  # mean 1
             self.cache = self.rng.lognormal(mu, self.sigma, 4096).tolist()
         return self.base[worker] * self.cache.pop()
+
+
+def histogram_quantile(counts: dict[int, int], q: float) -> int | None:
+    """The ``q`` quantile of a histogram (value -> count); None where it counts nothing."""
+    total = sum(counts.values())
+    if total <= 0:
+        return None
+    seen = 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= q * total:
+            return value
+    return max(counts)

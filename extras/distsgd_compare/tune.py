@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from distsgd import schemes
-from distsgd.compare.entries import kind_of
 from distsgd.control.config import TrainConfig
+from distsgd.schemes.entries import kind_of
 
 FORM = "lr=0.03,0.1,0.3"
 """How a ``--tune`` flag is written (for error messages)."""

@@ -1,12 +1,10 @@
-"""The entries of ``distsgd compare --schemes``: a scheme's name, or a *variant* with its own
-settings in parentheses, ``downpour(server_lr=1)`` or ``hogwild(lr=0.15)``.
+"""The entries of ``--schemes`` (``distsgd compare``, ``distsgd plan``): a scheme's name, or a
+*variant* with its own settings in parentheses, ``downpour(server_lr=1)`` or
+``hogwild(lr=0.15)``.
 
 :func:`split_schemes` cuts the flag's text into entries, :func:`parse_entry` turns one into a
 :class:`SchemeEntry`. An entry's label is the entry as written (legend, table rows,
-compare.json); its folder (:func:`with_folders`) is the name of a plain entry (``hogwild``),
-and for a variant the name and its settings joined by ``_`` (``downpour_server_lr=1``,
-characters other than letters, digits and ``. _ = + -`` turned into ``-``), with ``-2``, ``-3``
-... appended should two folders still coincide.
+compare.json); a comparison names its run folder (``distsgd_compare.folders``).
 """
 
 from __future__ import annotations
@@ -27,9 +25,6 @@ PER_COMPARISON = {"eval_every": "--eval-every N", "validation": "--tune and --va
 
 _KINDS: dict[str, type] = {"int": int, "float": float, "str": str}
 _BARE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]+")
-FOLDER_LIMIT = 100
-"""Longest run folder name made from a variant (a longer one is cut, then made unique)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,57 +217,3 @@ def _converted(label: str, f: dataclasses.Field[Any], value: str) -> Any:
         raise _malformed(
             label, f"{f.name}={value} is not {what}", f"give {what}, e.g. {_example(f)}"
         ) from None
-
-
-BASELINE_FOLDER = "baseline-1-worker"
-"""The run folder of the ``--baseline`` entry."""
-
-
-def _folder(entry: SchemeEntry) -> str:
-    if entry.baseline:
-        return BASELINE_FOLDER
-    if not entry.is_variant:
-        return entry.scheme
-    text = "_".join([entry.scheme, *(f"{key}={value}" for key, value in entry.settings)])
-    return _UNSAFE.sub("-", text)[:FOLDER_LIMIT]
-
-
-def with_folders(entries: list[SchemeEntry]) -> tuple[SchemeEntry, ...]:
-    """Each entry with a run folder of its own (compared case-insensitively: some file
-    systems are)."""
-    taken: set[str] = set()
-    out = []
-    for entry in entries:
-        base = _folder(entry)
-        folder, n = base, 1
-        while folder.casefold() in taken:
-            n += 1
-            folder = f"{base}-{n}"
-        taken.add(folder.casefold())
-        out.append(dataclasses.replace(entry, folder=folder))
-    return tuple(out)
-
-
-def check_duplicates(entries: list[SchemeEntry]) -> None:
-    seen: dict[str, SchemeEntry] = {}
-    for entry in entries:
-        if entry.label in seen:
-            raise ValueError(
-                f"--schemes lists {entry.label} twice; give each entry once "
-                "(runs with the same settings differ only by noise)"
-            )
-        seen[entry.label] = entry
-    same: dict[tuple[str, str, str], SchemeEntry] = {}
-    for entry in entries:
-        key = (
-            entry.scheme,
-            repr(sorted(entry.options.items())),
-            repr(sorted(entry.overrides.items())),
-        )
-        if key in same:
-            raise ValueError(
-                f"--schemes lists {same[key].label} and {entry.label}, the same settings; give "
-                f"them once (to see the noise between runs, vary the seed: "
-                f"{entry.scheme}(seed=1))"
-            )
-        same[key] = entry

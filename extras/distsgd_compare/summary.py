@@ -14,7 +14,7 @@ Everything here is a pure function of a run folder's ``metrics.jsonl`` and ``res
 * **Training loss** at each worker metrics line is the mean over workers of each worker's
   latest mini-batch loss, then a trailing moving average over a few lines.
 
-:mod:`distsgd.compare.report` and :mod:`distsgd.compare.figure` turn the summaries into
+:mod:`distsgd_compare.report` and :mod:`distsgd_compare.figure` turn the summaries into
 ``compare.md``, ``compare.json`` and ``compare.png``.
 """
 
@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from distsgd.cluster import Role, TaskId
-from distsgd.compare.tune import Trial
 from distsgd.control.folder import METRICS_FILE, RESULT_FILE
+from distsgd.plan.simulate import histogram_quantile
+from distsgd_compare.tune import Trial
 
 log = logging.getLogger(__name__)
 
@@ -332,19 +333,6 @@ def staleness_quantile(result: dict[str, Any], q: float) -> int | None:
             except (TypeError, ValueError):
                 continue
     return histogram_quantile(merged, q)
-
-
-def histogram_quantile(counts: dict[int, int], q: float) -> int | None:
-    """The ``q`` quantile of a histogram (value -> count); None where it counts nothing."""
-    total = sum(counts.values())
-    if total <= 0:
-        return None
-    seen = 0
-    for value in sorted(counts):
-        seen += counts[value]
-        if seen >= q * total:
-            return value
-    return max(counts)
 
 
 def seconds_to(curves: Curves, target: float | None) -> float | None:

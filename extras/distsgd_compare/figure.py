@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from distsgd.compare.report import Context, groups, ps_text, settings_text
-from distsgd.compare.summary import SchemeRun
+from distsgd_compare.report import Context, groups, ps_text, settings_text
+from distsgd_compare.summary import SchemeRun
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The tables of ``distsgd compare``: ``compare.md`` (one row per entry of ``--schemes``, then
 how the numbers were made) and ``compare.json`` (the same numbers and the curves), from the
-runs' summaries (:mod:`distsgd.compare.summary`).
+runs' summaries (:mod:`distsgd_compare.summary`).
 
 The runs of one entry (its ``--repeats``, several seeds) share its label: :func:`groups`
 gathers them, and the row shows their mean ± the sample standard deviation (min and max are
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
-from distsgd.compare.summary import SchemeRun
-from distsgd.compare.tune import Spread, Trial, setting_text, spread
 from distsgd.util import write_atomic
+from distsgd_compare.summary import SchemeRun
+from distsgd_compare.tune import Spread, Trial, setting_text, spread
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
 """What one ``distsgd compare`` runs: :class:`CompareConfig`, the entries of ``--schemes`` with
 the settings given for all, each checked before the first run, and the :class:`LaunchConfig` of
-each of their runs (tuning, repeats, the one-worker baseline). :mod:`distsgd.compare.run` runs
+each of their runs (tuning, repeats, the one-worker baseline). :mod:`distsgd_compare.run` runs
 them."""
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from distsgd import schemes
-from distsgd.compare.entries import SchemeEntry, check_duplicates, parse_entry, with_folders
-from distsgd.compare.tune import DEFAULT_VALIDATION, TuneKey, grid, parse_tune, setting_text
 from distsgd.launcher.config import (
     DEFAULT_CHECKPOINT_SECONDS,
     DEFAULT_MAX_RESTARTS,
@@ -22,7 +20,10 @@ from distsgd.launcher.config import (
     Hosting,
     LaunchConfig,
 )
+from distsgd.schemes.entries import SchemeEntry, parse_entry
 from distsgd.transport.security import TlsConfig
+from distsgd_compare.folders import check_duplicates, with_folders
+from distsgd_compare.tune import DEFAULT_VALIDATION, TuneKey, grid, parse_tune, setting_text
 
 BASELINE_LABEL = "1 worker (allreduce)"
 """The label of the ``--baseline`` row."""
@@ -80,7 +81,7 @@ class CompareConfig:
         default=(),
         metadata={
             "help": "--tune KEY=V1,V2,... flags: each entry runs every combination on a "
-            "validation split and keeps its best (distsgd.compare.tune)"
+            "validation split and keeps its best (distsgd_compare.tune)"
         },
     )
     validation: float = field(

@@ -1,10 +1,10 @@
 """``distsgd compare``: several schemes, one after the other, on the same script, data and seed.
 
-Each entry of ``--schemes`` (:mod:`distsgd.compare.entries`) runs through
+Each entry of ``--schemes`` (:mod:`distsgd.schemes.entries`) runs through
 :func:`distsgd.launcher.run.launch` (the launcher of ``distsgd run``) into
 ``OUT/runs/<folder>/``, with its launcher output in ``OUT/runs/<folder>/launcher.log``.
-Then :mod:`distsgd.compare.report` writes ``compare.md`` and ``compare.json`` into ``OUT``, and
-:mod:`distsgd.compare.figure` ``compare.png`` where matplotlib is installed (the ``compare``
+Then :mod:`distsgd_compare.report` writes ``compare.md`` and ``compare.json`` into ``OUT``, and
+:mod:`distsgd_compare.figure` ``compare.png`` where matplotlib is installed (the ``compare``
 extra; without it compare says so in one line on standard error before the first run, and
 writes the other two). A scheme whose run fails is reported as failed and the others still
 run; Ctrl-C stops the current run (the launcher stops its tasks) and the rest are skipped.
@@ -30,12 +30,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from distsgd.compare.config import CompareConfig
-from distsgd.compare.entries import _UNSAFE, SchemeEntry
-from distsgd.compare.figure import missing_figure_reason, write_figure
-from distsgd.compare.report import Context, write_json, write_markdown
-from distsgd.compare.summary import SchemeRun, default_target, summarize, with_target
-from distsgd.compare.tune import STALLED, Trial, pick_best, setting_text
 from distsgd.control.outcome import (
     EXIT_DIVERGED,
     EXIT_FAILED,
@@ -47,6 +41,13 @@ from distsgd.control.outcome import (
 )
 from distsgd.launcher.progress import Console
 from distsgd.launcher.run import launch
+from distsgd.schemes.entries import SchemeEntry
+from distsgd_compare.config import CompareConfig
+from distsgd_compare.figure import missing_figure_reason, write_figure
+from distsgd_compare.folders import UNSAFE
+from distsgd_compare.report import Context, write_json, write_markdown
+from distsgd_compare.summary import SchemeRun, default_target, summarize, with_target
+from distsgd_compare.tune import STALLED, Trial, pick_best, setting_text
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ class Comparison:
                 run = self._run(
                     entry,
                     f"{where} tune {n + 1}/{len(settings)} {text}",
-                    Path("tune") / entry.folder / _UNSAFE.sub("-", text),
+                    Path("tune") / entry.folder / UNSAFE.sub("-", text),
                     setting=setting,
                     extra=extra,
                 )
