@@ -177,7 +177,9 @@ def test_progress_line_has_the_share_done_and_time_left(tmp_path: Path) -> None:
         {"time": 110.0, "task": "worker0", "step": 40, "local_step": 40, "progress": 0.5},
         {"time": 110.0, "task": "worker1", "step": 40, "local_step": 20, "progress": 0.25},
     ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    # a line that is JSON but no object, and one a task is still writing, are passed over
+    text = "".join(json.dumps(r) + "\n" for r in lines) + "[1, 2]\n"
+    path.write_text(text + '{"time": 111.0, "task": "worker1", "progress": 0.9')
     progress = Progress(path)
     progress.poll()
     assert progress.fraction == 0.25  # the slowest worker decides when the run ends

@@ -45,9 +45,9 @@ LOAD_FIELDS = (
 
 
 class MetricsFollower:
-    """Reads the records appended to ``path`` since the last :meth:`poll`; a line not yet
-    ended is kept for the next call (as ``launcher/progress.py``'s ``Progress.poll``); a line
-    that does not parse as a JSON object is skipped."""
+    """Reads the records appended to ``path`` since the last :meth:`poll` (the live view and
+    the launcher's progress line follow ``metrics.jsonl`` so); a line not yet ended is kept for
+    the next call; a line that does not parse as a JSON object is skipped."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)

@@ -4,7 +4,6 @@ the stragglers the detector names from the same lines (:mod:`distsgd.control.str
 from __future__ import annotations
 
 import errno
-import json
 import os
 import sys
 import threading
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import TextIO
 
 from distsgd.control.progress import Rate, format_progress
+from distsgd.control.run_view import MetricsFollower
 from distsgd.control.stragglers import StragglerDetector, progress_note
 from distsgd.control.timing import split_from_metrics, split_line
 from distsgd.util import open_private
@@ -126,8 +126,7 @@ class Progress:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._offset = 0
-        self._partial = b""
+        self._follower = MetricsFollower(path)
         self.step = 0
         self.loss: float | None = None
         self.accuracy: float | None = None
@@ -152,21 +151,7 @@ class Progress:
         """Wall time of the first metrics line: throughput counts from there, not from start-up."""
 
     def poll(self) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return
-        self._offset += len(data)
-        data = self._partial + data
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
-        for raw in lines:
-            try:
-                record = json.loads(raw)
-            except ValueError:
-                continue
+        for record in self._follower.poll():
             self.stragglers.see(record)
             if self.first_record is None and "time" in record:
                 self.first_record = float(record["time"])
