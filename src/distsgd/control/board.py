@@ -20,20 +20,10 @@ a file to the same directory; points at steps it does again replace the old ones
 reader drops a tag's points at steps not before a new point's, the Python reader those at and
 after the session start written before a process's first training line).
 
-**Tags** (docs/tensorboard.md): ``train/loss``, ``train/samples_per_s`` (from this line and
-the one before), ``train/global_step``, ``train/progress``, ``train/epoch``, ``train/samples``;
-``comm/bytes_sent``, ``comm/bytes_per_s``, ``comm/mean_staleness``, ``comm/lost_pushes``, the
-histogram ``comm/staleness`` (a worker's pushes by staleness, at its last step);
-``time/<phase>_s`` (cumulative seconds, see :mod:`distsgd.control.timing`) and
-``time_share/<phase>``, ``time_share/communication`` (the phase's share of the time since the
-line before); ``eval/test_loss``, ``eval/accuracy``; ``membership/ps<N>/workers``,
-``membership/ps<N>/epoch``, ``membership/workers`` (the launcher's after a scale);
-``load/ps<N>/<rate>`` (the launcher's ``shard_load`` events: pushes and pulls per second, their
-MB/s, ``busy``); ``stragglers/<task>/score`` (the launcher's ``straggler`` events: the score,
-0 once cleared);
-``events/<event>`` (how many so far in this process) and the text ``events`` (each event's
-fields). Any other number of a training line is ``train/<field>`` (scheme counters such as
-``dropped``); the user's values (``worker.log``, ``train(metrics=...)``) are ``user/<name>``.
+**Tags**: the table of docs/tensorboard.md (``train/``, ``comm/``, ``time/``, ``time_share/``,
+``eval/``, ``membership/``, ``load/``, ``stragglers/``, ``events/``, ``user/``); a number of a
+training line the table does not name is ``train/<field>`` (scheme counters such as
+``dropped``).
 
 **Writing.** Each record is one event (every value of the line in one summary), one
 ``os.write`` on a file opened ``O_APPEND`` with the mode of ``metrics.jsonl``: nothing is
