@@ -25,9 +25,11 @@ def test_rendered_files_are_world_readable_but_the_secret(tmp_path: Path, own_sc
     script = tmp_path / "train_me.py"
     script.write_text("#!/usr/bin/env python3\nimport distsgd\n")
     os.chmod(script, 0o700)
-    out = tmp_path / "out"
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    out, said = tmp_path / "out", io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(io.StringIO()):
         assert main(["k8s", "render", str(out), *([str(script)] if own_script else [])]) == 0
+    # the next steps it prints name commands that exist (the rehearsal is distsgd-emulate's)
+    assert f"rehearse here: distsgd-emulate k8s {out}" in said.getvalue()
     secret = out / "secret.yaml"
     assert _mode(secret) == 0o600
     value = next(line for line in secret.read_text().splitlines() if "secret:" in line)

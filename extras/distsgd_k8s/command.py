@@ -60,6 +60,6 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"next: docker build -t {config.image} {args.out_dir}; "
         f"kubectl apply -f {args.out_dir}/secret.yaml -f {args.out_dir}/pvc.yaml "
-        f"-f {args.out_dir}/jobset.yaml   (rehearse here: distsgd k8s local {args.out_dir})"
+        f"-f {args.out_dir}/jobset.yaml   (rehearse here: distsgd-emulate k8s {args.out_dir})"
     )
     return 0

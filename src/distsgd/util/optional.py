@@ -1,5 +1,6 @@
-"""Packages of the distribution that live outside the library's core (``distsgd_emulate``,
-``distsgd_rebalance``): imported inside a function, where a run asks for what they do."""
+"""Packages of the distribution that live outside the library's core (``distsgd_emulate``;
+``distsgd_rebalance``, ``distsgd_compare``, ``distsgd_k8s``): imported inside a function, where
+a run or a command asks for what they do."""
 
 from __future__ import annotations
 
