@@ -71,3 +71,23 @@ def test_a_worker_keeps_as_many_states_as_checkpoints_of_their_size_are_kept(
 
     assert saved(LARGE_CHECKPOINT // 4) == [2, 3, 4]  # two of them: a small checkpoint
     assert saved(LARGE_CHECKPOINT // 2) == [3, 4]  # two of them: a large one, kept twice
+
+
+def test_a_restarted_worker_removes_the_temporaries_of_its_own_interrupted_writes(
+    tmp_path: Path,
+) -> None:
+    """A write killed midway leaves its temporary file (an atomic write renames it only when
+    whole): the state's, or its sidecar's (a CI run's k8s worker left
+    ``.worker1-00000010.json.<random>.tmp``). The worker's next start removes its own, and
+    only its own."""
+    from distsgd.control.checkpoint.store import remove_stale_temps
+
+    workers = tmp_path / "workers"
+    workers.mkdir()
+    own = [".worker1-00000010.pt.k2j4.tmp", ".worker1-00000010.json.x9a1.tmp"]
+    others = [".worker10-00000010.pt.k2j4.tmp", ".worker2-00000010.json.x9a1.tmp"]
+    kept = ["worker1-00000008.pt", "worker1-00000008.json", *others]
+    for name in [*own, *kept]:
+        (workers / name).write_bytes(b"x")
+    remove_stale_temps(tmp_path, 1)
+    assert sorted(p.name for p in workers.iterdir()) == sorted(kept)

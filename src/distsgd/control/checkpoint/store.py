@@ -188,9 +188,8 @@ def prune_worker_files(root: Path, rank: int, num_workers: int = 1) -> None:
 def remove_stale_temps(root: Path, rank: int) -> None:
     """Remove the temporary files a write of this worker's state left behind (a crash, or a
     writer killed, mid-write; an atomic write renames its temporary file only when whole)."""
-    for tmp in (root / "workers").glob(f".worker{rank}-*.tmp"):
-        if (match := WORKER_FILE.match(tmp.name[1:])) and int(match.group(1)) == rank:
-            tmp.unlink(missing_ok=True)
+    for tmp in (root / "workers").glob(f".worker{rank}-*.tmp"):  # a state's or its sidecar's
+        tmp.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True, kw_only=True)
