@@ -1,7 +1,7 @@
 """The control plane needs no torch: every module of ``distsgd.control`` and the parameter
 server (every module of ``distsgd.ps``) import with torch blocked, and none of ``launcher/``,
-``compare/`` and ``control/`` imports from ``distsgd.runtime`` (imports inside functions
-included)."""
+``control/``, ``plan/`` and the comparison and manifests outside the core (``extras/``) imports
+from ``distsgd.runtime`` (imports inside functions included)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import distsgd.plan
 import distsgd.ps
 
 SRC = Path(distsgd.control.__file__).resolve().parents[1]
+EXTRAS = Path(__file__).resolve().parents[1] / "extras"
 
 
 def _modules(package: ModuleType) -> list[str]:
@@ -63,10 +64,13 @@ def _imported(path: Path) -> set[str]:
 
 
 def test_launcher_compare_and_control_import_nothing_from_runtime() -> None:
+    folders = [SRC / package for package in ("launcher", "control", "plan")]
+    folders += [EXTRAS / "distsgd_compare", EXTRAS / "distsgd_k8s"]  # outside the core
+    assert all(folder.is_dir() for folder in folders), folders
     found = [
-        f"{path.relative_to(SRC)}: {name}"
-        for package in ("launcher", "control", "plan")
-        for path in sorted((SRC / package).rglob("*.py"))
+        f"{path}: {name}"
+        for folder in folders
+        for path in sorted(folder.rglob("*.py"))
         for name in sorted(_imported(path))
         if name == "distsgd.runtime" or name.startswith("distsgd.runtime.")
     ]
